@@ -1,0 +1,249 @@
+"""The runtime's list of supported pointwise activations.
+
+Each entry names the torch function that fewbit mirrors (forward is always exactly that
+function), its default parameters, whether its derivative is even (the "parity" trick
+of Novikov et al., ICML 2023, method.md §2), and, for stepwise derivatives, the exact
+1-bit table. The offline solver (``fewbit.solver.registry``) adds analytic float64
+``f`` and ``f'`` for the same names; both use the names defined here.
+
+This module needs only torch and the standard library.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Mapping
+
+import torch
+import torch.nn.functional as F
+
+from fewbit.table import Table
+
+__all__ = [
+    "Activation",
+    "ACTIVATIONS",
+    "ALIASES",
+    "get_activation",
+    "canonical_params",
+    "non_default_params",
+    "exact_table",
+]
+
+
+def _below(x: float) -> float:
+    """The largest float64 strictly below ``x``: a border that puts ``x`` itself to the right."""
+    return math.nextafter(float(x), -math.inf)
+
+
+def _relu_exact(p):
+    return [0.0], [0, 1], [0.0, 1.0]
+
+
+def _leaky_relu_exact(p):
+    return [0.0], [0, 1], [float(p["negative_slope"]), 1.0]
+
+
+def _hardtanh_like_exact(lo: float, hi: float, slope: float):
+    # torch: grad where lo < x < hi, else 0 (both ends excluded).
+    return [float(lo), _below(hi)], [0, 1, 0], [0.0, float(slope)]
+
+
+def _hardtanh_exact(p):
+    if not p["min_val"] < p["max_val"]:
+        raise ValueError(f"max_val must be greater than min_val, got min_val={p['min_val']}, max_val={p['max_val']}")
+    return _hardtanh_like_exact(p["min_val"], p["max_val"], 1.0)
+
+
+def _relu6_exact(p):
+    return _hardtanh_like_exact(0.0, 6.0, 1.0)
+
+
+def _hardsigmoid_exact(p):
+    return _hardtanh_like_exact(-3.0, 3.0, 1.0 / 6.0)
+
+
+def _threshold_exact(p):
+    # torch: grad where x > threshold, else 0.
+    return [float(p["threshold"])], [0, 1], [0.0, 1.0]
+
+
+def _shrink_exact(p):
+    # torch hardshrink/softshrink backward: 0 where -lambd <= x <= lambd, grad elsewhere.
+    lambd = float(p["lambd"])
+    if lambd < 0:
+        raise ValueError(f"lambd must be >= 0, got {lambd}")
+    if lambd == 0:
+        return [_below(0.0), 0.0], [1, 0, 1], [0.0, 1.0]
+    return [_below(-lambd), lambd], [1, 0, 1], [0.0, 1.0]
+
+
+@dataclass(frozen=True)
+class Activation:
+    """One supported activation.
+
+    Args:
+        name: registry name (``"gelu"``).
+        torch_fn: ``torch_fn(input, **params) -> Tensor``, the exact forward.
+        defaults: default parameters, in torch's names (``{"alpha": 1.0}``).
+        even: whether ``f'`` is an even function (fit on ``[0, B]`` and mirror).
+        exact: for stepwise derivatives, ``params -> (borders, codes, values)`` of the
+            exact 1-bit table; ``None`` for smooth functions, which need a fitted table.
+        module: the torch.nn module it replaces (``"GELU"``), or ``None``.
+    """
+
+    name: str
+    torch_fn: Callable[..., torch.Tensor]
+    defaults: Mapping[str, float] = field(default_factory=dict)
+    even: bool = False
+    exact: Callable[[Mapping[str, float]], tuple] | None = None
+    module: str | None = None
+
+    @property
+    def stepwise(self) -> bool:
+        """True when an exact 1-bit table exists (derivative takes at most 2 values)."""
+        return self.exact is not None
+
+    @property
+    def default_bits(self) -> int:
+        """1 for stepwise derivatives (exact), 3 otherwise."""
+        return 1 if self.stepwise else 3
+
+
+def _quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.sigmoid(1.702 * x)
+
+
+ACTIVATIONS: dict[str, Activation] = {
+    a.name: a
+    for a in [
+        Activation("gelu", lambda x: F.gelu(x), module="GELU"),
+        Activation("gelu_tanh", lambda x: F.gelu(x, approximate="tanh"), module="GELU"),
+        Activation("silu", F.silu, module="SiLU"),
+        Activation("selu", F.selu, module="SELU"),
+        Activation("elu", lambda x, alpha: F.elu(x, alpha), {"alpha": 1.0}, module="ELU"),
+        Activation("celu", lambda x, alpha: F.celu(x, alpha), {"alpha": 1.0}, module="CELU"),
+        Activation("mish", F.mish, module="Mish"),
+        Activation(
+            "softplus",
+            lambda x, beta, threshold: F.softplus(x, beta, threshold),
+            {"beta": 1.0, "threshold": 20.0},
+            module="Softplus",
+        ),
+        Activation("sigmoid", torch.sigmoid, even=True, module="Sigmoid"),
+        Activation("tanh", torch.tanh, even=True, module="Tanh"),
+        Activation("logsigmoid", F.logsigmoid, module="LogSigmoid"),
+        Activation("softsign", F.softsign, even=True, module="Softsign"),
+        Activation("tanhshrink", F.tanhshrink, even=True, module="Tanhshrink"),
+        Activation("hardswish", F.hardswish, module="Hardswish"),
+        Activation("quick_gelu", _quick_gelu, module=None),
+        # Stepwise derivatives: exact 1-bit tables, no fitting (method.md §2).
+        Activation("relu", F.relu, exact=_relu_exact, module="ReLU"),
+        Activation(
+            "leaky_relu",
+            lambda x, negative_slope: F.leaky_relu(x, negative_slope),
+            {"negative_slope": 0.01},
+            exact=_leaky_relu_exact,
+            module="LeakyReLU",
+        ),
+        Activation("relu6", F.relu6, exact=_relu6_exact, module="ReLU6"),
+        Activation(
+            "hardtanh",
+            lambda x, min_val, max_val: F.hardtanh(x, min_val, max_val),
+            {"min_val": -1.0, "max_val": 1.0},
+            exact=_hardtanh_exact,
+            module="Hardtanh",
+        ),
+        Activation(
+            "threshold",
+            lambda x, threshold, value: F.threshold(x, threshold, value),
+            {"threshold": 0.0, "value": 0.0},
+            exact=_threshold_exact,
+            module="Threshold",
+        ),
+        Activation(
+            "hardshrink",
+            lambda x, lambd: F.hardshrink(x, lambd),
+            {"lambd": 0.5},
+            exact=_shrink_exact,
+            module="Hardshrink",
+        ),
+        Activation(
+            "softshrink",
+            lambda x, lambd: F.softshrink(x, lambd),
+            {"lambd": 0.5},
+            exact=_shrink_exact,
+            module="Softshrink",
+        ),
+        Activation("hardsigmoid", F.hardsigmoid, exact=_hardsigmoid_exact, module="Hardsigmoid"),
+    ]
+}
+
+#: Other names accepted for registry entries.
+ALIASES: dict[str, str] = {"swish": "silu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
+
+
+def get_activation(name: str) -> Activation:
+    """Look up an activation by name or alias.
+
+    Raises:
+        ValueError: for an unknown name, suggesting close matches.
+    """
+    key = ALIASES.get(name, name)
+    if key in ACTIVATIONS:
+        return ACTIVATIONS[key]
+    known = sorted(ACTIVATIONS) + sorted(ALIASES)
+    close = difflib.get_close_matches(name, known, n=3)
+    hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+    raise ValueError(f"unknown activation {name!r}{hint} (known: {', '.join(sorted(ACTIVATIONS))})")
+
+
+def canonical_params(act: Activation, params: Mapping[str, float] | None) -> dict[str, float]:
+    """Full parameter dict (defaults filled in, values as float).
+
+    Raises:
+        ValueError: for a parameter the activation does not take, or a non-finite value.
+    """
+    params = dict(params or {})
+    unknown = set(params) - set(act.defaults)
+    if unknown:
+        allowed = ", ".join(sorted(act.defaults)) or "none"
+        raise ValueError(f"{act.name} takes parameters {allowed}; got {', '.join(sorted(unknown))}")
+    out = {}
+    for k, default in act.defaults.items():
+        v = float(params.get(k, default))
+        if not math.isfinite(v):
+            raise ValueError(f"parameter {k} of {act.name} must be finite, got {v}")
+        out[k] = v
+    return out
+
+
+def non_default_params(act: Activation, params: Mapping[str, float] | None) -> dict[str, float]:
+    """The parameters that differ from the defaults (empty dict for the default set)."""
+    full = canonical_params(act, params)
+    return {k: v for k, v in full.items() if v != float(act.defaults[k])}
+
+
+def exact_table(name: str, params: Mapping[str, float] | None = None) -> Table:
+    """The exact 1-bit table of a stepwise activation (error 0).
+
+    Raises:
+        ValueError: if ``name`` has no stepwise derivative.
+    """
+    act = get_activation(name)
+    if act.exact is None:
+        raise ValueError(f"{act.name} has no stepwise derivative; its tables must be fitted")
+    full = canonical_params(act, params)
+    borders, codes, values = act.exact(full)
+    return Table(
+        name=act.name,
+        bits=1,
+        borders=borders,
+        codes=codes,
+        values=values,
+        error=0.0,
+        params=non_default_params(act, full),
+        weight="exact",
+        provenance={"solver": "exact (stepwise derivative)"},
+    )

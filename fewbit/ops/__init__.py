@@ -1,0 +1,1 @@
+"""fewbit.ops: kernels for few-bit activations (placeholder, being written)."""

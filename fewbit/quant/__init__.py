@@ -1,0 +1,1 @@
+"""fewbit.quant: group quantizer for saved tensors (placeholder, being written)."""

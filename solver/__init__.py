@@ -1,0 +1,1 @@
+"""fewbit.solver: offline fitting of few-bit tables (placeholder, being written)."""
