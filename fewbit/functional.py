@@ -1,0 +1,637 @@
+"""Few-bit activations as functions, with torch's own signatures plus ``bits``.
+
+Every function here computes exactly what its ``torch.nn.functional`` twin computes in
+forward (bit for bit), but keeps only a ``bits``-bit code per element for backward and
+multiplies the incoming gradient by the code's level (Novikov et al., "Few-bit Backward",
+ICML 2023, eq. 1-2; method.md §1)::
+
+    forward:  y = f(x),  c = code(x)          (bits per element, packed)
+    backward: grad_x = grad_y * values[c]
+
+Memory kept for backward: ``ceil(numel * bits / 8)`` bytes instead of
+``numel * x.element_size()``. Stepwise functions (ReLU, LeakyReLU, Hardtanh, ReLU6,
+Threshold, Hardshrink, Softshrink, Hardsigmoid) have an exact 1-bit table, so their
+gradient equals torch's; smooth functions (GELU, SiLU, ...) use a fitted table and their
+gradient is a piecewise-constant approximation.
+
+When autograd does not need the input's gradient (``torch.no_grad()``, inference, or an
+input that does not require grad), the functions call torch directly and never load a
+table.
+
+Tables are resolved by :func:`load_table`:
+
+1. stepwise function: the exact 1-bit table (whatever ``bits`` asks for);
+2. a table shipped in ``fewbit.tables`` for (name, non-default params, bits);
+3. the user cache ``$FEWBIT_CACHE_DIR/tables/`` (default
+   ``platformdirs.user_cache_dir("fewbit")/tables/``);
+4. otherwise the table is fitted by :func:`fewbit.solver.fit` (needs
+   ``pip install "fewbit[solver]"``), written to the cache atomically, and a
+   :class:`TableFittedWarning` says so.
+
+Loaded tables are kept in memory, keyed by (name, non-default params, bits).
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import os
+import threading
+import warnings
+from pathlib import Path
+from typing import Any, Callable, Mapping, Union
+
+import torch
+import torch.nn.functional as F
+
+from fewbit.activations import (
+    Activation,
+    canonical_params,
+    exact_table,
+    get_activation,
+    non_default_params,
+)
+from fewbit.table import Table, TableFormatError, load_shipped, read_tables, table_filename, write_tables
+
+__all__ = [
+    # table resolution
+    "load_table",
+    "cache_dir",
+    "clear_table_cache",
+    "TableFittedWarning",
+    "FIT_OPTIONS",
+    # generic entry point
+    "activation",
+    # smooth activations (fitted tables, default 3 bits)
+    "gelu",
+    "silu",
+    "selu",
+    "elu",
+    "celu",
+    "mish",
+    "softplus",
+    "sigmoid",
+    "tanh",
+    "logsigmoid",
+    "softsign",
+    "tanhshrink",
+    "hardswish",
+    "quick_gelu",
+    # stepwise activations (exact 1-bit tables)
+    "relu",
+    "leaky_relu",
+    "relu6",
+    "hardtanh",
+    "threshold",
+    "hardshrink",
+    "softshrink",
+    "hardsigmoid",
+]
+
+TableLike = Union[Table, str, os.PathLike]
+FnLike = Union[str, Callable[..., torch.Tensor]]
+
+#: Options passed to :func:`fewbit.solver.fit` when a table has to be fitted at run time.
+#: ``grid`` is the number of DP grid cells (method.md §4); smaller is faster and coarser.
+FIT_OPTIONS: dict[str, Any] = {"domain": (-10.0, 10.0), "weight": "uniform", "grid": 4096}
+
+
+class TableFittedWarning(UserWarning):
+    """A table was not shipped nor cached, so it was fitted (once) and cached."""
+
+
+_TABLES: dict[tuple, Table] = {}
+_LOCK = threading.RLock()
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _check_bits(bits: Any) -> int:
+    if isinstance(bits, bool) or not isinstance(bits, int):
+        raise ValueError(f"bits must be an integer in 1..8, got {bits!r}")
+    if not 1 <= bits <= 8:
+        raise ValueError(f"bits must be in 1..8, got {bits}")
+    return bits
+
+
+def _check_input(input: Any) -> None:
+    if not isinstance(input, torch.Tensor):
+        raise TypeError(f"input must be a torch.Tensor, got {type(input).__name__}")
+    if not input.is_floating_point():
+        raise TypeError(f"input must be a floating-point tensor, got dtype {input.dtype}")
+
+
+def _needs_grad(input: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and input.requires_grad
+
+
+# Border parameters of stepwise functions, and the dtype torch compares them in for a
+# reduced-precision input (None: the input's own dtype). torch rounds the Python float
+# parameter before comparing, so the exact table must use the rounded value to give
+# torch's gradient bit for bit (e.g. float32 x == float32(0.3) is not above
+# threshold=0.3 in torch, although 0.30000001192 > 0.3 in float64).
+_STEPWISE_BORDER_PARAMS: dict[str, tuple[tuple[str, ...], torch.dtype | None]] = {
+    "threshold": (("threshold",), torch.float32),
+    "hardtanh": (("min_val", "max_val"), torch.float32),
+    "hardshrink": (("lambd",), None),
+    "softshrink": (("lambd",), None),
+}
+
+
+def _stepwise_params_for(name: str, full: dict[str, float], dtype: torch.dtype) -> dict[str, float]:
+    """Round the border parameters of a stepwise function as torch does for ``dtype``."""
+    spec = _STEPWISE_BORDER_PARAMS.get(name)
+    if spec is None or dtype == torch.float64:
+        return full
+    keys, cmp_dtype = spec
+    cmp_dtype = cmp_dtype or dtype
+    out = dict(full)
+    for k in keys:
+        out[k] = float(torch.tensor(full[k], dtype=torch.float64).to(cmp_dtype).item())
+    return out
+
+
+# --------------------------------------------------------------------------- functions
+
+
+class _Fn:
+    """A resolved activation: registry entry or user callable."""
+
+    __slots__ = ("name", "act", "callable")
+
+    def __init__(self, name: str, act: Activation | None, fn: Callable[..., torch.Tensor]):
+        self.name = name
+        self.act = act
+        self.callable = fn
+
+    def full_params(self, params: Mapping[str, float] | None) -> dict[str, float]:
+        if self.act is not None:
+            return canonical_params(self.act, params)
+        out = {}
+        for k, v in dict(params or {}).items():
+            v = float(v)
+            if not math.isfinite(v):
+                raise ValueError(f"parameter {k} of {self.name} must be finite, got {v}")
+            out[str(k)] = v
+        return out
+
+    def table_params(self, params: Mapping[str, float] | None) -> dict[str, float]:
+        """The parameters a table is keyed by (non-default ones for registry functions)."""
+        if self.act is not None:
+            return non_default_params(self.act, params)
+        return self.full_params(params)
+
+    def __call__(self, input: torch.Tensor, params: Mapping[str, float]) -> torch.Tensor:
+        return self.callable(input, **params)
+
+
+def _import_callable(spec: str) -> Callable[..., torch.Tensor]:
+    module_name, _, qualname = spec.partition(":")
+    if not module_name or not qualname:
+        raise ValueError(f"fn must be a registry name or 'module:callable', got {spec!r}")
+    try:
+        obj: Any = importlib.import_module(module_name)
+        for part in qualname.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"fn {spec!r} cannot be imported ({exc})") from None
+    if not callable(obj):
+        raise TypeError(f"fn {spec!r} is not callable")
+    return obj
+
+
+def _resolve_fn(fn: FnLike) -> _Fn:
+    if isinstance(fn, str):
+        if ":" in fn:
+            return _Fn(fn, None, _import_callable(fn))
+        act = get_activation(fn)
+        return _Fn(act.name, act, act.torch_fn)
+    if callable(fn):
+        name = f"{getattr(fn, '__module__', None) or '__main__'}:{getattr(fn, '__qualname__', repr(fn))}"
+        return _Fn(name, None, fn)
+    raise TypeError(f"fn must be a registry name, 'module:callable' or a callable, got {type(fn).__name__}")
+
+
+# --------------------------------------------------------------------------- tables
+
+
+def cache_dir() -> Path:
+    """Directory of the user table cache: ``$FEWBIT_CACHE_DIR/tables`` if the variable is
+    set, else ``platformdirs.user_cache_dir("fewbit")/tables``."""
+    root = os.environ.get("FEWBIT_CACHE_DIR")
+    if not root:
+        import platformdirs
+
+        root = platformdirs.user_cache_dir("fewbit")
+    return Path(root) / "tables"
+
+
+def clear_table_cache() -> None:
+    """Forget the tables loaded in memory (files on disk are kept)."""
+    with _LOCK:
+        _TABLES.clear()
+
+
+def _params_tuple(params: Mapping[str, float]) -> tuple:
+    return tuple(sorted((k, float(v)) for k, v in params.items()))
+
+
+def _check_table_matches(table: Table, name: str, params: Mapping[str, float], source: str) -> None:
+    if table.name != name:
+        raise ValueError(f"{source}: table is for {table.name!r}, not {name!r}")
+    if _params_tuple(table.params) != _params_tuple(params):
+        raise ValueError(
+            f"{source}: table was fitted for params {dict(table.params)}, not {dict(params)}; "
+            "a table is never reused for other parameters"
+        )
+
+
+def _pick_bits(tables: Mapping[int, Table], bits: int, source: str) -> Table:
+    if bits not in tables:
+        raise TableFormatError(f"{source}: holds no {bits}-bit table (it has bits {sorted(tables)})")
+    table = tables[bits]
+    if table.bits != bits:
+        raise TableFormatError(f"{source}: table under key {bits} has bits={table.bits}")
+    return table
+
+
+def _is_path(fn: Any) -> bool:
+    return isinstance(fn, os.PathLike) or (isinstance(fn, str) and fn.endswith(".json"))
+
+
+def _read_table_file(path: str | os.PathLike, bits: int) -> Table:
+    return _pick_bits(read_tables(path), bits, str(path))
+
+
+def _solver_missing(exc: ImportError) -> ImportError:
+    return ImportError(
+        f'fitting a few-bit table needs the solver dependencies (scipy, numba): '
+        f'pip install "fewbit[solver]" ({exc})'
+    )
+
+
+def _fit_and_cache(f: _Fn, bits: int, params: dict[str, float], full: dict[str, float]) -> Table:
+    try:
+        solver = importlib.import_module("fewbit.solver")
+    except ImportError as exc:
+        raise _solver_missing(exc) from exc
+    if not hasattr(solver, "fit"):
+        raise ImportError('fewbit.solver.fit is not available: pip install "fewbit[solver]"')
+    symmetric = bool(f.act.even) if f.act is not None else False
+    fn_arg: Any = f.name if f.act is not None or ":" in f.name else f.callable
+    try:
+        table = solver.fit(
+            fn_arg,
+            bits,
+            domain=tuple(FIT_OPTIONS["domain"]),
+            weight=FIT_OPTIONS["weight"],
+            grid=int(FIT_OPTIONS["grid"]),
+            symmetric=symmetric,
+            params=params,
+        )
+    except ModuleNotFoundError as exc:
+        if exc.name and exc.name.split(".")[0] in {"scipy", "numba"}:
+            raise _solver_missing(exc) from exc
+        raise
+    _check_table_matches(table, f.name, params, "fewbit.solver.fit")
+    if table.bits != bits:
+        raise RuntimeError(f"fewbit.solver.fit returned a {table.bits}-bit table for bits={bits}")
+    path = cache_dir() / table_filename(f.name, params)
+    where = f"cached at {path}"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        existing = read_tables(path) if path.exists() else {}
+        existing = {b: t for b, t in existing.items() if b != bits}
+        write_tables(path, [*existing.values(), table])
+    except (OSError, TableFormatError) as exc:
+        where = f"not cached ({exc})"
+    shown = ", ".join(f"{k}={v:g}" for k, v in params.items())
+    warnings.warn(
+        f"fewbit: fitted a {bits}-bit table for {f.name}({shown}) with grid={FIT_OPTIONS['grid']}; {where}",
+        TableFittedWarning,
+        stacklevel=4,
+    )
+    return table
+
+
+def _load(f: _Fn, bits: int, params: Mapping[str, float] | None) -> Table:
+    full = f.full_params(params)
+    nd = f.table_params(full)
+    key = (f.name, _params_tuple(nd), bits)
+    table = _TABLES.get(key)
+    if table is not None:
+        return table
+    with _LOCK:
+        table = _TABLES.get(key)
+        if table is not None:
+            return table
+        if f.act is not None and f.act.stepwise:
+            # Exact at 1 bit: more bits could not make the gradient more exact.
+            table = exact_table(f.name, full)
+        else:
+            table = None
+            if f.act is not None:
+                shipped = load_shipped(f.name, nd)
+                if shipped and bits in shipped:
+                    table = _pick_bits(shipped, bits, f"fewbit.tables/{table_filename(f.name, nd)}")
+                    _check_table_matches(table, f.name, nd, f"fewbit.tables/{table_filename(f.name, nd)}")
+            if table is None:
+                path = cache_dir() / table_filename(f.name, nd)
+                if path.exists():
+                    cached = read_tables(path)
+                    if bits in cached:
+                        table = _pick_bits(cached, bits, str(path))
+                        _check_table_matches(table, f.name, nd, str(path))
+            if table is None:
+                table = _fit_and_cache(f, bits, nd, full)
+        _TABLES[key] = table
+        return table
+
+
+def load_table(fn: FnLike | TableLike, bits: int | None = None, params: Mapping[str, float] | None = None) -> Table:
+    """Resolve the few-bit table of an activation.
+
+    Args:
+        fn: a registry name (``"gelu"``, ``"gelu_tanh"``, aliases such as ``"swish"``), a
+            ``"module:callable"`` string or callable for a user activation, a
+            :class:`~fewbit.table.Table` (returned as is), or a path to a JSON table file
+            (``str`` ending in ``.json`` or ``os.PathLike``).
+        bits: bits per element, 1..8; ``None`` is the function's default (1 for stepwise
+            functions, 3 otherwise; for a Table, its own bits). For stepwise functions
+            the exact 1-bit table is returned for every ``bits``: its gradient is exact.
+        params: the function's parameters in torch's names (``{"alpha": 0.5}``); only the
+            non-default ones select the table. Ignored for a Table or a file.
+
+    Returns:
+        The :class:`~fewbit.table.Table`; its ``params`` equal the requested non-default
+        parameters (a table fitted for other parameters is never reused).
+
+    Raises:
+        ValueError: for bits outside 1..8, an unknown function or parameter, or a Table
+            whose bits differ from ``bits``.
+        TableFormatError: (a ValueError) if a JSON file is unreadable, of another schema,
+            or holds no table for ``bits``; the message names the file.
+        ImportError: if a table must be fitted and the solver dependencies are missing
+            (``pip install "fewbit[solver]"``).
+
+    Example:
+        >>> load_table("gelu", 3).bits
+        3
+        >>> load_table("relu", 4).bits   # exact at 1 bit
+        1
+    """
+    if bits is not None:
+        bits = _check_bits(bits)
+    if isinstance(fn, Table):
+        if bits is not None and fn.bits != bits:
+            raise ValueError(f"bits={bits} does not match the table's bits={fn.bits}")
+        return fn
+    if _is_path(fn):
+        if bits is None:
+            tables = read_tables(fn)
+            if len(tables) != 1:
+                raise ValueError(f"{fn}: holds bits {sorted(tables)}; pass bits to choose one")
+            return next(iter(tables.values()))
+        return _read_table_file(fn, bits)
+    f = _resolve_fn(fn)
+    if bits is None:
+        bits = f.act.default_bits if f.act is not None else 3
+    return _load(f, bits, params)
+
+
+# --------------------------------------------------------------------------- core
+
+
+def _pointwise(input: torch.Tensor, table: Table, fn: Any, params: dict[str, float], inplace: bool) -> torch.Tensor:
+    from fewbit.ops import pointwise
+
+    return pointwise(input, table, fn, params, inplace=inplace)
+
+
+def _registry(
+    input: torch.Tensor,
+    name: str,
+    params: dict[str, float],
+    bits: int,
+    inplace: bool,
+    torch_call: Callable[[], torch.Tensor],
+) -> torch.Tensor:
+    _check_input(input)
+    bits = _check_bits(bits)
+    f = _resolve_fn(name)
+    full = f.full_params(params)
+    if not _needs_grad(input):
+        return torch_call()
+    table = _load(f, bits, _table_params(f, full, input.dtype))
+    return _pointwise(input, table, f.name, full, inplace)
+
+
+def _table_params(f: _Fn, full: dict[str, float], dtype: torch.dtype) -> dict[str, float]:
+    if f.act is not None and f.act.stepwise:
+        return _stepwise_params_for(f.name, full, dtype)
+    return full
+
+
+def activation(
+    input: torch.Tensor,
+    fn: FnLike,
+    *,
+    table: TableLike | None = None,
+    bits: int | None = None,
+    params: Mapping[str, float] | None = None,
+    inplace: bool = False,
+) -> torch.Tensor:
+    """Apply any elementwise activation with few-bit backward.
+
+    Forward is exactly ``fn(input, **params)``; backward is
+    ``grad_output * table.values[code(input)]`` (method.md §1).
+
+    Args:
+        input: tensor of any shape, floating dtype.
+        fn: a registry name (``"gelu"``), a ``"module:callable"`` string, or a callable
+            ``fn(input, **params) -> Tensor`` that is elementwise.
+        table: the :class:`~fewbit.table.Table` or a JSON table file to use; ``None``
+            resolves it with :func:`load_table`. A table made for another function or
+            other parameters is refused.
+        bits: bits per element, 1..8; ``None``: the table's bits, or the function's
+            default (3; 1 for stepwise functions).
+        params: keyword parameters of ``fn`` (``{"alpha": 0.5}``).
+        inplace: overwrite ``input`` with the result.
+
+    Returns:
+        Tensor of the shape and dtype of ``input``.
+
+    Raises:
+        TypeError: if ``input`` is not a floating-point tensor.
+        ValueError: for bits outside 1..8, an unknown function or parameter, or a table
+            that does not match ``fn``/``params``/``bits``.
+    """
+    _check_input(input)
+    if bits is not None:
+        bits = _check_bits(bits)
+    f = _resolve_fn(fn)
+    full = f.full_params(params)
+    if not _needs_grad(input):
+        out = f(input, full)
+        return input.copy_(out) if inplace else out
+    if table is None:
+        default_bits = f.act.default_bits if f.act is not None else 3
+        tab = _load(f, bits if bits is not None else default_bits, _table_params(f, full, input.dtype))
+    else:
+        source = str(table) if _is_path(table) else "table"
+        tab = load_table(table, bits)
+        _check_table_matches(tab, f.name, f.table_params(full), source)
+    fn_arg: Any = f.name if f.act is not None else f.callable
+    return _pointwise(input, tab, fn_arg, full, inplace)
+
+
+# --------------------------------------------------------------------------- smooth
+
+
+def gelu(input: torch.Tensor, approximate: str = "none", *, bits: int = 3) -> torch.Tensor:
+    """Few-bit :func:`torch.nn.functional.gelu`.
+
+    Args:
+        input: any shape, floating dtype.
+        approximate: ``'none'`` (erf) or ``'tanh'`` (uses the ``gelu_tanh`` table).
+        bits: bits per element kept for backward, 1..8.
+
+    Raises:
+        TypeError: non-floating ``input``. ValueError: bad ``approximate`` or ``bits``.
+    """
+    if approximate not in ("none", "tanh"):
+        raise ValueError(f"approximate must be 'none' or 'tanh', got {approximate!r}")
+    name = "gelu" if approximate == "none" else "gelu_tanh"
+    return _registry(input, name, {}, bits, False, lambda: F.gelu(input, approximate=approximate))
+
+
+def silu(input: torch.Tensor, inplace: bool = False, *, bits: int = 3) -> torch.Tensor:
+    """Few-bit :func:`torch.nn.functional.silu` (``x * sigmoid(x)``); see :func:`gelu`."""
+    return _registry(input, "silu", {}, bits, inplace, lambda: F.silu(input, inplace=inplace))
+
+
+def selu(input: torch.Tensor, inplace: bool = False, *, bits: int = 3) -> torch.Tensor:
+    """Few-bit :func:`torch.nn.functional.selu`; see :func:`gelu`."""
+    return _registry(input, "selu", {}, bits, inplace, lambda: F.selu(input, inplace=inplace))
+
+
+def elu(input: torch.Tensor, alpha: float = 1.0, inplace: bool = False, *, bits: int = 3) -> torch.Tensor:
+    """Few-bit :func:`torch.nn.functional.elu`; a non-default ``alpha`` uses its own table."""
+    return _registry(input, "elu", {"alpha": alpha}, bits, inplace, lambda: F.elu(input, alpha, inplace))
+
+
+def celu(input: torch.Tensor, alpha: float = 1.0, inplace: bool = False, *, bits: int = 3) -> torch.Tensor:
+    """Few-bit :func:`torch.nn.functional.celu`; a non-default ``alpha`` uses its own table."""
+    return _registry(input, "celu", {"alpha": alpha}, bits, inplace, lambda: F.celu(input, alpha, inplace))
+
+
+def mish(input: torch.Tensor, inplace: bool = False, *, bits: int = 3) -> torch.Tensor:
+    """Few-bit :func:`torch.nn.functional.mish`; see :func:`gelu`."""
+    return _registry(input, "mish", {}, bits, inplace, lambda: F.mish(input, inplace=inplace))
+
+
+def softplus(input: torch.Tensor, beta: float = 1.0, threshold: float = 20.0, *, bits: int = 3) -> torch.Tensor:
+    """Few-bit :func:`torch.nn.functional.softplus`; non-default ``beta``/``threshold``
+    use their own table."""
+    params = {"beta": beta, "threshold": threshold}
+    return _registry(input, "softplus", params, bits, False, lambda: F.softplus(input, beta, threshold))
+
+
+def sigmoid(input: torch.Tensor, *, bits: int = 3) -> torch.Tensor:
+    """Few-bit :func:`torch.sigmoid` (even derivative: mirrored table); see :func:`gelu`."""
+    return _registry(input, "sigmoid", {}, bits, False, lambda: torch.sigmoid(input))
+
+
+def tanh(input: torch.Tensor, *, bits: int = 3) -> torch.Tensor:
+    """Few-bit :func:`torch.tanh` (even derivative: mirrored table); see :func:`gelu`."""
+    return _registry(input, "tanh", {}, bits, False, lambda: torch.tanh(input))
+
+
+def logsigmoid(input: torch.Tensor, *, bits: int = 3) -> torch.Tensor:
+    """Few-bit :func:`torch.nn.functional.logsigmoid`; see :func:`gelu`."""
+    return _registry(input, "logsigmoid", {}, bits, False, lambda: F.logsigmoid(input))
+
+
+def softsign(input: torch.Tensor, *, bits: int = 3) -> torch.Tensor:
+    """Few-bit :func:`torch.nn.functional.softsign` (even derivative); see :func:`gelu`."""
+    return _registry(input, "softsign", {}, bits, False, lambda: F.softsign(input))
+
+
+def tanhshrink(input: torch.Tensor, *, bits: int = 3) -> torch.Tensor:
+    """Few-bit :func:`torch.nn.functional.tanhshrink` (even derivative); see :func:`gelu`."""
+    return _registry(input, "tanhshrink", {}, bits, False, lambda: F.tanhshrink(input))
+
+
+def hardswish(input: torch.Tensor, inplace: bool = False, *, bits: int = 3) -> torch.Tensor:
+    """Few-bit :func:`torch.nn.functional.hardswish`; see :func:`gelu`."""
+    return _registry(input, "hardswish", {}, bits, inplace, lambda: F.hardswish(input, inplace=inplace))
+
+
+def quick_gelu(input: torch.Tensor, *, bits: int = 3) -> torch.Tensor:
+    """Few-bit QuickGELU, ``x * sigmoid(1.702 * x)`` (CLIP; Hugging Face ``QuickGELUActivation``)."""
+    return _registry(input, "quick_gelu", {}, bits, False, lambda: input * torch.sigmoid(1.702 * input))
+
+
+# --------------------------------------------------------------------------- stepwise
+
+
+def relu(input: torch.Tensor, inplace: bool = False, *, bits: int = 1) -> torch.Tensor:
+    """Few-bit :func:`torch.nn.functional.relu`: exact gradient from a 1-bit code.
+
+    ``bits`` is accepted for symmetry; the exact 1-bit table is used for every value.
+    """
+    return _registry(input, "relu", {}, bits, inplace, lambda: F.relu(input, inplace=inplace))
+
+
+def leaky_relu(input: torch.Tensor, negative_slope: float = 0.01, inplace: bool = False, *, bits: int = 1) -> torch.Tensor:
+    """Few-bit :func:`torch.nn.functional.leaky_relu`: exact gradient from a 1-bit code."""
+    return _registry(
+        input, "leaky_relu", {"negative_slope": negative_slope}, bits, inplace,
+        lambda: F.leaky_relu(input, negative_slope, inplace),
+    )
+
+
+def relu6(input: torch.Tensor, inplace: bool = False, *, bits: int = 1) -> torch.Tensor:
+    """Few-bit :func:`torch.nn.functional.relu6`: exact gradient from a 1-bit code."""
+    return _registry(input, "relu6", {}, bits, inplace, lambda: F.relu6(input, inplace=inplace))
+
+
+def hardtanh(
+    input: torch.Tensor, min_val: float = -1.0, max_val: float = 1.0, inplace: bool = False, *, bits: int = 1
+) -> torch.Tensor:
+    """Few-bit :func:`torch.nn.functional.hardtanh`: exact gradient from a 1-bit code.
+
+    Raises:
+        ValueError: if ``min_val >= max_val`` (when a gradient is needed).
+    """
+    return _registry(
+        input, "hardtanh", {"min_val": min_val, "max_val": max_val}, bits, inplace,
+        lambda: F.hardtanh(input, min_val, max_val, inplace),
+    )
+
+
+def threshold(
+    input: torch.Tensor, threshold: float, value: float, inplace: bool = False, *, bits: int = 1
+) -> torch.Tensor:
+    """Few-bit :func:`torch.nn.functional.threshold`: exact gradient from a 1-bit code."""
+    th = threshold
+    return _registry(
+        input, "threshold", {"threshold": th, "value": value}, bits, inplace,
+        lambda: F.threshold(input, th, value, inplace),
+    )
+
+
+def hardshrink(input: torch.Tensor, lambd: float = 0.5, *, bits: int = 1) -> torch.Tensor:
+    """Few-bit :func:`torch.nn.functional.hardshrink`: exact gradient from a 1-bit code."""
+    return _registry(input, "hardshrink", {"lambd": lambd}, bits, False, lambda: F.hardshrink(input, lambd))
+
+
+def softshrink(input: torch.Tensor, lambd: float = 0.5, *, bits: int = 1) -> torch.Tensor:
+    """Few-bit :func:`torch.nn.functional.softshrink`: exact gradient from a 1-bit code."""
+    return _registry(input, "softshrink", {"lambd": lambd}, bits, False, lambda: F.softshrink(input, lambd))
+
+
+def hardsigmoid(input: torch.Tensor, inplace: bool = False, *, bits: int = 1) -> torch.Tensor:
+    """Few-bit :func:`torch.nn.functional.hardsigmoid`: exact gradient from a 1-bit code."""
+    return _registry(input, "hardsigmoid", {}, bits, inplace, lambda: F.hardsigmoid(input, inplace=inplace))

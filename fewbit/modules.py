@@ -1,0 +1,371 @@
+"""Few-bit activation modules: drop-in replacements for the ``torch.nn`` activations.
+
+Each class subclasses its ``torch.nn`` twin (so ``isinstance(m, torch.nn.GELU)`` still
+holds), takes the same constructor arguments plus keyword-only ``bits``, and its
+``forward`` is one call into :mod:`fewbit.functional`: forward output equals torch's bit
+for bit, backward keeps a ``bits``-bit code per element (Novikov et al., "Few-bit
+Backward", ICML 2023). The modules hold no parameters or buffers (nothing in
+``state_dict``), and pickle and deep-copy like their torch twins.
+
+Stepwise functions (ReLU, LeakyReLU, ReLU6, Hardtanh, Threshold, Hardshrink, Softshrink,
+Hardsigmoid) default to ``bits=1``: their 1-bit table is exact, and larger ``bits`` still
+use it. :class:`QuickGELU` has no ``torch.nn`` twin; :class:`FewBitActivation` wraps any
+elementwise function with any table.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Mapping
+
+import torch
+from torch import nn
+
+from fewbit import functional as FF
+from fewbit.functional import _check_bits
+from fewbit.table import Table
+
+__all__ = [
+    # smooth (fitted tables)
+    "GELU", "SiLU", "SELU", "ELU", "CELU", "Mish", "Softplus", "Sigmoid", "Tanh",
+    "LogSigmoid", "Softsign", "Tanhshrink", "Hardswish", "QuickGELU",
+    # stepwise (exact 1-bit tables)
+    "ReLU", "LeakyReLU", "ReLU6", "Hardtanh", "Threshold", "Hardshrink", "Softshrink",
+    "Hardsigmoid",
+    # generic
+    "FewBitActivation",
+]
+
+
+class _FewBit:
+    """Mixin: stores and shows ``bits``."""
+
+    bits: int
+
+    def _init_bits(self, bits: int) -> None:
+        self.bits = _check_bits(bits)
+
+    def extra_repr(self) -> str:
+        base = super().extra_repr()  # type: ignore[misc]
+        return f"{base}, bits={self.bits}" if base else f"bits={self.bits}"
+
+
+# --------------------------------------------------------------------------- smooth
+
+
+class GELU(_FewBit, nn.GELU):
+    """Few-bit :class:`torch.nn.GELU`.
+
+    Args:
+        approximate: ``'none'`` or ``'tanh'``.
+        bits: bits per element kept for backward, 1..8 (default 3).
+
+    Shape: input ``(*)``, output ``(*)``, same dtype. Raises ValueError for a bad
+    ``approximate`` or ``bits``.
+    """
+
+    def __init__(self, approximate: str = "none", *, bits: int = 3) -> None:
+        if approximate not in ("none", "tanh"):
+            raise ValueError(f"approximate must be 'none' or 'tanh', got {approximate!r}")
+        super().__init__(approximate)
+        self._init_bits(bits)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return FF.gelu(input, self.approximate, bits=self.bits)
+
+
+class SiLU(_FewBit, nn.SiLU):
+    """Few-bit :class:`torch.nn.SiLU` (``bits`` default 3)."""
+
+    def __init__(self, inplace: bool = False, *, bits: int = 3) -> None:
+        super().__init__(inplace)
+        self._init_bits(bits)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return FF.silu(input, self.inplace, bits=self.bits)
+
+
+class SELU(_FewBit, nn.SELU):
+    """Few-bit :class:`torch.nn.SELU` (``bits`` default 3)."""
+
+    def __init__(self, inplace: bool = False, *, bits: int = 3) -> None:
+        super().__init__(inplace)
+        self._init_bits(bits)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return FF.selu(input, self.inplace, bits=self.bits)
+
+
+class ELU(_FewBit, nn.ELU):
+    """Few-bit :class:`torch.nn.ELU` (``bits`` default 3; non-default ``alpha``: own table)."""
+
+    def __init__(self, alpha: float = 1.0, inplace: bool = False, *, bits: int = 3) -> None:
+        super().__init__(alpha, inplace)
+        self._init_bits(bits)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return FF.elu(input, self.alpha, self.inplace, bits=self.bits)
+
+
+class CELU(_FewBit, nn.CELU):
+    """Few-bit :class:`torch.nn.CELU` (``bits`` default 3; non-default ``alpha``: own table)."""
+
+    def __init__(self, alpha: float = 1.0, inplace: bool = False, *, bits: int = 3) -> None:
+        super().__init__(alpha, inplace)
+        self._init_bits(bits)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return FF.celu(input, self.alpha, self.inplace, bits=self.bits)
+
+
+class Mish(_FewBit, nn.Mish):
+    """Few-bit :class:`torch.nn.Mish` (``bits`` default 3)."""
+
+    def __init__(self, inplace: bool = False, *, bits: int = 3) -> None:
+        super().__init__(inplace)
+        self._init_bits(bits)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return FF.mish(input, self.inplace, bits=self.bits)
+
+
+class Softplus(_FewBit, nn.Softplus):
+    """Few-bit :class:`torch.nn.Softplus` (``bits`` default 3; non-default ``beta`` or
+    ``threshold``: own table)."""
+
+    def __init__(self, beta: float = 1.0, threshold: float = 20.0, *, bits: int = 3) -> None:
+        super().__init__(beta, threshold)
+        self._init_bits(bits)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return FF.softplus(input, self.beta, self.threshold, bits=self.bits)
+
+
+class Sigmoid(_FewBit, nn.Sigmoid):
+    """Few-bit :class:`torch.nn.Sigmoid` (``bits`` default 3)."""
+
+    def __init__(self, *, bits: int = 3) -> None:
+        super().__init__()
+        self._init_bits(bits)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return FF.sigmoid(input, bits=self.bits)
+
+
+class Tanh(_FewBit, nn.Tanh):
+    """Few-bit :class:`torch.nn.Tanh` (``bits`` default 3)."""
+
+    def __init__(self, *, bits: int = 3) -> None:
+        super().__init__()
+        self._init_bits(bits)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return FF.tanh(input, bits=self.bits)
+
+
+class LogSigmoid(_FewBit, nn.LogSigmoid):
+    """Few-bit :class:`torch.nn.LogSigmoid` (``bits`` default 3)."""
+
+    def __init__(self, *, bits: int = 3) -> None:
+        super().__init__()
+        self._init_bits(bits)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return FF.logsigmoid(input, bits=self.bits)
+
+
+class Softsign(_FewBit, nn.Softsign):
+    """Few-bit :class:`torch.nn.Softsign` (``bits`` default 3)."""
+
+    def __init__(self, *, bits: int = 3) -> None:
+        super().__init__()
+        self._init_bits(bits)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return FF.softsign(input, bits=self.bits)
+
+
+class Tanhshrink(_FewBit, nn.Tanhshrink):
+    """Few-bit :class:`torch.nn.Tanhshrink` (``bits`` default 3)."""
+
+    def __init__(self, *, bits: int = 3) -> None:
+        super().__init__()
+        self._init_bits(bits)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return FF.tanhshrink(input, bits=self.bits)
+
+
+class Hardswish(_FewBit, nn.Hardswish):
+    """Few-bit :class:`torch.nn.Hardswish` (``bits`` default 3)."""
+
+    def __init__(self, inplace: bool = False, *, bits: int = 3) -> None:
+        super().__init__(inplace)
+        self._init_bits(bits)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return FF.hardswish(input, self.inplace, bits=self.bits)
+
+
+class QuickGELU(_FewBit, nn.Module):
+    """Few-bit QuickGELU, ``x * sigmoid(1.702 * x)`` (no ``torch.nn`` twin; matches
+    Hugging Face ``QuickGELUActivation``). ``bits`` default 3."""
+
+    def __init__(self, *, bits: int = 3) -> None:
+        super().__init__()
+        self._init_bits(bits)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return FF.quick_gelu(input, bits=self.bits)
+
+
+# --------------------------------------------------------------------------- stepwise
+
+
+class ReLU(_FewBit, nn.ReLU):
+    """Few-bit :class:`torch.nn.ReLU`: exact gradient from a 1-bit code."""
+
+    def __init__(self, inplace: bool = False, *, bits: int = 1) -> None:
+        super().__init__(inplace)
+        self._init_bits(bits)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return FF.relu(input, self.inplace, bits=self.bits)
+
+
+class LeakyReLU(_FewBit, nn.LeakyReLU):
+    """Few-bit :class:`torch.nn.LeakyReLU`: exact gradient from a 1-bit code."""
+
+    def __init__(self, negative_slope: float = 0.01, inplace: bool = False, *, bits: int = 1) -> None:
+        super().__init__(negative_slope, inplace)
+        self._init_bits(bits)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return FF.leaky_relu(input, self.negative_slope, self.inplace, bits=self.bits)
+
+
+class Hardtanh(_FewBit, nn.Hardtanh):
+    """Few-bit :class:`torch.nn.Hardtanh`: exact gradient from a 1-bit code.
+
+    Raises:
+        ValueError: if ``min_val >= max_val``.
+    """
+
+    def __init__(self, min_val: float = -1.0, max_val: float = 1.0, inplace: bool = False, *, bits: int = 1) -> None:
+        if not min_val < max_val:
+            raise ValueError(f"max_val must be greater than min_val, got min_val={min_val}, max_val={max_val}")
+        super().__init__(min_val, max_val, inplace)
+        self._init_bits(bits)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return FF.hardtanh(input, self.min_val, self.max_val, self.inplace, bits=self.bits)
+
+
+class ReLU6(_FewBit, nn.ReLU6):
+    """Few-bit :class:`torch.nn.ReLU6`: exact gradient from a 1-bit code."""
+
+    def __init__(self, inplace: bool = False, *, bits: int = 1) -> None:
+        super().__init__(inplace)
+        self._init_bits(bits)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return FF.relu6(input, self.inplace, bits=self.bits)
+
+
+class Threshold(_FewBit, nn.Threshold):
+    """Few-bit :class:`torch.nn.Threshold`: exact gradient from a 1-bit code."""
+
+    def __init__(self, threshold: float, value: float, inplace: bool = False, *, bits: int = 1) -> None:
+        super().__init__(threshold, value, inplace)
+        self._init_bits(bits)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return FF.threshold(input, self.threshold, self.value, self.inplace, bits=self.bits)
+
+
+class Hardshrink(_FewBit, nn.Hardshrink):
+    """Few-bit :class:`torch.nn.Hardshrink`: exact gradient from a 1-bit code."""
+
+    def __init__(self, lambd: float = 0.5, *, bits: int = 1) -> None:
+        super().__init__(lambd)
+        self._init_bits(bits)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return FF.hardshrink(input, self.lambd, bits=self.bits)
+
+
+class Softshrink(_FewBit, nn.Softshrink):
+    """Few-bit :class:`torch.nn.Softshrink`: exact gradient from a 1-bit code."""
+
+    def __init__(self, lambd: float = 0.5, *, bits: int = 1) -> None:
+        super().__init__(lambd)
+        self._init_bits(bits)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return FF.softshrink(input, self.lambd, bits=self.bits)
+
+
+class Hardsigmoid(_FewBit, nn.Hardsigmoid):
+    """Few-bit :class:`torch.nn.Hardsigmoid`: exact gradient from a 1-bit code."""
+
+    def __init__(self, inplace: bool = False, *, bits: int = 1) -> None:
+        super().__init__(inplace)
+        self._init_bits(bits)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return FF.hardsigmoid(input, self.inplace, bits=self.bits)
+
+
+# --------------------------------------------------------------------------- generic
+
+
+class FewBitActivation(nn.Module):
+    """Any elementwise activation with few-bit backward.
+
+    Args:
+        fn: a registry name (``"gelu"``), a ``"module:callable"`` string, or a picklable
+            callable ``fn(input, **params)``.
+        table: a :class:`~fewbit.table.Table` or a JSON table file; ``None`` resolves it
+            with :func:`fewbit.functional.load_table` on first use.
+        bits: bits per element, 1..8; ``None``: the table's, or the function's default.
+        params: keyword parameters of ``fn``.
+
+    Shape: input ``(*)``, output ``(*)``. The table (if given) is kept as a plain
+    attribute, not a buffer: nothing goes into ``state_dict``.
+
+    Raises:
+        ValueError: for bits outside 1..8, or a table that does not match ``fn``.
+    """
+
+    def __init__(
+        self,
+        fn: str | Callable[..., torch.Tensor],
+        *,
+        table: Table | str | os.PathLike | None = None,
+        bits: int | None = None,
+        params: Mapping[str, float] | None = None,
+    ) -> None:
+        super().__init__()
+        if bits is not None:
+            bits = _check_bits(bits)
+        resolved = FF._resolve_fn(fn)
+        full = resolved.full_params(params)
+        if table is not None:
+            source = str(table) if FF._is_path(table) else "table"
+            table = FF.load_table(table, bits)
+            FF._check_table_matches(table, resolved.name, resolved.table_params(full), source)
+            bits = table.bits
+        self.fn = fn
+        self.table = table
+        self.bits = bits
+        self.params = full
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return FF.activation(input, self.fn, table=self.table, bits=self.bits, params=self.params)
+
+    def extra_repr(self) -> str:
+        name = self.fn if isinstance(self.fn, str) else getattr(self.fn, "__qualname__", repr(self.fn))
+        parts = [repr(name)]
+        parts += [f"{k}={v:g}" for k, v in self.params.items()]
+        parts.append(f"bits={self.bits if self.bits is not None else 'default'}")
+        return ", ".join(parts)

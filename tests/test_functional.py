@@ -1,0 +1,497 @@
+"""Tests of fewbit.functional: forward bitwise equal to torch, backward equal to the
+pure-torch reference ``grad * values[searchsorted(borders, x)]``, exact gradients for
+stepwise functions, table resolution (exact / shipped / cache / fit) and validation.
+
+The helpers at the top are also imported by test_modules.py and test_convert.py.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import json
+import math
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fewbit
+from fewbit import functional as FF
+from fewbit.activations import ACTIVATIONS, canonical_params, get_activation
+from fewbit.table import Table, TableFormatError, table_filename, write_tables
+
+# ----------------------------------------------------------------------------- helpers
+
+
+
+def reference_codes(x: torch.Tensor, table: Table) -> torch.Tensor:
+    borders = torch.tensor(table.borders, dtype=torch.float64)
+    codes = torch.tensor(table.codes, dtype=torch.int64)
+    idx = torch.searchsorted(borders, x.detach().double().reshape(-1).cpu(), right=False)
+    return codes[idx].reshape(x.shape)
+
+
+def reference_grad(grad: torch.Tensor, x: torch.Tensor, table: Table) -> torch.Tensor:
+    cdt = torch.float64 if grad.dtype == torch.float64 else torch.float32
+    values = torch.tensor(table.values, dtype=torch.float64).to(cdt)
+    code = reference_codes(x, table).to(grad.device)
+    return (grad.to(cdt) * values.to(grad.device)[code]).to(grad.dtype)
+
+
+def toy_table(name: str, bits: int, params=None, lo: float = -6.0, hi: float = 6.0) -> Table:
+    """Equal-width intervals on [lo, hi]; each level is the mean of torch's derivative."""
+    act = get_activation(name)
+    full = canonical_params(act, params)
+    m = 1 << bits
+    borders = torch.linspace(lo, hi, m + 1, dtype=torch.float64)[1:-1]
+    edges = [-10.0, *borders.tolist(), 10.0]
+    values = []
+    for a, b in zip(edges[:-1], edges[1:]):
+        t = torch.linspace(a, b, 257, dtype=torch.float64, requires_grad=True)
+        act.torch_fn(t, **full).sum().backward()
+        values.append(float(t.grad.mean()))
+    nd = {k: v for k, v in full.items() if v != act.defaults[k]}
+    return Table(name=act.name, bits=bits, borders=borders.tolist(), codes=list(range(m)),
+                 values=values, params=nd, weight="uniform", provenance={"test": "toy"})
+
+
+def write_toy_cache(root, name: str, bits_list, params=None) -> None:
+    tables = [toy_table(name, b, params) for b in bits_list]
+    path = root / "tables" / table_filename(tables[0].name, tables[0].params)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_tables(path, tables)
+
+
+class _StandIn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, input, table, fn, params, inplace):
+        from fewbit.packing import pack_reference
+
+        code = reference_codes(input, table)
+        packed = pack_reference(code, table.bits)
+        if isinstance(fn, str):
+            out = get_activation(fn).torch_fn(input, **params) if ":" not in fn else None
+        else:
+            out = fn(input, **params)
+        if inplace:
+            input.copy_(out)
+            ctx.mark_dirty(input)
+            out = input
+        ctx.save_for_backward(packed)
+        ctx.table = table
+        ctx.shape = input.shape
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        from fewbit.packing import unpack_reference
+
+        (packed,) = ctx.saved_tensors
+        t = ctx.table
+        code = unpack_reference(packed, t.bits, math.prod(ctx.shape)).reshape(ctx.shape)
+        cdt = torch.float64 if grad.dtype == torch.float64 else torch.float32
+        values = torch.tensor(t.values, dtype=torch.float64).to(cdt)
+        return (grad.to(cdt) * values[code]).to(grad.dtype), None, None, None, None
+
+
+def _standin_pointwise(input, table, fn, params=None, *, inplace=False):
+    return _StandIn.apply(input, table, fn, dict(params or {}), inplace)
+
+
+def install_pointwise_standin(monkeypatch) -> bool:
+    """Install the stand-in if fewbit.ops.pointwise is missing; returns True if installed."""
+    import fewbit.ops
+
+    if hasattr(fewbit.ops, "pointwise"):
+        return False
+    monkeypatch.setattr(fewbit.ops, "pointwise", _standin_pointwise, raising=False)
+    return True
+
+
+# ----------------------------------------------------------------------------- fixtures
+
+SMOOTH = sorted(n for n, a in ACTIVATIONS.items() if not a.stepwise)
+STEPWISE = sorted(n for n, a in ACTIVATIONS.items() if a.stepwise)
+
+
+@pytest.fixture(scope="session")
+def toy_cache_root(tmp_path_factory):
+    """A cache dir with toy tables (bits 1..4) for every smooth function: table
+    resolution then works whether or not tables are shipped yet."""
+    root = tmp_path_factory.mktemp("fewbit_cache")
+    for name in SMOOTH:
+        write_toy_cache(root, name, [1, 2, 3, 4])
+    return root
+
+
+@pytest.fixture(autouse=True)
+def fewbit_env(monkeypatch, toy_cache_root):
+    install_pointwise_standin(monkeypatch)
+    monkeypatch.setenv("FEWBIT_CACHE_DIR", str(toy_cache_root))
+    FF.clear_table_cache()
+    yield
+    FF.clear_table_cache()
+
+
+def _quick_gelu_torch(x):
+    return x * torch.sigmoid(1.702 * x)
+
+
+# (fewbit function name, torch reference, kwargs, table name, table params)
+CASES = [
+    ("gelu", F.gelu, {}, "gelu", {}),
+    ("gelu", lambda x: F.gelu(x, approximate="tanh"), {"approximate": "tanh"}, "gelu_tanh", {}),
+    ("silu", F.silu, {}, "silu", {}),
+    ("selu", F.selu, {}, "selu", {}),
+    ("elu", F.elu, {}, "elu", {}),
+    ("celu", F.celu, {}, "celu", {}),
+    ("mish", F.mish, {}, "mish", {}),
+    ("softplus", F.softplus, {}, "softplus", {}),
+    ("sigmoid", torch.sigmoid, {}, "sigmoid", {}),
+    ("tanh", torch.tanh, {}, "tanh", {}),
+    ("logsigmoid", F.logsigmoid, {}, "logsigmoid", {}),
+    ("softsign", F.softsign, {}, "softsign", {}),
+    ("tanhshrink", F.tanhshrink, {}, "tanhshrink", {}),
+    ("hardswish", F.hardswish, {}, "hardswish", {}),
+    ("quick_gelu", _quick_gelu_torch, {}, "quick_gelu", {}),
+]
+STEP_CASES = [
+    ("relu", F.relu, {}, "relu", {}),
+    ("leaky_relu", lambda x: F.leaky_relu(x, 0.2), {"negative_slope": 0.2}, "leaky_relu", {"negative_slope": 0.2}),
+    ("leaky_relu", F.leaky_relu, {}, "leaky_relu", {}),
+    ("relu6", F.relu6, {}, "relu6", {}),
+    ("hardtanh", lambda x: F.hardtanh(x, -0.5, 2.0), {"min_val": -0.5, "max_val": 2.0}, "hardtanh",
+     {"min_val": -0.5, "max_val": 2.0}),
+    ("threshold", lambda x: F.threshold(x, 0.3, -1.0), {"threshold": 0.3, "value": -1.0}, "threshold",
+     {"threshold": 0.3, "value": -1.0}),
+    ("hardshrink", lambda x: F.hardshrink(x, 0.3), {"lambd": 0.3}, "hardshrink", {"lambd": 0.3}),
+    ("softshrink", F.softshrink, {}, "softshrink", {}),
+    ("hardsigmoid", F.hardsigmoid, {}, "hardsigmoid", {}),
+]
+# Points on every stepwise border: the interval convention must match torch's backward.
+SPECIAL = [0.0, -0.0, 0.3, -0.3, 0.5, -0.5, 2.0, -1.0, 1.0, 3.0, -3.0, 6.0, 1e-30, -1e-30]
+
+
+def _input(dtype, n=(5, 37), special=False):
+    x = torch.randn(*n, dtype=torch.float64) * 4
+    if special:
+        flat = x.reshape(-1)
+        flat[: len(SPECIAL)] = torch.tensor(SPECIAL, dtype=torch.float64)
+    return x.to(dtype)
+
+
+def _case_id(c):
+    return c[3] + ("" if not c[2] else "-" + "-".join(f"{k}={v}" for k, v in c[2].items()))
+
+
+# ----------------------------------------------------------------------------- forward/backward
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("case", CASES + STEP_CASES, ids=_case_id)
+def test_forward_bitwise_and_backward_matches_reference(case, dtype):
+    fname, torch_fn, kwargs, tname, tparams = case
+    x = _input(dtype, special=True).requires_grad_(True)
+    y = getattr(FF, fname)(x, **kwargs, bits=2 if tname in SMOOTH else 1)
+    torch.testing.assert_close(y.detach(), torch_fn(x.detach()), atol=0, rtol=0)
+    assert y.dtype == dtype and y.shape == x.shape
+    g = torch.randn_like(y)
+    y.backward(g)
+    act = get_activation(tname)
+    full = canonical_params(act, tparams)
+    if act.stepwise:
+        # border parameters are rounded as torch rounds them for this dtype
+        full = FF._stepwise_params_for(tname, full, dtype)
+    table = FF.load_table(tname, 2 if tname in SMOOTH else 1, full)
+    assert table.name == tname
+    assert dict(table.params) == {k: v for k, v in full.items() if v != act.defaults[k]}
+    torch.testing.assert_close(x.grad, reference_grad(g, x.detach(), table), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", STEP_CASES, ids=_case_id)
+def test_stepwise_gradient_equals_torch_autograd(case, dtype):
+    fname, torch_fn, kwargs, tname, _ = case
+    x = _input(dtype, n=(7, 33), special=True)
+    if dtype in (torch.float16, torch.bfloat16):  # values next to the rounded parameters
+        p = torch.tensor([v for v in kwargs.values()] + [0.3, 0.7, 0.1], dtype=dtype)
+        near = torch.cat([p, torch.nextafter(p, p + 1), torch.nextafter(p, p - 1)])
+        near = torch.cat([near, -near])
+        x.reshape(-1)[len(SPECIAL): len(SPECIAL) + near.numel()] = near
+    x1 = x.clone().requires_grad_(True)
+    x2 = x.clone().requires_grad_(True)
+    g = torch.randn_like(x)
+    getattr(FF, fname)(x1, **kwargs).backward(g)
+    torch_fn(x2).backward(g)
+    # exact at 1 bit: bitwise equal to torch's own backward. Hardsigmoid's level is 1/6;
+    # torch multiplies by the float32 constant 1.0f/6.0f even for float64, so they are a
+    # float32 rounding apart there.
+    rtol = 2 * torch.finfo(torch.float32).eps if tname == "hardsigmoid" else 0
+    torch.testing.assert_close(x1.grad, x2.grad, atol=0, rtol=rtol)
+
+
+@pytest.mark.parametrize("bits", [1, 3, 8])
+def test_stepwise_ignores_extra_bits(bits):
+    t = FF.load_table("relu", bits)
+    assert t.bits == 1 and t.error == 0.0 and t.weight == "exact"
+
+
+def test_smooth_gradient_close_to_exact():
+    x = torch.linspace(-4, 4, 4001, dtype=torch.float64, requires_grad=True)
+    FF.gelu(x, bits=4).sum().backward()
+    exact = torch.autograd.grad(F.gelu(x).sum(), x)[0]
+    # a piecewise-constant 4-bit approximation of GELU' (even a crude one) is within 0.35 on [-4, 4]
+    assert (x.grad - exact).abs().max() < 0.35
+    assert torch.nn.functional.cosine_similarity(x.grad, exact, dim=0) > 0.99
+
+
+def test_odd_shapes_and_views():
+    for shape in [(0,), (1,), (1023,), (3, 0, 2)]:
+        x = torch.randn(shape, requires_grad=True)
+        y = FF.silu(x)
+        torch.testing.assert_close(y, F.silu(x.detach()), atol=0, rtol=0)
+        y.sum().backward()
+        assert x.grad.shape == x.shape
+    base = torch.randn(8, 10, requires_grad=True)
+    view = base.t()[::2]  # non-contiguous
+    y = FF.gelu(view, bits=3)
+    torch.testing.assert_close(y, F.gelu(view.detach()), atol=0, rtol=0)
+    g = torch.randn_like(y)
+    y.backward(g)
+    expected = torch.zeros(10, 8)
+    expected[::2] = reference_grad(g, view.detach(), FF.load_table("gelu", 3))
+    torch.testing.assert_close(base.grad, expected.t(), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("fname,torch_fn,kwargs", [
+    ("relu", F.relu, {}),
+    ("silu", F.silu, {}),
+    ("leaky_relu", lambda x, inplace: F.leaky_relu(x, 0.1, inplace), {"negative_slope": 0.1}),
+    ("hardtanh", F.hardtanh, {}),
+])
+def test_inplace(fname, torch_fn, kwargs):
+    x = torch.randn(6, 9, requires_grad=True)
+    h = x * 1.5
+    ptr = h.data_ptr()
+    out = getattr(FF, fname)(h, **kwargs, inplace=True)
+    assert out.data_ptr() == ptr
+    ref_in = (x.detach() * 1.5)
+    torch.testing.assert_close(out.detach(), torch_fn(ref_in.clone(), inplace=False), atol=0, rtol=0)
+    g = torch.randn_like(out)
+    out.backward(g)
+    table = FF.load_table(ACTIVATIONS["leaky_relu" if fname == "leaky_relu" else fname].name,
+                          3, {"negative_slope": 0.1} if fname == "leaky_relu" else None)
+    torch.testing.assert_close(x.grad, reference_grad(g, ref_in, table) * 1.5, atol=1e-6, rtol=1e-6)
+
+
+def test_no_grad_path_calls_torch_and_loads_no_table():
+    x = torch.randn(100)
+    with torch.no_grad():
+        y = FF.gelu(torch.randn(10, requires_grad=True), bits=8)  # no 8-bit table exists anywhere
+    assert FF._TABLES == {}
+    torch.testing.assert_close(FF.elu(x, 0.3, bits=5), F.elu(x, 0.3), atol=0, rtol=0)
+    assert FF._TABLES == {}
+    assert y.requires_grad is False
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+@pytest.mark.parametrize("bad", [0, 9, -1, 2.5, True, "3"])
+def test_bits_validation(bad):
+    x = torch.randn(4, requires_grad=True)
+    with pytest.raises(ValueError, match=r"bits must be"):
+        FF.gelu(x, bits=bad)
+    with pytest.raises(ValueError, match=r"bits must be"):
+        FF.relu(x, bits=bad)
+    with pytest.raises(ValueError, match=r"bits must be"):
+        FF.load_table("gelu", bad)
+
+
+def test_bits_message_names_value():
+    with pytest.raises(ValueError, match=r"bits must be in 1\.\.8, got 9"):
+        FF.silu(torch.randn(3), bits=9)
+
+
+@pytest.mark.parametrize("x", [torch.arange(5), torch.ones(3, dtype=torch.bool), [1.0, 2.0]])
+def test_non_floating_input(x):
+    with pytest.raises(TypeError, match="input"):
+        FF.gelu(x)
+    with pytest.raises(TypeError, match="input"):
+        FF.relu(x)
+    with pytest.raises(TypeError, match="input"):
+        FF.activation(x, "gelu")
+
+
+def test_invalid_approximate():
+    with pytest.raises(ValueError, match="approximate"):
+        FF.gelu(torch.randn(3), approximate="erf")
+
+
+def test_unknown_activation_and_param():
+    with pytest.raises(ValueError, match="unknown activation"):
+        FF.load_table("gleu", 3)
+    with pytest.raises(ValueError, match="takes parameters"):
+        FF.load_table("elu", 3, {"beta": 1.0})
+    with pytest.raises(ValueError, match="min_val"):
+        FF.hardtanh(torch.randn(3, requires_grad=True), 1.0, -1.0)
+
+
+def test_signatures_mirror_torch():
+    """Every function has torch's parameters (names, defaults, order) plus keyword-only bits."""
+    builtin = {  # torch builtins without an inspectable signature, from torch's docs
+        "gelu": ["input", ("approximate", "none")],
+        "softplus": ["input", ("beta", 1.0), ("threshold", 20.0)],
+        "logsigmoid": ["input"],
+        "hardshrink": ["input", ("lambd", 0.5)],
+        "softshrink": ["input", ("lambd", 0.5)],
+    }
+    names = [n for n in ACTIVATIONS if n != "gelu_tanh"]
+    for name in names:
+        ours = inspect.signature(getattr(FF, name))
+        params = list(ours.parameters.values())
+        assert params[-1].name == "bits" and params[-1].kind is inspect.Parameter.KEYWORD_ONLY
+        assert params[-1].default == get_activation(name).default_bits
+        got = [(p.name, p.default) if p.default is not inspect.Parameter.empty else p.name for p in params[:-1]]
+        if name == "quick_gelu":
+            assert got == ["input"]
+            continue
+        if name in builtin:
+            assert got == builtin[name], name
+            continue
+        torch_fn = getattr(F, name)
+        theirs = [(p.name, p.default) if p.default is not inspect.Parameter.empty else p.name
+                  for p in inspect.signature(torch_fn).parameters.values()]
+        assert got == theirs, name
+
+
+# ----------------------------------------------------------------------------- table resolution
+
+
+def test_load_table_is_cached_in_memory():
+    t1 = FF.load_table("silu", 3)
+    t2 = FF.load_table("swish", 3)  # alias
+    assert t1 is t2 and t1.name == "silu" and t1.bits == 3
+
+
+def test_load_table_from_path_and_table(tmp_path):
+    path = tmp_path / "mine.json"
+    write_tables(path, [toy_table("tanh", 1), toy_table("tanh", 2)])
+    t = FF.load_table(path, 2)
+    assert t.bits == 2 and t.name == "tanh"
+    assert FF.load_table(str(path), 1).bits == 1
+    with pytest.raises(TableFormatError, match="mine.json.*no 5-bit"):
+        FF.load_table(path, 5)
+    with pytest.raises(ValueError, match="pass bits"):
+        FF.load_table(path)
+    assert FF.load_table(t) is t
+    with pytest.raises(ValueError, match="does not match"):
+        FF.load_table(t, 3)
+
+
+def test_bad_json_names_the_file(tmp_path):
+    path = tmp_path / "bad.json"
+    doc = json.loads((tmp_path / "x.json").write_text("") or "{}") if False else None
+    write_tables(path, [toy_table("gelu", 2)])
+    doc = json.loads(path.read_text())
+    doc["schema_version"] = 99
+    path.write_text(json.dumps(doc))
+    with pytest.raises(TableFormatError, match="bad.json"):
+        FF.load_table(path, 2)
+    path.write_text("{not json")
+    with pytest.raises(TableFormatError, match="bad.json"):
+        FF.load_table(path, 2)
+    # a table file whose per-bits record does not match its key
+    write_tables(path, [toy_table("gelu", 2)])
+    doc = json.loads(path.read_text())
+    doc["tables"]["3"] = doc["tables"].pop("2")
+    path.write_text(json.dumps(doc))
+    with pytest.raises(TableFormatError, match="bad.json"):
+        FF.load_table(path, 3)
+
+
+def test_cache_never_reuses_table_for_other_params(tmp_path, monkeypatch):
+    monkeypatch.setenv("FEWBIT_CACHE_DIR", str(tmp_path))
+    # a file named for alpha=0.5 but holding a table fitted for the default alpha
+    wrong = toy_table("elu", 3)
+    path = tmp_path / "tables" / table_filename("elu", {"alpha": 0.5})
+    path.parent.mkdir(parents=True)
+    write_tables(path, [wrong])
+    with pytest.raises(ValueError, match="fitted for params"):
+        FF.load_table("elu", 3, {"alpha": 0.5})
+    # the right one is used
+    write_tables(path, [toy_table("elu", 3, {"alpha": 0.5})])
+    FF.clear_table_cache()
+    t = FF.load_table("elu", 3, {"alpha": 0.5})
+    assert dict(t.params) == {"alpha": 0.5}
+    x = torch.randn(50, requires_grad=True)
+    y = FF.elu(x, 0.5, bits=3)
+    torch.testing.assert_close(y, F.elu(x.detach(), 0.5), atol=0, rtol=0)
+    g = torch.randn(50)
+    y.backward(g)
+    torch.testing.assert_close(x.grad, reference_grad(g, x.detach(), t), atol=0, rtol=0)
+
+
+def test_activation_refuses_mismatched_table():
+    x = torch.randn(5, requires_grad=True)
+    with pytest.raises(ValueError, match="fitted for params"):
+        FF.activation(x, "elu", table=toy_table("elu", 3), params={"alpha": 0.5})
+    with pytest.raises(ValueError, match="is for 'tanh'"):
+        FF.activation(x, "sigmoid", table=toy_table("tanh", 3))
+
+
+def test_activation_generic_with_user_function(tmp_path):
+    """A user's activation ("module:callable") with its own JSON table works like ours."""
+    base = toy_table("sigmoid", 3)
+    mine = Table(name="torch:sigmoid", bits=3, borders=base.borders, codes=base.codes, values=base.values)
+    path = tmp_path / "my_sigmoid.json"
+    write_tables(path, [mine])
+    x = torch.randn(4, 25, requires_grad=True)
+    y = FF.activation(x, "torch:sigmoid", table=path, bits=3)
+    torch.testing.assert_close(y, torch.sigmoid(x.detach()), atol=0, rtol=0)
+    g = torch.randn_like(y)
+    y.backward(g)
+    torch.testing.assert_close(x.grad, reference_grad(g, x.detach(), mine), atol=0, rtol=0)
+    # registry name through the generic entry point
+    x.grad = None
+    FF.activation(x, "silu", bits=2).backward(g)
+    torch.testing.assert_close(x.grad, reference_grad(g, x.detach(), FF.load_table("silu", 2)), atol=0, rtol=0)
+    with pytest.raises(ValueError, match="cannot be imported"):
+        FF.activation(x, "no_such_module_xyz:f", table=mine)
+
+
+def test_solver_missing_gives_install_hint(tmp_path, monkeypatch):
+    import sys
+
+    monkeypatch.setenv("FEWBIT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setitem(sys.modules, "fewbit.solver", None)
+    with pytest.raises(ImportError, match=r'pip install "fewbit\[solver\]"'):
+        FF.load_table("elu", 3, {"alpha": 0.25})
+    assert not (tmp_path / "tables" / table_filename("elu", {"alpha": 0.25})).exists()
+
+
+def test_fit_through_solver_into_cache(tmp_path, monkeypatch):
+    """Non-default parameters of a smooth function: fitted once by the solver, cached
+    atomically in FEWBIT_CACHE_DIR, and read back from the cache afterwards."""
+    solver = pytest.importorskip("fewbit.solver")
+    if not hasattr(solver, "fit"):
+        pytest.skip("fewbit.solver.fit is not written yet")
+    monkeypatch.setenv("FEWBIT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setitem(FF.FIT_OPTIONS, "grid", 400)
+    with pytest.warns(FF.TableFittedWarning, match="elu"):
+        t = FF.load_table("elu", 2, {"alpha": 0.5})
+    assert t.name == "elu" and t.bits == 2 and dict(t.params) == {"alpha": 0.5}
+    path = tmp_path / "tables" / table_filename("elu", {"alpha": 0.5})
+    assert path.exists()
+    FF.clear_table_cache()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        t2 = FF.load_table("elu", 2, {"alpha": 0.5})
+    assert t2.values == t.values and t2.borders == t.borders
+    # gradient of the fitted table is a sensible approximation of ELU'(alpha=0.5)
+    x = torch.linspace(-5, 5, 1001, dtype=torch.float64, requires_grad=True)
+    FF.elu(x, 0.5, bits=2).sum().backward()
+    exact = torch.autograd.grad(F.elu(x, 0.5).sum(), x)[0]
+    assert torch.nn.functional.cosine_similarity(x.grad, exact, dim=0) > 0.95
