@@ -1,9 +1,260 @@
-"""The ``fewbit memory`` command (placeholder, being written)."""
+"""The ``fewbit memory`` command: saved-for-backward memory of a Hugging Face model.
+
+Builds the model from its transformers *config class defaults* (random weights; nothing is
+downloaded, the hub is never contacted), runs one training step for the three variants of
+:func:`fewbit.memory.compare` and prints a table in MiB (or ``--json``).
+
+This module imports only click and the standard library at import time; torch,
+transformers and fewbit.memory are imported inside the command.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import dataclass
 
 import click
 
+__all__ = ["memory", "MODELS"]
+
+
+@dataclass(frozen=True)
+class _Spec:
+    config: str  # transformers config class
+    model: str  # transformers model class (with a head that computes a loss from labels)
+    kind: str  # "causal" | "masked" | "seq2seq" | "image"
+    intermediate: str | None  # config attribute of the MLP width (None: derived from hidden)
+    intermediate_factor: float = 4.0
+
+
+#: Supported ``--model`` names.
+MODELS: dict[str, _Spec] = {
+    "gpt2": _Spec("GPT2Config", "GPT2LMHeadModel", "causal", "n_inner"),
+    "bert": _Spec("BertConfig", "BertForMaskedLM", "masked", "intermediate_size"),
+    "roberta": _Spec("RobertaConfig", "RobertaForMaskedLM", "masked", "intermediate_size"),
+    "vit": _Spec("ViTConfig", "ViTForImageClassification", "image", "intermediate_size"),
+    "distilbert": _Spec("DistilBertConfig", "DistilBertForMaskedLM", "masked", "hidden_dim"),
+    "t5": _Spec("T5Config", "T5ForConditionalGeneration", "seq2seq", "d_ff"),
+    "opt": _Spec("OPTConfig", "OPTForCausalLM", "causal", "ffn_dim"),
+    "llama": _Spec("LlamaConfig", "LlamaForCausalLM", "causal", "intermediate_size", 8 / 3),
+    "bloom": _Spec("BloomConfig", "BloomForCausalLM", "causal", None),
+}
+
+_MIB = 2.0**20
+_GIB = 2.0**30
+
+
+def _fail(msg: str) -> None:
+    raise click.ClickException(msg)
+
+
+def _make_config(name: str, layers: int | None, hidden: int | None):
+    import transformers
+
+    spec = MODELS[name]
+    cfg = getattr(transformers, spec.config)()
+    if layers is not None:
+        cfg.num_hidden_layers = layers
+        if name == "t5":
+            cfg.num_decoder_layers = layers
+    if hidden is not None:
+        heads = max(1, hidden // 64)
+        while hidden % heads:
+            heads -= 1
+        cfg.hidden_size = hidden
+        cfg.num_attention_heads = heads
+        if name == "t5":
+            cfg.d_kv = hidden // heads
+        if name == "llama":
+            cfg.num_key_value_heads = heads
+            cfg.head_dim = hidden // heads
+        if name == "opt":
+            cfg.word_embed_proj_dim = hidden
+        if spec.intermediate is not None:
+            setattr(cfg, spec.intermediate, int(round(hidden * spec.intermediate_factor)))
+    return cfg
+
+
+def _max_positions(cfg) -> int | None:
+    for attr in ("n_positions", "max_position_embeddings"):
+        v = getattr(cfg, attr, None)
+        if isinstance(v, int):
+            # RoBERTa reserves padding_idx + 1 positions.
+            return v - 2 if cfg.model_type == "roberta" else v
+    return None
+
+
+def _seq_tokens(cfg, kind: str, seq_len: int) -> int:
+    if kind == "image":
+        return (cfg.image_size // cfg.patch_size) ** 2 + 1
+    return seq_len
+
+
+def _estimate_bytes(name: str, cfg, n_params: int, batch: int, seq: int) -> int:
+    """Rough upper estimate of one fp32 training step: weights + grads + saved activations.
+
+    Saved activations per layer follow Korthikanti et al. (2022), ``s*b*h*(34 + 5*a*s/h)``
+    bytes in 16-bit, doubled for fp32; plus the logits (3 copies) and a 1.5x margin.
+    """
+    h = int(getattr(cfg, "hidden_size", 768))
+    a = int(getattr(cfg, "num_attention_heads", 12))
+    layers = int(getattr(cfg, "num_hidden_layers", 12))
+    if name == "t5":
+        layers *= 2
+    vocab = int(getattr(cfg, "vocab_size", None) or getattr(cfg, "num_labels", 2))
+    act = layers * batch * seq * h * (34 + 5 * a * seq / h) * 2
+    logits = 3 * batch * seq * vocab * 4
+    return int(1.5 * (8 * n_params + act + logits))
+
+
+def _available_bytes(device: str) -> int | None:
+    if device.startswith("cuda"):
+        import torch
+
+        free, _total = torch.cuda.mem_get_info(torch.device(device))
+        return int(free)
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _inputs(name: str, cfg, batch: int, seq: int, device):
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    spec = MODELS[name]
+    if spec.kind == "image":
+        x = torch.randn(batch, cfg.num_channels, cfg.image_size, cfg.image_size, generator=g)
+        y = torch.randint(0, cfg.num_labels, (batch,), generator=g)
+        return {"pixel_values": x.to(device), "labels": y.to(device)}
+    ids = torch.randint(3, cfg.vocab_size, (batch, seq), generator=g).to(device)
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def _format_table(title: str, res: dict) -> str:
+    head = (f"{'variant':<14}{'saved MiB':>11}{'activations':>13}{'compressed':>12}{'other':>10}"
+            f"{'saved ratio':>13}{'act ratio':>11}")
+    lines = [title, head, "-" * len(head)]
+    for variant, d in res.items():
+        sr = "-" if d.get("saved_ratio") is None else f"{d['saved_ratio']:.2f}x"
+        ar = "-" if d.get("activation_ratio") is None else f"{d['activation_ratio']:.2f}x"
+        lines.append(
+            f"{variant:<14}{d['saved_bytes'] / _MIB:>11.2f}{d['activation_bytes'] / _MIB:>13.2f}"
+            f"{d['compressed_bytes'] / _MIB:>12.2f}{d['other_bytes'] / _MIB:>10.2f}{sr:>13}{ar:>11}"
+        )
+    peak = [d.get("peak_bytes") for d in res.values()]
+    if any(p is not None for p in peak):
+        lines.append("peak CUDA MiB: " + ", ".join(
+            f"{v} {d['peak_bytes'] / _MIB:.1f}" for v, d in res.items() if d.get("peak_bytes") is not None))
+    lines.append("ratios are vanilla / variant; parameters are not counted (held anyway)")
+    return "\n".join(lines)
+
+
+def _positive(ctx, param, value):
+    if value is not None and value < 1:
+        raise click.BadParameter(f"must be >= 1, got {value}")
+    return value
+
 
 @click.command("memory")
-def memory() -> None:
-    """Report the memory saved for backward (being written)."""
-    raise click.ClickException("fewbit memory is not available yet")
+@click.option("--model", "model_name", required=True, metavar="NAME",
+              help=f"Hugging Face architecture: {', '.join(MODELS)}.")
+@click.option("--seq-len", default=256, show_default=True, type=int, callback=_positive,
+              help="Tokens per example (vision models use their image size instead).")
+@click.option("--batch", default=1, show_default=True, type=int, callback=_positive)
+@click.option("--bits", default=3, show_default=True, type=int, help="Few-bit code width, 1..8.")
+@click.option("--saved-bits", default=4, show_default=True, type=int,
+              help="Group-quantizer width for the other saved tensors: 1, 2, 4 or 8.")
+@click.option("--group-size", default=256, show_default=True, type=int, callback=_positive)
+@click.option("--layers", default=None, type=int, callback=_positive,
+              help="Override the number of layers of the default config.")
+@click.option("--hidden", default=None, type=int, callback=_positive,
+              help="Override the hidden size (MLP width and heads follow).")
+@click.option("--device", default="cpu", show_default=True, help="torch device (cpu, cuda).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+def memory(model_name, seq_len, batch, bits, saved_bits, group_size, layers, hidden, device, as_json):
+    """Memory saved for backward by one training step of a Hugging Face model.
+
+    The model is built from the default config of its transformers class with random
+    weights (no download). Three variants: vanilla; fewbit (activations keep BITS-bit
+    codes, Novikov et al. ICML 2023); fewbit+quant (and every other saved tensor is
+    group-quantized to SAVED_BITS bits, ActNN-style).
+    """
+    key = model_name.lower()
+    if key not in MODELS:
+        _fail(f"unknown model {model_name!r}; supported: {', '.join(MODELS)}")
+    if not 1 <= bits <= 8:
+        _fail(f"--bits must be in 1..8, got {bits}")
+    if saved_bits not in (1, 2, 4, 8):
+        _fail(f"--saved-bits must be one of 1, 2, 4, 8, got {saved_bits}")
+
+    import torch
+
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        _fail("--device cuda given but CUDA is not available")
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        _fail(f"--device must be a torch device such as cpu or cuda, got {device!r}")
+
+    import transformers
+    from transformers.utils import logging as hf_logging
+
+    from fewbit import memory as fm
+
+    hf_logging.set_verbosity_error()
+    spec = MODELS[key]
+    cfg = _make_config(key, layers, hidden)
+    max_pos = _max_positions(cfg)
+    if spec.kind != "image" and max_pos is not None and seq_len > max_pos:
+        _fail(f"--seq-len must be <= {max_pos} for {key}, got {seq_len}")
+    seq = _seq_tokens(cfg, spec.kind, seq_len)
+    model_cls = getattr(transformers, spec.model)
+    with torch.device("meta"):
+        n_params = sum(p.numel() for p in model_cls(cfg).parameters())
+    need = _estimate_bytes(key, cfg, n_params, batch, seq)
+    avail = _available_bytes(device)
+    if avail is not None and need > 0.8 * avail:
+        _fail(f"{key} with batch {batch} and {seq} tokens needs about {need / _GIB:.1f} GiB, "
+              f"only {avail / _GIB:.1f} GiB available; lower --seq-len/--batch or use --layers/--hidden")
+
+    def factory():
+        m = model_cls(cfg).to(dev)
+        m.train()
+        return m
+
+    inputs = _inputs(key, cfg, batch, seq_len, dev)
+    try:
+        res = fm.compare(factory, inputs, bits=bits, saved_bits=saved_bits, group_size=group_size)
+    except (MemoryError, torch.OutOfMemoryError) as exc:
+        _fail(f"out of memory while measuring {key} (batch {batch}, {seq} tokens): "
+              f"lower --seq-len/--batch ({type(exc).__name__})")
+    except RuntimeError as exc:
+        msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        if "memory" in msg.lower() or "allocate" in msg.lower():
+            _fail(f"out of memory while measuring {key}: {msg}; lower --seq-len/--batch")
+        raise
+    if res["vanilla"]["activation_bytes"] == 0 or res["fewbit"]["converted"] == 0:
+        click.echo(f"warning: {key} has no activation module that fewbit supports; "
+                   "the fewbit variants only differ by the group quantizer", err=True)
+    if as_json:
+        click.echo(json.dumps(res, indent=1))
+    else:
+        title = (f"{key}: {n_params / 1e6:.1f}M parameters, {cfg.num_hidden_layers} layers, "
+                 f"batch {batch}, {seq} tokens, bits {bits}, saved-bits {saved_bits}, "
+                 f"group {group_size}, device {device}")
+        click.echo(_format_table(title, res))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(memory())

@@ -1,0 +1,512 @@
+"""Memory report: what a training step keeps for backward, exactly and deduplicated.
+
+Every tensor that autograd saves for backward passes through the saved-tensor pack hook
+(:class:`torch.autograd.graph.saved_tensors_hooks`). :class:`SavedTensorRecorder` installs a
+pack hook that wraps whatever hooks are already active (e.g. the group quantizer of
+:mod:`fewbit.quant`, method.md §7), so it sees what is *actually* stored: a plain tensor, or a
+packed object whose ``.nbytes`` is counted. Plain tensors are deduplicated by the address of
+their untyped storage (a storage saved by several ops, or several views of one storage, counts
+once, with the storage's full size, since that is what stays alive); packed objects by
+identity.
+
+Categories:
+
+- ``"activation"``: tensors saved inside a pointwise activation module (``nn.GELU``,
+  ``nn.SiLU``, Hugging Face ``transformers.activations`` modules, fewbit modules). Vanilla,
+  that is the activation's input (and any intermediates of its formula); with fewbit, the
+  b-bit codes (Novikov et al., "Few-bit Backward", ICML 2023, sec. 3).
+- ``"compressed"``: packed objects returned by another pack hook (group-quantized tensors,
+  Chen et al., "ActNN", ICML 2021).
+- ``"other"``: every other saved tensor (inputs of Linear/Conv/norms/attention, the loss).
+- ``"parameters"``: saved tensors whose storage is a parameter or buffer of the model. They
+  are reported but *not* included in ``saved_bytes``: they are held in memory anyway.
+
+Example:
+    >>> import torch, fewbit.memory
+    >>> model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 1))
+    >>> rep = fewbit.memory.saved_tensor_report(model, torch.randn(4, 8))
+    >>> rep.by_category["activation"]   # the GELU input: 4 * 32 float32
+    512
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping
+
+import torch
+from torch import nn
+
+__all__ = [
+    "CATEGORIES",
+    "Report",
+    "SavedTensorRecorder",
+    "resume_recording",
+    "is_activation_module",
+    "saved_tensor_report",
+    "compare",
+    "VARIANTS",
+]
+
+#: Report categories, in display order.
+CATEGORIES = ("activation", "compressed", "other", "parameters")
+
+#: The variants of :func:`compare`.
+VARIANTS = ("vanilla", "fewbit", "fewbit+quant")
+
+
+def _activation_class_names() -> frozenset[str]:
+    from fewbit.activations import ACTIVATIONS
+
+    return frozenset(a.module for a in ACTIVATIONS.values() if a.module)
+
+
+_TORCH_ACTIVATION_NAMES = _activation_class_names()
+
+
+def is_activation_module(module: nn.Module) -> bool:
+    """Whether ``module`` is a pointwise activation (torch, Hugging Face or fewbit).
+
+    torch: the ``nn`` classes that fewbit mirrors (``GELU``, ``SiLU``, ``ReLU``, ...; not
+    ``Softmax`` or ``MultiheadAttention``). Hugging Face: any module defined in
+    ``transformers.activations`` (``GELUActivation``, ``NewGELUActivation``, ...). fewbit:
+    any module defined under ``fewbit.modules``.
+    """
+    cls = type(module)
+    mod = cls.__module__ or ""
+    if mod.startswith("fewbit.modules") or mod.startswith("fewbit.functional"):
+        return True
+    if mod == "transformers.activations":
+        return True
+    return mod.startswith("torch.nn.modules.activation") and cls.__name__ in _TORCH_ACTIVATION_NAMES
+
+
+def _packed_nbytes(obj: Any) -> int:
+    """Bytes held by a packed object: its ``nbytes`` (int or callable), or the sum over tensors in it."""
+    nb = getattr(obj, "nbytes", None)
+    if callable(nb):
+        nb = nb()
+    if isinstance(nb, int):
+        return nb
+    if isinstance(obj, torch.Tensor):
+        return obj.untyped_storage().nbytes()
+    if isinstance(obj, (tuple, list)):
+        return sum(_packed_nbytes(o) for o in obj)
+    if isinstance(obj, dict):
+        return sum(_packed_nbytes(o) for o in obj.values())
+    if hasattr(obj, "__dict__"):
+        return sum(_packed_nbytes(o) for o in vars(obj).values() if isinstance(o, (torch.Tensor, tuple, list, dict)))
+    return 0
+
+
+def _storage_key(t: torch.Tensor) -> tuple[str, int] | None:
+    try:
+        st = t.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return None
+    ptr = st.data_ptr()
+    if ptr == 0:  # empty storage
+        return None
+    return (str(t.device), ptr)
+
+
+_ACTIVE: list["SavedTensorRecorder"] = []
+
+
+def resume_recording():
+    """``active_recorder.resume()`` for the innermost active recorder, else a no-op context.
+
+    Use it inside code that pushes its own saved-tensor hooks, so that a surrounding
+    :class:`SavedTensorRecorder` still sees what is saved.
+    """
+    if _ACTIVE:
+        return _ACTIVE[-1].resume()
+    return contextlib.nullcontext()
+
+
+class SavedTensorRecorder:
+    """Context manager that records every tensor saved for backward, deduplicated.
+
+    It composes with saved-tensor hooks already active when it is entered (e.g.
+    ``fewbit.compress_activations``): their pack hook runs first and the recorder counts its
+    result (a tensor by storage, any other object by ``.nbytes``). Hooks entered *inside* the
+    recorder replace it (torch applies only the innermost pair), so enter the recorder last.
+
+    Args:
+        model: if given, its parameters and buffers are recognised (category
+            ``"parameters"``) and forward hooks attribute each saved tensor to the innermost
+            running submodule (by qualified name; ``""`` is the model itself).
+
+    Attributes:
+        saved_bytes: bytes kept for backward, parameters excluded.
+        by_category: ``{category: bytes}`` for :data:`CATEGORIES`.
+        by_module: ``{module name: bytes}`` (parameters excluded).
+        num_saved: number of pack-hook calls.
+        num_unique: number of distinct storages / packed objects counted.
+    """
+
+    def __init__(self, model: nn.Module | None = None) -> None:
+        self.model = model
+        self._stack: list[str] = []
+        self._act_stack: list[bool] = []
+        self._param_keys: set = set()
+        self._handles: list = []
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget everything recorded (call between steps to reuse one recorder)."""
+        self.by_category: dict[str, int] = {c: 0 for c in CATEGORIES}
+        self.by_module: dict[str, int] = {}
+        self.num_saved = 0
+        self.num_unique = 0
+        self._seen: dict[Any, None] = {}
+        self._keep: list[Any] = []  # keeps packed objects alive so that id() stays unique
+
+    @property
+    def saved_bytes(self) -> int:
+        return sum(v for k, v in self.by_category.items() if k != "parameters")
+
+    # -- hooks --------------------------------------------------------------
+    def _add(self, key: Any, nbytes: int, category: str) -> None:
+        if key in self._seen:
+            return
+        self._seen[key] = None
+        self.num_unique += 1
+        self.by_category[category] += nbytes
+        if category != "parameters":
+            name = self._stack[-1] if self._stack else ""
+            self.by_module[name] = self.by_module.get(name, 0) + nbytes
+
+    def _make_hooks(self, inner: tuple[Callable, Callable] | None) -> tuple[Callable, Callable]:
+        """Pack/unpack hooks that record into ``self`` and delegate to ``inner`` (if any)."""
+
+        def pack(t: torch.Tensor) -> Any:
+            self.num_saved += 1
+            in_activation = any(self._act_stack)
+            packed = inner[0](t) if inner is not None else t.detach()
+            if isinstance(packed, torch.Tensor):
+                key = _storage_key(packed)
+                if key is None:
+                    pass
+                elif key in self._param_keys:
+                    self._add(key, packed.untyped_storage().nbytes(), "parameters")
+                else:
+                    category = "activation" if in_activation else "other"
+                    self._add(key, packed.untyped_storage().nbytes(), category)
+            else:
+                self._keep.append(packed)
+                category = "activation" if in_activation else "compressed"
+                self._add(("packed", id(packed)), _packed_nbytes(packed), category)
+            return packed
+
+        def unpack(packed: Any) -> torch.Tensor:
+            return inner[1](packed) if inner is not None else packed
+
+        return pack, unpack
+
+    @staticmethod
+    def _top_hooks() -> tuple[Callable, Callable] | None:
+        try:
+            return torch._C._autograd._top_saved_tensors_default_hooks(False)
+        except (AttributeError, TypeError):  # pragma: no cover - private API moved
+            return None
+
+    @contextlib.contextmanager
+    def resume(self):
+        """Record again on top of hooks pushed since this recorder was entered.
+
+        torch applies only the innermost saved-tensor hooks, so a context that pushes its own
+        hooks (e.g. ``fewbit.compress_activations`` entered inside one module's forward) hides
+        the recorder. Entering ``recorder.resume()`` inside that context composes with it.
+        """
+        with torch.autograd.graph.saved_tensors_hooks(*self._make_hooks(self._top_hooks())):
+            yield self
+
+    def __enter__(self) -> "SavedTensorRecorder":
+        self._stack = []
+        self._act_stack = []
+        self._handles = []
+        self._param_keys = set()
+        if self.model is not None:
+            for p in list(self.model.parameters()) + list(self.model.buffers()):
+                k = _storage_key(p)
+                if k is not None:
+                    self._param_keys.add(k)
+            for name, mod in self.model.named_modules():
+                is_act = is_activation_module(mod)
+
+                def pre(m, args, _name=name, _act=is_act):
+                    self._stack.append(_name)
+                    self._act_stack.append(_act)
+
+                def post(m, args, out, _name=name):
+                    if self._stack and self._stack[-1] == _name:
+                        self._stack.pop()
+                        self._act_stack.pop()
+
+                self._handles.append(mod.register_forward_pre_hook(pre))
+                self._handles.append(mod.register_forward_hook(post, always_call=True))
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(*self._make_hooks(self._top_hooks()))
+        self._hooks.__enter__()
+        _ACTIVE.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if _ACTIVE and _ACTIVE[-1] is self:
+            _ACTIVE.pop()
+        self._hooks.__exit__(*exc)
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self._keep = []  # packed objects stay alive through the graph, not through us
+
+
+@dataclass
+class Report:
+    """What one forward+backward step saved for backward.
+
+    Attributes:
+        saved_bytes: bytes kept for backward (unique storages and packed objects), parameters
+            and buffers excluded.
+        by_category: ``{"activation"|"compressed"|"other"|"parameters": bytes}``.
+        by_module: ``{qualified module name: bytes}`` (innermost running module at save time).
+        num_saved: number of tensors saved (pack-hook calls, before deduplication).
+        num_unique: distinct storages / packed objects.
+        peak_bytes: on CUDA, ``torch.cuda.max_memory_allocated`` during the step (bytes);
+            ``None`` on CPU.
+        loss: the loss value of the step.
+    """
+
+    saved_bytes: int
+    by_category: dict[str, int]
+    by_module: dict[str, int] = field(default_factory=dict)
+    num_saved: int = 0
+    num_unique: int = 0
+    peak_bytes: int | None = None
+    loss: float = math.nan
+
+    @property
+    def activation_bytes(self) -> int:
+        """Bytes saved by pointwise activations (inputs or fewbit codes)."""
+        return self.by_category["activation"]
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-friendly dict (``by_module`` included)."""
+        return {
+            "saved_bytes": self.saved_bytes,
+            "activation_bytes": self.activation_bytes,
+            "compressed_bytes": self.by_category["compressed"],
+            "other_bytes": self.by_category["other"],
+            "parameter_bytes": self.by_category["parameters"],
+            "num_saved": self.num_saved,
+            "num_unique": self.num_unique,
+            "peak_bytes": self.peak_bytes,
+            "loss": self.loss,
+            "by_module": dict(self.by_module),
+        }
+
+    def format(self, top: int = 10) -> str:
+        """A readable table in MiB, with the ``top`` largest modules."""
+        mib = 2.0**20
+        lines = [f"saved for backward: {self.saved_bytes / mib:.3f} MiB "
+                 f"({self.num_unique} unique of {self.num_saved} saved)"]
+        for c in CATEGORIES:
+            lines.append(f"  {c:<11} {self.by_category[c] / mib:10.3f} MiB")
+        if self.peak_bytes is not None:
+            lines.append(f"  peak CUDA   {self.peak_bytes / mib:10.3f} MiB")
+        mods = sorted(self.by_module.items(), key=lambda kv: -kv[1])[:top]
+        if mods:
+            lines.append("largest modules:")
+            for name, b in mods:
+                lines.append(f"  {name or '<model>':<40} {b / mib:10.3f} MiB")
+        return "\n".join(lines)
+
+
+def _default_loss(output: Any) -> torch.Tensor:
+    loss = getattr(output, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss
+    if isinstance(output, torch.Tensor):
+        return output.float().pow(2).mean()
+    if isinstance(output, Mapping):
+        values: Iterable[Any] = output.values()
+    elif isinstance(output, (tuple, list)):
+        values = output
+    else:
+        values = []
+    for v in values:
+        if isinstance(v, torch.Tensor) and v.is_floating_point() and v.requires_grad:
+            return v.float().pow(2).mean()
+    raise TypeError(
+        f"cannot find a loss in the model output of type {type(output).__name__}; pass loss_fn"
+    )
+
+
+def _call(model: nn.Module, inputs: Any) -> Any:
+    if isinstance(inputs, Mapping):
+        return model(**inputs)
+    if isinstance(inputs, (tuple, list)):
+        return model(*inputs)
+    return model(inputs)
+
+
+def saved_tensor_report(
+    model: nn.Module,
+    inputs: Any,
+    *,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+) -> Report:
+    """Run one forward+backward of ``model`` and report what was saved for backward.
+
+    Saved-tensor hooks already active (``fewbit.compress_activations``) are composed with, so
+    the report counts their packed output (see :class:`SavedTensorRecorder`).
+
+    Args:
+        model: any ``nn.Module``; gradients are accumulated into its parameters (call
+            ``model.zero_grad()`` afterwards if that matters).
+        inputs: a tensor (``model(inputs)``), a tuple/list (``model(*inputs)``) or a mapping
+            (``model(**inputs)``, e.g. Hugging Face ``input_ids``/``labels``).
+        loss_fn: ``loss_fn(output) -> scalar``. Default: ``output.loss`` when present (Hugging
+            Face with labels), else the mean square of the first floating output that
+            requires grad.
+
+    Returns:
+        A :class:`Report` (bytes are exact counts of unique storages / packed objects).
+
+    Raises:
+        TypeError: if ``model`` is not an ``nn.Module`` or no loss can be found.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    loss_fn = loss_fn or _default_loss
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    rec = SavedTensorRecorder(model)
+    with torch.enable_grad():
+        with rec:
+            output = _call(model, inputs)
+            loss = loss_fn(output)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise TypeError("loss_fn must return a scalar tensor")
+        loss.backward()
+    peak = None
+    if cuda:
+        torch.cuda.synchronize(device)
+        peak = int(torch.cuda.max_memory_allocated(device))
+    return Report(
+        saved_bytes=rec.saved_bytes,
+        by_category=dict(rec.by_category),
+        by_module=dict(rec.by_module),
+        num_saved=rec.num_saved,
+        num_unique=rec.num_unique,
+        peak_bytes=peak,
+        loss=float(loss.detach()),
+    )
+
+
+def _check_bits(name: str, value: Any, allowed: Iterable[int]) -> int:
+    allowed = tuple(allowed)
+    if isinstance(value, bool) or not isinstance(value, int) or value not in allowed:
+        raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+    return value
+
+
+def compare(
+    model_factory: Callable[[], nn.Module],
+    inputs: Any,
+    *,
+    bits: int = 3,
+    saved_bits: int = 4,
+    group_size: int = 256,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    variants: Iterable[str] = VARIANTS,
+) -> dict[str, dict[str, Any]]:
+    """Saved-for-backward memory of one step for the vanilla and fewbit variants.
+
+    - ``"vanilla"``: the model as built;
+    - ``"fewbit"``: pointwise activations replaced by ``fewbit.convert_(model, bits=bits)``
+      (Novikov et al., ICML 2023);
+    - ``"fewbit+quant"``: the same, and every other saved tensor group-quantized to
+      ``saved_bits`` bits with groups of ``group_size`` (``fewbit.compress_activations``;
+      ActNN-style, method.md §7).
+
+    Each variant gets a fresh model from ``model_factory`` (seeded with 0 before each call).
+
+    Args:
+        model_factory: ``() -> nn.Module``.
+        inputs: as for :func:`saved_tensor_report`.
+        bits: few-bit code width for activations, 1..8.
+        saved_bits: group-quantizer width, one of 1, 2, 4, 8.
+        group_size: elements per quantization group (>= 1).
+        loss_fn: as for :func:`saved_tensor_report`.
+        variants: which of :data:`VARIANTS` to run.
+
+    Returns:
+        ``{variant: {"saved_bytes", "activation_bytes", "compressed_bytes", "other_bytes",
+        "parameter_bytes", "peak_bytes", "loss", "converted", "saved_ratio",
+        "activation_ratio"}}``; the ratios are vanilla / variant (``None`` when vanilla was not
+        run or the variant's bytes are 0). ``converted`` is the number of activation modules
+        replaced.
+
+    Raises:
+        ValueError: for bits outside 1..8, saved_bits outside {1, 2, 4, 8}, group_size < 1 or
+            an unknown variant.
+    """
+    _check_bits("bits", bits, range(1, 9))
+    _check_bits("saved_bits", saved_bits, (1, 2, 4, 8))
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+        raise ValueError(f"group_size must be an integer >= 1, got {group_size!r}")
+    variants = tuple(variants)
+    for v in variants:
+        if v not in VARIANTS:
+            raise ValueError(f"variant must be one of {VARIANTS}, got {v!r}")
+
+    out: dict[str, dict[str, Any]] = {}
+    for variant in variants:
+        torch.manual_seed(0)
+        model = model_factory()
+        converted = 0
+        if variant != "vanilla":
+            converted = _convert(model, bits)
+        if variant == "fewbit+quant":
+            import fewbit
+
+            ctx = fewbit.compress_activations(saved_bits, group_size=group_size)
+        else:
+            ctx = contextlib.nullcontext()
+        with ctx:
+            rep = saved_tensor_report(model, inputs, loss_fn=loss_fn)
+        d = rep.to_dict()
+        d.pop("by_module")
+        d["converted"] = converted
+        out[variant] = d
+        del model
+    base = out.get("vanilla")
+    for d in out.values():
+        for key, ratio in (("saved_bytes", "saved_ratio"), ("activation_bytes", "activation_ratio")):
+            d[ratio] = (base[key] / d[key]) if base is not None and d[key] else None
+    return out
+
+
+def _convert(model: nn.Module, bits: int) -> int:
+    """Apply ``fewbit.convert_`` and return the number of modules replaced."""
+    import fewbit
+
+    before = {name for name, m in model.named_modules() if is_activation_module(m)
+              and not type(m).__module__.startswith("fewbit.")}
+    result = fewbit.convert_(model, bits=bits)
+    for attr in ("num_converted", "converted", "count"):
+        val = getattr(result, attr, None)
+        if isinstance(val, int):
+            return val
+        if isinstance(val, (list, tuple, dict)):
+            return len(val)
+    after = {name for name, m in model.named_modules() if type(m).__module__.startswith("fewbit.")}
+    return len(after) if after else len(before) - len(
+        {name for name, m in model.named_modules() if is_activation_module(m)
+         and not type(m).__module__.startswith("fewbit.")})
