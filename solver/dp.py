@@ -1,0 +1,221 @@
+"""Exact dynamic programming for optimal piecewise-constant fits (method.md §4).
+
+Novikov et al., "Few-bit Backward" (ICML 2023), sec. 3 and app. G: on a grid
+``A = t_0 < ... < t_n = B`` with prefix integrals
+
+    W(i) = int_A^{t_i} w,   FW(i) = int_A^{t_i} f' w,   F2(i) = int_A^{t_i} f'^2 w,
+
+one constant piece on ``[t_j, t_i]`` costs
+
+    T(j, i) = F2(i) - F2(j) - (FW(i) - FW(j))^2 / (W(i) - W(j))
+
+and ``DP(i, k) = min_{j < i} DP(j, k - 1) + T(j, i)``. The cost is not Monge for
+non-monotone ``f'`` (GELU, SiLU), so no Knuth / divide-and-conquer shortcut is used: all
+three implementations here evaluate the full recurrence, O(n^2 K) time.
+
+- :func:`dp_numba`: the fast one. It visits ``i`` in blocks; for the grid points ``j``
+  before a block it computes ``T(j, i)`` once and updates all ``K`` layers (vectorised
+  over ``k``), in parallel over ``i`` in the block; then it finishes the few ``j`` inside
+  the block sequentially. That is the same recurrence with 1/K of the divisions.
+- :func:`dp_numpy`: a plain layer-by-layer numpy reference.
+- :func:`brute_force`: enumerates every set of borders (tiny grids, tests).
+
+Ties are broken towards the smallest ``j`` in all three.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+from numba import njit, prange
+
+__all__ = [
+    "segment_cost",
+    "dp_numba",
+    "dp_numba_tables",
+    "backtrack",
+    "dp_numpy",
+    "brute_force",
+    "borders_cost",
+]
+
+# Denominator floor: a piece the weight does not see (W(i) == W(j)) has FW diff 0 and costs 0.
+_TINY = 1e-300
+# fastmath without nnan / ninf: infeasible states are +inf and must compare correctly.
+_FASTMATH = {"reassoc", "nsz", "arcp", "contract", "afn"}
+_BLOCK = 64
+
+
+def _check(W, FW, F2, K):
+    W = np.ascontiguousarray(W, dtype=np.float64)
+    FW = np.ascontiguousarray(FW, dtype=np.float64)
+    F2 = np.ascontiguousarray(F2, dtype=np.float64)
+    if W.ndim != 1 or W.shape != FW.shape or W.shape != F2.shape:
+        raise ValueError(f"W, FW, F2 must be 1-d of equal length, got {W.shape}, {FW.shape}, {F2.shape}")
+    n = W.size - 1
+    if isinstance(K, bool) or not isinstance(K, (int, np.integer)) or K < 1:
+        raise ValueError(f"K must be an integer >= 1, got {K!r}")
+    if n < K:
+        raise ValueError(f"the grid has {n} cells, fewer than K={K} pieces")
+    if not (np.all(np.isfinite(W)) and np.all(np.isfinite(FW)) and np.all(np.isfinite(F2))):
+        raise ValueError("prefix integrals must be finite")
+    return W, FW, F2, int(K)
+
+
+def segment_cost(W, FW, F2, j, i):
+    """``T(j, i)`` for index arrays ``j < i`` (broadcast), clamped at 0.
+
+    Returns:
+        float64 array of the broadcast shape.
+    """
+    W, FW, F2 = (np.asarray(a, dtype=np.float64) for a in (W, FW, F2))
+    dw = W[i] - W[j]
+    d = FW[i] - FW[j]
+    t = F2[i] - F2[j] - d * d / np.maximum(dw, _TINY)
+    return np.maximum(t, 0.0)
+
+
+@njit(parallel=True, error_model="numpy", fastmath=_FASTMATH, cache=True)
+def _dp_kernel(W, FW, F2, K, block):  # pragma: no cover - compiled
+    n = W.shape[0] - 1
+    KP = K + 1
+    D = np.full((n + 1, KP), np.inf)
+    A = np.zeros((n + 1, KP), np.int32)
+    D[0, 0] = 0.0
+    for i0 in range(1, n + 1, block):
+        i1 = min(i0 + block, n + 1)
+        # j < i0: every layer of D[j] is final; compute T(j, i) once for all k.
+        for i in prange(i0, i1):
+            Wi = W[i]
+            FWi = FW[i]
+            F2i = F2[i]
+            best = np.full(KP, np.inf)
+            arg = np.zeros(KP, np.int32)
+            for j in range(i0):
+                d = FWi - FW[j]
+                t = F2i - F2[j] - d * d / max(Wi - W[j], 1e-300)
+                t = max(t, 0.0)
+                for k in range(1, KP):
+                    c = D[j, k - 1] + t
+                    m = c < best[k]
+                    best[k] = c if m else best[k]
+                    arg[k] = j if m else arg[k]
+            for k in range(1, KP):
+                D[i, k] = best[k]
+                A[i, k] = arg[k]
+        # i0 <= j < i: inside the block, in order.
+        for i in range(i0 + 1, i1):
+            Wi = W[i]
+            FWi = FW[i]
+            F2i = F2[i]
+            for j in range(i0, i):
+                d = FWi - FW[j]
+                t = F2i - F2[j] - d * d / max(Wi - W[j], 1e-300)
+                t = max(t, 0.0)
+                for k in range(1, KP):
+                    c = D[j, k - 1] + t
+                    if c < D[i, k]:
+                        D[i, k] = c
+                        A[i, k] = j
+    return D, A
+
+
+def dp_numba_tables(W, FW, F2, K):
+    """Full DP tables: ``D (n + 1, K + 1)`` best costs and ``A`` arg-mins (int32).
+
+    ``D[i, k]`` is the best cost of ``[t_0, t_i]`` with exactly ``k`` pieces, so one run
+    serves every ``k <= K`` (see :func:`backtrack`).
+
+    Raises:
+        ValueError: for bad shapes, non-finite input, ``K < 1`` or fewer than ``K`` cells.
+    """
+    W, FW, F2, K = _check(W, FW, F2, K)
+    return _dp_kernel(W, FW, F2, K, _BLOCK)
+
+
+def backtrack(A: np.ndarray, n: int, k: int) -> np.ndarray:
+    """Interior border indices ``(k - 1,)`` (increasing) of the best ``k``-piece split of ``[0, n]``."""
+    out = np.empty(k - 1, dtype=np.int64)
+    i = n
+    for kk in range(k, 1, -1):
+        i = int(A[i, kk])
+        out[kk - 2] = i
+    return out
+
+
+def dp_numba(W, FW, F2, K):
+    """Exact O(n^2 K) DP with numba (parallel over grid points, cached compilation).
+
+    Args:
+        W, FW, F2: ``(n + 1,)`` float64 prefix integrals on the grid (``W`` increasing).
+        K: number of pieces, ``1 <= K <= n``.
+
+    Returns:
+        ``(cost, borders)``: the best cost (float) and the interior border indices
+        ``(K - 1,)`` int64, increasing, in ``1..n-1``.
+
+    Raises:
+        ValueError: see :func:`dp_numba_tables`.
+    """
+    D, A = dp_numba_tables(W, FW, F2, K)
+    n = W.shape[0] - 1
+    return float(D[n, K]), backtrack(A, n, K)
+
+
+def dp_numpy(W, FW, F2, K):
+    """Plain numpy reference of :func:`dp_numba` (layer by layer, vectorised over ``j``).
+
+    Returns:
+        ``(cost, borders)`` as :func:`dp_numba`.
+    """
+    W, FW, F2, K = _check(W, FW, F2, K)
+    n = W.size - 1
+    D = np.full((K + 1, n + 1), np.inf)
+    A = np.zeros((K + 1, n + 1), dtype=np.int64)
+    D[0, 0] = 0.0
+    for k in range(1, K + 1):
+        for i in range(k, n + 1):
+            j = np.arange(i)
+            c = D[k - 1, :i] + segment_cost(W, FW, F2, j, i)
+            a = int(np.argmin(c))  # first minimum
+            D[k, i] = c[a]
+            A[k, i] = a
+    out = np.empty(K - 1, dtype=np.int64)
+    i = n
+    for k in range(K, 1, -1):
+        i = int(A[k, i])
+        out[k - 2] = i
+    return float(D[K, n]), out
+
+
+def borders_cost(W, FW, F2, borders) -> float:
+    """Total cost of the pieces cut at grid indices ``borders`` (interior, increasing)."""
+    n = len(W) - 1
+    idx = np.r_[0, np.asarray(borders, dtype=np.int64), n]
+    return float(segment_cost(W, FW, F2, idx[:-1], idx[1:]).sum())
+
+
+def brute_force(W, FW, F2, K):
+    """Enumerate every ``K``-piece split (``C(n - 1, K - 1)`` of them; tiny grids only).
+
+    Returns:
+        ``(cost, borders)`` with the lexicographically first optimal border set.
+    """
+    W, FW, F2, K = _check(W, FW, F2, K)
+    n = W.size - 1
+    best, arg = np.inf, None
+    for comb in itertools.combinations(range(1, n), K - 1):
+        c = borders_cost(W, FW, F2, comb)
+        if c < best:
+            best, arg = c, comb
+    return float(best), np.asarray(arg, dtype=np.int64)
+
+
+def prefix_integrals(objective, t):
+    """``W, FW, F2`` (each ``(n + 1,)``, float64, from 0) on grid ``t`` for a :class:`~fewbit.solver.objective.Objective`.
+
+    Per cell: Gauss-Legendre with ``GL_NODES`` nodes for ``int f'^2 w`` (and for
+    ``int f' w`` with a smooth weight); ``w * (f(b) - f(a))`` exactly for piecewise-constant weights.
+    """
+    return objective.prefix(np.asarray(t, dtype=np.float64))

@@ -1,0 +1,297 @@
+"""Fit few-bit tables: DP on a grid, then continuous refinement (method.md §2-5).
+
+Novikov et al., "Few-bit Backward" (ICML 2023): the optimal b-bit approximation of
+``f'`` by a piecewise-constant ``q`` minimises eq. 3; sec. 3 / app. G solve it by
+dynamic programming, which we follow with a continuous refinement of the borders.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Iterable, Mapping
+
+import numpy as np
+
+from fewbit import activations as _acts
+from fewbit.table import Table
+
+from . import registry as _registry
+from . import weights as _weights
+from .objective import Objective, table_error
+
+__all__ = ["fit", "fit_many", "approximation_error", "DEFAULT_GRID", "DEFAULT_DOMAIN"]
+
+#: Default number of DP grid cells on the fitted interval (``[A, B]``, or ``[0, B]`` when mirrored).
+DEFAULT_GRID = 8000
+DEFAULT_DOMAIN = (-10.0, 10.0)
+
+
+def _check_bits(bits) -> int:
+    if isinstance(bits, bool) or not isinstance(bits, (int, np.integer)) or not 1 <= int(bits) <= 8:
+        raise ValueError(f"bits must be an integer in 1..8, got {bits!r}")
+    return int(bits)
+
+
+def _check_domain(domain) -> tuple[float, float]:
+    try:
+        A, B = (float(d) for d in domain)
+    except (TypeError, ValueError):
+        raise ValueError(f"domain must be a pair (A, B) of finite numbers with A < B, got {domain!r}") from None
+    if not (math.isfinite(A) and math.isfinite(B) and A < B):
+        raise ValueError(f"domain must be a pair (A, B) of finite numbers with A < B, got {domain!r}")
+    return A, B
+
+
+def _command(fn, bits, domain, weight, grid, symmetric, params, refine) -> str:
+    args = [repr(fn), f"bits={bits!r}"]
+    if domain != DEFAULT_DOMAIN:
+        args.append(f"domain={domain!r}")
+    if weight != "uniform":
+        args.append(f"weight={weight!r}")
+    if grid != DEFAULT_GRID:
+        args.append(f"grid={grid!r}")
+    if symmetric is not None:
+        args.append(f"symmetric={symmetric!r}")
+    if params:
+        args.append(f"params={dict(params)!r}")
+    if not refine:
+        args.append("refine=False")
+    return f"fewbit.solver.fit({', '.join(args)})"
+
+
+def _stepwise_table(sf, params, bits: int) -> Table:
+    base = _acts.exact_table(sf.name, params)
+    if bits == 1:
+        return base
+    n_codes = 1 << bits
+    values = list(base.values) + [0.0] * (n_codes - len(base.values))
+    return Table(
+        name=base.name,
+        bits=bits,
+        borders=base.borders,
+        codes=base.codes,
+        values=values,
+        error=0.0,
+        params=base.params,
+        domain=base.domain,
+        weight=base.weight,
+        symmetric=False,
+        provenance={**base.provenance, "note": f"exact 1-bit table padded to {bits} bits (codes >= 2 unused)"},
+    )
+
+
+def _prepare(fn, bits_list, domain, weight, grid, symmetric, params):
+    sf = _registry.get(fn)
+    full = sf.params(params)
+    A, B = _check_domain(domain)
+    w = _weights.parse(weight)
+    if grid is None:
+        grid = DEFAULT_GRID
+    if isinstance(grid, bool) or not isinstance(grid, (int, np.integer)):
+        raise ValueError(f"grid must be an integer number of cells, got {grid!r}")
+    grid = int(grid)
+    k_max = max(1 << b for b in bits_list)
+    if grid < k_max:
+        raise ValueError(f"grid must be at least 2**bits = {k_max} cells, got {grid}")
+    if symmetric not in (None, True, False):
+        raise ValueError(f"symmetric must be None, True or False, got {symmetric!r}")
+    straddles = A < 0.0 < B
+    if symmetric is None:
+        sym = (not sf.stepwise) and sf.even and straddles
+    elif symmetric:
+        if sf.stepwise:
+            sym = False
+        else:
+            if not straddles:
+                raise ValueError(f"symmetric=True needs a domain with A < 0 < B, got {(A, B)}")
+            if not _registry.is_even(sf, full, max(-A, B)):
+                raise ValueError(f"symmetric=True needs an even derivative, and {sf.name}' is not even")
+            sym = True
+    else:
+        sym = False
+    return sf, full, (A, B), w, grid, sym
+
+
+def fit_many(
+    fn: str,
+    bits_list: Iterable[int],
+    *,
+    domain: tuple[float, float] = DEFAULT_DOMAIN,
+    weight="uniform",
+    grid: int | None = None,
+    symmetric: bool | None = None,
+    params: Mapping[str, float] | None = None,
+    refine: bool = True,
+    progress: Callable[[int, int], None] | None = None,
+) -> dict[int, Table]:
+    """Fit tables for several bit widths at once, sharing the prefix integrals and one DP run.
+
+    One DP run with ``K = 2**max(bits)`` pieces yields the optimum for every smaller ``K``
+    (its table ``D[n, k]`` holds all of them), so ``fit_many(fn, [1, 2, 3, 4])`` costs about
+    one ``fit(fn, 4)`` plus the refinements.
+
+    Args: as :func:`fit`, with ``bits_list`` a non-empty iterable of bit widths in 1..8.
+
+    Returns:
+        ``{bits: Table}`` for each requested bit width.
+
+    Raises:
+        ValueError: as :func:`fit`, or for an empty ``bits_list``.
+    """
+    if isinstance(bits_list, (int, np.integer)):
+        bits_list = [bits_list]
+    bits_list = sorted({_check_bits(b) for b in bits_list})
+    if not bits_list:
+        raise ValueError("bits_list must hold at least one bit width in 1..8, got none")
+    sf, full, dom, w, grid, sym = _prepare(fn, bits_list, domain, weight, grid, symmetric, params)
+    nondefault = {k: v for k, v in full.items() if v != float(sf.defaults[k])}
+
+    if sf.stepwise:
+        out = {b: _stepwise_table(sf, full, b) for b in bits_list}
+        if progress is not None:
+            progress(1, 1)
+        return out
+
+    from fewbit import __version__
+    from .dp import backtrack, dp_numba_tables
+    from .refine import refine as _refine
+
+    total = 2 + len(bits_list)
+    done = 0
+
+    def tick():
+        nonlocal done
+        done += 1
+        if progress is not None:
+            progress(done, total)
+
+    obj = Objective(sf, full, w, dom, symmetric=sym)
+    t = obj.grid(grid)
+    W, FW, F2 = obj.prefix(t)
+    tick()
+    k_max = 1 << max(bits_list)
+    D, Arg = dp_numba_tables(W, FW, F2, k_max)
+    tick()
+    n = t.size - 1
+    out: dict[int, Table] = {}
+    for bits in bits_list:
+        K = 1 << bits
+        idx = backtrack(Arg, n, K)
+        s = t[idx]
+        if refine:
+            s, y, _ = _refine(obj, s)
+        else:
+            y, _ = obj.levels_and_loss(s)
+        if sym:
+            # K pieces on [0, C] -> 2K - 1 intervals; the central one (-s_1, s_1] has code 0.
+            borders = np.r_[-s[::-1], s]
+            codes = list(range(K - 1, 0, -1)) + list(range(K))
+        else:
+            borders = s
+            codes = list(range(K))
+        provenance = {
+            "solver_version": __version__,
+            "grid": grid,
+            "domain": list(dom),
+            "weight": w.spec,
+            "refined": bool(refine),
+            "dp_cost": float(D[n, K]),
+            "command": _command(fn, bits, dom, w.spec, grid, symmetric, nondefault, refine),
+        }
+        err = table_error(sf, full, borders, codes, y, dom)
+        out[bits] = Table(
+            name=sf.name,
+            bits=bits,
+            borders=borders.tolist(),
+            codes=codes,
+            values=y.tolist(),
+            error=err,
+            params=nondefault,
+            domain=dom,
+            weight=w.spec,
+            symmetric=sym,
+            provenance=provenance,
+        )
+        tick()
+    return out
+
+
+def fit(
+    fn: str,
+    bits: int,
+    *,
+    domain: tuple[float, float] = DEFAULT_DOMAIN,
+    weight="uniform",
+    grid: int | None = None,
+    symmetric: bool | None = None,
+    params: Mapping[str, float] | None = None,
+    refine: bool = True,
+    progress: Callable[[int, int], None] | None = None,
+) -> Table:
+    """Fit the optimal ``bits``-bit piecewise-constant table of ``f'`` (method.md §2-5).
+
+    Minimises ``L = sum_i int (f' - y_i)^2 w`` (Novikov et al., ICML 2023, eq. 3): an exact
+    DP on a grid of ``grid`` cells (sec. 3, app. G), then continuous refinement of the
+    borders. For an even ``f'`` the fit is done on ``[0, max(-A, B)]`` with the folded
+    weight and mirrored: ``2**(bits + 1) - 1`` intervals share ``2**bits`` codes.
+
+    Stepwise derivatives (ReLU family) are not fitted: the result is
+    :func:`fewbit.activations.exact_table` (error 0). For ``bits > 1`` it is that same
+    exact table padded to ``2**bits`` values (codes >= 2 unused) so that
+    ``table.bits == bits``; use ``bits=1`` to save memory.
+
+    Args:
+        fn: registry name (``"gelu"``), alias (``"swish"``), or ``"package.module:callable"``
+            naming a torch elementwise function (``f'`` by autograd in float64).
+        bits: bits per element of the code, 1..8.
+        domain: ``(A, B)``, finite, ``A < B``: the fitting interval (the weight is 0 outside).
+        weight: ``"uniform"``, ``"normal:SIGMA"``, or a :class:`fewbit.solver.weights.Weight`
+            (e.g. :func:`fewbit.solver.weights.histogram`).
+        grid: DP grid cells on the fitted interval (default :data:`DEFAULT_GRID` = 8000);
+            at least ``2**bits``. Time is O(grid^2 * 2**bits).
+        symmetric: ``None`` mirrors when ``f'`` is even (registry flag) and ``A < 0 < B``;
+            ``True`` forces it (``ValueError`` if ``f'`` is not even); ``False`` never.
+        params: the function's parameters, merged over its defaults.
+        refine: refine the DP borders continuously (method.md §5).
+        progress: optional ``progress(done, total)`` callback (e.g. to drive a tqdm bar).
+
+    Returns:
+        Table: ``error`` is method.md §3's error with ``w = 1`` on ``domain`` (not
+        normalised, over the whole domain also for mirrored tables), whatever the fit weight.
+
+    Raises:
+        ValueError: for ``bits`` outside 1..8, a bad domain, grid, weight or ``symmetric``,
+            an unknown function or parameter, or a user function that cannot be loaded or
+            has a non-finite derivative on the domain.
+    """
+    bits = _check_bits(bits)
+    return fit_many(
+        fn, [bits], domain=domain, weight=weight, grid=grid, symmetric=symmetric,
+        params=params, refine=refine, progress=progress,
+    )[bits]
+
+
+def approximation_error(table: Table, fn: str | None = None, *, domain: tuple[float, float] | None = None) -> float:
+    """Method.md §3 error of ``table``: ``int_A^B (f'(x) - q(x))^2 dx`` (``w = 1``, not normalised).
+
+    Integrated with composite Gauss-Legendre split at the table's borders and ``f'``'s
+    kinks (accurate to rounding). ``q`` is looked up exactly as at runtime
+    (``searchsorted(borders, x, right=False)``), so exact stepwise tables give 0.
+
+    Args:
+        table: the table (its ``params`` are used for ``f``).
+        fn: function name or spec; default ``table.name``.
+        domain: ``(A, B)``; default ``table.domain``.
+
+    Returns:
+        float: the error.
+
+    Raises:
+        ValueError: for an unknown function, bad domain, or params the function does not take.
+    """
+    if not isinstance(table, Table):
+        raise TypeError(f"table must be a fewbit.table.Table, got {type(table).__name__}")
+    sf = _registry.get(table.name if fn is None else fn)
+    full = sf.params(table.params)
+    dom = _check_domain(table.domain if domain is None else domain)
+    return table_error(sf, full, table.borders, table.codes, table.values, dom)

@@ -1,0 +1,260 @@
+"""The fitting objective and its exact integrals (method.md §3; Novikov et al., eq. 3-5).
+
+    L(s, y) = sum_i int_{s_i}^{s_{i+1}} (f'(x) - y_i)^2 w(x) dx
+
+An :class:`Objective` binds ``f'`` (float64, with its kinks), a weight restricted to the
+fitting interval, and for a mirrored fit (method.md §2) folds the problem onto
+``[0, C]``: ``L`` over ``[A, B]`` of a mirrored table equals the folded ``L`` with weight
+``w(x) + w(-x)`` on ``[0, C]``, ``C = max(-A, B)``.
+
+Integrals use a composite Gauss-Legendre rule whose cells never straddle a kink of
+``f'``, a jump of ``w``, or a border, so they are accurate to rounding for the smooth
+pieces. For piecewise-constant weights ``int f' w`` over a cell is ``w * (f(b) - f(a))``,
+exactly (registry functions).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Mapping
+
+import numpy as np
+
+from . import weights as _weights
+from .registry import SolverFunction
+
+__all__ = ["Objective", "GL_NODES", "gauss_legendre", "table_error"]
+
+#: Gauss-Legendre nodes per cell.
+GL_NODES = 8
+#: Cells per unit length for the "exact" integrals (refinement and reported errors).
+FINE_CELLS_PER_UNIT = 16
+
+
+def gauss_legendre(n: int = GL_NODES) -> tuple[np.ndarray, np.ndarray]:
+    """Nodes and weights on ``[0, 1]`` (``n`` points)."""
+    x, w = np.polynomial.legendre.leggauss(n)
+    return 0.5 * (x + 1.0), 0.5 * w
+
+
+_GL_X, _GL_W = gauss_legendre(GL_NODES)
+
+
+def _subdivide(points: np.ndarray, h: float) -> np.ndarray:
+    """Sorted unique ``points`` with every gap split into equal cells of length <= ``h``."""
+    p = np.unique(points)
+    gaps = np.diff(p)
+    counts = np.maximum(1, np.ceil(gaps / h).astype(np.int64))
+    starts = np.repeat(p[:-1], counts)
+    steps = np.repeat(gaps / counts, counts)
+    offs = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
+    out = np.empty(counts.sum() + 1)
+    out[:-1] = starts + steps * offs
+    out[-1] = p[-1]
+    # exact original points (no rounding drift at the ends of gaps)
+    out[np.cumsum(counts)[:-1]] = p[1:-1]
+    return out
+
+
+class Objective:
+    """``f'``, weight and interval of one fit.
+
+    Args:
+        sf: the function (registry or user).
+        params: full parameter dict (defaults filled in).
+        weight: the weight (restricted to ``domain``).
+        domain: ``(A, B)``, finite, ``A < B``.
+        symmetric: fold onto ``[0, max(-A, B)]`` (needs ``A < 0 < B`` and an even ``f'``).
+
+    Raises:
+        ValueError: if the weight has no mass on the domain.
+    """
+
+    def __init__(
+        self,
+        sf: SolverFunction,
+        params: Mapping[str, float],
+        weight: _weights.Weight,
+        domain: tuple[float, float],
+        symmetric: bool = False,
+    ) -> None:
+        self.sf = sf
+        self.params = dict(params)
+        self.weight = weight
+        self.domain = (float(domain[0]), float(domain[1]))
+        self.symmetric = bool(symmetric)
+        A, B = self.domain
+        if symmetric:
+            self.a, self.b = 0.0, max(-A, B)
+        else:
+            self.a, self.b = A, B
+        pts = set(sf.kinks_impl(self.params)) | set(weight.breakpoints()) | {A, B}
+        if symmetric:
+            pts = {abs(p) for p in pts}
+        self.breakpoints = np.array(sorted(p for p in pts if self.a < p < self.b), dtype=np.float64)
+        self.use_f = not sf.user and weight.piecewise_constant
+        edges = _subdivide(np.r_[self.a, self.breakpoints, self.b], (self.b - self.a) / 256)
+        w_total = self.cell_integrals(edges, with_f=False)[0].sum()
+        if not w_total > 0:
+            raise ValueError(f"weight: {weight.spec} has no mass on the domain {self.domain}")
+
+    # -- pointwise -----------------------------------------------------------------------
+    def df(self, x: np.ndarray) -> np.ndarray:
+        """``f'(x)`` (float64)."""
+        return self.sf.df_impl(np.asarray(x, dtype=np.float64), self.params)
+
+    def density(self, x: np.ndarray) -> np.ndarray:
+        """The (restricted, folded) weight at ``x``."""
+        A, B = self.domain
+        x = np.asarray(x, dtype=np.float64)
+
+        def base(z):
+            return self.weight(z) * ((z >= A) & (z <= B))
+
+        return base(x) + base(-x) if self.symmetric else base(x)
+
+    # -- cell integrals ------------------------------------------------------------------
+    def cell_integrals(self, edges: np.ndarray, with_f: bool = True):
+        """Per-cell ``int w``, ``int f' w``, ``int f'^2 w`` over ``[edges[k], edges[k+1]]``.
+
+        Args:
+            edges: ``(n + 1,)`` increasing float64; no kink or weight jump inside a cell.
+
+        Returns:
+            ``(W, FW, F2)``, each ``(n,)`` float64 (``FW``, ``F2`` are ``None`` unless ``with_f``).
+
+        Raises:
+            ValueError: if ``f'`` is not finite somewhere on the domain.
+        """
+        lo, hi = edges[:-1], edges[1:]
+        h = hi - lo
+        x = lo[:, None] + h[:, None] * _GL_X[None, :]
+        gw = h[:, None] * _GL_W[None, :]
+        if self.weight.piecewise_constant:
+            d = self.density(0.5 * (lo + hi))
+            W = d * h
+            wx = d[:, None] * gw
+        else:
+            wx = self.density(x) * gw
+            W = wx.sum(axis=1)
+        if not with_f:
+            return W, None, None
+        g = self.df(x)
+        if not np.all(np.isfinite(g)):
+            bad = x[~np.isfinite(g)][0]
+            raise ValueError(f"fn: the derivative of {self.sf.name} is not finite at x={bad!r} on the domain")
+        F2 = (g * g * wx).sum(axis=1)
+        if self.use_f:
+            F = self.sf.f_impl(edges, self.params)
+            FW = d * np.diff(F)
+        else:
+            FW = (g * wx).sum(axis=1)
+        return W, FW, F2
+
+    def grid(self, n: int) -> np.ndarray:
+        """``n`` uniform cells on ``[a, b]`` with every interior kink / weight jump snapped in.
+
+        Returns ``(n' + 1,)`` increasing points, ``n' >= n`` (a breakpoint that does not fall
+        on the uniform grid adds one cell).
+        """
+        t = np.linspace(self.a, self.b, n + 1)
+        if self.breakpoints.size:
+            tol = 1e-9 * (self.b - self.a)
+            keep = np.ones(t.size, bool)
+            near = np.abs(t[:, None] - self.breakpoints[None, :]).min(axis=1) < tol
+            keep[1:-1] &= ~near[1:-1]
+            t = np.unique(np.r_[t[keep], self.breakpoints])
+        return t
+
+    def prefix(self, t: np.ndarray):
+        """Prefix integrals ``W, FW, F2`` at the grid points ``t`` (each ``(n + 1,)``, starting at 0)."""
+        W, FW, F2 = self.cell_integrals(t)
+        z = np.zeros(1)
+        return np.r_[z, np.cumsum(W)], np.r_[z, np.cumsum(FW)], np.r_[z, np.cumsum(F2)]
+
+    # -- pieces ----------------------------------------------------------------------------
+    def _fine(self, borders: np.ndarray) -> np.ndarray:
+        pts = np.r_[self.a, self.breakpoints, np.asarray(borders, dtype=np.float64), self.b]
+        pts = pts[(pts >= self.a) & (pts <= self.b)]
+        h = 1.0 / FINE_CELLS_PER_UNIT
+        h = min(h, (self.b - self.a) / 64)
+        return _subdivide(pts, h)
+
+    def levels(self, borders: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Optimal levels for interior ``borders`` ``(K - 1,)`` (sorted, inside ``(a, b)``).
+
+        Returns:
+            ``(y, edges, piece)``: levels ``(K,)`` (weighted means of ``f'``; the plain mean
+            for a piece without weight), the fine cell edges and each cell's piece index.
+        """
+        borders = np.asarray(borders, dtype=np.float64)
+        edges = self._fine(borders)
+        W, FW, _ = self.cell_integrals(edges)
+        mid = 0.5 * (edges[:-1] + edges[1:])
+        piece = np.searchsorted(borders, mid)
+        K = borders.size + 1
+        Wp = np.bincount(piece, W, minlength=K)
+        FWp = np.bincount(piece, FW, minlength=K)
+        y = np.empty(K)
+        ok = Wp > 0
+        y[ok] = FWp[ok] / Wp[ok]
+        if not ok.all():
+            # plain mean of f' over a piece the weight does not see
+            h = np.diff(edges)
+            x = edges[:-1, None] + h[:, None] * _GL_X[None, :]
+            g = (self.df(x) * (h[:, None] * _GL_W[None, :])).sum(axis=1)
+            y[~ok] = (np.bincount(piece, g, minlength=K) / np.bincount(piece, h, minlength=K))[~ok]
+        return y, edges, piece
+
+    def loss(self, borders: np.ndarray, y: np.ndarray | None = None) -> float:
+        """``L(borders, y)`` evaluated directly as ``sum int (f' - y_i)^2 w`` (no cancellation).
+
+        ``y=None`` uses the optimal levels.
+        """
+        return self.levels_and_loss(borders, y)[1]
+
+    def levels_and_loss(self, borders: np.ndarray, y: np.ndarray | None = None) -> tuple[np.ndarray, float]:
+        """Optimal levels ``(K,)`` and ``L`` at those levels (or at ``y`` if given)."""
+        borders = np.asarray(borders, dtype=np.float64)
+        y_opt, edges, piece = self.levels(borders)
+        y = y_opt if y is None else np.asarray(y, dtype=np.float64)
+        h = np.diff(edges)
+        x = edges[:-1, None] + h[:, None] * _GL_X[None, :]
+        gw = h[:, None] * _GL_W[None, :]
+        if self.weight.piecewise_constant:
+            wx = self.density(0.5 * (edges[:-1] + edges[1:]))[:, None] * gw
+        else:
+            wx = self.density(x) * gw
+        r = self.df(x) - y[piece][:, None]
+        return y_opt, float((r * r * wx).sum())
+
+    def gradient(self, borders: np.ndarray, y: np.ndarray) -> np.ndarray:
+        """``dL/ds_i = (y_i - y_{i-1}) (2 f'(s_i) - y_{i-1} - y_i) w(s_i)`` (method.md §3)."""
+        s = np.asarray(borders, dtype=np.float64)
+        return (y[1:] - y[:-1]) * (2.0 * self.df(s) - y[:-1] - y[1:]) * self.density(s)
+
+
+def table_error(sf: SolverFunction, params: Mapping[str, float], borders, codes, values,
+                domain: tuple[float, float]) -> float:
+    """Method.md §3 error of a table: ``int_A^B (f'(x) - q(x))^2 dx`` with ``w = 1``.
+
+    ``q(x) = values[codes[searchsorted(borders, x, side='left')]]`` exactly as the runtime
+    looks codes up, so a table that is exact (stepwise functions) has error 0.
+    """
+    A, B = float(domain[0]), float(domain[1])
+    b = np.asarray(borders, dtype=np.float64)
+    codes = np.asarray(codes, dtype=np.int64)
+    values = np.asarray(values, dtype=np.float64)
+    kinks = [k for k in sf.kinks_impl(dict(params)) if A < k < B]
+    pts = np.r_[A, kinks, b[(b > A) & (b < B)], B]
+    h = min(1.0 / FINE_CELLS_PER_UNIT, (B - A) / 64)
+    edges = _subdivide(pts, h)
+    hh = np.diff(edges)
+    x = edges[:-1, None] + hh[:, None] * _GL_X[None, :]
+    gw = hh[:, None] * _GL_W[None, :]
+    q = values[codes[np.searchsorted(b, x, side="left")]]
+    g = sf.df_impl(x, dict(params))
+    if not np.all(np.isfinite(g)):
+        raise ValueError(f"fn: the derivative of {sf.name} is not finite on the domain {domain}")
+    r = g - q
+    return float(math.fsum((r * r * gw).ravel()))

@@ -1,0 +1,485 @@
+"""Analytic float64 activations and derivatives for the offline solver.
+
+Every name of :data:`fewbit.activations.ACTIVATIONS` (and its aliases) has here a
+numpy/scipy.special ``f(x, **params)`` and ``df(x, **params)`` in float64, the points
+where ``f'`` is not smooth (``kinks``), and the torch function it mirrors. The default
+parameters and the ``even`` flag (method.md §2, the "parity" trick of Novikov et al.,
+"Few-bit Backward", ICML 2023) come from :mod:`fewbit.activations`, so runtime and solver
+agree on names and defaults.
+
+At points where ``f'`` jumps (kinks), ``df`` returns what torch's backward returns
+there (e.g. ``relu'(0) = 0``, ``leaky_relu'(0) = negative_slope``, ``selu'(0) =
+scale * alpha``), so that a table fitted here and torch's gradient agree everywhere.
+
+A user function is given as ``"package.module:callable"``: a torch elementwise function
+that is loaded with :mod:`importlib`; ``f`` is evaluated with torch in float64 and ``f'``
+with torch autograd.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import numpy as np
+from scipy import special
+
+from fewbit import activations as _acts
+
+__all__ = ["SolverFunction", "get", "names"]
+
+_SQRT_2_PI = math.sqrt(2.0 / math.pi)
+_INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
+_SELU_ALPHA = 1.6732632423543772848170429916717
+_SELU_SCALE = 1.0507009873554804934193349852946
+_GELU_TANH_C = 0.044715
+_QUICK_GELU_A = 1.702
+
+
+@dataclass(frozen=True)
+class SolverFunction:
+    """An activation ``f`` with its float64 derivative, as the solver sees it.
+
+    Args:
+        name: registry name (``"gelu"``) or the user spec ``"module:callable"``.
+        f_impl: ``f_impl(x, params) -> ndarray``, float64 ``f`` for an ndarray ``x``.
+        df_impl: ``df_impl(x, params) -> ndarray``, float64 ``f'`` (torch's value at kinks).
+        kinks_impl: ``kinks_impl(params) -> tuple`` of points where ``f'`` is not smooth.
+        defaults: default parameters (torch names).
+        even: whether ``f'`` is even (fit on ``[0, B]`` and mirror).
+        torch_fn: the torch function ``torch_fn(input, **params)``.
+        stepwise: True when ``f'`` is piecewise constant with an exact 1-bit table
+            (:func:`fewbit.activations.exact_table`); no fitting is done for these.
+        user: True for a ``"module:callable"`` user function.
+    """
+
+    name: str
+    f_impl: Callable[[np.ndarray, Mapping[str, float]], np.ndarray]
+    df_impl: Callable[[np.ndarray, Mapping[str, float]], np.ndarray]
+    kinks_impl: Callable[[Mapping[str, float]], tuple] = lambda p: ()
+    defaults: Mapping[str, float] = field(default_factory=dict)
+    even: bool = False
+    torch_fn: Callable[..., Any] | None = None
+    stepwise: bool = False
+    user: bool = False
+
+    def params(self, params: Mapping[str, float] | None = None) -> dict[str, float]:
+        """The full parameter dict: ``params`` merged over the defaults.
+
+        Raises:
+            ValueError: for a key the function does not take, or a non-finite value.
+        """
+        params = dict(params or {})
+        unknown = set(params) - set(self.defaults)
+        if unknown:
+            allowed = ", ".join(sorted(self.defaults)) or "none"
+            raise ValueError(
+                f"params: {self.name} takes parameters {allowed}; got {', '.join(sorted(unknown))}"
+            )
+        out = {}
+        for k, default in self.defaults.items():
+            try:
+                v = float(params.get(k, default))
+            except (TypeError, ValueError):
+                raise ValueError(f"params: {k} of {self.name} must be a number, got {params[k]!r}") from None
+            if not math.isfinite(v):
+                raise ValueError(f"params: {k} of {self.name} must be finite, got {v}")
+            out[k] = v
+        return out
+
+    def f(self, x, **params) -> np.ndarray:
+        """``f(x)`` in float64; ``x`` array-like, any shape; ``params`` over the defaults."""
+        return self.f_impl(np.asarray(x, dtype=np.float64), self.params(params))
+
+    def df(self, x, **params) -> np.ndarray:
+        """``f'(x)`` in float64 (torch's backward value at kinks); same shape as ``x``."""
+        return self.df_impl(np.asarray(x, dtype=np.float64), self.params(params))
+
+    def kinks(self, **params) -> tuple[float, ...]:
+        """Points where ``f'`` is not smooth (jumps or kinks), sorted."""
+        return tuple(sorted(float(k) for k in self.kinks_impl(self.params(params))))
+
+
+# --- analytic functions -------------------------------------------------------------------
+
+def _sigmoid(x):
+    return special.expit(x)
+
+
+def _softplus1(x):
+    # log(1 + exp(x)) without overflow
+    return np.logaddexp(0.0, x)
+
+
+def _gelu_f(x, p):
+    return x * special.ndtr(x)
+
+
+def _gelu_df(x, p):
+    return special.ndtr(x) + x * np.exp(-0.5 * x * x) * _INV_SQRT_2PI
+
+
+def _gelu_tanh_f(x, p):
+    return 0.5 * x * (1.0 + np.tanh(_SQRT_2_PI * (x + _GELU_TANH_C * x**3)))
+
+
+def _gelu_tanh_df(x, p):
+    t = np.tanh(_SQRT_2_PI * (x + _GELU_TANH_C * x**3))
+    return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * _SQRT_2_PI * (1.0 + 3.0 * _GELU_TANH_C * x * x)
+
+
+def _silu_f(x, p):
+    return x * _sigmoid(x)
+
+
+def _silu_df(x, p):
+    s = _sigmoid(x)
+    return s * (1.0 + x * (1.0 - s))
+
+
+def _quick_gelu_f(x, p):
+    return x * _sigmoid(_QUICK_GELU_A * x)
+
+
+def _quick_gelu_df(x, p):
+    s = _sigmoid(_QUICK_GELU_A * x)
+    return s + _QUICK_GELU_A * x * s * (1.0 - s)
+
+
+def _selu_f(x, p):
+    return _SELU_SCALE * np.where(x > 0, x, _SELU_ALPHA * np.expm1(np.minimum(x, 0.0)))
+
+
+def _selu_df(x, p):
+    # torch: x <= 0 -> scale * alpha * exp(x)
+    return np.where(x > 0, _SELU_SCALE, _SELU_SCALE * _SELU_ALPHA * np.exp(np.minimum(x, 0.0)))
+
+
+def _elu_f(x, p):
+    a = p["alpha"]
+    return np.where(x > 0, x, a * np.expm1(np.minimum(x, 0.0)))
+
+
+def _elu_df(x, p):
+    a = p["alpha"]
+    return np.where(x > 0, 1.0, a * np.exp(np.minimum(x, 0.0)))
+
+
+def _celu_f(x, p):
+    a = p["alpha"]
+    return np.where(x > 0, x, a * np.expm1(np.minimum(x, 0.0) / a))
+
+
+def _celu_df(x, p):
+    a = p["alpha"]
+    return np.where(x > 0, 1.0, np.exp(np.minimum(x, 0.0) / a))
+
+
+def _mish_f(x, p):
+    return x * np.tanh(_softplus1(x))
+
+
+def _mish_df(x, p):
+    t = np.tanh(_softplus1(x))
+    return t + x * (1.0 - t * t) * _sigmoid(x)
+
+
+def _softplus_f(x, p):
+    beta, thr = p["beta"], p["threshold"]
+    bx = beta * x
+    return np.where(bx > thr, x, _softplus1(np.minimum(bx, thr)) / beta)
+
+
+def _softplus_df(x, p):
+    # torch: beta * x > threshold -> 1, else sigmoid(beta * x)
+    beta, thr = p["beta"], p["threshold"]
+    bx = beta * x
+    return np.where(bx > thr, 1.0, _sigmoid(bx))
+
+
+def _softplus_kinks(p):
+    return (p["threshold"] / p["beta"],) if p["beta"] != 0 else ()
+
+
+def _sigmoid_df(x, p):
+    s = _sigmoid(x)
+    return s * (1.0 - s)
+
+
+def _tanh_df(x, p):
+    t = np.tanh(x)
+    return 1.0 - t * t
+
+
+def _logsigmoid_f(x, p):
+    return -_softplus1(-x)
+
+
+def _logsigmoid_df(x, p):
+    return _sigmoid(-x)
+
+
+def _softsign_f(x, p):
+    return x / (1.0 + np.abs(x))
+
+
+def _softsign_df(x, p):
+    return 1.0 / (1.0 + np.abs(x)) ** 2
+
+
+def _tanhshrink_f(x, p):
+    return x - np.tanh(x)
+
+
+def _tanhshrink_df(x, p):
+    t = np.tanh(x)
+    return t * t
+
+
+def _hardswish_f(x, p):
+    return x * np.clip(x + 3.0, 0.0, 6.0) / 6.0
+
+
+def _hardswish_df(x, p):
+    # torch: x < -3 -> 0; x <= 3 -> x / 3 + 0.5; else 1
+    return np.where(x < -3.0, 0.0, np.where(x <= 3.0, x / 3.0 + 0.5, 1.0))
+
+
+# stepwise (torch's backward semantics at the jumps)
+
+def _relu_f(x, p):
+    return np.maximum(x, 0.0)
+
+
+def _relu_df(x, p):
+    return np.where(x > 0, 1.0, 0.0)
+
+
+def _leaky_relu_f(x, p):
+    return np.where(x > 0, x, p["negative_slope"] * x)
+
+
+def _leaky_relu_df(x, p):
+    return np.where(x > 0, 1.0, p["negative_slope"])
+
+
+def _hardtanh_f(x, p):
+    return np.clip(x, p["min_val"], p["max_val"])
+
+
+def _hardtanh_df(x, p):
+    return np.where((x > p["min_val"]) & (x < p["max_val"]), 1.0, 0.0)
+
+
+def _relu6_f(x, p):
+    return np.clip(x, 0.0, 6.0)
+
+
+def _relu6_df(x, p):
+    return np.where((x > 0.0) & (x < 6.0), 1.0, 0.0)
+
+
+def _threshold_f(x, p):
+    return np.where(x > p["threshold"], x, p["value"])
+
+
+def _threshold_df(x, p):
+    return np.where(x > p["threshold"], 1.0, 0.0)
+
+
+def _hardshrink_f(x, p):
+    lam = p["lambd"]
+    return np.where((x >= -lam) & (x <= lam), 0.0, x)
+
+
+def _shrink_df(x, p):
+    lam = p["lambd"]
+    return np.where((x >= -lam) & (x <= lam), 0.0, 1.0)
+
+
+def _softshrink_f(x, p):
+    lam = p["lambd"]
+    return np.where(x > lam, x - lam, np.where(x < -lam, x + lam, 0.0))
+
+
+def _hardsigmoid_f(x, p):
+    return np.clip(x / 6.0 + 0.5, 0.0, 1.0)
+
+
+def _hardsigmoid_df(x, p):
+    return np.where((x > -3.0) & (x < 3.0), 1.0 / 6.0, 0.0)
+
+
+def _tanh_f(x, p):
+    return np.tanh(x)
+
+
+def _sigmoid_f(x, p):
+    return _sigmoid(x)
+
+
+def _const(*points):
+    return lambda p: points
+
+
+# name -> (f, df, kinks)
+_ANALYTIC: dict[str, tuple] = {
+    "gelu": (_gelu_f, _gelu_df, _const()),
+    "gelu_tanh": (_gelu_tanh_f, _gelu_tanh_df, _const()),
+    "silu": (_silu_f, _silu_df, _const()),
+    "selu": (_selu_f, _selu_df, _const(0.0)),
+    "elu": (_elu_f, _elu_df, _const(0.0)),
+    "celu": (_celu_f, _celu_df, _const(0.0)),
+    "mish": (_mish_f, _mish_df, _const()),
+    "softplus": (_softplus_f, _softplus_df, _softplus_kinks),
+    "sigmoid": (_sigmoid_f, _sigmoid_df, _const()),
+    "tanh": (_tanh_f, _tanh_df, _const()),
+    "logsigmoid": (_logsigmoid_f, _logsigmoid_df, _const()),
+    "softsign": (_softsign_f, _softsign_df, _const(0.0)),
+    "tanhshrink": (_tanhshrink_f, _tanhshrink_df, _const()),
+    "hardswish": (_hardswish_f, _hardswish_df, _const(-3.0, 3.0)),
+    "quick_gelu": (_quick_gelu_f, _quick_gelu_df, _const()),
+    "relu": (_relu_f, _relu_df, _const(0.0)),
+    "leaky_relu": (_leaky_relu_f, _leaky_relu_df, _const(0.0)),
+    "relu6": (_relu6_f, _relu6_df, _const(0.0, 6.0)),
+    "hardtanh": (_hardtanh_f, _hardtanh_df, lambda p: (p["min_val"], p["max_val"])),
+    "threshold": (_threshold_f, _threshold_df, lambda p: (p["threshold"],)),
+    "hardshrink": (_hardshrink_f, _shrink_df, lambda p: (-p["lambd"], p["lambd"])),
+    "softshrink": (_softshrink_f, _shrink_df, lambda p: (-p["lambd"], p["lambd"])),
+    "hardsigmoid": (_hardsigmoid_f, _hardsigmoid_df, _const(-3.0, 3.0)),
+}
+
+_CACHE: dict[str, SolverFunction] = {}
+
+
+def names() -> list[str]:
+    """Registry names (sorted), without aliases."""
+    return sorted(_acts.ACTIVATIONS)
+
+
+def _from_registry(name: str) -> SolverFunction:
+    act = _acts.get_activation(name)
+    f, df, kinks = _ANALYTIC[act.name]
+    return SolverFunction(
+        name=act.name,
+        f_impl=f,
+        df_impl=df,
+        kinks_impl=kinks,
+        defaults=dict(act.defaults),
+        even=act.even,
+        torch_fn=act.torch_fn,
+        stepwise=act.stepwise,
+    )
+
+
+def _load_user(spec: str) -> SolverFunction:
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"fn: a user function must be given as 'package.module:callable', got {spec!r}")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # ImportError, or any error raised while importing the module
+        raise ValueError(f"fn: cannot import module {module_name!r} of {spec!r} ({type(exc).__name__}: {exc})") from None
+    obj: Any = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"fn: module {module_name!r} has no attribute {attr!r} (from {spec!r})")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ValueError(f"fn: {spec!r} is not callable (got {type(obj).__name__})")
+    fn = obj
+
+    import torch
+
+    def call(x: np.ndarray):
+        xt = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float64).reshape(-1))
+        try:
+            y = fn(xt)
+        except Exception as exc:
+            raise ValueError(f"fn: {spec!r} failed on a float64 tensor ({type(exc).__name__}: {exc})") from None
+        if not isinstance(y, torch.Tensor):
+            raise ValueError(f"fn: {spec!r} must return a torch.Tensor, got {type(y).__name__}")
+        if tuple(y.shape) != tuple(xt.shape):
+            raise ValueError(
+                f"fn: {spec!r} must be elementwise; input shape {tuple(xt.shape)} gave output shape {tuple(y.shape)}"
+            )
+        return y
+
+    def f_impl(x, p):
+        with torch.no_grad():
+            y = call(x)
+        return y.detach().to(torch.float64).numpy().reshape(np.shape(x))
+
+    def df_impl(x, p):
+        xt = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float64).reshape(-1)).clone().requires_grad_(True)
+        with torch.enable_grad():
+            try:
+                y = fn(xt)
+            except Exception as exc:
+                raise ValueError(f"fn: {spec!r} failed on a float64 tensor ({type(exc).__name__}: {exc})") from None
+            if not isinstance(y, torch.Tensor) or tuple(y.shape) != tuple(xt.shape):
+                raise ValueError(f"fn: {spec!r} must be elementwise and return a tensor of the input's shape")
+            if not y.requires_grad:
+                return np.zeros(np.shape(x))
+            (g,) = torch.autograd.grad(y, xt, torch.ones_like(y), allow_unused=True)
+        if g is None:
+            return np.zeros(np.shape(x))
+        return g.detach().to(torch.float64).numpy().reshape(np.shape(x))
+
+    # Probe: the function must keep shape and act elementwise (a permutation commutes).
+    probe = np.linspace(-3.0, 3.0, 13)
+    y = f_impl(probe, {})
+    perm = np.random.default_rng(0).permutation(probe.size)
+    y_perm = f_impl(probe[perm], {})
+    both = np.isfinite(y[perm]) & np.isfinite(y_perm)
+    if not np.allclose(y[perm][both], y_perm[both], rtol=1e-12, atol=1e-12):
+        raise ValueError(f"fn: {spec!r} is not elementwise (permuting the input changes the values)")
+    return SolverFunction(
+        name=spec,
+        f_impl=f_impl,
+        df_impl=df_impl,
+        defaults={},
+        even=False,
+        torch_fn=fn,
+        stepwise=False,
+        user=True,
+    )
+
+
+def get(name_or_spec: str) -> SolverFunction:
+    """The solver function for a registry name, an alias, or ``"package.module:callable"``.
+
+    Args:
+        name_or_spec: ``"gelu"``, ``"swish"`` (alias), or a user spec such as
+            ``"mypkg.acts:my_gelu"`` naming a torch elementwise function.
+
+    Returns:
+        SolverFunction: with float64 ``f``, ``df`` and ``kinks``.
+
+    Raises:
+        TypeError: if ``name_or_spec`` is not a string.
+        ValueError: for an unknown name; for a user spec whose module does not import,
+            attribute is missing or not callable, or whose output changes shape.
+    """
+    if not isinstance(name_or_spec, str):
+        raise TypeError(f"fn must be a str (name or 'module:callable'), got {type(name_or_spec).__name__}")
+    if name_or_spec in _CACHE:
+        return _CACHE[name_or_spec]
+    if ":" in name_or_spec:
+        sf = _load_user(name_or_spec)
+    else:
+        sf = _from_registry(name_or_spec)
+    _CACHE[name_or_spec] = sf
+    return sf
+
+
+def is_even(sf: SolverFunction, params: Mapping[str, float], extent: float) -> bool:
+    """Whether ``f'`` is even: the registry flag, or (user functions) a numerical check on ``[-extent, extent]``."""
+    if not sf.user:
+        return sf.even
+    x = np.linspace(0.0, extent, 2001)
+    a, b = sf.df_impl(x, params), sf.df_impl(-x, params)
+    scale = max(1.0, float(np.max(np.abs(a))))
+    return bool(np.all(np.isfinite(a)) and np.max(np.abs(a - b)) <= 1e-9 * scale)
