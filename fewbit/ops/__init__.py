@@ -1,1 +1,39 @@
-"""fewbit.ops: kernels for few-bit activations (placeholder, being written)."""
+"""fewbit.ops: kernels and the autograd op of few-bit activations.
+
+Novikov et al., "Few-bit Backward: Quantized Gradients of Activation Functions for
+Memory Footprint Reduction", ICML 2023 (method.md §1, §2, §6).
+
+Layers (Liger-Kernel / bitsandbytes / torchao style):
+
+- ``torch.ops.fewbit.encode`` / ``torch.ops.fewbit.decode_mul``: ``torch.library`` custom
+  ops with fake kernels and one kernel per backend (CPU: numba, CUDA: Triton, other
+  devices: the pure-torch reference); see :mod:`fewbit.ops._ops`.
+- :func:`pointwise`: the autograd op (exact torch forward, packed codes saved).
+- :func:`encode_reference` / :func:`decode_mul_reference`: the pure-torch definitions
+  every backend matches bit for bit.
+
+Importing this package imports neither numba nor triton (they load on the first CPU /
+CUDA kernel call) and does not initialise CUDA.
+"""
+
+from fewbit.ops._pointwise import decode_mul, encode, pointwise, table_tensors
+from fewbit.ops._reference import (
+    compute_dtype,
+    decode_mul_reference,
+    encode_reference,
+    round_down_to_float32,
+)
+
+__all__ = [
+    # autograd op
+    "pointwise",
+    # kernels (public for tests and benchmarks)
+    "encode",
+    "decode_mul",
+    "table_tensors",
+    # pure-torch references
+    "encode_reference",
+    "decode_mul_reference",
+    "round_down_to_float32",
+    "compute_dtype",
+]

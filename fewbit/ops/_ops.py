@@ -1,0 +1,136 @@
+"""``torch.library`` ops of fewbit: one schema each, one kernel per backend.
+
+``fewbit::encode(Tensor x, Tensor borders, Tensor codes, int bits) -> Tensor``
+    Packed codes of ``x`` (method.md §2, §6). ``borders`` are the comparison borders:
+    float64 for float64 ``x``; for float32/float16/bfloat16 ``x`` either float32 borders
+    already rounded DOWN (:func:`fewbit.ops.round_down_to_float32`) or float64 borders
+    (then rounded down per call). Interval index = number of borders ``b`` with
+    ``not (x <= b)``; this equals ``searchsorted(borders_f64, x.double())`` exactly.
+
+``fewbit::decode_mul(Tensor grad, Tensor packed, Tensor values, int bits) -> Tensor``
+    ``grad * values[code]`` with the rounding of :mod:`fewbit.ops._reference`.
+
+Backends (bitsandbytes / torchao pattern): ``cpu`` (numba, :mod:`fewbit.ops._cpu`),
+``cuda`` (Triton, :mod:`fewbit.ops._triton`), ``Meta`` through the fake kernels, and the
+pure-torch reference for every other device. A backend whose library is missing raises
+:class:`NotImplementedError` naming what to install; nothing falls back silently.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fewbit.ops._reference import (
+    compute_dtype,
+    decode_mul_reference,
+    round_down_to_float32,
+)
+
+__all__ = ["encode_op", "decode_mul_op"]
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _check_encode(x, borders, codes, bits):
+    if x.dtype not in _FLOATS:
+        raise TypeError(f"input must be float16, bfloat16, float32 or float64, got {x.dtype}")
+    if not 1 <= bits <= 8:
+        raise ValueError(f"bits must be in 1..8, got {bits}")
+    if borders.dim() != 1 or borders.dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"borders must be 1-D float32 or float64, got {tuple(borders.shape)} {borders.dtype}")
+    if x.dtype == torch.float64 and borders.dtype != torch.float64:
+        raise ValueError("borders must be float64 for float64 input (float32 borders are inexact)")
+    if codes.dim() != 1 or codes.numel() != borders.numel() + 1:
+        raise ValueError(
+            f"codes must be 1-D with len(borders) + 1 = {borders.numel() + 1} entries, got {tuple(codes.shape)}"
+        )
+    if codes.is_floating_point() or codes.is_complex() or codes.dtype == torch.bool:
+        raise TypeError(f"codes must be an integer tensor, got {codes.dtype}")
+
+
+def _check_decode(grad, packed, values, bits):
+    if grad.dtype not in _FLOATS:
+        raise TypeError(f"grad_output must be float16, bfloat16, float32 or float64, got {grad.dtype}")
+    if not 1 <= bits <= 8:
+        raise ValueError(f"bits must be in 1..8, got {bits}")
+    if packed.dtype != torch.uint8:
+        raise TypeError(f"packed must be uint8, got {packed.dtype}")
+    need = (grad.numel() * bits + 7) // 8
+    if packed.numel() < need:
+        raise ValueError(f"packed holds {packed.numel()} bytes, {need} needed for {grad.numel()} codes of {bits} bits")
+    if values.dim() != 1 or values.numel() != (1 << bits) or not values.is_floating_point():
+        raise ValueError(f"values must be 1-D floating with 2**bits = {1 << bits} entries, got {tuple(values.shape)} {values.dtype}")
+
+
+def _cmp_borders(x: torch.Tensor, borders: torch.Tensor) -> torch.Tensor:
+    if x.dtype == torch.float64 or borders.dtype == torch.float32:
+        return borders
+    return round_down_to_float32(borders)
+
+
+def _encode_reference_path(x, borders, codes, bits):
+    # Same comparisons as the kernels: exact in the compare dtype.
+    from fewbit.packing import pack_reference
+
+    b = _cmp_borders(x, borders)
+    xc = x.detach().reshape(-1).to(b.dtype)
+    idx = torch.searchsorted(b.to(xc.device), xc, right=False)
+    return pack_reference(codes.to(torch.int64)[idx], bits)
+
+
+@torch.library.custom_op("fewbit::encode", mutates_args=())
+def encode_op(x: torch.Tensor, borders: torch.Tensor, codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Default (reference) kernel of ``fewbit::encode``; CPU and CUDA register their own."""
+    _check_encode(x, borders, codes, bits)
+    return _encode_reference_path(x, borders, codes, bits)
+
+
+@encode_op.register_fake
+def _(x, borders, codes, bits):
+    _check_encode(x, borders, codes, bits)
+    return x.new_empty(((x.numel() * bits + 7) // 8,), dtype=torch.uint8)
+
+
+@encode_op.register_kernel("cpu")
+def _(x, borders, codes, bits):
+    _check_encode(x, borders, codes, bits)
+    from fewbit.ops import _cpu
+
+    return _cpu.encode_cpu(x, _cmp_borders(x, borders), codes, bits)
+
+
+@encode_op.register_kernel("cuda")
+def _(x, borders, codes, bits):
+    _check_encode(x, borders, codes, bits)
+    from fewbit.ops import _triton
+
+    return _triton.encode_triton(x, _cmp_borders(x, borders), codes, bits)
+
+
+@torch.library.custom_op("fewbit::decode_mul", mutates_args=())
+def decode_mul_op(grad: torch.Tensor, packed: torch.Tensor, values: torch.Tensor, bits: int) -> torch.Tensor:
+    """Default (reference) kernel of ``fewbit::decode_mul``; CPU and CUDA register their own."""
+    _check_decode(grad, packed, values, bits)
+    return decode_mul_reference(grad, packed, values, bits)
+
+
+@decode_mul_op.register_fake
+def _(grad, packed, values, bits):
+    _check_decode(grad, packed, values, bits)
+    return grad.new_empty(grad.shape)  # new_empty is contiguous
+
+
+@decode_mul_op.register_kernel("cpu")
+def _(grad, packed, values, bits):
+    _check_decode(grad, packed, values, bits)
+    from fewbit.ops import _cpu
+
+    return _cpu.decode_mul_cpu(grad, packed, values, bits)
+
+
+@decode_mul_op.register_kernel("cuda")
+def _(grad, packed, values, bits):
+    _check_decode(grad, packed, values, bits)
+    from fewbit.ops import _triton
+
+    return _triton.decode_mul_triton(grad, packed, values.to(compute_dtype(grad.dtype)), bits)
