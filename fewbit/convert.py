@@ -1,0 +1,446 @@
+"""Convert a model in place: few-bit activations and compressed saved tensors.
+
+:func:`convert_` (torchao ``quantize_`` style: an in-place verb, a frozen
+:class:`Config`, ``filter_fn(module, fqn)``) does two things:
+
+1. **Activations** (``config.activation_bits``): every ``torch.nn`` activation module
+   that fewbit supports is replaced by its :mod:`fewbit.modules` twin with the same
+   parameters (LeakyReLU slope, ELU alpha, Softplus beta/threshold, Hardtanh bounds,
+   ``inplace``, ``approximate``), and so are the Hugging Face ``transformers``
+   activation classes whose forward is mathematically one of fewbit's functions
+   (table below). Backward then keeps a ``bits``-bit code per element instead of the
+   input (Novikov et al., "Few-bit Backward", ICML 2023). Stepwise functions (ReLU,
+   LeakyReLU, ...) always use their exact 1-bit table.
+2. **Other layers' saved tensors** (``config.saved_bits``): the forward of every module
+   of the selected kinds (``linear``, ``conv``, ``norm``, ``attention``) runs inside ONE
+   shared :class:`fewbit.quant.ActivationCompressor` per converted model (entered in a
+   forward pre-hook, left in a forward hook with ``always_call=True``), so what those
+   layers save for backward is group-quantized to ``saved_bits`` bits per element
+   (Chen et al., "ActNN", ICML 2021; method.md §7) and a tensor saved by several layers
+   is compressed once. Everything executed inside such a module is covered, including
+   its submodules (e.g. the projections inside an ``...Attention`` module).
+
+Hugging Face classes replaced (transformers.activations, 4.x/5.x):
+
+==============================  ==================  ====================================
+class                           fewbit module       forward after conversion
+==============================  ==================  ====================================
+``GELUActivation``              ``GELU()``          ``F.gelu`` (the ``use_gelu_python``
+                                                    erf formula differs by rounding only)
+``GELUTanh``/``PytorchGELUTanh`` ``GELU('tanh')``   identical (or rounding, python flavour)
+``NewGELUActivation``           ``GELU('tanh')``    same function; ``F.gelu(tanh)`` rounds
+``AccurateGELUActivation``      ``GELU('tanh')``    differently: |diff| <~ 1e-6 * |x| fp32
+``FastGELUActivation``          ``GELU('tanh')``    (constant 0.7978845608 vs sqrt(2/pi))
+``QuickGELUActivation``         ``QuickGELU()``     identical
+``SiLUActivation``              ``SiLU()``          identical
+``MishActivation``              ``Mish()``          identical
+==============================  ==================  ====================================
+
+Left alone and listed in :attr:`ConversionSummary.unsupported`: activations that are not
+one of fewbit's pointwise functions or have learnable/random parameters (``PReLU``,
+``RReLU``, ``GLU``, ``Softmax``/``LogSoftmax``/``Softmin``/``Softmax2d``, HF
+``ClippedGELUActivation``, ``LaplaceActivation``, ``ReLUSquaredActivation``,
+``SqrtSoftplusActivation``, ``XIELUActivation``), and the root module itself if it is an
+activation (it cannot be replaced in place). Activations called as functions inside a
+``forward`` (``F.gelu(x)``) are not modules and cannot be seen.
+
+Converting twice is safe: fewbit modules are not replaced again, and the compression
+hooks of an earlier conversion are removed before new ones are registered.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import torch
+from torch import nn
+
+from fewbit import modules as fm
+
+__all__ = ["Config", "ConversionSummary", "convert_", "LAYER_KINDS", "layer_kind"]
+
+#: Kinds of layers whose saved tensors :func:`convert_` can compress.
+LAYER_KINDS: tuple[str, ...] = ("linear", "conv", "norm", "attention")
+_SAVED_BITS = (1, 2, 4, 8)
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+@dataclass(frozen=True)
+class Config:
+    """What :func:`convert_` does.
+
+    Args:
+        activation_bits: bits per element kept by few-bit activations, 1..8, or ``None``
+            to leave activations as they are. Stepwise functions always use 1 (exact).
+        saved_bits: bits per element for the tensors saved by layers of kind ``layers``
+            (group quantizer, method.md §7), one of 1, 2, 4, 8; ``None`` (default)
+            compresses nothing.
+        group_size: elements per quantization group (>= 1); stats overhead is
+            ``32 / group_size`` bits per element (bf16 min and scale).
+        layers: kinds of layers whose saved tensors are compressed, from
+            ``("linear", "conv", "norm", "attention")``; ``"all"`` (or a tuple holding
+            it) selects every kind. A single string is accepted.
+        min_numel: saved tensors with fewer elements are kept as they are (>= 0).
+        stochastic: unbiased stochastic rounding (True) or nearest rounding (False).
+
+    Raises:
+        ValueError: naming the field, for any value outside the ranges above.
+    """
+
+    activation_bits: int | None = 3
+    saved_bits: int | None = None
+    group_size: int = 256
+    layers: tuple[str, ...] = LAYER_KINDS
+    min_numel: int = 4096
+    stochastic: bool = True
+
+    def __post_init__(self) -> None:
+        b = self.activation_bits
+        if b is not None and (not _is_int(b) or not 1 <= b <= 8):
+            raise ValueError(f"activation_bits must be an integer in 1..8 or None, got {b!r}")
+        s = self.saved_bits
+        if s is not None and (not _is_int(s) or s not in _SAVED_BITS):
+            raise ValueError(f"saved_bits must be one of {_SAVED_BITS} or None, got {s!r}")
+        if not _is_int(self.group_size) or self.group_size < 1:
+            raise ValueError(f"group_size must be an integer >= 1, got {self.group_size!r}")
+        if not _is_int(self.min_numel) or self.min_numel < 0:
+            raise ValueError(f"min_numel must be an integer >= 0, got {self.min_numel!r}")
+        if not isinstance(self.stochastic, bool):
+            raise ValueError(f"stochastic must be True or False, got {self.stochastic!r}")
+        layers = self.layers
+        if isinstance(layers, str):
+            layers = (layers,)
+        try:
+            layers = tuple(layers)
+        except TypeError:
+            raise ValueError(f"layers must be a tuple of {LAYER_KINDS} or 'all', got {self.layers!r}") from None
+        bad = [k for k in layers if k not in LAYER_KINDS and k != "all"]
+        if bad:
+            raise ValueError(f"layers must be chosen from {LAYER_KINDS} or 'all', got {bad!r}")
+        if "all" in layers:
+            layers = LAYER_KINDS
+        else:
+            layers = tuple(k for k in LAYER_KINDS if k in layers)  # canonical order, no repeats
+        object.__setattr__(self, "layers", layers)
+
+
+@dataclass
+class ConversionSummary:
+    """What :func:`convert_` did (returned by it; the model itself is converted in place).
+
+    Attributes:
+        model: the converted model (the same object that was passed in).
+        config: the :class:`Config` used.
+        replaced: ``{fqn: (old class name, repr of the new module)}``.
+        unsupported: ``{fqn: class name}`` of activation modules left as they were.
+        compressed: ``{fqn: kind}`` of modules whose forward runs inside the compressor.
+        compressor: the shared :class:`fewbit.quant.ActivationCompressor` (its ``stats``
+            count bytes before/after), or ``None`` when ``saved_bits`` is ``None``.
+    """
+
+    model: nn.Module
+    config: Config
+    replaced: dict[str, tuple[str, str]] = field(default_factory=dict)
+    unsupported: dict[str, str] = field(default_factory=dict)
+    compressed: dict[str, str] = field(default_factory=dict)
+    compressor: Any = None
+
+    def __str__(self) -> str:
+        c = self.config
+        lines = [
+            f"fewbit conversion of {type(self.model).__name__}: activation_bits={c.activation_bits}, "
+            f"saved_bits={c.saved_bits}",
+            f"  replaced {len(self.replaced)} activation module(s):",
+        ]
+        lines += [f"    {fqn or '<root>'}: {old} -> {new}" for fqn, (old, new) in self.replaced.items()]
+        if self.unsupported:
+            lines.append(f"  left {len(self.unsupported)} unsupported activation module(s):")
+            lines += [f"    {fqn or '<root>'}: {name}" for fqn, name in self.unsupported.items()]
+        if c.saved_bits is not None:
+            kinds = {}
+            for k in self.compressed.values():
+                kinds[k] = kinds.get(k, 0) + 1
+            shown = ", ".join(f"{k}={n}" for k, n in kinds.items()) or "none"
+            lines.append(
+                f"  compressing saved tensors of {len(self.compressed)} module(s) ({shown}) at "
+                f"{c.saved_bits} bits, group_size={c.group_size}"
+            )
+        return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- activations
+
+_Factory = Callable[[nn.Module, int], nn.Module]
+
+
+def _torch_factories() -> dict[type, _Factory]:
+    return {
+        nn.GELU: lambda m, b: fm.GELU(m.approximate, bits=b),
+        nn.SiLU: lambda m, b: fm.SiLU(m.inplace, bits=b),
+        nn.SELU: lambda m, b: fm.SELU(m.inplace, bits=b),
+        nn.ELU: lambda m, b: fm.ELU(m.alpha, m.inplace, bits=b),
+        nn.CELU: lambda m, b: fm.CELU(m.alpha, m.inplace, bits=b),
+        nn.Mish: lambda m, b: fm.Mish(m.inplace, bits=b),
+        nn.Softplus: lambda m, b: fm.Softplus(m.beta, m.threshold, bits=b),
+        nn.Sigmoid: lambda m, b: fm.Sigmoid(bits=b),
+        nn.Tanh: lambda m, b: fm.Tanh(bits=b),
+        nn.LogSigmoid: lambda m, b: fm.LogSigmoid(bits=b),
+        nn.Softsign: lambda m, b: fm.Softsign(bits=b),
+        nn.Tanhshrink: lambda m, b: fm.Tanhshrink(bits=b),
+        nn.Hardswish: lambda m, b: fm.Hardswish(m.inplace, bits=b),
+        # stepwise: exact at 1 bit
+        nn.ReLU: lambda m, b: fm.ReLU(m.inplace, bits=1),
+        nn.LeakyReLU: lambda m, b: fm.LeakyReLU(m.negative_slope, m.inplace, bits=1),
+        nn.ReLU6: lambda m, b: fm.ReLU6(m.inplace, bits=1),
+        nn.Hardtanh: lambda m, b: fm.Hardtanh(m.min_val, m.max_val, m.inplace, bits=1),
+        nn.Threshold: lambda m, b: fm.Threshold(m.threshold, m.value, m.inplace, bits=1),
+        nn.Hardshrink: lambda m, b: fm.Hardshrink(m.lambd, bits=1),
+        nn.Softshrink: lambda m, b: fm.Softshrink(m.lambd, bits=1),
+        nn.Hardsigmoid: lambda m, b: fm.Hardsigmoid(m.inplace, bits=1),
+    }
+
+
+_TORCH_UNSUPPORTED = (
+    nn.PReLU, nn.RReLU, nn.GLU, nn.Softmax, nn.Softmin, nn.LogSoftmax, nn.Softmax2d,
+)
+
+_HF_GELU_TANH = ("GELUTanh", "PytorchGELUTanh", "NewGELUActivation", "AccurateGELUActivation", "FastGELUActivation")
+_HF_UNSUPPORTED = (
+    "ClippedGELUActivation", "LaplaceActivation", "ReLUSquaredActivation", "SqrtSoftplusActivation",
+    "XIELUActivation",
+)
+
+
+def _hf_factories() -> tuple[dict[type, _Factory], tuple[type, ...]]:
+    """Factories for transformers.activations classes, if transformers is already imported
+    (a model holding such modules has imported it; fewbit never imports it itself)."""
+    acts = sys.modules.get("transformers.activations")
+    if acts is None:
+        return {}, ()
+    out: dict[type, _Factory] = {}
+
+    def add(name: str, factory: _Factory) -> None:
+        cls = getattr(acts, name, None)
+        if isinstance(cls, type):
+            out[cls] = factory
+
+    add("GELUActivation", lambda m, b: fm.GELU("none", bits=b))
+    for name in _HF_GELU_TANH:
+        add(name, lambda m, b: fm.GELU("tanh", bits=b))
+    add("QuickGELUActivation", lambda m, b: fm.QuickGELU(bits=b))
+    add("SiLUActivation", lambda m, b: fm.SiLU(bits=b))
+    add("MishActivation", lambda m, b: fm.Mish(bits=b))
+    unsupported = tuple(c for c in (getattr(acts, n, None) for n in _HF_UNSUPPORTED) if isinstance(c, type))
+    return out, unsupported
+
+
+# --------------------------------------------------------------------------- layer kinds
+
+
+def layer_kind(module: nn.Module) -> str | None:
+    """The kind of ``module`` for saved-tensor compression, or ``None``.
+
+    ``linear``: ``nn.Linear`` (and subclasses), ``nn.Bilinear``, transformers ``Conv1D``;
+    ``conv``: ``nn.Conv1d/2d/3d`` and transposed convolutions;
+    ``norm``: LayerNorm, BatchNorm, InstanceNorm, GroupNorm, RMSNorm, LocalResponseNorm,
+    and classes whose name ends with ``LayerNorm``/``RMSNorm``/``GroupNorm``/``BatchNorm``;
+    ``attention``: ``nn.MultiheadAttention`` and classes whose name ends with ``Attention``.
+    fewbit's own activation modules have no kind (they save packed codes only).
+    """
+    cls = type(module)
+    name = cls.__name__
+    if isinstance(module, fm._FewBit) or isinstance(module, fm.FewBitActivation):
+        return None
+    if isinstance(module, (nn.Linear, nn.Bilinear)) or (
+        name == "Conv1D" and cls.__module__.startswith("transformers")
+    ):
+        return "linear"
+    if isinstance(module, nn.modules.conv._ConvNd):
+        return "conv"
+    norms = (nn.LayerNorm, nn.GroupNorm, nn.LocalResponseNorm, nn.modules.batchnorm._NormBase)
+    if hasattr(nn, "RMSNorm"):
+        norms = norms + (nn.RMSNorm,)
+    if isinstance(module, norms) or name.endswith(("LayerNorm", "RMSNorm", "GroupNorm", "BatchNorm")):
+        return "norm"
+    if isinstance(module, nn.MultiheadAttention) or name.endswith("Attention"):
+        return "attention"
+    return None
+
+
+# --------------------------------------------------------------------------- compression hooks
+
+
+class _SharedCompressor:
+    """One compressor per converted model, shared by all its hooks.
+
+    Pickling/deep-copying keeps the settings and creates a fresh compressor (its cache
+    and statistics belong to the original model's runs).
+    """
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self._make()
+
+    def _make(self) -> None:
+        from fewbit.quant import ActivationCompressor
+
+        c = self.config
+        self.compressor = ActivationCompressor(
+            c.saved_bits, group_size=c.group_size, min_numel=c.min_numel, stochastic=c.stochastic
+        )
+        self.entered: dict[int, int] = {}  # id(module) -> number of open enters
+
+    def __getstate__(self) -> dict:
+        return {"config": self.config}
+
+    def __setstate__(self, state: dict) -> None:
+        self.config = state["config"]
+        self._make()
+
+
+class _EnterHook:
+    """Forward pre-hook: enter the shared compressor."""
+
+    def __init__(self, shared: _SharedCompressor) -> None:
+        self.shared = shared
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        self.shared.compressor.__enter__()
+        key = id(module)
+        self.shared.entered[key] = self.shared.entered.get(key, 0) + 1
+        return None
+
+
+class _ExitHook:
+    """Forward hook (always called, also when forward raises): leave the compressor,
+    but only if this module's pre-hook entered it."""
+
+    def __init__(self, shared: _SharedCompressor) -> None:
+        self.shared = shared
+
+    def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
+        key = id(module)
+        n = self.shared.entered.get(key, 0)
+        if n > 0:
+            if n == 1:
+                del self.shared.entered[key]
+            else:
+                self.shared.entered[key] = n - 1
+            self.shared.compressor.__exit__(None, None, None)
+        return None
+
+
+def _remove_compression_hooks(module: nn.Module) -> None:
+    for k, hook in list(module._forward_pre_hooks.items()):
+        if isinstance(hook, _EnterHook):
+            del module._forward_pre_hooks[k]
+            module._forward_pre_hooks_with_kwargs.pop(k, None)
+    for k, hook in list(module._forward_hooks.items()):
+        if isinstance(hook, _ExitHook):
+            del module._forward_hooks[k]
+            module._forward_hooks_with_kwargs.pop(k, None)
+            module._forward_hooks_always_called.pop(k, None)
+
+
+# --------------------------------------------------------------------------- convert_
+
+
+def convert_(
+    model: nn.Module,
+    config: Config | None = None,
+    *,
+    bits: int | None = None,
+    filter_fn: Callable[[nn.Module, str], bool] | None = None,
+) -> ConversionSummary:
+    """Convert ``model`` in place to few-bit activations (and compressed saved tensors).
+
+    Args:
+        model: any ``nn.Module`` (torch or Hugging Face ``transformers`` model).
+        config: what to do; default ``Config()`` (3-bit activations, no saved-tensor
+            compression).
+        bits: shortcut for ``Config(activation_bits=bits)``; not together with ``config``.
+        filter_fn: ``filter_fn(module, fqn) -> bool``; only modules for which it returns
+            True are replaced or hooked (default: all). ``fqn`` is the dotted name from
+            ``model.named_modules()`` (``""`` for the root).
+
+    Returns:
+        A :class:`ConversionSummary` (``.model`` is ``model`` itself, converted in place;
+        ``.replaced``, ``.unsupported``, ``.compressed``, ``.compressor``;
+        ``print(summary)`` shows it). Like ``load_state_dict``, the in-place verb returns
+        a report rather than the model.
+
+    Raises:
+        TypeError: if ``model`` is not an ``nn.Module``, ``config`` not a :class:`Config`,
+            or ``filter_fn`` not callable.
+        ValueError: if both ``config`` and ``bits`` are given, or ``bits`` is out of range.
+
+    Example:
+        >>> summary = fewbit.convert_(model, fewbit.Config(activation_bits=3, saved_bits=4))
+        >>> print(summary)
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if config is not None and bits is not None:
+        raise ValueError(f"pass either config or bits, not both (got bits={bits!r} and a config)")
+    if config is None:
+        config = Config() if bits is None else Config(activation_bits=bits)
+    elif not isinstance(config, Config):
+        raise TypeError(f"config must be a fewbit.Config, got {type(config).__name__}")
+    if filter_fn is not None and not callable(filter_fn):
+        raise TypeError(f"filter_fn must be callable(module, fqn) -> bool or None, got {type(filter_fn).__name__}")
+
+    def selected(m: nn.Module, fqn: str) -> bool:
+        return filter_fn is None or bool(filter_fn(m, fqn))
+
+    summary = ConversionSummary(model=model, config=config)
+    named = list(model.named_modules())
+
+    # 1. activations -------------------------------------------------------------------
+    if config.activation_bits is not None:
+        factories = _torch_factories()
+        hf_factories, hf_unsupported = _hf_factories()
+        factories.update(hf_factories)
+        unsupported = _TORCH_UNSUPPORTED + hf_unsupported
+        new_for: dict[int, nn.Module] = {}
+        for fqn, m in named:
+            factory = factories.get(type(m))
+            if factory is None:
+                if isinstance(m, unsupported) and selected(m, fqn):
+                    summary.unsupported[fqn] = type(m).__name__
+                continue
+            if not selected(m, fqn):
+                continue
+            if m is model:
+                summary.unsupported[fqn] = f"{type(m).__name__} (the root module cannot be replaced in place)"
+                continue
+            new = factory(m, config.activation_bits)
+            new.train(m.training)
+            new_for[id(m)] = new
+            summary.replaced[fqn] = (type(m).__name__, repr(new))
+        if new_for:
+            # Every parent slot, so a module shared by several parents stays shared.
+            for parent in model.modules():
+                for name, child in list(parent._modules.items()):
+                    if child is not None and id(child) in new_for:
+                        parent._modules[name] = new_for[id(child)]
+            named = list(model.named_modules())
+
+    # 2. saved-tensor compression ------------------------------------------------------
+    for _, m in named:
+        _remove_compression_hooks(m)
+    if config.saved_bits is not None:
+        shared = _SharedCompressor(config)
+        summary.compressor = shared.compressor
+        for fqn, m in named:
+            kind = layer_kind(m)
+            if kind is None or kind not in config.layers or not selected(m, fqn):
+                continue
+            m.register_forward_pre_hook(_EnterHook(shared))
+            m.register_forward_hook(_ExitHook(shared), always_call=True)
+            summary.compressed[fqn] = kind
+    return summary

@@ -1,0 +1,155 @@
+"""Tests of fewbit.modules: torch.nn signatures plus keyword-only bits, forward equal to
+torch.nn, backward equal to the few-bit reference, repr, state_dict, pickle, deepcopy."""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import pickle
+
+import pytest
+import torch
+from torch import nn
+
+import fewbit
+from fewbit import functional as FF
+from fewbit import modules as fm
+from test_functional import install_pointwise_standin, reference_grad, toy_table, write_toy_cache, SMOOTH
+
+# (fewbit module, torch module, ctor kwargs, table name, table params)
+CASES = [
+    (fm.GELU, nn.GELU, {}, "gelu", {}),
+    (fm.GELU, nn.GELU, {"approximate": "tanh"}, "gelu_tanh", {}),
+    (fm.SiLU, nn.SiLU, {}, "silu", {}),
+    (fm.SELU, nn.SELU, {}, "selu", {}),
+    (fm.ELU, nn.ELU, {}, "elu", {}),
+    (fm.CELU, nn.CELU, {}, "celu", {}),
+    (fm.Mish, nn.Mish, {}, "mish", {}),
+    (fm.Softplus, nn.Softplus, {}, "softplus", {}),
+    (fm.Sigmoid, nn.Sigmoid, {}, "sigmoid", {}),
+    (fm.Tanh, nn.Tanh, {}, "tanh", {}),
+    (fm.LogSigmoid, nn.LogSigmoid, {}, "logsigmoid", {}),
+    (fm.Softsign, nn.Softsign, {}, "softsign", {}),
+    (fm.Tanhshrink, nn.Tanhshrink, {}, "tanhshrink", {}),
+    (fm.Hardswish, nn.Hardswish, {}, "hardswish", {}),
+    (fm.ReLU, nn.ReLU, {}, "relu", {}),
+    (fm.LeakyReLU, nn.LeakyReLU, {"negative_slope": 0.25}, "leaky_relu", {"negative_slope": 0.25}),
+    (fm.ReLU6, nn.ReLU6, {}, "relu6", {}),
+    (fm.Hardtanh, nn.Hardtanh, {"min_val": -2.0, "max_val": 0.5}, "hardtanh", {"min_val": -2.0, "max_val": 0.5}),
+    (fm.Threshold, nn.Threshold, {"threshold": 0.5, "value": 2.0}, "threshold", {"threshold": 0.5, "value": 2.0}),
+    (fm.Hardshrink, nn.Hardshrink, {"lambd": 0.25}, "hardshrink", {"lambd": 0.25}),
+    (fm.Softshrink, nn.Softshrink, {}, "softshrink", {}),
+    (fm.Hardsigmoid, nn.Hardsigmoid, {}, "hardsigmoid", {}),
+]
+
+
+@pytest.fixture(scope="module")
+def toy_root(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fewbit_cache_modules")
+    for name in SMOOTH:
+        write_toy_cache(root, name, [1, 2, 3, 4])
+    return root
+
+
+@pytest.fixture(autouse=True)
+def env(monkeypatch, toy_root):
+    install_pointwise_standin(monkeypatch)
+    monkeypatch.setenv("FEWBIT_CACHE_DIR", str(toy_root))
+    FF.clear_table_cache()
+    yield
+    FF.clear_table_cache()
+
+
+def _id(c):
+    return c[0].__name__ + "".join(f"-{k}={v}" for k, v in c[2].items())
+
+
+@pytest.mark.parametrize("case", CASES, ids=_id)
+def test_module_matches_torch_and_reference(case):
+    cls, torch_cls, kwargs, tname, tparams = case
+    ours, theirs = cls(**kwargs), torch_cls(**kwargs)
+    assert isinstance(ours, torch_cls)
+    x = (torch.randn(4, 33) * 3).requires_grad_(True)
+    y = ours(x)
+    torch.testing.assert_close(y, theirs(x.detach()), atol=0, rtol=0)
+    g = torch.randn_like(y)
+    y.backward(g)
+    table = FF.load_table(tname, ours.bits, tparams)
+    torch.testing.assert_close(x.grad, reference_grad(g, x.detach(), table), atol=0, rtol=0)
+    if table.weight == "exact":  # stepwise: equal to torch's own gradient
+        x2 = x.detach().clone().requires_grad_(True)
+        theirs(x2).backward(g)
+        rtol = 2.5e-7 if tname == "hardsigmoid" else 0
+        torch.testing.assert_close(x.grad, x2.grad, atol=0, rtol=rtol)
+
+
+@pytest.mark.parametrize("case", CASES, ids=_id)
+def test_signature_repr_state_dict_copy_pickle(case):
+    cls, torch_cls, kwargs, _, _ = case
+    ours_sig = inspect.signature(cls.__init__).parameters
+    theirs_sig = inspect.signature(torch_cls.__init__).parameters
+    bits = ours_sig["bits"]
+    assert bits.kind is inspect.Parameter.KEYWORD_ONLY
+    ours_pos = [(p.name, p.default) for p in ours_sig.values() if p.name != "bits"]
+    theirs_pos = [(p.name, p.default) for p in theirs_sig.values()
+                  if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and p.name not in ("min_value", "max_value")]
+    assert ours_pos == theirs_pos
+    m = cls(**kwargs, bits=2)
+    r = repr(m)
+    assert "bits=2" in r
+    t_repr = torch_cls(**kwargs).extra_repr()
+    if t_repr:
+        assert m.extra_repr() == f"{t_repr}, bits=2"
+    assert list(m.parameters()) == [] and m.state_dict() == {}
+    for clone in (copy.deepcopy(m), pickle.loads(pickle.dumps(m))):
+        assert type(clone) is cls and clone.bits == 2 and repr(clone) == r
+    with pytest.raises(ValueError, match="bits must be"):
+        cls(**kwargs, bits=0)
+
+
+def test_inplace_module():
+    x = torch.randn(10, requires_grad=True)
+    h = x * 2
+    out = fm.ReLU(inplace=True)(h)
+    assert out.data_ptr() == h.data_ptr()
+    out.sum().backward()
+    torch.testing.assert_close(x.grad, (x.detach() > 0).float() * 2, atol=0, rtol=0)
+    assert repr(fm.ReLU(inplace=True)) == "ReLU(inplace=True, bits=1)"
+
+
+def test_quick_gelu_and_validation():
+    m = fm.QuickGELU(bits=4)
+    x = torch.randn(50, requires_grad=True)
+    y = m(x)
+    torch.testing.assert_close(y, x.detach() * torch.sigmoid(1.702 * x.detach()), atol=0, rtol=0)
+    assert repr(m) == "QuickGELU(bits=4)"
+    with pytest.raises(ValueError, match="approximate"):
+        fm.GELU("erf")
+    with pytest.raises(ValueError, match="max_val"):
+        fm.Hardtanh(1.0, -1.0)
+
+
+def test_fewbit_activation_generic(tmp_path):
+    t = toy_table("tanh", 2)
+    path = tmp_path / "t.json"
+    fewbit.table.write_tables(path, [t])
+    m = fm.FewBitActivation("tanh", table=path)
+    assert m.bits == 2 and "bits=2" in repr(m) and m.state_dict() == {}
+    x = torch.randn(3, 7, requires_grad=True)
+    y = m(x)
+    torch.testing.assert_close(y, torch.tanh(x.detach()), atol=0, rtol=0)
+    g = torch.randn_like(y)
+    y.backward(g)
+    torch.testing.assert_close(x.grad, reference_grad(g, x.detach(), t), atol=0, rtol=0)
+    m2 = copy.deepcopy(m)
+    assert m2.table == t
+    m3 = fm.FewBitActivation("elu", bits=3, params={"alpha": 1.0})
+    assert "'elu', alpha=1, bits=3" in repr(m3)
+    with pytest.raises(ValueError, match="is for 'tanh'"):
+        fm.FewBitActivation("sigmoid", table=t)
+
+
+def test_lazy_public_names():
+    for name in fewbit._MODULE_CLASSES:
+        assert getattr(fewbit, name) is getattr(fm, name)
+    assert fewbit.load_table is FF.load_table
