@@ -1,1 +1,217 @@
-"""fewbit.quant: group quantizer for saved tensors (placeholder, being written)."""
+"""fewbit.quant: ActNN-style group quantizer for the tensors other layers save for backward.
+
+Maths (method.md §7; Chen et al., "ActNN", ICML 2021, eq. 2-3; Liu et al., "GACT", ICML
+2022): flatten ``x``, split it into groups of ``group_size`` elements (the last group may
+be short), keep per group the min ``m`` and the scale ``s = (2**b - 1) / (max - m)`` in
+``stats_dtype``, and the codes
+
+    q = clamp(floor((x - m) * s + u), 0, 2**b - 1),   u ~ Uniform[0, 1)  (or u = 1/2)
+
+packed as one little-endian b-bit stream (method.md §6). ``x_hat = m + q / s``.
+``q`` is computed from the *stored* ``m`` and ``s``; both are rounded *down* to
+``stats_dtype`` so that ``0 <= (x - m) * s <= 2**b - 1`` and the clamp never cuts a value:
+stochastic rounding is then unbiased, ``E[x_hat] = x``, with per-element variance
+``<= 1 / (4 s**2)``. See :mod:`fewbit.quant._reference` for the exact steps, the
+``max == min`` guard and non-finite groups (NaN/inf in a group: that group dequantizes to
+NaN, other groups are unaffected).
+
+Random numbers: a counter-based hash (lowbias32 applied twice) of the flat element index
+and one 64-bit seed drawn from ``generator``. Every backend computes the same noise, so the
+stochastic path is bit-identical to :func:`quantize_reference` for the same generator
+state, no noise tensor is materialised, and a run is reproducible from the generator.
+
+Backends (``fewbit::group_quantize`` / ``fewbit::group_dequantize`` torch.library ops):
+numba on CPU, Triton on CUDA, both imported lazily (``import fewbit`` imports neither).
+
+Saved-tensor compression: :class:`ActivationCompressor` / :func:`compress_activations`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fewbit.quant import _reference as _ref
+from fewbit.quant.compressor import ActivationCompressor, CompressionStats, compress_activations
+
+__all__ = [
+    # quantizer
+    "QuantizedTensor", "quantize", "dequantize",
+    # pure-torch definition
+    "quantize_reference", "dequantize_reference",
+    # saved-tensor compression
+    "ActivationCompressor", "CompressionStats", "compress_activations",
+]
+
+SUPPORTED_BITS = (1, 2, 4, 8)
+SUPPORTED_STATS_DTYPES = (torch.bfloat16, torch.float32)
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+@dataclass(frozen=True)
+class QuantizedTensor:
+    """A group-quantized tensor (method.md §7).
+
+    Attributes:
+        packed: ``(ceil(numel * bits / 8),)`` uint8, codes in the method.md §6 stream layout.
+        mins: ``(ceil(numel / group_size),)`` per-group min ``m`` in ``stats_dtype``.
+        scales: same shape, per-group scale ``s`` (NaN for a non-finite group).
+        shape: shape of the original tensor.
+        dtype: dtype of the original tensor (and of :meth:`dequantize`).
+        bits: bits per element (1, 2, 4 or 8).
+        group_size: elements per group.
+    """
+
+    packed: torch.Tensor
+    mins: torch.Tensor
+    scales: torch.Tensor
+    shape: torch.Size
+    dtype: torch.dtype
+    bits: int
+    group_size: int
+
+    @property
+    def device(self) -> torch.device:
+        return self.packed.device
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def stats_dtype(self) -> torch.dtype:
+        return self.mins.dtype
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: ``ceil(numel * bits / 8) + 2 * ceil(numel / group_size) * itemsize(stats)``."""
+        return (
+            self.packed.numel() * self.packed.element_size()
+            + self.mins.numel() * self.mins.element_size()
+            + self.scales.numel() * self.scales.element_size()
+        )
+
+    def dequantize(self) -> torch.Tensor:
+        """``x_hat = m + q / s``: a contiguous tensor of ``shape`` and ``dtype``."""
+        return dequantize(self)
+
+    def __repr__(self) -> str:
+        return (
+            f"QuantizedTensor(shape={tuple(self.shape)}, dtype={self.dtype}, bits={self.bits}, "
+            f"group_size={self.group_size}, stats_dtype={self.stats_dtype}, device={self.device}, "
+            f"nbytes={self.nbytes})"
+        )
+
+
+def _validate(x, bits, group_size, stats_dtype, generator) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in _FLOAT_DTYPES:
+        raise TypeError(
+            f"x must be a floating-point tensor (float16, bfloat16, float32 or float64), got {x.dtype}"
+        )
+    if isinstance(bits, bool) or not isinstance(bits, int) or bits not in SUPPORTED_BITS:
+        raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {bits!r}")
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+        raise ValueError(f"group_size must be an integer >= 1, got {group_size!r}")
+    if stats_dtype not in SUPPORTED_STATS_DTYPES:
+        raise ValueError(
+            f"stats_dtype must be torch.bfloat16 or torch.float32 (float16 cannot hold the "
+            f"range of activations), got {stats_dtype!r}"
+        )
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+
+
+def _draw_seed(generator: torch.Generator | None) -> int:
+    device = generator.device if generator is not None else "cpu"
+    return int(torch.randint(0, 2**63 - 1, (1,), generator=generator, device=device).item())
+
+
+def quantize(
+    x: torch.Tensor,
+    bits: int,
+    *,
+    group_size: int = 256,
+    stochastic: bool = True,
+    stats_dtype: torch.dtype = torch.bfloat16,
+    generator: torch.Generator | None = None,
+) -> QuantizedTensor:
+    """Group-quantize ``x`` to ``bits`` bits per element (method.md §7, ActNN eq. 2-3).
+
+    Args:
+        x: any shape (read flattened in C order; non-contiguous inputs are copied),
+            float16, bfloat16, float32 or float64, on CPU or CUDA. Not modified.
+        bits: bits per element, one of 1, 2, 4, 8.
+        group_size: elements per group sharing one ``(m, s)`` pair (default 256: 0.125 bits
+            per element of bf16 stats overhead).
+        stochastic: stochastic rounding (unbiased, ``u ~ U[0, 1)``) if True, nearest
+            rounding (``u = 1/2``) if False.
+        stats_dtype: dtype of the stored ``m`` and ``s``: torch.bfloat16 or torch.float32.
+        generator: source of the 64-bit noise seed (one draw per call when ``stochastic``);
+            the default generator of the CPU if None.
+
+    Returns:
+        A :class:`QuantizedTensor` holding ``ceil(numel * bits / 8)`` bytes of codes plus
+        ``2 * ceil(numel / group_size)`` stats.
+
+    Raises:
+        TypeError: ``x`` not a floating tensor, ``generator`` not a torch.Generator.
+        ValueError: ``bits`` not in {1, 2, 4, 8}, ``group_size < 1``, unsupported ``stats_dtype``.
+    """
+    _validate(x, bits, group_size, stats_dtype, generator)
+    seed = _draw_seed(generator) if stochastic else 0
+    flat = x.detach().reshape(-1).contiguous()
+    packed, mins, scales = torch.ops.fewbit.group_quantize(
+        flat, bits, group_size, seed, bool(stochastic), stats_dtype
+    )
+    return QuantizedTensor(packed, mins, scales, x.shape, x.dtype, bits, group_size)
+
+
+def dequantize(qt: QuantizedTensor) -> torch.Tensor:
+    """``x_hat = m + q / s``: a contiguous tensor of ``qt.shape``, ``qt.dtype``, ``qt.device``.
+
+    Raises:
+        TypeError: ``qt`` is not a :class:`QuantizedTensor`.
+    """
+    if not isinstance(qt, QuantizedTensor):
+        raise TypeError(f"qt must be a fewbit.quant.QuantizedTensor, got {type(qt).__name__}")
+    out = torch.ops.fewbit.group_dequantize(
+        qt.packed, qt.mins, qt.scales, qt.bits, qt.group_size, qt.numel, qt.dtype
+    )
+    return out.reshape(qt.shape)
+
+
+def quantize_reference(
+    x: torch.Tensor,
+    bits: int,
+    *,
+    group_size: int = 256,
+    stochastic: bool = True,
+    stats_dtype: torch.dtype = torch.bfloat16,
+    generator: torch.Generator | None = None,
+) -> QuantizedTensor:
+    """Pure-torch definition of :func:`quantize` (same arguments, same result bit for bit)."""
+    _validate(x, bits, group_size, stats_dtype, generator)
+    seed = _draw_seed(generator) if stochastic else None
+    flat = x.detach().reshape(-1)
+    packed, mins, scales = _ref.quantize_reference(flat, bits, group_size, seed, stats_dtype)
+    return QuantizedTensor(packed, mins, scales, x.shape, x.dtype, bits, group_size)
+
+
+def dequantize_reference(qt: QuantizedTensor) -> torch.Tensor:
+    """Pure-torch definition of :func:`dequantize`."""
+    if not isinstance(qt, QuantizedTensor):
+        raise TypeError(f"qt must be a fewbit.quant.QuantizedTensor, got {type(qt).__name__}")
+    out = _ref.dequantize_reference(
+        qt.packed, qt.mins, qt.scales, qt.bits, qt.group_size, qt.numel, qt.dtype
+    )
+    return out.reshape(qt.shape)
+
+
+# Register the torch.library ops (no numba/triton import happens here).
+from fewbit.quant import _ops as _ops  # noqa: E402,F401

@@ -1,0 +1,204 @@
+"""CPU kernels of the group quantizer in numba (imported lazily, never by ``import fewbit``).
+
+They implement exactly the steps of :mod:`fewbit.quant._reference` (method.md §7), so the
+stored stats and the packed codes are bit-identical to the reference for both rounding
+modes (the noise is the same counter-based hash). One fused pass per chunk of groups:
+min/max of each group (the group stays in L1), the stats, then the codes, packed eight
+at a time into a 64-bit little-endian word whose low ``bits`` bytes are stored (method.md
+§6). Arithmetic is in the dtype of ``x`` (float32 or float64); no fastmath, so no FMA
+contraction: ``(x - m) * s + u`` is rounded twice as in torch.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numba
+import numpy as np
+from numba import njit, prange
+
+if numba.config.THREADING_LAYER == "default":  # kernels-notes.md: omp beats workqueue here
+    try:
+        numba.config.THREADING_LAYER = "omp"
+    except Exception:  # pragma: no cover - layer already fixed by another import
+        pass
+
+_MASK32 = np.uint64(0xFFFFFFFF)
+
+
+@njit(inline="always", cache=True)
+def _lowbias32(x):
+    x = x ^ (x >> np.uint64(16))
+    x = (x * np.uint64(0x7FEB352D)) & _MASK32
+    x = x ^ (x >> np.uint64(15))
+    x = (x * np.uint64(0x846CA68B)) & _MASK32
+    return x ^ (x >> np.uint64(16))
+
+
+@njit(inline="always", cache=True)
+def _floor_to_grid(v, mant_bits, min_exp, fmax):
+    """Largest value with ``mant_bits`` significant bits (exponent >= min_exp) <= v.
+
+    ``v`` finite float64; returns float64 (``-inf``/``inf`` past ``fmax``).
+    """
+    if v == 0.0:
+        return v
+    e = math.frexp(v)[1]  # v = f * 2**e, 0.5 <= |f| < 1
+    q = math.ldexp(1.0, max(e - mant_bits, min_exp))
+    r = np.floor(v / q) * q
+    if r > fmax:
+        return np.inf
+    if r < -fmax:
+        return -np.inf
+    return r
+
+
+@njit(inline="always", cache=True)
+def _uniform(e, s0, s1):
+    h = _lowbias32(_lowbias32(np.uint64(e) & _MASK32 ^ s0) ^ s1)
+    return np.float32(h >> np.uint64(8)) * np.float32(2.0 ** -24)
+
+
+@njit(parallel=True, error_model="numpy", cache=True)
+def quantize_kernel(x, bits, group_size, chunk_groups, seed, stochastic, mant_bits, min_exp,
+                    fmax, consts, out_packed, out_m, out_s):
+    """Fill ``out_packed`` (uint8), ``out_m``/``out_s`` (dtype of x, values on the stats grid).
+
+    ``consts`` (dtype of x) = [2**bits - 1, 1, 0.5, largest finite stats value, 0]: typed
+    constants, so float32 arithmetic is never promoted to float64 by a Python literal.
+    """
+    n = x.shape[0]
+    G = group_size
+    n_groups = (n + G - 1) // G
+    n_chunks = (n_groups + chunk_groups - 1) // chunk_groups
+    s0 = np.uint64(seed) & _MASK32
+    s1 = (np.uint64(seed) >> np.uint64(32)) & _MASK32
+    qmax = (1 << bits) - 1
+    aligned = G % 8 == 0
+    levels = consts[0]
+    one = consts[1]
+    half = consts[2]
+    fmax_c = consts[3]
+    zero = consts[4]
+    for c in prange(n_chunks):
+        g0 = c * chunk_groups
+        g1 = min(g0 + chunk_groups, n_groups)
+        # 1. stats of every group of the chunk
+        for g in range(g0, g1):
+            a = g * G
+            b = min(a + G, n)
+            xs = x[a:b]
+            lo = xs[0]
+            hi = xs[0]
+            acc = zero
+            for i in range(b - a):
+                v = xs[i]
+                lo = v if v < lo else lo
+                hi = v if v > hi else hi
+                acc += v - v  # NaN iff some element is NaN or infinite
+            ok = acc == 0
+            if ok:
+                out_m[g] = _floor_to_grid(np.float64(lo), mant_bits, min_exp, fmax)
+                m = out_m[g]  # the stored value, in the dtype of x
+                ok = np.isfinite(m)
+                if ok:
+                    # Every intermediate goes through out_s[g] so that it is rounded to the
+                    # dtype of x exactly as torch rounds it (numba may widen scalars).
+                    out_s[g] = hi - m
+                    rng = out_s[g]
+                    ok = np.isfinite(rng)
+                    if ok:
+                        out_s[g] = one
+                        if rng > 0:
+                            out_s[g] = levels / rng
+                            if np.isinf(out_s[g]):
+                                out_s[g] = fmax_c
+                        out_s[g] = _floor_to_grid(np.float64(out_s[g]), mant_bits, min_exp, fmax)
+                        ok = out_s[g] > 0
+            if not ok:
+                out_m[g] = np.nan
+                out_s[g] = np.nan
+        # 2. codes, 8 per 64-bit word
+        e0 = g0 * G
+        e1 = min(g1 * G, n)
+        w0 = e0 // 8
+        w1 = (e1 + 7) // 8
+        for w in range(w0, w1):
+            base = w * 8
+            word = np.uint64(0)
+            if aligned and base + 8 <= n:
+                g = base // G
+                m = out_m[g]
+                s = out_s[g]
+                if s == s:  # finite group
+                    for k in range(8):
+                        e = base + k
+                        u = half
+                        if stochastic:
+                            u = _uniform(e, s0, s1)
+                        t = (x[e] - m) * s
+                        qf = np.floor(t + u)
+                        qi = 0 if qf < 0 else (qmax if qf > qmax else np.int64(qf))
+                        word |= np.uint64(qi) << np.uint64(k * bits)
+            else:
+                for k in range(8):
+                    e = base + k
+                    if e >= n:
+                        break
+                    g = e // G
+                    m = out_m[g]
+                    s = out_s[g]
+                    if s == s:
+                        u = half
+                        if stochastic:
+                            u = _uniform(e, s0, s1)
+                        t = (x[e] - m) * s
+                        qf = np.floor(t + u)
+                        qi = 0 if qf < 0 else (qmax if qf > qmax else np.int64(qf))
+                        word |= np.uint64(qi) << np.uint64(k * bits)
+            nb = bits
+            if base + 8 > n:
+                nb = ((n - base) * bits + 7) // 8
+            o = w * bits
+            for i in range(nb):
+                out_packed[o + i] = np.uint8((word >> np.uint64(8 * i)) & np.uint64(0xFF))
+
+
+@njit(parallel=True, error_model="numpy", cache=True)
+def dequantize_kernel(packed, m_arr, s_arr, bits, group_size, chunk_groups, out):
+    """``out[e] = m + q / s`` in the dtype of ``out`` (float32 or float64)."""
+    n = out.shape[0]
+    G = group_size
+    n_groups = (n + G - 1) // G
+    n_chunks = (n_groups + chunk_groups - 1) // chunk_groups
+    mask = np.uint64((1 << bits) - 1)
+    aligned = G % 8 == 0
+    for c in prange(n_chunks):
+        g0 = c * chunk_groups
+        g1 = min(g0 + chunk_groups, n_groups)
+        e0 = g0 * G
+        e1 = min(g1 * G, n)
+        for w in range(e0 // 8, (e1 + 7) // 8):
+            base = w * 8
+            o = w * bits
+            nb = bits
+            if base + 8 > n:
+                nb = ((n - base) * bits + 7) // 8
+            word = np.uint64(0)
+            for i in range(nb):
+                word |= np.uint64(packed[o + i]) << np.uint64(8 * i)
+            if aligned and base + 8 <= n:
+                g = base // G
+                m = m_arr[g]
+                s = s_arr[g]
+                for k in range(8):
+                    q = (word >> np.uint64(k * bits)) & mask
+                    out[base + k] = m + np.float32(q) / s
+            else:
+                for k in range(8):
+                    e = base + k
+                    if e >= n:
+                        break
+                    g = e // G
+                    q = (word >> np.uint64(k * bits)) & mask
+                    out[e] = m_arr[g] + np.float32(q) / s_arr[g]

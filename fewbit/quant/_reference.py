@@ -1,0 +1,195 @@
+"""Pure-torch reference of the group quantizer (method.md §7): the definition.
+
+Every backend (numba on CPU, Triton on CUDA) must produce the same packed codes and the
+same stored statistics bit for bit. The steps, per group of ``group_size`` elements
+(the last group is short; it is *not* padded with values, only the flat stream is):
+
+1. ``lo = min(x_g)``, ``hi = max(x_g)`` in the compute dtype (float64 for float64
+   input, float32 otherwise).
+2. ``m = floor_S(lo)``: the largest value of the stats dtype ``S`` that is ``<= lo``.
+   Rounding *down* (instead of to nearest) keeps ``x - m >= 0``, so the clamp at 0 never
+   cuts a value and stochastic rounding stays unbiased.
+3. ``r = hi - m``; ``s_raw = (2**b - 1) / r`` (``s_raw = 1`` when ``r == 0``: the
+   ``max == min`` guard; ``s_raw`` = the largest finite ``S`` value when the division
+   overflows); ``s = floor_S(s_raw)``, again rounded down so that ``(hi - m) * s <=
+   2**b - 1``.
+4. ``q = clamp(floor((x - m) * s + u), 0, 2**b - 1)`` with ``m`` and ``s`` the *stored*
+   values (two separately rounded operations, no fused multiply-add), ``u = 0.5`` for
+   nearest rounding or the counter-based uniform of :func:`uniform_noise`.
+5. Dequantize: ``x_hat = m + q / s`` in the compute dtype, cast to the input dtype.
+
+Non-finite groups: if a group holds a NaN or an infinity (or its range overflows the
+compute dtype or the stats dtype), its stored ``m`` and ``s`` are NaN and its codes 0,
+so it dequantizes to NaN *for that group only*; other groups are untouched. A NaN in the
+gradient is what mixed-precision loss scalers look for, so the overflow is not hidden.
+
+Random numbers (choice documented in ``fewbit/quant/__init__.py``): a counter-based
+hash of the flat element index and a 64-bit seed, so CPU, CUDA and this reference draw
+the same ``u`` for the same seed and the stochastic path is testable bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fewbit.packing import pack_reference, unpack_reference
+
+__all__ = [
+    "uniform_noise",
+    "floor_to_dtype",
+    "group_stats_reference",
+    "quantize_codes_reference",
+    "quantize_reference",
+    "dequantize_reference",
+    "compute_dtype",
+]
+
+_MASK32 = 0xFFFFFFFF
+# lowbias32 (Chris Wellons' hash-prospector): x ^= x >> 16; x *= C1; x ^= x >> 15;
+# x *= C2; x ^= x >> 16, all mod 2**32.
+_C1 = 0x7FEB352D
+_C2 = 0x846CA68B
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype arithmetic is done in: float64 for float64 input, float32 otherwise."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """``(x * c) mod 2**32`` for int64 ``x`` in [0, 2**32) without int64 overflow."""
+    if c < (1 << 31):
+        return (x * c) & _MASK32
+    # x * c = x * (c - 2**31) + x * 2**31, and x * 2**31 mod 2**32 = (x & 1) << 31.
+    return (x * (c - (1 << 31)) + ((x & 1) << 31)) & _MASK32
+
+
+def _lowbias32(x: torch.Tensor) -> torch.Tensor:
+    x = x ^ (x >> 16)
+    x = _mul32(x, _C1)
+    x = x ^ (x >> 15)
+    x = _mul32(x, _C2)
+    return x ^ (x >> 16)
+
+
+def uniform_noise(numel: int, seed: int, device=None, start: int = 0) -> torch.Tensor:
+    """Counter-based uniform noise ``u`` in [0, 1) used by stochastic rounding.
+
+    ``h = lowbias32(lowbias32((j mod 2**32) ^ s0) ^ s1)`` with ``j`` the flat element index,
+    ``s0``/``s1`` the low/high 32 bits of ``seed``; ``u = (h >> 8) * 2**-24`` (24 random
+    bits, exactly representable in float32). Indices repeat every 2**32 elements.
+
+    Returns:
+        ``(numel,)`` float32 tensor.
+    """
+    s0 = seed & _MASK32
+    s1 = (seed >> 32) & _MASK32
+    j = torch.arange(start, start + numel, dtype=torch.int64, device=device) & _MASK32
+    h = _lowbias32(_lowbias32(j ^ s0) ^ s1)
+    return (h >> 8).to(torch.float32) * (2.0 ** -24)
+
+
+def floor_to_dtype(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Largest value of ``dtype`` that is ``<= v`` (elementwise), returned in ``dtype``."""
+    c = v.to(dtype)
+    above = c.to(v.dtype) > v
+    down = torch.nextafter(c, torch.full_like(c, float("-inf")))
+    return torch.where(above, down, c)
+
+
+def group_stats_reference(x: torch.Tensor, bits: int, group_size: int, stats_dtype: torch.dtype):
+    """Per-group stored ``(mins, scales)`` and a finite-group mask (method.md §7 steps 1-3).
+
+    Args:
+        x: ``(numel,)`` floating tensor (flattened input).
+
+    Returns:
+        ``mins``, ``scales``: ``(ceil(numel / group_size),)`` in ``stats_dtype``;
+        ``ok``: ``(n_groups,)`` bool, False for non-finite groups (whose stats are NaN).
+    """
+    cdt = compute_dtype(x.dtype)
+    n = x.numel()
+    n_groups = -(-n // group_size)
+    xc = x.reshape(-1).to(cdt)
+    pad = n_groups * group_size - n
+    lo_src = torch.cat([xc, xc.new_full((pad,), float("inf"))]).reshape(n_groups, group_size)
+    hi_src = torch.cat([xc, xc.new_full((pad,), float("-inf"))]).reshape(n_groups, group_size)
+    lo = lo_src.amin(dim=1)  # propagates NaN
+    hi = hi_src.amax(dim=1)
+    ok = torch.isfinite(lo) & torch.isfinite(hi)
+    m = floor_to_dtype(torch.where(ok, lo, torch.zeros_like(lo)), stats_dtype)
+    mc = m.to(cdt)
+    ok &= torch.isfinite(mc)
+    rng = hi - mc
+    ok &= torch.isfinite(rng)
+    levels = float((1 << bits) - 1)
+    safe_rng = torch.where(ok & (rng > 0), rng, torch.ones_like(rng))
+    # a tensor numerator: ``float / tensor`` is computed as ``reciprocal * float`` in torch
+    s_raw = torch.where(rng > 0, torch.full_like(rng, levels) / safe_rng, torch.ones_like(rng))
+    s_max = torch.finfo(stats_dtype).max
+    s_raw = torch.where(torch.isinf(s_raw), torch.full_like(s_raw, s_max), s_raw)
+    s = floor_to_dtype(s_raw, stats_dtype)
+    ok &= s.to(cdt) > 0
+    nan = torch.full_like(m, float("nan"))
+    return torch.where(ok, m, nan), torch.where(ok, s, nan), ok
+
+
+def quantize_codes_reference(
+    x: torch.Tensor, mins: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int,
+    seed: int | None,
+) -> torch.Tensor:
+    """Codes ``q`` (int64, ``(numel,)``) from the stored stats (method.md §7 step 4)."""
+    cdt = compute_dtype(x.dtype)
+    n = x.numel()
+    xc = x.reshape(-1).to(cdt)
+    gidx = torch.arange(n, device=x.device) // group_size
+    m = mins.to(cdt)[gidx]
+    s = scales.to(cdt)[gidx]
+    if seed is None:
+        u = torch.full((n,), 0.5, dtype=cdt, device=x.device)
+    else:
+        u = uniform_noise(n, seed, device=x.device).to(cdt)
+    t = (xc - m) * s
+    v = torch.floor(t + u)
+    v = torch.where(torch.isnan(v), torch.zeros_like(v), v)  # non-finite groups -> code 0
+    return v.clamp(0, (1 << bits) - 1).to(torch.int64)
+
+
+def quantize_reference(
+    x: torch.Tensor, bits: int, group_size: int, seed: int | None, stats_dtype: torch.dtype,
+):
+    """Reference group quantizer on a flat tensor.
+
+    Args:
+        x: any shape, floating dtype (read flattened in C order).
+        bits: 1, 2, 4 or 8 bits per element.
+        group_size: elements per group.
+        seed: 64-bit seed of the counter-based noise, or None for nearest rounding.
+        stats_dtype: dtype of the stored per-group min and scale.
+
+    Returns:
+        ``(packed, mins, scales)``: ``(ceil(numel * bits / 8),)`` uint8 codes in the
+        method.md §6 stream layout, and two ``(ceil(numel / group_size),)`` stats tensors.
+    """
+    flat = x.reshape(-1)
+    if flat.numel() == 0:
+        empty = torch.empty(0, dtype=stats_dtype, device=x.device)
+        return torch.empty(0, dtype=torch.uint8, device=x.device), empty, empty.clone()
+    mins, scales, _ = group_stats_reference(flat, bits, group_size, stats_dtype)
+    q = quantize_codes_reference(flat, mins, scales, bits, group_size, seed)
+    return pack_reference(q, bits), mins, scales
+
+
+def dequantize_reference(
+    packed: torch.Tensor, mins: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int,
+    numel: int, dtype: torch.dtype,
+) -> torch.Tensor:
+    """Reference dequantizer: ``x_hat = m + q / s`` per group, ``(numel,)`` in ``dtype``."""
+    if numel == 0:
+        return torch.empty(0, dtype=dtype, device=packed.device)
+    cdt = compute_dtype(dtype)
+    q = unpack_reference(packed, bits, numel).to(cdt)
+    gidx = torch.arange(numel, device=packed.device) // group_size
+    m = mins.to(cdt)[gidx]
+    s = scales.to(cdt)[gidx]
+    return (m + q / s).to(dtype)

@@ -1,0 +1,304 @@
+"""Compression of the tensors autograd saves for backward (method.md §7; ActNN, GACT).
+
+:class:`ActivationCompressor` installs ``torch.autograd.graph.saved_tensors_hooks``:
+every floating tensor that an operation saves for backward inside ``with comp:`` is
+replaced by a :class:`~fewbit.quant.QuantizedTensor` (group quantizer, ``bits`` per
+element + stats), bool masks are packed losslessly at 1 bit, and the rest is kept as is.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["ActivationCompressor", "CompressionStats", "compress_activations"]
+
+_BIT_WEIGHTS = {}  # device -> uint8 [1, 2, 4, ..., 128]
+
+
+def _bit_weights(device) -> torch.Tensor:
+    w = _BIT_WEIGHTS.get(device)
+    if w is None:
+        w = _BIT_WEIGHTS[device] = torch.tensor([1 << i for i in range(8)], dtype=torch.uint8, device=device)
+    return w
+
+
+def _pack_bool(t: torch.Tensor) -> torch.Tensor:
+    """Bool tensor -> ``(ceil(numel / 8),)`` uint8, bit ``j % 8`` of byte ``j // 8`` (method.md §6, b=1)."""
+    flat = t.reshape(-1).contiguous().view(torch.uint8)
+    pad = (-flat.numel()) % 8
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad)])
+    return (flat.view(-1, 8) * _bit_weights(t.device)).sum(dim=1, dtype=torch.uint8)
+
+
+def _unpack_bool(packed: torch.Tensor, numel: int) -> torch.Tensor:
+    bits = (packed[:, None] & _bit_weights(packed.device)) != 0
+    return bits.reshape(-1)[:numel]
+
+
+@dataclass
+class CompressionStats:
+    """Counters of one :class:`ActivationCompressor` (reset with :meth:`reset`).
+
+    Attributes:
+        bytes_before: bytes (numel * itemsize) of the tensors that were compressed.
+        bytes_after: bytes held for them (packed codes + stats, or packed bool bits).
+        bytes_skipped: bytes of the saved tensors left uncompressed (not deduplicated ones).
+        compressed: floating tensors quantized.
+        packed_bool: bool tensors packed at 1 bit (lossless).
+        deduplicated: saves answered with an existing compressed copy (no new bytes).
+        skipped: reason -> count: ``parameter`` (nn.Parameter, leaf requiring grad or a
+            view of one), ``dtype`` (integer/uint8 codes/complex), ``small`` (< min_numel),
+            ``layout`` (sparse, meta, or a view with overlapping/zero strides).
+    """
+
+    bytes_before: int = 0
+    bytes_after: int = 0
+    bytes_skipped: int = 0
+    compressed: int = 0
+    packed_bool: int = 0
+    deduplicated: int = 0
+    skipped: dict = field(default_factory=dict)
+
+    @property
+    def ratio(self) -> float:
+        """``bytes_before / bytes_after`` over the compressed tensors (nan if none)."""
+        return self.bytes_before / self.bytes_after if self.bytes_after else float("nan")
+
+    def reset(self) -> None:
+        self.bytes_before = self.bytes_after = self.bytes_skipped = 0
+        self.compressed = self.packed_bool = self.deduplicated = 0
+        self.skipped = {}
+
+
+class _Handle:
+    """What autograd keeps instead of a saved tensor."""
+
+    __slots__ = ("qt", "bool_bits", "shape", "dtype", "device", "__weakref__")
+
+    def __init__(self, qt, bool_bits, shape, dtype, device):
+        self.qt = qt
+        self.bool_bits = bool_bits
+        self.shape = shape
+        self.dtype = dtype
+        self.device = device
+
+    @property
+    def nbytes(self) -> int:
+        if self.qt is not None:
+            return self.qt.nbytes
+        return self.bool_bits.numel()
+
+    def unpack(self) -> torch.Tensor:
+        if self.qt is not None:
+            return self.qt.dequantize()
+        n = 1
+        for d in self.shape:
+            n *= d
+        return _unpack_bool(self.bool_bits, n).reshape(self.shape)
+
+
+def _is_parameter(t: torch.Tensor) -> bool:
+    """nn.Parameter, a leaf that requires grad, or a view of one (e.g. ``weight.t()``)."""
+    for u in (t, t._base):
+        if u is None:
+            continue
+        if isinstance(u, torch.nn.Parameter) or (u.is_leaf and u.requires_grad):
+            return True
+    return False
+
+
+def _dense_non_overlapping(t: torch.Tensor) -> bool:
+    """True if the elements of ``t`` occupy ``numel`` distinct memory slots (no stride-0 expand)."""
+    dims = sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz != 1)
+    expected = 1
+    for st, sz in dims:
+        if st != expected:
+            return False
+        expected *= sz
+    return True
+
+
+class ActivationCompressor:
+    """Compress the tensors saved for backward inside ``with`` blocks (ActNN-style).
+
+    Floating tensors with at least ``min_numel`` elements are group-quantized
+    (:func:`fewbit.quant.quantize`, method.md §7) and dequantized when backward needs
+    them; bool tensors (dropout and other masks) are packed losslessly at 1 bit.
+    Untouched: parameters (``nn.Parameter``, leaves that require grad, and views of
+    them), integer and uint8 tensors (indices, fewbit codes), complex, sparse and
+    overlapping (expanded) tensors, tensors smaller than ``min_numel``.
+
+    A tensor saved by several operations (the q, k and v projections of one input) is
+    compressed once: saves are keyed by (storage address, storage offset, shape, stride,
+    dtype, device, version counter) while the tensor (or the base it is a view of) is
+    alive; the key cache holds only weak references, so nothing is kept alive by it and
+    an entry disappears when autograd frees the last graph that holds the compressed copy.
+
+    The instance is re-entrant: ``with comp:`` may be used many times, nested, and by
+    several modules (fewbit.convert enters it in a forward pre-hook and exits it in the
+    forward hook). Unpacked tensors are contiguous, of the saved shape, dtype and device.
+
+    Args:
+        bits: bits per element, one of 1, 2, 4, 8.
+        group_size: elements per quantization group.
+        min_numel: tensors with fewer elements are kept as they are (default 4096: below
+            that the stats and the bookkeeping are not worth it).
+        stochastic: stochastic (unbiased) rounding if True, nearest if False.
+        stats_dtype: torch.bfloat16 or torch.float32 for the per-group min and scale.
+        generator: generator of the noise seeds (default CPU generator if None).
+
+    Attributes:
+        stats: :class:`CompressionStats` counters, accumulated over every use.
+
+    Raises:
+        ValueError: for ``bits``, ``group_size``, ``min_numel`` or ``stats_dtype`` out of range.
+
+    Example:
+        >>> comp = ActivationCompressor(bits=4)
+        >>> with comp:
+        ...     loss = model(x).sum()
+        >>> loss.backward()
+        >>> comp.stats.ratio  # about 7.8 for float32 activations
+    """
+
+    def __init__(
+        self,
+        bits: int = 4,
+        *,
+        group_size: int = 256,
+        min_numel: int = 4096,
+        stochastic: bool = True,
+        stats_dtype: torch.dtype = torch.bfloat16,
+        generator: torch.Generator | None = None,
+    ):
+        from fewbit.quant import SUPPORTED_BITS, SUPPORTED_STATS_DTYPES
+
+        if isinstance(bits, bool) or not isinstance(bits, int) or bits not in SUPPORTED_BITS:
+            raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {bits!r}")
+        if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+            raise ValueError(f"group_size must be an integer >= 1, got {group_size!r}")
+        if isinstance(min_numel, bool) or not isinstance(min_numel, int) or min_numel < 0:
+            raise ValueError(f"min_numel must be an integer >= 0, got {min_numel!r}")
+        if stats_dtype not in SUPPORTED_STATS_DTYPES:
+            raise ValueError(f"stats_dtype must be torch.bfloat16 or torch.float32, got {stats_dtype!r}")
+        if generator is not None and not isinstance(generator, torch.Generator):
+            raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+        self.bits = bits
+        self.group_size = group_size
+        self.min_numel = min_numel
+        self.stochastic = bool(stochastic)
+        self.stats_dtype = stats_dtype
+        self.generator = generator
+        self.stats = CompressionStats()
+        self._stack: list = []
+        # key -> (weakref to the tensor or its base, weakref to the handle)
+        self._cache: dict = {}
+
+    def __repr__(self) -> str:
+        return (
+            f"ActivationCompressor(bits={self.bits}, group_size={self.group_size}, "
+            f"min_numel={self.min_numel}, stochastic={self.stochastic}, stats_dtype={self.stats_dtype})"
+        )
+
+    # context manager -------------------------------------------------------------------
+    def __enter__(self) -> "ActivationCompressor":
+        ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        ctx.__enter__()
+        self._stack.append(ctx)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if not self._stack:
+            raise RuntimeError("ActivationCompressor.__exit__ without a matching __enter__")
+        self._stack.pop().__exit__(*exc)
+
+    @property
+    def active(self) -> bool:
+        """True while inside at least one ``with`` block of this instance."""
+        return bool(self._stack)
+
+    # hooks -------------------------------------------------------------------------------
+    def _skip(self, t: torch.Tensor, reason: str):
+        self.stats.skipped[reason] = self.stats.skipped.get(reason, 0) + 1
+        self.stats.bytes_skipped += t.numel() * t.element_size()
+        return t
+
+    def _pack(self, t: torch.Tensor):
+        if t.layout != torch.strided or t.device.type == "meta":
+            return self._skip(t, "layout")
+        if _is_parameter(t):
+            return self._skip(t, "parameter")
+        is_bool = t.dtype == torch.bool
+        if not (t.is_floating_point() or is_bool):
+            return self._skip(t, "dtype")
+        if t.numel() < max(self.min_numel, 1):
+            return self._skip(t, "small")
+        if not _dense_non_overlapping(t):
+            return self._skip(t, "layout")
+        key = (
+            t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(),
+            t.dtype, t.device, t._version,
+        )
+        hit = self._cache.get(key)
+        if hit is not None:
+            anchor, handle = hit[0](), hit[1]()
+            if anchor is not None and handle is not None:
+                self.stats.deduplicated += 1
+                return handle
+        with torch.no_grad():
+            if is_bool:
+                handle = _Handle(None, _pack_bool(t), t.shape, t.dtype, t.device)
+                self.stats.packed_bool += 1
+            else:
+                from fewbit.quant import quantize
+
+                qt = quantize(
+                    t.detach(), self.bits, group_size=self.group_size, stochastic=self.stochastic,
+                    stats_dtype=self.stats_dtype, generator=self.generator,
+                )
+                handle = _Handle(qt, None, t.shape, t.dtype, t.device)
+                self.stats.compressed += 1
+        self.stats.bytes_before += t.numel() * t.element_size()
+        self.stats.bytes_after += handle.nbytes
+        anchor = t._base if t._base is not None else t
+        cache = self._cache
+
+        def _drop(ref, key=key, cache=cache):
+            entry = cache.get(key)
+            if entry is not None and entry[1] is ref:
+                del cache[key]
+
+        self._cache[key] = (weakref.ref(anchor), weakref.ref(handle, _drop))
+        return handle
+
+    @staticmethod
+    def _unpack(packed):
+        if isinstance(packed, _Handle):
+            return packed.unpack()
+        return packed
+
+
+def compress_activations(
+    bits: int = 4,
+    *,
+    group_size: int = 256,
+    min_numel: int = 4096,
+    stochastic: bool = True,
+    stats_dtype: torch.dtype = torch.bfloat16,
+    generator: torch.Generator | None = None,
+) -> ActivationCompressor:
+    """A fresh :class:`ActivationCompressor`, for ``with fewbit.compress_activations(4): ...``.
+
+    Args: as :class:`ActivationCompressor`.
+
+    Returns:
+        A new compressor (its ``stats`` count what was saved inside its blocks).
+    """
+    return ActivationCompressor(
+        bits, group_size=group_size, min_numel=min_numel, stochastic=stochastic,
+        stats_dtype=stats_dtype, generator=generator,
+    )
