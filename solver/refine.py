@@ -46,6 +46,10 @@ def refine(
 ) -> tuple[np.ndarray, np.ndarray, float]:
     """Refine interior borders of a piecewise-constant fit.
 
+    Borders that sit on a jump of ``f'`` or of the weight (the DP grid contains those
+    points) are kept there: ``L`` is not differentiable in them, and the DP put them
+    there because the jump is the best place. The other borders move freely between them.
+
     Args:
         objective: the problem (``f'``, weight, interval ``[a, b]``).
         borders: ``(K - 1,)`` strictly increasing starting borders inside ``(a, b)``.
@@ -63,26 +67,49 @@ def refine(
         return s0, y0, L0
     scale = 1.0 / L0
 
+    # anchors: a, borders on breakpoints, b; free borders are grouped between anchors
+    bp = objective.breakpoints
+    tol = 1e-12 * (b - a)
+    on_bp = np.array([bp.size > 0 and np.min(np.abs(bp - x)) <= tol for x in s0], dtype=bool)
+    anchors = np.r_[a, s0[on_bp], b]
+    group = np.searchsorted(anchors, s0[~on_bp])  # gap index (1-based) of each free border
+    free_idx = np.flatnonzero(~on_bp)
+    if free_idx.size == 0:
+        return s0, y0, L0
+    gaps = [(anchors[k - 1], anchors[k], free_idx[group == k]) for k in range(1, anchors.size)]
+    gaps = [g for g in gaps if g[2].size]
+    sizes = [g[2].size + 1 for g in gaps]
+    offsets = np.r_[0, np.cumsum(sizes)]
+
+    def assemble(z):
+        s = s0.copy()
+        for (lo, hi, idx), o0, o1 in zip(gaps, offsets[:-1], offsets[1:]):
+            s[idx] = borders_from_z(z[o0:o1], lo, hi)
+        return s
+
     def fun(z):
-        s = borders_from_z(z, a, b)
+        s = assemble(z)
         if np.any(np.diff(np.r_[a, s, b]) <= 0):
             return np.inf, np.zeros_like(z)
         y, L = objective.levels_and_loss(s)
-        gs = objective.gradient(s, y)  # dL/ds_i, i = 1..K-1
-        # s_i = a + sum_{m < i} g_m: dL/dg_m = sum_{i > m} dL/ds_i
-        G = np.r_[np.cumsum(gs[::-1])[::-1], 0.0]
-        p = np.exp(z - z.max())
-        p /= p.sum()
-        # g = (b - a) softmax(z): dL/dz_l = (b - a) p_l (G_l - sum_m G_m p_m)
-        gz = (b - a) * p * (G - np.dot(G, p))
+        gs = objective.gradient(s, y)  # dL/ds_i
+        gz = np.empty_like(z)
+        for (lo, hi, idx), o0, o1 in zip(gaps, offsets[:-1], offsets[1:]):
+            zz = z[o0:o1]
+            # s_i = lo + sum_{m < i} g_m within the gap: dL/dg_m = sum_{i > m} dL/ds_i
+            G = np.r_[np.cumsum(gs[idx][::-1])[::-1], 0.0]
+            p = np.exp(zz - zz.max())
+            p /= p.sum()
+            # g = (hi - lo) softmax(z): dL/dz_l = (hi - lo) p_l (G_l - sum_m G_m p_m)
+            gz[o0:o1] = (hi - lo) * p * (G - np.dot(G, p))
         return L * scale, gz * scale
 
-    z0 = z_from_borders(s0, a, b)
+    z0 = np.concatenate([z_from_borders(s0[idx], lo, hi) for lo, hi, idx in gaps])
     res = minimize(
         fun, z0, jac=True, method="L-BFGS-B",
         options={"maxiter": maxiter, "gtol": gtol, "ftol": 1e-15, "maxcor": 30},
     )
-    s1 = borders_from_z(res.x, a, b)
+    s1 = assemble(res.x)
     if np.all(np.diff(np.r_[a, s1, b]) > 0):
         y1, L1 = objective.levels_and_loss(s1)
         if L1 <= L0:

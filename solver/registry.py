@@ -243,8 +243,8 @@ def _hardswish_f(x, p):
 
 
 def _hardswish_df(x, p):
-    # torch: x < -3 -> 0; x <= 3 -> x / 3 + 0.5; else 1
-    return np.where(x < -3.0, 0.0, np.where(x <= 3.0, x / 3.0 + 0.5, 1.0))
+    # torch's backward: x <= -3 -> 0; x < 3 -> x / 3 + 0.5; else 1
+    return np.where(x <= -3.0, 0.0, np.where(x < 3.0, x / 3.0 + 0.5, 1.0))
 
 
 # stepwise (torch's backward semantics at the jumps)
