@@ -153,6 +153,8 @@ class SavedTensorRecorder:
         self._act_stack: list[bool] = []
         self._param_keys: set = set()
         self._handles: list = []
+        self._mine: dict[int, Callable] = {}  # id -> pack closures made by this recorder
+        self._pushed: list[bool] = []  # per running module: did its pre-hook re-push us?
         self.reset()
 
     def reset(self) -> None:
@@ -204,7 +206,12 @@ class SavedTensorRecorder:
         def unpack(packed: Any) -> torch.Tensor:
             return inner[1](packed) if inner is not None else packed
 
+        self._mine[id(pack)] = pack
         return pack, unpack
+
+    def _is_top(self) -> bool:
+        top = self._top_hooks()
+        return top is not None and id(top[0]) in self._mine
 
     @staticmethod
     def _top_hooks() -> tuple[Callable, Callable] | None:
@@ -240,14 +247,24 @@ class SavedTensorRecorder:
                 def pre(m, args, _name=name, _act=is_act):
                     self._stack.append(_name)
                     self._act_stack.append(_act)
+                    # Another pre-hook (e.g. fewbit.convert_'s compressor) pushed its own
+                    # saved-tensor hooks: record on top of them for this module's forward.
+                    push = not self._is_top()
+                    if push:
+                        torch._C._autograd._push_saved_tensors_default_hooks(
+                            *self._make_hooks(self._top_hooks()))
+                    self._pushed.append(push)
 
                 def post(m, args, out, _name=name):
                     if self._stack and self._stack[-1] == _name:
                         self._stack.pop()
                         self._act_stack.pop()
+                        if self._pushed.pop():
+                            torch._C._autograd._pop_saved_tensors_default_hooks()
 
+                # pre runs after hooks registered earlier, post before them (prepend).
                 self._handles.append(mod.register_forward_pre_hook(pre))
-                self._handles.append(mod.register_forward_hook(post, always_call=True))
+                self._handles.append(mod.register_forward_hook(post, always_call=True, prepend=True))
         self._hooks = torch.autograd.graph.saved_tensors_hooks(*self._make_hooks(self._top_hooks()))
         self._hooks.__enter__()
         _ACTIVE.append(self)
@@ -260,6 +277,8 @@ class SavedTensorRecorder:
         for h in self._handles:
             h.remove()
         self._handles = []
+        self._pushed = []
+        self._mine = {}
         self._keep = []  # packed objects stay alive through the graph, not through us
 
 
@@ -431,9 +450,11 @@ def compare(
     - ``"vanilla"``: the model as built;
     - ``"fewbit"``: pointwise activations replaced by ``fewbit.convert_(model, bits=bits)``
       (Novikov et al., ICML 2023);
-    - ``"fewbit+quant"``: the same, and every other saved tensor group-quantized to
-      ``saved_bits`` bits with groups of ``group_size`` (``fewbit.compress_activations``;
-      ActNN-style, method.md §7).
+    - ``"fewbit+quant"``: the same, and the tensors saved by linear, conv, norm and attention
+      layers group-quantized to ``saved_bits`` bits with groups of ``group_size``
+      (``fewbit.convert_(model, fewbit.Config(activation_bits=bits, saved_bits=saved_bits,
+      group_size=group_size))``; ActNN-style, method.md §7; tensors below the quantizer's
+      ``min_numel`` and those saved by the loss are kept as they are).
 
     Each variant gets a fresh model from ``model_factory`` (seeded with 0 before each call).
 
@@ -472,15 +493,15 @@ def compare(
         model = model_factory()
         converted = 0
         if variant != "vanilla":
-            converted = _convert(model, bits)
-        if variant == "fewbit+quant":
             import fewbit
 
-            ctx = fewbit.compress_activations(saved_bits, group_size=group_size)
-        else:
-            ctx = contextlib.nullcontext()
-        with ctx:
-            rep = saved_tensor_report(model, inputs, loss_fn=loss_fn)
+            config = fewbit.Config(
+                activation_bits=bits,
+                saved_bits=saved_bits if variant == "fewbit+quant" else None,
+                group_size=group_size,
+            )
+            converted = _convert(model, config)
+        rep = saved_tensor_report(model, inputs, loss_fn=loss_fn)
         d = rep.to_dict()
         d.pop("by_module")
         d["converted"] = converted
@@ -493,20 +514,9 @@ def compare(
     return out
 
 
-def _convert(model: nn.Module, bits: int) -> int:
-    """Apply ``fewbit.convert_`` and return the number of modules replaced."""
+def _convert(model: nn.Module, config: Any) -> int:
+    """Apply ``fewbit.convert_(model, config)``; return the number of activation modules replaced."""
     import fewbit
 
-    before = {name for name, m in model.named_modules() if is_activation_module(m)
-              and not type(m).__module__.startswith("fewbit.")}
-    result = fewbit.convert_(model, bits=bits)
-    for attr in ("num_converted", "converted", "count"):
-        val = getattr(result, attr, None)
-        if isinstance(val, int):
-            return val
-        if isinstance(val, (list, tuple, dict)):
-            return len(val)
-    after = {name for name, m in model.named_modules() if type(m).__module__.startswith("fewbit.")}
-    return len(after) if after else len(before) - len(
-        {name for name, m in model.named_modules() if is_activation_module(m)
-         and not type(m).__module__.startswith("fewbit.")})
+    summary = fewbit.convert_(model, config)
+    return len(summary.replaced)

@@ -90,8 +90,11 @@ def check_variant(variant: str) -> str:
 def apply_variant(model: nn.Module, variant: str) -> Callable[[], contextlib.AbstractContextManager]:
     """Convert ``model`` in place for ``variant``; return a factory of the per-step context.
 
-    The context (entered around each forward) is ``fewbit.compress_activations(4)`` for
-    ``fewbit3+quant4`` and a no-op otherwise.
+    ``fewbitB``: ``fewbit.convert_(model, Config(activation_bits=B))``; ``fewbit3+quant4``:
+    ``Config(activation_bits=3, saved_bits=4)`` (linear/conv/norm/attention saved tensors
+    group-quantized); ``actnn2``: activation modules wrapped in
+    :class:`QuantizedSavedActivation` (2 bits). The returned context (entered around each
+    forward) is currently a no-op for every variant.
 
     Raises:
         ValueError: for an unknown variant.
@@ -109,11 +112,10 @@ def apply_variant(model: nn.Module, variant: str) -> Callable[[], contextlib.Abs
     import fewbit
 
     bits = int(variant[len("fewbit")])
-    fewbit.convert_(model, bits=bits)
-    if not any(type(m).__module__.startswith("fewbit.") for m in model.modules()):
+    saved_bits = 4 if variant.endswith("+quant4") else None
+    summary = fewbit.convert_(model, fewbit.Config(activation_bits=bits, saved_bits=saved_bits))
+    if not summary.replaced:
         raise RuntimeError(f"{variant}: fewbit.convert_ replaced no activation")
-    if variant.endswith("+quant4"):
-        return lambda: fewbit.compress_activations(4, group_size=256)
     return null
 
 

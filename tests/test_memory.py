@@ -1,0 +1,211 @@
+"""fewbit.memory: exact saved-tensor counting, the three-variant comparison, the CLI."""
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+from click.testing import CliRunner
+from torch import nn
+
+import fewbit
+from fewbit import memory as fm
+from fewbit.memory_cli import memory as memory_cmd
+
+
+def _direct_count(model, x, loss_fn):
+    """Independent count: walk the autograd graph and read every node's ``_saved_*`` tensors."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen = {}
+    loss = loss_fn(model(x))
+    stack, visited = [loss.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in visited:
+            continue
+        visited.add(node)
+        for attr in dir(node):
+            if not attr.startswith("_saved_"):
+                continue
+            try:
+                val = getattr(node, attr)
+            except RuntimeError:
+                continue
+            vals = val if isinstance(val, (tuple, list)) else [val]
+            for v in vals:
+                if isinstance(v, torch.Tensor) and v.untyped_storage().data_ptr() not in params:
+                    st = v.untyped_storage()
+                    if st.data_ptr():
+                        seen[st.data_ptr()] = st.nbytes()
+        stack.extend(fn for fn, _ in node.next_functions)
+    return sum(seen.values())
+
+
+class _Shared(nn.Module):
+    """One input feeds three projections (saved three times), views of one storage, a GELU."""
+
+    def __init__(self, d=16, h=48):
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
+        self.up = nn.Linear(d, h)
+        self.act = nn.GELU()
+        self.down = nn.Linear(h, d)
+
+    def forward(self, x):
+        qkv = torch.cat([self.q(x), self.k(x), self.v(x)], dim=-1)
+        q, k, v = qkv.chunk(3, dim=-1)  # views of one storage
+        a = torch.softmax(q @ k.transpose(-1, -2), dim=-1) @ v
+        return self.down(self.act(self.up(a))) * torch.tanh(x)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 4)),
+    lambda: _Shared(),
+])
+def test_report_matches_direct_count(make):
+    torch.manual_seed(0)
+    model = make()
+    x = torch.randn(3, 5, 8 if isinstance(model, nn.Sequential) else 16, requires_grad=True)
+    loss_fn = lambda out: out.pow(2).mean()  # noqa: E731
+    expected = _direct_count(model, x, loss_fn)
+    rep = fm.saved_tensor_report(model, x, loss_fn=loss_fn)
+    assert rep.saved_bytes == expected
+    assert rep.saved_bytes == sum(v for k, v in rep.by_category.items() if k != "parameters")
+    assert sum(rep.by_module.values()) == rep.saved_bytes
+    assert rep.num_unique < rep.num_saved or isinstance(model, nn.Sequential)
+
+
+def test_activation_category_is_the_gelu_input():
+    model = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 4))
+    rep = fm.saved_tensor_report(model, torch.randn(7, 8), loss_fn=lambda o: o.sum())
+    assert rep.by_category["activation"] == 7 * 32 * 4
+    assert rep.by_module["1"] == 7 * 32 * 4
+    # Linear 0 saves the input (7x8 fp32); the weight of Linear 2 is a parameter.
+    assert rep.by_module["0"] == 7 * 8 * 4
+    assert rep.by_category["parameters"] == 4 * 32 * 4
+    assert rep.peak_bytes is None
+
+
+def test_fewbit_codes_are_counted_as_activation():
+    model = nn.Sequential(nn.Linear(8, 1000), nn.GELU(), nn.Linear(1000, 4))
+    fewbit.convert_(model, bits=3)
+    rep = fm.saved_tensor_report(model, torch.randn(4, 8), loss_fn=lambda o: o.sum())
+    codes = math.ceil(4 * 1000 * 3 / 8)
+    assert codes <= rep.by_category["activation"] <= codes + 256
+    assert rep.by_category["activation"] < 4 * 1000 * 4 / 8
+
+
+def test_packed_objects_are_counted_by_nbytes():
+    model = nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 64))
+    x = torch.randn(32, 64)
+    with fewbit.compress_activations(4, min_numel=0) as comp:
+        rep = fm.saved_tensor_report(model, x, loss_fn=lambda o: o.pow(2).sum())
+    assert comp.stats.compressed > 0
+    assert rep.by_category["compressed"] + rep.by_category["activation"] == comp.stats.bytes_after
+    vanilla = fm.saved_tensor_report(model, x, loss_fn=lambda o: o.pow(2).sum())
+    assert rep.saved_bytes < vanilla.saved_bytes / 4
+
+
+def test_recorder_sees_through_convert_compression_hooks():
+    """fewbit.convert_ enters its compressor in module pre-hooks; the recorder still counts."""
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+    x = torch.randn(32, 64)
+    summary = fewbit.convert_(model, fewbit.Config(activation_bits=2, saved_bits=4, min_numel=0))
+    rep = fm.saved_tensor_report(model, x, loss_fn=lambda o: o.sum())
+    assert rep.by_category["compressed"] == summary.compressor.stats.bytes_after > 0
+    assert rep.by_category["activation"] >= 32 * 256 * 2 // 8
+
+
+def _tiny_gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    cfg = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=256, n_positions=64,
+                     bos_token_id=0, eos_token_id=0)
+    return GPT2LMHeadModel(cfg)
+
+
+def test_compare_tiny_gpt2():
+    ids = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))
+    res = fm.compare(_tiny_gpt2, {"input_ids": ids, "labels": ids}, bits=3, saved_bits=4, group_size=64)
+    assert list(res) == ["vanilla", "fewbit", "fewbit+quant"]
+    for d in res.values():
+        for key in ("saved_bytes", "activation_bytes", "compressed_bytes", "other_bytes", "saved_ratio",
+                    "activation_ratio", "converted"):
+            assert key in d
+    v, f, q = res["vanilla"], res["fewbit"], res["fewbit+quant"]
+    assert f["saved_bytes"] < v["saved_bytes"]
+    assert q["saved_bytes"] < f["saved_bytes"]
+    assert f["activation_bytes"] < v["activation_bytes"] / 8
+    assert f["converted"] == 2 and v["converted"] == 0
+    assert q["compressed_bytes"] > 0 and f["compressed_bytes"] == 0
+    assert v["saved_ratio"] == 1.0 and f["saved_ratio"] > 1.0
+    # Forward is exact: the loss is unchanged by few-bit activations.
+    assert f["loss"] == pytest.approx(v["loss"], rel=1e-5)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"bits": 0}, "bits"), ({"saved_bits": 3}, "saved_bits"), ({"group_size": 0}, "group_size"),
+    ({"variants": ["foo"]}, "variant"),
+])
+def test_compare_rejects_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        fm.compare(lambda: nn.Linear(2, 2), torch.randn(1, 2), **kwargs)
+
+
+def test_report_rejects_non_module():
+    with pytest.raises(TypeError, match="model"):
+        fm.saved_tensor_report(lambda x: x, torch.randn(2))
+
+
+# ----------------------------------------------------------------------------- CLI
+
+def _run(args):
+    return CliRunner().invoke(memory_cmd, args)
+
+
+def test_cli_json_tiny_gpt2():
+    r = _run(["--model", "gpt2", "--layers", "1", "--hidden", "64", "--seq-len", "32", "--json"])
+    assert r.exit_code == 0, r.output
+    res = json.loads(r.stdout)
+    assert set(res) == {"vanilla", "fewbit", "fewbit+quant"}
+    assert res["fewbit"]["activation_bytes"] < res["vanilla"]["activation_bytes"]
+    assert res["fewbit+quant"]["saved_bytes"] < res["fewbit"]["saved_bytes"] < res["vanilla"]["saved_bytes"]
+
+
+def test_cli_table_vit():
+    r = _run(["--model", "vit", "--layers", "1", "--hidden", "64"])
+    assert r.exit_code == 0, r.output
+    assert "fewbit+quant" in r.stdout and "MiB" in r.stdout and "197 tokens" in r.stdout
+
+
+@pytest.mark.parametrize("args, match", [
+    (["--model", "resnet9000"], "unknown model 'resnet9000'; supported: gpt2, bert"),
+    (["--model", "gpt2", "--bits", "9"], "--bits must be in 1..8, got 9"),
+    (["--model", "gpt2", "--saved-bits", "3"], "--saved-bits must be one of 1, 2, 4, 8, got 3"),
+    (["--model", "bert", "--seq-len", "100000"], "--seq-len must be <= 512 for bert, got 100000"),
+    (["--model", "llama", "--batch", "64", "--seq-len", "2048"], "GiB available"),
+])
+def test_cli_errors_are_one_line(args, match):
+    r = _run(args)
+    assert r.exit_code != 0
+    assert match in r.output
+    assert "Traceback" not in r.output
+    assert len(r.output.strip().splitlines()) == 1
+
+
+def test_cli_model_without_supported_activation_still_reports():
+    r = _run(["--model", "bloom", "--seq-len", "8", "--layers", "1", "--hidden", "32"])
+    assert r.exit_code == 0, r.output
+    assert "no activation module that fewbit supports" in r.stderr
+    assert "vanilla" in r.stdout
+
+
+def test_memory_cli_import_is_light():
+    code = ("import sys, fewbit.memory_cli; "
+            "bad = [m for m in ('transformers', 'fewbit.memory', 'numba', 'scipy') if m in sys.modules]; "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)
