@@ -33,6 +33,7 @@ Loaded tables are kept in memory, keyed by (name, non-default params, bits).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import math
 import os
@@ -208,7 +209,16 @@ def _resolve_fn(fn: FnLike) -> _Fn:
         act = get_activation(fn)
         return _Fn(act.name, act, act.torch_fn)
     if callable(fn):
-        name = f"{getattr(fn, '__module__', None) or '__main__'}:{getattr(fn, '__qualname__', repr(fn))}"
+        name = f"{getattr(fn, '__module__', None)}:{getattr(fn, '__qualname__', None)}"
+        try:
+            same = _import_callable(name) is fn
+        except (ValueError, TypeError):
+            same = False
+        if not same:
+            raise TypeError(
+                f"fn {fn!r} is not importable as 'module:callable' (lambdas and local functions "
+                "are not); define it at module level or pass its 'module:callable' name"
+            )
         return _Fn(name, None, fn)
     raise TypeError(f"fn must be a registry name, 'module:callable' or a callable, got {type(fn).__name__}")
 
@@ -279,10 +289,9 @@ def _fit_and_cache(f: _Fn, bits: int, params: dict[str, float], full: dict[str, 
     if not hasattr(solver, "fit"):
         raise ImportError('fewbit.solver.fit is not available: pip install "fewbit[solver]"')
     symmetric = bool(f.act.even) if f.act is not None else False
-    fn_arg: Any = f.name if f.act is not None or ":" in f.name else f.callable
     try:
         table = solver.fit(
-            fn_arg,
+            f.name,
             bits,
             domain=tuple(FIT_OPTIONS["domain"]),
             weight=FIT_OPTIONS["weight"],
@@ -315,10 +324,14 @@ def _fit_and_cache(f: _Fn, bits: int, params: dict[str, float], full: dict[str, 
     return table
 
 
-def _load(f: _Fn, bits: int, params: Mapping[str, float] | None) -> Table:
+def _load(f: _Fn, bits: int, params: Mapping[str, float] | None, border_params: Mapping[str, float] | None = None) -> Table:
+    """Resolve (and cache in memory) a table. ``border_params``: for stepwise functions,
+    the parameters rounded as torch rounds them for the input dtype; the table's borders
+    come from them while its ``params`` stay the requested ones."""
     full = f.full_params(params)
     nd = f.table_params(full)
-    key = (f.name, _params_tuple(nd), bits)
+    bp = dict(border_params) if border_params is not None else full
+    key = (f.name, _params_tuple(nd), bits, _params_tuple(bp))
     table = _TABLES.get(key)
     if table is not None:
         return table
@@ -328,7 +341,9 @@ def _load(f: _Fn, bits: int, params: Mapping[str, float] | None) -> Table:
             return table
         if f.act is not None and f.act.stepwise:
             # Exact at 1 bit: more bits could not make the gradient more exact.
-            table = exact_table(f.name, full)
+            table = exact_table(f.name, bp)
+            if bp != full:
+                table = dataclasses.replace(table, params=nd)
         else:
             table = None
             if f.act is not None:
@@ -423,14 +438,14 @@ def _registry(
     full = f.full_params(params)
     if not _needs_grad(input):
         return torch_call()
-    table = _load(f, bits, _table_params(f, full, input.dtype))
+    table = _load(f, bits, full, _border_params(f, full, input.dtype))
     return _pointwise(input, table, f.name, full, inplace)
 
 
-def _table_params(f: _Fn, full: dict[str, float], dtype: torch.dtype) -> dict[str, float]:
+def _border_params(f: _Fn, full: dict[str, float], dtype: torch.dtype) -> dict[str, float] | None:
     if f.act is not None and f.act.stepwise:
         return _stepwise_params_for(f.name, full, dtype)
-    return full
+    return None
 
 
 def activation(
@@ -449,8 +464,9 @@ def activation(
 
     Args:
         input: tensor of any shape, floating dtype.
-        fn: a registry name (``"gelu"``), a ``"module:callable"`` string, or a callable
-            ``fn(input, **params) -> Tensor`` that is elementwise.
+        fn: a registry name (``"gelu"``), a ``"module:callable"`` string, or a
+            module-level callable ``fn(input, **params) -> Tensor`` that is elementwise
+            (it is passed on by its ``"module:callable"`` name, so it must be importable).
         table: the :class:`~fewbit.table.Table` or a JSON table file to use; ``None``
             resolves it with :func:`load_table`. A table made for another function or
             other parameters is refused.
@@ -477,13 +493,12 @@ def activation(
         return input.copy_(out) if inplace else out
     if table is None:
         default_bits = f.act.default_bits if f.act is not None else 3
-        tab = _load(f, bits if bits is not None else default_bits, _table_params(f, full, input.dtype))
+        tab = _load(f, bits if bits is not None else default_bits, full, _border_params(f, full, input.dtype))
     else:
         source = str(table) if _is_path(table) else "table"
         tab = load_table(table, bits)
         _check_table_matches(tab, f.name, f.table_params(full), source)
-    fn_arg: Any = f.name if f.act is not None else f.callable
-    return _pointwise(input, tab, fn_arg, full, inplace)
+    return _pointwise(input, tab, f.name, full, inplace)
 
 
 # --------------------------------------------------------------------------- smooth
