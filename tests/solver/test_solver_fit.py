@@ -1,0 +1,164 @@
+"""fit / fit_many / approximation_error: validation, symmetry, known values (method.md §8)."""
+
+import numpy as np
+import pytest
+
+from fewbit import activations
+from fewbit.solver import approximation_error, fit, fit_many, registry, weights
+from fewbit.solver.objective import Objective
+from fewbit.table import Table, load_shipped
+
+STEPWISE = [n for n, a in activations.ACTIVATIONS.items() if a.stepwise]
+GRID = 2000  # small grid for speed; refinement makes the result grid-independent
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(bits=0), "bits must be an integer in 1..8, got 0"),
+        (dict(bits=9), "bits must be an integer in 1..8, got 9"),
+        (dict(bits=2.0), "bits must be an integer in 1..8"),
+        (dict(bits=2, domain=(1.0, -1.0)), "domain must be"),
+        (dict(bits=2, domain=(-np.inf, 1.0)), "domain must be"),
+        (dict(bits=2, domain=3), "domain must be"),
+        (dict(bits=4, grid=8), "grid must be at least 2\\*\\*bits = 16 cells, got 8"),
+        (dict(bits=2, params={"alpha": 1.0}), "takes parameters none; got alpha"),
+        (dict(bits=2, weight="normal:-1"), "sigma must be finite and > 0"),
+        (dict(bits=2, weight="normal"), "normal:SIGMA"),
+        (dict(bits=2, weight="cauchy"), "weight must be 'uniform' or 'normal:SIGMA'"),
+        (dict(bits=2, symmetric=True), "needs an even derivative"),
+        (dict(bits=2, symmetric="yes"), "symmetric must be None, True or False"),
+    ],
+)
+def test_fit_validation(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        fit("gelu", **kwargs)
+
+
+def test_fit_validation_other():
+    with pytest.raises(ValueError, match="unknown activation"):
+        fit("gelux", 2)
+    with pytest.raises(ValueError, match="symmetric=True needs a domain with A < 0 < B"):
+        fit("sigmoid", 2, domain=(0.0, 5.0), symmetric=True)
+    with pytest.raises(TypeError, match="weight must be a str"):
+        fit("gelu", 2, weight=1.0)
+    with pytest.raises(ValueError, match="strictly increasing"):
+        weights.histogram([0, 2, 1], [1, 1])
+    with pytest.raises(ValueError, match="not all be 0"):
+        weights.histogram([0, 1, 2], [0, 0])
+    with pytest.raises(ValueError, match=">= 0"):
+        weights.histogram([0, 1, 2], [1, -1])
+    with pytest.raises(ValueError, match="len\\(edges\\) - 1 = 2"):
+        weights.histogram([0, 1, 2], [1])
+    with pytest.raises(ValueError, match="no mass on the domain"):
+        fit("gelu", 1, weight=weights.histogram([20, 30], [1.0]), grid=100)
+    with pytest.raises(ValueError, match="bits_list must hold"):
+        fit_many("gelu", [])
+
+
+@pytest.mark.parametrize("name", STEPWISE)
+def test_relu_family_is_exact(name):
+    t = fit(name, 1)
+    assert t == activations.exact_table(name)
+    assert t.error == 0.0
+    assert approximation_error(t) == 0.0
+    t2 = fit(name, 2)  # padded exact table (documented choice)
+    assert t2.bits == 2 and len(t2.values) == 4 and t2.borders == t.borders and t2.codes == t.codes
+    assert t2.error == 0.0 and approximation_error(t2) == 0.0
+
+
+def test_stepwise_non_default_params_exact():
+    t = fit("leaky_relu", 1, params={"negative_slope": 0.2})
+    assert t.params == {"negative_slope": 0.2} and t.values == (0.2, 1.0)
+    assert approximation_error(t) == 0.0
+
+
+@pytest.mark.parametrize("name", ["gelu", "silu", "sigmoid", "tanh", "softplus"])
+def test_error_falls_two_to_four_times_per_bit(name):
+    tabs = load_shipped(name)
+    errs = [tabs[b].error for b in (1, 2, 3, 4)]
+    ratios = [errs[i] / errs[i + 1] for i in range(3)]
+    # method.md §8: "roughly 2-4x"; asymptotically 4x (error ~ 1/K^2), softplus 1->2 bits is 5.4x
+    assert all(2.0 <= r <= 6.0 for r in ratios), ratios
+
+
+def test_error_field_is_approximation_error_and_dp_cost():
+    t = fit("gelu", 3, grid=GRID, refine=False)
+    assert t.error == pytest.approx(approximation_error(t), rel=1e-12)
+    # the DP cost (prefix integrals) equals the exact L of the DP borders
+    assert t.error == pytest.approx(t.provenance["dp_cost"], rel=1e-9)
+    r = fit("gelu", 3, grid=GRID)
+    assert r.error <= t.error
+
+
+def test_mirrored_table_layout():
+    t = fit("sigmoid", 3, grid=GRID)
+    assert t.symmetric
+    K = 8
+    assert t.num_intervals == 2 * K - 1 == 2 ** (3 + 1) - 1
+    assert len(t.values) == K and sorted(set(t.codes)) == list(range(K))
+    b = np.asarray(t.borders)
+    np.testing.assert_array_equal(b, -b[::-1])
+    assert list(t.codes) == list(range(K - 1, 0, -1)) + list(range(K))
+    # the interval holding 0 is (-s_1, s_1], code 0, and values are the means there
+    mid = np.searchsorted(b, 0.0)
+    assert t.codes[mid] == 0 and b[mid - 1] < 0 < b[mid]
+    # full-domain error; mirrored beats a plain fit with the same bits (twice the intervals)
+    plain = fit("sigmoid", 3, grid=GRID, symmetric=False)
+    assert not plain.symmetric and plain.num_intervals == K
+    assert t.error < plain.error
+    assert t.error == pytest.approx(approximation_error(t), rel=1e-12)
+
+
+def test_mirrored_on_asymmetric_domain_uses_folded_weight():
+    t = fit("tanh", 2, domain=(-3.0, 8.0), grid=GRID, refine=False)
+    assert t.symmetric
+    # the folded DP cost is the full-domain error on [-3, 8]
+    assert t.error == pytest.approx(t.provenance["dp_cost"], rel=1e-9)
+    assert fit("tanh", 2, domain=(0.5, 8.0), grid=GRID).symmetric is False
+
+
+def test_fit_many_equals_fit_and_reports_progress():
+    calls = []
+    many = fit_many("silu", [1, 3], grid=GRID, progress=lambda d, n: calls.append((d, n)))
+    assert sorted(many) == [1, 3]
+    assert calls[-1][0] == calls[-1][1] and [d for d, _ in calls] == list(range(1, len(calls) + 1))
+    for b in (1, 3):
+        single = fit("silu", b, grid=GRID)
+        np.testing.assert_allclose(many[b].borders, single.borders, rtol=0, atol=1e-12)
+        assert many[b].error == pytest.approx(single.error, rel=1e-12)
+
+
+def test_table_metadata_and_provenance():
+    t = fit("elu", 2, params={"alpha": 0.5}, grid=GRID)
+    assert isinstance(t, Table)
+    assert t.name == "elu" and t.params == {"alpha": 0.5} and t.domain == (-10.0, 10.0)
+    p = t.provenance
+    assert p["grid"] == GRID and p["domain"] == [-10.0, 10.0] and p["weight"] == "uniform"
+    assert p["solver_version"]
+    assert p["command"] == "fewbit.solver.fit('elu', bits=2, grid=2000, params={'alpha': 0.5})"
+    assert fit("swish", 1, grid=GRID).name == "silu"
+
+
+def test_weights_change_the_fit():
+    u = fit("gelu", 2, grid=GRID)
+    n = fit("gelu", 2, grid=GRID, weight="normal:1.0")
+    assert n.weight == "normal:1.0"
+    # each table is optimal for its own weight; the reported error is always uniform
+    obj = Objective(registry.get("gelu"), {}, weights.normal(1.0), (-10.0, 10.0))
+    assert obj.loss(n.borders) < obj.loss(u.borders) * (1 - 1e-3)
+    assert n.error > u.error
+    assert n.error == pytest.approx(approximation_error(n), rel=1e-12)
+    # a flat histogram over the domain is the uniform weight
+    h = fit("gelu", 2, grid=GRID, weight=weights.histogram([-10, 0, 10], [0.05, 0.05]))
+    assert h.weight == "histogram"
+    np.testing.assert_allclose(h.borders, u.borders, atol=1e-7)
+
+
+def test_approximation_error_arguments():
+    t = load_shipped("gelu")[2]
+    assert approximation_error(t) == pytest.approx(t.error, rel=1e-12)
+    assert approximation_error(t, domain=(-5.0, 5.0)) < t.error
+    assert approximation_error(t, "gelu_tanh") == pytest.approx(t.error, rel=0.05)
+    with pytest.raises(TypeError, match="table must be"):
+        approximation_error("gelu")
