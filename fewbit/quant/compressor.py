@@ -149,7 +149,9 @@ class ActivationCompressor:
             that the stats and the bookkeeping are not worth it).
         stochastic: stochastic (unbiased) rounding if True, nearest if False.
         stats_dtype: torch.bfloat16 or torch.float32 for the per-group min and scale.
-        generator: generator of the noise seeds (default CPU generator if None).
+        generator: generator of the noise seeds (one 64-bit draw per compressed tensor). If
+            None, a private CPU generator seeded from ``torch.initial_seed()``: the global
+            RNG stream (dropout masks, ...) is the same with and without compression.
 
     Attributes:
         stats: :class:`CompressionStats` counters, accumulated over every use.
@@ -192,6 +194,10 @@ class ActivationCompressor:
         self.min_numel = min_numel
         self.stochastic = bool(stochastic)
         self.stats_dtype = stats_dtype
+        if generator is None:
+            # A private generator: compression must not consume the global RNG stream, or
+            # dropout masks (and every later random draw of the model) would change.
+            generator = torch.Generator().manual_seed((torch.initial_seed() + 0x5EED) % (1 << 63))
         self.generator = generator
         self.stats = CompressionStats()
         self._stack: list = []

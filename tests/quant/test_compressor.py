@@ -1,0 +1,228 @@
+"""ActivationCompressor: saved-tensor compression through saved_tensors_hooks."""
+
+import gc
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fewbit
+from fewbit.quant import ActivationCompressor, compress_activations
+from fewbit.quant.compressor import _Handle, _pack_bool, _unpack_bool
+
+
+def _grads(model, x, comp=None, seed=0):
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    if comp is None:
+        loss = model(x).square().mean()
+    else:
+        with comp:
+            loss = model(x).square().mean()
+    loss.backward()
+    return torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+
+
+def _cos(a, b):
+    return F.cosine_similarity(a.double(), b.double(), dim=0).item()
+
+
+def _sqnr(ref, y):
+    return 20 * torch.log10(ref.norm() / (ref - y).norm()).item()
+
+
+class _Attn(nn.Module):
+    def __init__(self, d=64, h=4):
+        super().__init__()
+        self.h = h
+        self.norm = nn.LayerNorm(d)
+        self.q, self.k, self.v = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
+        self.o = nn.Linear(d, d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+    def forward(self, x):
+        b, t, d = x.shape
+        y = self.norm(x)
+        q, k, v = (m(y).view(b, t, self.h, d // self.h).transpose(1, 2) for m in (self.q, self.k, self.v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d)
+        x = x + self.o(a)
+        return x + self.mlp(x)
+
+
+@pytest.mark.parametrize("bits,min_sqnr", [(4, 14.0), (8, 35.0)])
+def test_mlp_gradients_close(bits, min_sqnr):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 256), nn.SiLU(), nn.Linear(256, 10))
+    x = torch.randn(128, 64)
+    exact = _grads(model, x)
+    comp = ActivationCompressor(bits)
+    approx = _grads(model, x, comp)
+    assert comp.stats.compressed > 0
+    assert _sqnr(exact, approx) > min_sqnr
+    assert _cos(exact, approx) > (0.98 if bits == 4 else 0.9999)
+
+
+def test_conv_net_gradients_close():
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.Conv2d(16, 16, 3, padding=1),
+        nn.GELU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10),
+    )
+    x = torch.randn(8, 3, 32, 32)
+    exact = _grads(model, x)
+    comp = ActivationCompressor(4)
+    approx = _grads(model, x, comp)
+    assert comp.stats.compressed >= 3
+    assert _cos(exact, approx) > 0.98
+
+
+def test_attention_gradients_close_and_qkv_dedup():
+    torch.manual_seed(0)
+    model = _Attn()
+    x = torch.randn(4, 64, 64)
+    exact = _grads(model, x)
+    comp = ActivationCompressor(8)
+    approx = _grads(model, x, comp)
+    assert _cos(exact, approx) > 0.999
+    # q, k, v projections save the same LayerNorm output: one compressed copy, 2 dedup hits
+    assert comp.stats.deduplicated >= 2
+    comp4 = ActivationCompressor(4)
+    assert _cos(exact, _grads(model, x, comp4)) > 0.97
+
+
+def test_dedup_one_copy_and_cache_released():
+    lin = [nn.Linear(256, 256) for _ in range(3)]
+    x = torch.randn(64, 256)
+    y = torch.tanh(x)
+    comp = ActivationCompressor(4)
+    with comp:
+        outs = [m(y) for m in lin]
+        loss = sum(o.sum() for o in outs)
+    assert comp.stats.compressed == 1 + 0  # y once (tanh saves its output y too: same tensor)
+    assert comp.stats.deduplicated >= 2
+    assert len(comp._cache) == 1
+    loss.backward()
+    del loss, outs
+    gc.collect()
+    assert len(comp._cache) == 0  # nothing outlives the graph
+
+
+def test_parameters_ints_small_untouched():
+    comp = ActivationCompressor(4, min_numel=1000)
+    w = nn.Parameter(torch.randn(64, 64))
+    frozen = nn.Parameter(torch.randn(64, 64), requires_grad=False)
+    leaf = torch.randn(64, 64, requires_grad=True)
+    kept = {
+        "parameter": [w, frozen, frozen.t(), w.t()[:, :8], leaf, leaf.view(-1)],
+        "dtype": [torch.randint(0, 9, (5000,)), torch.zeros(5000, dtype=torch.uint8),
+                  torch.zeros(5000, dtype=torch.complex64)],
+        "small": [torch.randn(999), torch.ones(10, dtype=torch.bool)],
+        "layout": [torch.randn(64, 1).expand(64, 4096)],
+    }
+    for reason, tensors in kept.items():
+        for t in tensors:
+            assert comp._pack(t) is t, (reason, t.shape)
+    for reason, tensors in kept.items():
+        assert comp.stats.skipped[reason] == len(tensors)
+    assert comp.stats.compressed == 0
+    assert isinstance(comp._pack(torch.randn(1000)), _Handle)
+    # through autograd: leaf * w saves both (untouched), the grads are exact
+    small = torch.randn(8, 8, requires_grad=True)
+    with comp:
+        a = (leaf * w).sum()
+        s2 = small * 1
+        c = (s2 * s2).sum()
+    (a + c).backward()
+    torch.testing.assert_close(w.grad, leaf.detach(), atol=0, rtol=0)
+    torch.testing.assert_close(small.grad, 2 * small.detach())
+
+
+def test_bool_masks_exact():
+    m = torch.rand(3, 1001) > 0.5
+    p = _pack_bool(m)
+    assert p.dtype == torch.uint8 and p.numel() == (m.numel() + 7) // 8
+    assert torch.equal(_unpack_bool(p, m.numel()).reshape(m.shape), m)
+    # through autograd: masked_fill saves a bool mask
+    x = torch.randn(3, 1001, requires_grad=True)
+    comp = ActivationCompressor(4, min_numel=16)
+    with comp:
+        y = (x * 2).masked_fill(m, 0.0).sum()
+    y.backward()
+    assert comp.stats.packed_bool == 1
+    torch.testing.assert_close(x.grad, (~m).float() * 2, atol=0, rtol=0)
+
+
+def test_dropout_training():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(128, 512), nn.Dropout(0.5), nn.GELU(), nn.Linear(512, 128))
+    x = torch.randn(64, 128)
+    exact = _grads(model, x, seed=1)
+    approx = _grads(model, x, ActivationCompressor(8), seed=1)
+    # the compressor does not consume the global RNG: the dropout masks are the same
+    assert _cos(exact, approx) > 0.999
+
+
+def test_nested_reentrant_and_counters():
+    comp = ActivationCompressor(4)
+    lin = nn.Linear(256, 256)
+    x = torch.randn(64, 256)
+    with comp:
+        with comp:
+            a = lin(torch.tanh(x))
+        assert comp.active
+        b = lin(torch.sigmoid(x))
+    assert not comp.active
+    (a.sum() + b.sum()).backward()
+    st = comp.stats
+    assert st.compressed == 2  # the inputs of lin, saved in the inner and in the outer block
+    assert st.bytes_after < st.bytes_before
+    before = st.bytes_before
+    with comp:
+        lin(torch.tanh(x)).sum().backward()
+    assert comp.stats.bytes_before > before
+    comp.stats.reset()
+    assert comp.stats.bytes_before == 0 and comp.stats.skipped == {}
+    with pytest.raises(RuntimeError):
+        comp.__exit__(None, None, None)
+
+
+def test_compress_activations_public_and_ratio():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(512, 1024), nn.GELU(), nn.Linear(1024, 512))
+    x = torch.randn(64, 512)
+    comp = fewbit.compress_activations(4)
+    assert isinstance(comp, ActivationCompressor) and comp is not fewbit.compress_activations(4)
+    with comp:
+        loss = model(x).sum()
+    loss.backward()
+    # float32 -> 4 bits + 2 bf16 stats per 256 elements
+    assert comp.stats.ratio == pytest.approx(32 / (4 + 32 / 256), rel=1e-3)
+
+
+def test_unpack_shape_dtype_device_and_transposed_views():
+    x = torch.randn(96, 128, dtype=torch.bfloat16, requires_grad=True)
+    y = torch.randn(128, 64, dtype=torch.bfloat16)
+    comp = ActivationCompressor(8, min_numel=16)
+    with comp:
+        z = (x * 1).t().contiguous().t() @ (y.t() * 1).t()  # saves transposed views
+    z.float().sum().backward()
+    assert x.grad.shape == x.shape and x.grad.dtype == torch.bfloat16
+    ref = torch.ones(96, 64, dtype=torch.bfloat16) @ y.t()
+    assert _cos(x.grad.reshape(-1).float(), ref.reshape(-1).float()) > 0.999
+
+
+def test_errors():
+    for kw, name in (({"bits": 3}, "bits"), ({"group_size": 0}, "group_size"), ({"min_numel": -1}, "min_numel"),
+                     ({"stats_dtype": torch.float16}, "stats_dtype")):
+        with pytest.raises(ValueError, match=name):
+            ActivationCompressor(**kw)
+
+
+def test_handle_nbytes():
+    comp = ActivationCompressor(4, min_numel=0)
+    x = torch.randn(1000)
+    h = comp._pack(x)
+    assert isinstance(h, _Handle)
+    assert h.nbytes == 500 + 2 * 4 * 2
+    assert h.unpack().shape == x.shape
