@@ -15,23 +15,13 @@ import fewbit
 from fewbit import functional as FF
 from fewbit import modules as fm
 from fewbit.convert import Config, ConversionSummary, convert_, layer_kind
-from test_functional import install_pointwise_standin, write_toy_cache, SMOOTH
 
 transformers = pytest.importorskip("transformers")
 
 
-@pytest.fixture(scope="module")
-def toy_root(tmp_path_factory):
-    root = tmp_path_factory.mktemp("fewbit_cache_convert")
-    for name in SMOOTH:
-        write_toy_cache(root, name, [1, 2, 3, 4])
-    return root
-
-
 @pytest.fixture(autouse=True)
-def env(monkeypatch, toy_root):
-    install_pointwise_standin(monkeypatch)
-    monkeypatch.setenv("FEWBIT_CACHE_DIR", str(toy_root))
+def env(monkeypatch, tmp_path):
+    monkeypatch.setenv("FEWBIT_CACHE_DIR", str(tmp_path / "cache"))
     FF.clear_table_cache()
     yield
     FF.clear_table_cache()
@@ -333,3 +323,19 @@ def test_layer_kinds():
     assert layer_kind(nn.BatchNorm1d(3)) == "norm" and layer_kind(nn.GroupNorm(1, 2)) == "norm"
     assert layer_kind(nn.MultiheadAttention(4, 2)) == "attention"
     assert layer_kind(nn.GELU()) is None and layer_kind(fm.GELU()) is None
+
+
+def test_runtime_api_import_is_lean():
+    """Importing functional/modules/convert loads neither numba, scipy, triton, the solver,
+    the quantizer nor transformers, and does not initialise CUDA."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch, fewbit.functional, fewbit.modules, fewbit.convert\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('numba', 'scipy', 'triton', 'transformers')"
+        " or m.startswith(('fewbit.solver', 'fewbit.quant')))\n"
+        "assert not bad, bad\n"
+        "assert not torch.cuda.is_initialized()\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -14,7 +14,7 @@ from torch import nn
 import fewbit
 from fewbit import functional as FF
 from fewbit import modules as fm
-from test_functional import install_pointwise_standin, reference_grad, toy_table, write_toy_cache, SMOOTH
+from test_functional import reference_grad, toy_table
 
 # (fewbit module, torch module, ctor kwargs, table name, table params)
 CASES = [
@@ -43,18 +43,9 @@ CASES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def toy_root(tmp_path_factory):
-    root = tmp_path_factory.mktemp("fewbit_cache_modules")
-    for name in SMOOTH:
-        write_toy_cache(root, name, [1, 2, 3, 4])
-    return root
-
-
 @pytest.fixture(autouse=True)
-def env(monkeypatch, toy_root):
-    install_pointwise_standin(monkeypatch)
-    monkeypatch.setenv("FEWBIT_CACHE_DIR", str(toy_root))
+def env(monkeypatch, tmp_path):
+    monkeypatch.setenv("FEWBIT_CACHE_DIR", str(tmp_path / "cache"))
     FF.clear_table_cache()
     yield
     FF.clear_table_cache()
