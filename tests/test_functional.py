@@ -435,8 +435,57 @@ def test_fit_through_solver_into_cache(tmp_path, monkeypatch):
         warnings.simplefilter("error")
         t2 = FF.load_table("elu", 2, {"alpha": 0.5})
     assert t2.values == t.values and t2.borders == t.borders
+    # a second bit width is merged into the same cache file
+    with pytest.warns(FF.TableFittedWarning):
+        FF.load_table("elu", 1, {"alpha": 0.5})
+    from fewbit.table import read_tables
+
+    assert sorted(read_tables(path)) == [1, 2]
     # gradient of the fitted table is a sensible approximation of ELU'(alpha=0.5)
     x = torch.linspace(-5, 5, 1001, dtype=torch.float64, requires_grad=True)
     FF.elu(x, 0.5, bits=2).sum().backward()
     exact = torch.autograd.grad(F.elu(x, 0.5).sum(), x)[0]
     assert torch.nn.functional.cosine_similarity(x.grad, exact, dim=0) > 0.95
+
+
+@pytest.mark.parametrize("fname,torch_fn,tname", [("gelu", F.gelu, "gelu"), ("relu", F.relu, "relu"),
+                                                  ("sigmoid", torch.sigmoid, "sigmoid")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_on_every_device(device, fname, torch_fn, tname, dtype):
+    x = (torch.randn(3, 1000, device=device) * 3).to(dtype).requires_grad_(True)
+    y = getattr(FF, fname)(x)
+    assert y.device == x.device
+    torch.testing.assert_close(y, torch_fn(x.detach()), atol=0, rtol=0)
+    g = torch.randn_like(y)
+    y.backward(g)
+    table = FF.load_table(tname)
+    expected = reference_grad(g.cpu(), x.detach().cpu(), table)
+    torch.testing.assert_close(x.grad.cpu(), expected, atol=0, rtol=0)
+
+
+def test_fit_with_unwritable_cache_still_returns_table(tmp_path, monkeypatch):
+    solver = pytest.importorskip("fewbit.solver")
+    if not hasattr(solver, "fit"):
+        pytest.skip("fewbit.solver.fit is not written yet")
+    blocker = tmp_path / "not_a_dir"
+    blocker.write_text("a file where the cache directory should be")
+    monkeypatch.setenv("FEWBIT_CACHE_DIR", str(blocker))
+    monkeypatch.setitem(FF.FIT_OPTIONS, "grid", 300)
+    with pytest.warns(FF.TableFittedWarning, match="not cached"):
+        t = FF.load_table("celu", 1, {"alpha": 2.0})
+    assert dict(t.params) == {"alpha": 2.0}
+    assert blocker.read_text().startswith("a file")  # nothing the user had is overwritten
+
+
+def test_solver_dependency_missing_inside_fit(tmp_path, monkeypatch):
+    solver = pytest.importorskip("fewbit.solver")
+    if not hasattr(solver, "fit"):
+        pytest.skip("fewbit.solver.fit is not written yet")
+
+    def fit(*args, **kwargs):
+        raise ModuleNotFoundError("No module named 'scipy'", name="scipy")
+
+    monkeypatch.setenv("FEWBIT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(solver, "fit", fit)
+    with pytest.raises(ImportError, match=r'pip install "fewbit\[solver\]"'):
+        FF.load_table("softplus", 3, {"beta": 2.0})
