@@ -17,6 +17,7 @@ three implementations here evaluate the full recurrence, O(n^2 K) time.
   before a block it computes ``T(j, i)`` once and updates all ``K`` layers (vectorised
   over ``k``), in parallel over ``i`` in the block; then it finishes the few ``j`` inside
   the block sequentially. That is the same recurrence with 1/K of the divisions.
+  (One run also yields the optimum for every ``k <= K``: :func:`backtrack`.)
 - :func:`dp_numpy`: a plain layer-by-layer numpy reference.
 - :func:`brute_force`: enumerates every set of borders (tiny grids, tests).
 
@@ -44,7 +45,12 @@ __all__ = [
 _TINY = 1e-300
 # fastmath without nnan / ninf: infeasible states are +inf and must compare correctly.
 _FASTMATH = {"reassoc", "nsz", "arcp", "contract", "afn"}
-_BLOCK = 64
+
+
+def _block(n: int) -> int:
+    """Rows per parallel region: few regions (each ends in a barrier, costly on a busy
+    machine), but a small sequential in-block part (n * block / 2 * K steps)."""
+    return int(min(256, max(16, n // 32)))
 
 
 def _check(W, FW, F2, K):
@@ -131,7 +137,7 @@ def dp_numba_tables(W, FW, F2, K):
         ValueError: for bad shapes, non-finite input, ``K < 1`` or fewer than ``K`` cells.
     """
     W, FW, F2, K = _check(W, FW, F2, K)
-    return _dp_kernel(W, FW, F2, K, _BLOCK)
+    return _dp_kernel(W, FW, F2, K, _block(W.size - 1))
 
 
 def backtrack(A: np.ndarray, n: int, k: int) -> np.ndarray:

@@ -75,7 +75,7 @@ def test_numba_equals_numpy_equals_brute_force(name, weight, K):
 
 
 def test_numba_equals_numpy_on_a_larger_grid_and_every_k():
-    # several blocks of the numba kernel (block = 64), all k from one run
+    # several blocks of the numba kernel (16 rows each here; tiny grids test the in-block path), all k from one run
     obj = _objective("gelu")
     t = obj.grid(150)
     W, FW, F2 = prefix_integrals(obj, t)
