@@ -489,3 +489,34 @@ def test_solver_dependency_missing_inside_fit(tmp_path, monkeypatch):
     monkeypatch.setattr(solver, "fit", fit)
     with pytest.raises(ImportError, match=r'pip install "fewbit\[solver\]"'):
         FF.load_table("softplus", 3, {"beta": 2.0})
+
+
+def test_user_function_fitted_lazily(tmp_path, monkeypatch):
+    """A user's "module:callable" with no table: fitted by the solver, cached, and then
+    applied like a registry function."""
+    solver = pytest.importorskip("fewbit.solver")
+    if not hasattr(solver, "fit"):
+        pytest.skip("fewbit.solver.fit is not written yet")
+    monkeypatch.setenv("FEWBIT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setitem(FF.FIT_OPTIONS, "grid", 300)
+    x = torch.randn(200, requires_grad=True)
+    with pytest.warns(FF.TableFittedWarning, match="torch.special:expit"):
+        y = FF.activation(x, "torch.special:expit", bits=2)
+    torch.testing.assert_close(y, torch.special.expit(x.detach()), atol=0, rtol=0)
+    g = torch.randn_like(y)
+    y.backward(g)
+    table = FF.load_table("torch.special:expit", 2)
+    assert table.name == "torch.special:expit" and table.bits == 2
+    torch.testing.assert_close(x.grad, reference_grad(g, x.detach(), table), atol=0, rtol=0)
+    assert (tmp_path / "tables" / table_filename("torch.special:expit")).exists()
+    # a module-level callable is accepted as is (it is importable under its own name)
+    x.grad = None
+    with pytest.warns(FF.TableFittedWarning, match="_quick_gelu_torch"):
+        y = FF.activation(x, _quick_gelu_torch, bits=1)
+    torch.testing.assert_close(y, _quick_gelu_torch(x.detach()), atol=0, rtol=0)
+    y.backward(g)
+    table = FF.load_table(_quick_gelu_torch, 1)
+    assert table.name == f"{__name__}:_quick_gelu_torch"
+    torch.testing.assert_close(x.grad, reference_grad(g, x.detach(), table), atol=0, rtol=0)
+    with pytest.raises(TypeError, match="not importable"):
+        FF.activation(x, lambda t: t * 2)
