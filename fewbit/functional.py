@@ -370,9 +370,8 @@ def load_table(fn: FnLike | TableLike, bits: int | None = None, params: Mapping[
     Args:
         fn: a registry name (``"gelu"``, ``"gelu_tanh"``, aliases such as ``"swish"``), a
             ``"module:callable"`` string or module-level (importable) callable for a user
-            activation, a
-            :class:`~fewbit.table.Table` (returned as is), or a path to a JSON table file
-            (``str`` ending in ``.json`` or ``os.PathLike``).
+            activation, a :class:`~fewbit.table.Table` (returned as is), or a path to a
+            JSON table file (``str`` ending in ``.json`` or ``os.PathLike``).
         bits: bits per element, 1..8; ``None`` is the function's default (1 for stepwise
             functions, 3 otherwise; for a Table, its own bits). For stepwise functions
             the exact 1-bit table is returned for every ``bits``: its gradient is exact.
