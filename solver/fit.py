@@ -195,7 +195,6 @@ def fit_many(
             "domain": list(dom),
             "weight": w.spec,
             "refined": bool(refine),
-            "dp_cost": float(D[n, K]),
             "command": _command(fn, bits, dom, w.spec, grid, symmetric, nondefault, refine),
         }
         err = table_error(sf, full, borders, codes, y, dom)
