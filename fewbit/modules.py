@@ -16,7 +16,7 @@ elementwise function with any table.
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Mapping
+from typing import Callable, Mapping
 
 import torch
 from torch import nn

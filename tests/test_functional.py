@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import inspect
 import json
-import math
 import warnings
 
 import pytest
