@@ -371,3 +371,38 @@ def _report() -> None:  # pragma: no cover - measurement, run as a script
 
 if __name__ == "__main__":  # pragma: no cover
     _report()
+
+
+@pytest.mark.parametrize("name,kwargs,expected,tol", [
+    ("GELUActivation", {}, "GELU(approximate='none', bits=3)", 0),
+    ("GELUActivation", {"use_gelu_python": True}, "GELU(approximate='none', bits=3)", 1e-6),
+    ("GELUTanh", {}, "GELU(approximate='tanh', bits=3)", 0),
+    ("GELUTanh", {"use_gelu_tanh_python": True}, "GELU(approximate='tanh', bits=3)", 1e-6),
+    ("NewGELUActivation", {}, "GELU(approximate='tanh', bits=3)", 1e-6),
+    ("AccurateGELUActivation", {}, "GELU(approximate='tanh', bits=3)", 1e-6),
+    ("FastGELUActivation", {}, "GELU(approximate='tanh', bits=3)", 1e-6),
+    ("QuickGELUActivation", {}, "QuickGELU(bits=3)", 0),
+    ("SiLUActivation", {}, "SiLU(bits=3)", 0),
+    ("MishActivation", {}, "Mish(bits=3)", 0),
+])
+def test_transformers_activation_classes(name, kwargs, expected, tol):
+    """Each replaced HF class computes the same function; forward stays within ``tol``
+    (relative to max(1, |x|)) of the original, 0 where HF calls the same torch kernel."""
+    acts = pytest.importorskip("transformers.activations")
+    old = getattr(acts, name)(**kwargs)
+    model = nn.Sequential(nn.Identity(), old)
+    s = convert_(model)
+    assert s.replaced == {"1": (name, expected)}
+    x = torch.linspace(-8, 8, 4097)
+    torch.testing.assert_close(model(x), old(x), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("name", ["ClippedGELUActivation", "LaplaceActivation", "ReLUSquaredActivation",
+                                  "SqrtSoftplusActivation"])
+def test_transformers_unsupported_listed(name):
+    acts = pytest.importorskip("transformers.activations")
+    cls = getattr(acts, name)
+    old = cls(-10, 10) if name == "ClippedGELUActivation" else cls()
+    model = nn.Sequential(nn.Linear(2, 2), old)
+    s = convert_(model)
+    assert s.unsupported == {"1": name} and model[1] is old and s.replaced == {}
