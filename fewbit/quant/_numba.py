@@ -73,8 +73,6 @@ def quantize_kernel(x, bits, group_size, chunk_groups, seed, stochastic, mant_bi
     n_chunks = (n_groups + chunk_groups - 1) // chunk_groups
     s0 = np.uint64(seed) & _MASK32
     s1 = (np.uint64(seed) >> np.uint64(32)) & _MASK32
-    qmax = (1 << bits) - 1
-    aligned = G % 8 == 0
     levels = consts[0]
     one = consts[1]
     half = consts[2]
@@ -118,50 +116,80 @@ def quantize_kernel(x, bits, group_size, chunk_groups, seed, stochastic, mant_bi
             if not ok:
                 out_m[g] = np.nan
                 out_s[g] = np.nan
-        # 2. codes, 8 per 64-bit word
+        # 2. codes of the chunk into a scratch buffer (branch-free loops that vectorise),
+        #    then packed into whole bytes (the chunk starts on a byte boundary)
         e0 = g0 * G
         e1 = min(g1 * G, n)
-        w0 = e0 // 8
-        w1 = (e1 + 7) // 8
-        for w in range(w0, w1):
-            base = w * 8
-            word = np.uint64(0)
-            if aligned and base + 8 <= n:
-                g = base // G
-                m = out_m[g]
-                s = out_s[g]
-                if s == s:  # finite group
-                    for k in range(8):
-                        e = base + k
-                        u = half
-                        if stochastic:
-                            u = _uniform(e, s0, s1)
-                        t = (x[e] - m) * s
-                        qf = np.floor(t + u)
-                        qi = 0 if qf < 0 else (qmax if qf > qmax else np.int64(qf))
-                        word |= np.uint64(qi) << np.uint64(k * bits)
+        L = e1 - e0
+        L8 = (L + 7) // 8 * 8
+        sc = np.zeros(L8, np.uint8)
+        for g in range(g0, g1):
+            a = g * G
+            b = min(a + G, n)
+            m = out_m[g]
+            s = out_s[g]
+            if not (s == s):
+                continue  # non-finite group: codes 0
+            xs = x[a:b]
+            cs = sc[a - e0:b - e0]
+            if stochastic:
+                for i in range(b - a):
+                    t = (xs[i] - m) * s
+                    qf = np.floor(t + _uniform(a + i, s0, s1))
+                    cs[i] = np.uint8(min(max(qf, zero), levels))
             else:
-                for k in range(8):
-                    e = base + k
-                    if e >= n:
-                        break
-                    g = e // G
-                    m = out_m[g]
-                    s = out_s[g]
-                    if s == s:
-                        u = half
-                        if stochastic:
-                            u = _uniform(e, s0, s1)
-                        t = (x[e] - m) * s
-                        qf = np.floor(t + u)
-                        qi = 0 if qf < 0 else (qmax if qf > qmax else np.int64(qf))
-                        word |= np.uint64(qi) << np.uint64(k * bits)
-            nb = bits
-            if base + 8 > n:
-                nb = ((n - base) * bits + 7) // 8
-            o = w * bits
-            for i in range(nb):
-                out_packed[o + i] = np.uint8((word >> np.uint64(8 * i)) & np.uint64(0xFF))
+                for i in range(b - a):
+                    t = (xs[i] - m) * s
+                    qf = np.floor(t + half)
+                    cs[i] = np.uint8(min(max(qf, zero), levels))
+        _pack_chunk(sc, L, bits, out_packed[e0 * bits // 8:(e0 * bits // 8) + (L * bits + 7) // 8])
+
+
+@njit(inline="always", cache=True)
+def _pack_chunk(sc, L, bits, out):
+    """Pack the codes ``sc`` (zero-padded to a multiple of 8) into ``out`` (method.md §6)."""
+    nb = out.shape[0]
+    if bits == 8:
+        for j in range(nb):
+            out[j] = sc[j]
+    elif bits == 4:
+        for j in range(nb):
+            out[j] = sc[2 * j] | (sc[2 * j + 1] << 4)
+    elif bits == 2:
+        for j in range(nb):
+            out[j] = sc[4 * j] | (sc[4 * j + 1] << 2) | (sc[4 * j + 2] << 4) | (sc[4 * j + 3] << 6)
+    else:
+        for j in range(nb):
+            v = sc[8 * j]
+            for k in range(1, 8):
+                v |= sc[8 * j + k] << k
+            out[j] = v
+
+
+@njit(inline="always", cache=True)
+def _unpack_chunk(p, bits, sc):
+    """Inverse of :func:`_pack_chunk`: ``sc`` (length a multiple of 8) from the bytes ``p``."""
+    nb = p.shape[0]
+    if bits == 8:
+        for j in range(nb):
+            sc[j] = p[j]
+    elif bits == 4:
+        for j in range(nb):
+            v = p[j]
+            sc[2 * j] = v & 15
+            sc[2 * j + 1] = v >> 4
+    elif bits == 2:
+        for j in range(nb):
+            v = p[j]
+            sc[4 * j] = v & 3
+            sc[4 * j + 1] = (v >> 2) & 3
+            sc[4 * j + 2] = (v >> 4) & 3
+            sc[4 * j + 3] = v >> 6
+    else:
+        for j in range(nb):
+            v = p[j]
+            for k in range(8):
+                sc[8 * j + k] = (v >> k) & 1
 
 
 @njit(parallel=True, error_model="numpy", cache=True)
@@ -171,34 +199,21 @@ def dequantize_kernel(packed, m_arr, s_arr, bits, group_size, chunk_groups, out)
     G = group_size
     n_groups = (n + G - 1) // G
     n_chunks = (n_groups + chunk_groups - 1) // chunk_groups
-    mask = np.uint64((1 << bits) - 1)
-    aligned = G % 8 == 0
     for c in prange(n_chunks):
         g0 = c * chunk_groups
         g1 = min(g0 + chunk_groups, n_groups)
         e0 = g0 * G
         e1 = min(g1 * G, n)
-        for w in range(e0 // 8, (e1 + 7) // 8):
-            base = w * 8
-            o = w * bits
-            nb = bits
-            if base + 8 > n:
-                nb = ((n - base) * bits + 7) // 8
-            word = np.uint64(0)
-            for i in range(nb):
-                word |= np.uint64(packed[o + i]) << np.uint64(8 * i)
-            if aligned and base + 8 <= n:
-                g = base // G
-                m = m_arr[g]
-                s = s_arr[g]
-                for k in range(8):
-                    q = (word >> np.uint64(k * bits)) & mask
-                    out[base + k] = m + np.float32(q) / s
-            else:
-                for k in range(8):
-                    e = base + k
-                    if e >= n:
-                        break
-                    g = e // G
-                    q = (word >> np.uint64(k * bits)) & mask
-                    out[e] = m_arr[g] + np.float32(q) / s_arr[g]
+        L = e1 - e0
+        sc = np.zeros((L + 7) // 8 * 8, np.uint8)
+        o0 = e0 * bits // 8
+        _unpack_chunk(packed[o0:o0 + (L * bits + 7) // 8], bits, sc)
+        for g in range(g0, g1):
+            a = g * G
+            b = min(a + G, n)
+            m = m_arr[g]
+            s = s_arr[g]
+            cs = sc[a - e0:b - e0]
+            ys = out[a:b]
+            for i in range(b - a):
+                ys[i] = m + np.float32(cs[i]) / s

@@ -28,11 +28,13 @@ _GRID = {
 }
 
 
-def chunk_groups(group_size: int) -> int:
-    """Groups per chunk so that a chunk holds a multiple of 8 elements (whole bytes)."""
+def chunk_groups(group_size: int, target: int = 16384) -> int:
+    """Groups per parallel chunk of the CPU kernels: a multiple of ``8 / gcd(G, 8)`` (so a
+    chunk holds a multiple of 8 elements, whole bytes of codes), about ``target`` elements."""
     import math
 
-    return 8 // math.gcd(group_size, 8)
+    k = 8 // math.gcd(group_size, 8)
+    return k * max(1, target // (k * group_size))
 
 
 def _n_groups(numel: int, group_size: int) -> int:
