@@ -88,9 +88,14 @@ class Objective:
             self.a, self.b = 0.0, max(-A, B)
         else:
             self.a, self.b = A, B
-        pts = set(sf.kinks_impl(self.params)) | set(weight.breakpoints()) | {A, B}
+        kinks = set(sf.kinks_impl(self.params))
+        pts = kinks | set(weight.breakpoints()) | {A, B}
         if symmetric:
             pts = {abs(p) for p in pts}
+            kinks = {abs(p) for p in kinks}
+        #: points where f' jumps or kinks, inside (a, b)
+        self.kinks = np.array(sorted(p for p in kinks if self.a < p < self.b), dtype=np.float64)
+        #: kinks of f' and jumps of the (restricted, folded) weight, inside (a, b)
         self.breakpoints = np.array(sorted(p for p in pts if self.a < p < self.b), dtype=np.float64)
         self.use_f = not sf.user and weight.piecewise_constant
         edges = _subdivide(np.r_[self.a, self.breakpoints, self.b], (self.b - self.a) / 256)
@@ -152,18 +157,20 @@ class Objective:
         return W, FW, F2
 
     def grid(self, n: int) -> np.ndarray:
-        """``n`` uniform cells on ``[a, b]`` with every interior kink / weight jump snapped in.
+        """``n`` uniform cells on ``[a, b]`` with every interior kink / weight jump put in.
 
-        Returns ``(n' + 1,)`` increasing points, ``n' >= n`` (a breakpoint that does not fall
-        on the uniform grid adds one cell).
+        A grid point closer than ``1e-9 (b - a)`` to a breakpoint is replaced by it; other
+        breakpoints add a point. Returns ``(n' + 1,)`` increasing points, ``n' >= n``.
         """
         t = np.linspace(self.a, self.b, n + 1)
-        if self.breakpoints.size:
+        bp = self.breakpoints
+        if bp.size:
             tol = 1e-9 * (self.b - self.a)
-            keep = np.ones(t.size, bool)
-            near = np.abs(t[:, None] - self.breakpoints[None, :]).min(axis=1) < tol
-            keep[1:-1] &= ~near[1:-1]
-            t = np.unique(np.r_[t[keep], self.breakpoints])
+            pos = np.clip(np.searchsorted(bp, t), 1, bp.size)
+            dist = np.minimum(np.abs(t - bp[pos - 1]), np.abs(t - bp[np.minimum(pos, bp.size - 1)]))
+            near = dist < tol
+            near[0] = near[-1] = False
+            t = np.unique(np.r_[t[~near], bp])
         return t
 
     def prefix(self, t: np.ndarray):
@@ -173,12 +180,19 @@ class Objective:
         return np.r_[z, np.cumsum(W)], np.r_[z, np.cumsum(FW)], np.r_[z, np.cumsum(F2)]
 
     # -- pieces ----------------------------------------------------------------------------
+    def fine_step(self) -> float:
+        """Cell length of the "exact" integrals: resolves ``f'`` (scale ~1), a narrow normal
+        weight (``sigma / 8``) and small domains, with at most ~20000 cells."""
+        h = min(1.0 / FINE_CELLS_PER_UNIT, (self.b - self.a) / 64)
+        if self.weight.kind == "normal" or (self.weight.base is not None and self.weight.base.kind == "normal"):
+            sigma = self.weight.sigma if self.weight.sigma is not None else self.weight.base.sigma
+            h = min(h, sigma / 8)
+        return max(h, (self.b - self.a) / 20000)
+
     def _fine(self, borders: np.ndarray) -> np.ndarray:
         pts = np.r_[self.a, self.breakpoints, np.asarray(borders, dtype=np.float64), self.b]
         pts = pts[(pts >= self.a) & (pts <= self.b)]
-        h = 1.0 / FINE_CELLS_PER_UNIT
-        h = min(h, (self.b - self.a) / 64)
-        return _subdivide(pts, h)
+        return _subdivide(pts, self.fine_step())
 
     def levels(self, borders: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Optimal levels for interior ``borders`` ``(K - 1,)`` (sorted, inside ``(a, b)``).

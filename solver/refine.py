@@ -46,9 +46,9 @@ def refine(
 ) -> tuple[np.ndarray, np.ndarray, float]:
     """Refine interior borders of a piecewise-constant fit.
 
-    Borders that sit on a jump of ``f'`` or of the weight (the DP grid contains those
-    points) are kept there: ``L`` is not differentiable in them, and the DP put them
-    there because the jump is the best place. The other borders move freely between them.
+    Borders that sit on a kink or jump of ``f'`` (the DP grid contains those points) are
+    kept there: ``L`` is not differentiable in them (``dL/ds_i`` may change sign), and the
+    DP put them there because it is the best place. The other borders move freely.
 
     Args:
         objective: the problem (``f'``, weight, interval ``[a, b]``).
@@ -67,8 +67,9 @@ def refine(
         return s0, y0, L0
     scale = 1.0 / L0
 
-    # anchors: a, borders on breakpoints, b; free borders are grouped between anchors
-    bp = objective.breakpoints
+    # anchors: a, borders on kinks of f', b; free borders are grouped between anchors.
+    # (A jump of the weight only changes the size of dL/ds_i, not its sign: no anchor.)
+    bp = objective.kinks
     tol = 1e-12 * (b - a)
     on_bp = np.array([bp.size > 0 and np.min(np.abs(bp - x)) <= tol for x in s0], dtype=bool)
     anchors = np.r_[a, s0[on_bp], b]

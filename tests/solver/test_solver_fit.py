@@ -170,3 +170,29 @@ def test_approximation_error_arguments():
     assert approximation_error(t, "gelu_tanh") == pytest.approx(t.error, rel=0.05)
     with pytest.raises(TypeError, match="table must be"):
         approximation_error("gelu")
+
+
+def test_fine_histogram_weight_approaches_normal_and_refines_off_bin_edges():
+    edges = np.linspace(-10, 10, 2001)
+    mid = 0.5 * (edges[1:] + edges[:-1])
+    h = fit("gelu", 2, grid=GRID, weight=weights.histogram(edges, np.exp(-0.5 * mid**2)))
+    n = fit("gelu", 2, grid=GRID, weight="normal:1.0")
+    np.testing.assert_allclose(h.borders, n.borders, atol=1e-4)
+    # refinement moved the outer borders off the DP grid / bin edges
+    assert np.min(np.abs(np.asarray(h.borders)[[0, 2]][:, None] - edges[None, :])) > 1e-6
+
+
+def test_narrow_normal_weight_is_resolved():
+    # sigma much smaller than the default integration cells: levels must still be the weighted means
+    t = fit("silu", 1, grid=GRID, weight="normal:0.02")
+    obj = Objective(registry.get("silu"), {}, weights.normal(0.02), (-10.0, 10.0))
+    from scipy import integrate
+
+    s = t.borders[0]
+    w = lambda x: np.exp(-0.5 * (x / 0.02) ** 2)  # noqa: E731
+    g = registry.get("silu").df
+    for lo, hi, y in [(-0.3, s, t.values[0]), (s, 0.3, t.values[1])]:
+        num = integrate.quad(lambda x: float(g(x)) * w(x), lo, hi, epsabs=1e-14)[0]
+        den = integrate.quad(w, lo, hi, epsabs=1e-14)[0]
+        assert y == pytest.approx(num / den, rel=1e-8)
+    assert abs(s) < 0.1 and obj.loss(t.borders) > 0

@@ -58,7 +58,7 @@ def test_refined_never_worse_than_dp(name, K):
     assert L1 == pytest.approx(obj.loss(s1), rel=1e-12)
     # at the refined optimum the gradient is negligible (except in borders held on a jump of f')
     g = obj.gradient(s1, y1)
-    free = np.array([not np.any(np.abs(obj.breakpoints - x) < 1e-9) for x in s1], dtype=bool)
+    free = np.array([not np.any(np.abs(obj.kinks - x) < 1e-9) for x in s1], dtype=bool)
     assert np.max(np.abs(g[free]), initial=0.0) <= 1e-6 * max(1.0, L1)
 
 
