@@ -27,6 +27,7 @@ Ties are broken towards the smallest ``j`` in all three.
 from __future__ import annotations
 
 import itertools
+import threading
 
 import numpy as np
 from numba import njit, prange
@@ -45,6 +46,8 @@ __all__ = [
 _TINY = 1e-300
 # fastmath without nnan / ninf: infeasible states are +inf and must compare correctly.
 _FASTMATH = {"reassoc", "nsz", "arcp", "contract", "afn"}
+# numba's default (workqueue) threading layer must not run parallel kernels concurrently.
+_KERNEL_LOCK = threading.Lock()
 
 
 def _block(n: int) -> int:
@@ -137,7 +140,8 @@ def dp_numba_tables(W, FW, F2, K):
         ValueError: for bad shapes, non-finite input, ``K < 1`` or fewer than ``K`` cells.
     """
     W, FW, F2, K = _check(W, FW, F2, K)
-    return _dp_kernel(W, FW, F2, K, _block(W.size - 1))
+    with _KERNEL_LOCK:
+        return _dp_kernel(W, FW, F2, K, _block(W.size - 1))
 
 
 def backtrack(A: np.ndarray, n: int, k: int) -> np.ndarray:

@@ -120,3 +120,16 @@ def test_import_fewbit_does_not_import_numba_or_solver():
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_dp_from_several_threads():
+    from concurrent.futures import ThreadPoolExecutor
+
+    obj = _objective("silu")
+    W, FW, F2 = prefix_integrals(obj, obj.grid(300))
+    ref = dp_numpy(W, FW, F2, 4)
+    with ThreadPoolExecutor(4) as ex:
+        results = list(ex.map(lambda _: dp_numba(W, FW, F2, 4), range(8)))
+    for c, b in results:
+        assert c == pytest.approx(ref[0], rel=1e-12)
+        np.testing.assert_array_equal(b, ref[1])
