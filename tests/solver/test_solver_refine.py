@@ -110,3 +110,20 @@ def test_fit_is_best_against_random_restarts():
         best = min(best, refine(obj, s0)[2])
     assert t.error <= best * (1 + 1e-9)
     assert approximation_error(t) == pytest.approx(t.error, rel=1e-12)
+
+
+def test_shipped_mirrored_table_is_best_against_random_restarts():
+    # sigmoid, 3 bits: 7 free borders on [0, 10] (folded weight), mirrored to 15 intervals
+    t = load_shipped("sigmoid")[3]
+    obj = _objective("sigmoid", symmetric=True)
+    rng = np.random.default_rng(7)
+    best = np.inf
+    for _ in range(6):
+        s0 = np.sort(rng.uniform(0.0, 6.0, 7))
+        best = min(best, refine(obj, s0)[2])
+    assert t.error <= best * (1 + 1e-9)
+    # and its borders are a stationary point of the folded objective
+    s = np.asarray(t.borders)[7:]
+    y, L = obj.levels_and_loss(s)
+    assert L == pytest.approx(t.error, rel=1e-10)
+    assert np.max(np.abs(obj.gradient(s, y))) < 1e-7

@@ -33,7 +33,7 @@ def _torch_f_df(sf, x, params):
 
 
 def _grid_without_kinks(sf, params):
-    x = np.linspace(-10, 10, 4001) + 1e-3  # shifted so that no point is a kink
+    x = np.linspace(-30, 30, 6001) + 1e-3  # shifted so that no point is a kink; beyond softplus threshold
     kinks = np.asarray(sf.kinks(**params))
     if kinks.size:
         x = x[np.abs(x[:, None] - kinks[None, :]).min(axis=1) > 1e-6]
