@@ -49,7 +49,7 @@ SUPPORTED_STATS_DTYPES = (torch.bfloat16, torch.float32)
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class QuantizedTensor:
     """A group-quantized tensor (method.md §7).
 

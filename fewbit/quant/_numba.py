@@ -2,10 +2,12 @@
 
 They implement exactly the steps of :mod:`fewbit.quant._reference` (method.md §7), so the
 stored stats and the packed codes are bit-identical to the reference for both rounding
-modes (the noise is the same counter-based hash). One fused pass per chunk of groups:
-min/max of each group (the group stays in L1), the stats, then the codes, packed eight
-at a time into a 64-bit little-endian word whose low ``bits`` bytes are stored (method.md
-§6). Arithmetic is in the dtype of ``x`` (float32 or float64); no fastmath, so no FMA
+modes (the noise is the same counter-based hash). Per chunk of groups (about 16K
+elements, one prange iteration): the stats of each group from its min/max (computed before
+by torch's vectorised amin/amax), the codes of each group into a scratch buffer (branch-free
+loops that LLVM vectorises), then whole bytes packed (method.md §6); the stream layout equals
+the 64-bit-word packing of kernels-notes.md. Arithmetic is in the dtype of ``x`` (float32 or
+float64); no fastmath, so no FMA
 contraction: ``(x - m) * s + u`` is rounded twice as in torch.
 """
 
@@ -60,10 +62,12 @@ def _uniform(e, s0, s1):
 
 
 @njit(parallel=True, error_model="numpy", cache=True)
-def quantize_kernel(x, bits, group_size, chunk_groups, seed, stochastic, mant_bits, min_exp,
-                    fmax, consts, out_packed, out_m, out_s):
+def quantize_kernel(x, lo_arr, hi_arr, bits, group_size, chunk_groups, seed, stochastic, mant_bits,
+                    min_exp, fmax, consts, out_packed, out_m, out_s):
     """Fill ``out_packed`` (uint8), ``out_m``/``out_s`` (dtype of x, values on the stats grid).
 
+    ``lo_arr``/``hi_arr``: per-group min and max of ``x`` (NaN-propagating, computed by
+    torch's vectorised ``amin``/``amax``: a scalar min/max loop does not vectorise here).
     ``consts`` (dtype of x) = [2**bits - 1, 1, 0.5, largest finite stats value, 0]: typed
     constants, so float32 arithmetic is never promoted to float64 by a Python literal.
     """
@@ -83,18 +87,9 @@ def quantize_kernel(x, bits, group_size, chunk_groups, seed, stochastic, mant_bi
         g1 = min(g0 + chunk_groups, n_groups)
         # 1. stats of every group of the chunk
         for g in range(g0, g1):
-            a = g * G
-            b = min(a + G, n)
-            xs = x[a:b]
-            lo = xs[0]
-            hi = xs[0]
-            acc = zero
-            for i in range(b - a):
-                v = xs[i]
-                lo = v if v < lo else lo
-                hi = v if v > hi else hi
-                acc += v - v  # NaN iff some element is NaN or infinite
-            ok = acc == 0
+            lo = lo_arr[g]
+            hi = hi_arr[g]
+            ok = (lo - lo) == zero and (hi - hi) == zero  # both finite (not NaN, not inf)
             if ok:
                 out_m[g] = _floor_to_grid(np.float64(lo), mant_bits, min_exp, fmax)
                 m = out_m[g]  # the stored value, in the dtype of x

@@ -46,7 +46,9 @@ class CompressionStats:
     Attributes:
         bytes_before: bytes (numel * itemsize) of the tensors that were compressed.
         bytes_after: bytes held for them (packed codes + stats, or packed bool bits).
-        bytes_skipped: bytes of the saved tensors left uncompressed (not deduplicated ones).
+        bytes_skipped: bytes of the saved tensors left uncompressed, counted at every save.
+        skipped_bytes: reason -> bytes of :attr:`bytes_skipped` (``parameter`` bytes are
+            held by the model anyway).
         compressed: floating tensors quantized.
         packed_bool: bool tensors packed at 1 bit (lossless).
         deduplicated: saves answered with an existing compressed copy (no new bytes).
@@ -62,6 +64,7 @@ class CompressionStats:
     packed_bool: int = 0
     deduplicated: int = 0
     skipped: dict = field(default_factory=dict)
+    skipped_bytes: dict = field(default_factory=dict)
 
     @property
     def ratio(self) -> float:
@@ -72,6 +75,7 @@ class CompressionStats:
         self.bytes_before = self.bytes_after = self.bytes_skipped = 0
         self.compressed = self.packed_bool = self.deduplicated = 0
         self.skipped = {}
+        self.skipped_bytes = {}
 
 
 class _Handle:
@@ -229,8 +233,10 @@ class ActivationCompressor:
 
     # hooks -------------------------------------------------------------------------------
     def _skip(self, t: torch.Tensor, reason: str):
+        nbytes = t.numel() * t.element_size()
         self.stats.skipped[reason] = self.stats.skipped.get(reason, 0) + 1
-        self.stats.bytes_skipped += t.numel() * t.element_size()
+        self.stats.skipped_bytes[reason] = self.stats.skipped_bytes.get(reason, 0) + nbytes
+        self.stats.bytes_skipped += nbytes
         return t
 
     def _pack(self, t: torch.Tensor):
