@@ -14,9 +14,10 @@ non-monotone ``f'`` (GELU, SiLU), so no Knuth / divide-and-conquer shortcut is u
 three implementations here evaluate the full recurrence, O(n^2 K) time.
 
 - :func:`dp_numba`: the fast one. It visits ``i`` in blocks; for the grid points ``j``
-  before a block it computes ``T(j, i)`` once and updates all ``K`` layers (vectorised
-  over ``k``), in parallel over ``i`` in the block; then it finishes the few ``j`` inside
-  the block sequentially. That is the same recurrence with 1/K of the divisions.
+  before a block it computes ``T(j, i)`` once per ``(i, j)`` (1/K of the divisions) and
+  then, per layer, the first-index arg-min over ``j`` vectorised over 64 lanes, in
+  parallel over ``i`` in the block; then it finishes the few ``j`` inside the block
+  sequentially. That is the same recurrence, with the same tie-breaking.
   (One run also yields the optimum for every ``k <= K``: :func:`backtrack`.)
 - :func:`dp_numpy`: a plain layer-by-layer numpy reference.
 - :func:`brute_force`: enumerates every set of borders (tiny grids, tests).
@@ -53,7 +54,7 @@ _KERNEL_LOCK = threading.Lock()
 def _block(n: int) -> int:
     """Rows per parallel region: few regions (each ends in a barrier, costly on a busy
     machine), but a small sequential in-block part (n * block / 2 * K steps)."""
-    return int(min(256, max(16, n // 32)))
+    return int(min(512, max(16, n // 20)))
 
 
 def _check(W, FW, F2, K):
@@ -85,49 +86,71 @@ def segment_cost(W, FW, F2, j, i):
     return np.maximum(t, 0.0)
 
 
+#: Lanes of the vectorised arg-min (a multiple of the SIMD width).
+_LANES = 64
+
+
 @njit(parallel=True, error_model="numpy", fastmath=_FASTMATH, cache=True)
 def _dp_kernel(W, FW, F2, K, block):  # pragma: no cover - compiled
     n = W.shape[0] - 1
     KP = K + 1
-    D = np.full((n + 1, KP), np.inf)
-    A = np.zeros((n + 1, KP), np.int32)
+    L = 64  # == _LANES
+    # D[k, j]: best cost of [t_0, t_j] with k pieces; padded columns stay +inf.
+    D = np.full((KP, n + 1 + L), np.inf)
+    A = np.zeros((KP, n + 1), np.int32)
     D[0, 0] = 0.0
     for i0 in range(1, n + 1, block):
         i1 = min(i0 + block, n + 1)
-        # j < i0: every layer of D[j] is final; compute T(j, i) once for all k.
+        nch = (i0 + L - 1) // L
+        # Part 1, j < i0 (every layer of D final), parallel over i in the block:
+        # T(j, i) once per (i, j), then per layer a first-index arg-min over j, vectorised
+        # as L lanes (lane l sees j = l, l + L, ...; strict < keeps the first j per lane).
         for i in prange(i0, i1):
             Wi = W[i]
             FWi = FW[i]
             F2i = F2[i]
-            best = np.full(KP, np.inf)
-            arg = np.zeros(KP, np.int32)
+            tt = np.empty(nch * L)
             for j in range(i0):
                 d = FWi - FW[j]
-                t = F2i - F2[j] - d * d / max(Wi - W[j], 1e-300)
-                t = max(t, 0.0)
-                for k in range(1, KP):
-                    c = D[j, k - 1] + t
-                    m = c < best[k]
-                    best[k] = c if m else best[k]
-                    arg[k] = j if m else arg[k]
+                tt[j] = max(F2i - F2[j] - d * d / max(Wi - W[j], 1e-300), 0.0)
+            for j in range(i0, nch * L):
+                tt[j] = np.inf
+            acc = np.empty(L)
+            idx = np.empty(L, np.int64)
             for k in range(1, KP):
-                D[i, k] = best[k]
-                A[i, k] = arg[k]
-        # i0 <= j < i: inside the block, in order.
+                row = D[k - 1]
+                for lane in range(L):
+                    acc[lane] = np.inf
+                    idx[lane] = 0
+                for c in range(nch):
+                    base = c * L
+                    for lane in range(L):
+                        v = row[base + lane] + tt[base + lane]
+                        m = v < acc[lane]
+                        acc[lane] = v if m else acc[lane]
+                        idx[lane] = base + lane if m else idx[lane]
+                best = np.inf
+                arg = 0
+                for lane in range(L):
+                    if acc[lane] < best or (acc[lane] == best and idx[lane] < arg):
+                        best = acc[lane]
+                        arg = idx[lane]
+                D[k, i] = best
+                A[k, i] = arg
+        # Part 2, i0 <= j < i: inside the block, in order (j ascending keeps the first j).
         for i in range(i0 + 1, i1):
             Wi = W[i]
             FWi = FW[i]
             F2i = F2[i]
             for j in range(i0, i):
                 d = FWi - FW[j]
-                t = F2i - F2[j] - d * d / max(Wi - W[j], 1e-300)
-                t = max(t, 0.0)
+                t = max(F2i - F2[j] - d * d / max(Wi - W[j], 1e-300), 0.0)
                 for k in range(1, KP):
-                    c = D[j, k - 1] + t
-                    if c < D[i, k]:
-                        D[i, k] = c
-                        A[i, k] = j
-    return D, A
+                    c = D[k - 1, j] + t
+                    if c < D[k, i]:
+                        D[k, i] = c
+                        A[k, i] = j
+    return D[:, : n + 1], A
 
 
 def dp_numba_tables(W, FW, F2, K):
@@ -141,7 +164,8 @@ def dp_numba_tables(W, FW, F2, K):
     """
     W, FW, F2, K = _check(W, FW, F2, K)
     with _KERNEL_LOCK:
-        return _dp_kernel(W, FW, F2, K, _block(W.size - 1))
+        D, A = _dp_kernel(W, FW, F2, K, _block(W.size - 1))
+    return D.T, A.T
 
 
 def backtrack(A: np.ndarray, n: int, k: int) -> np.ndarray:
