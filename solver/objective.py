@@ -184,9 +184,8 @@ class Objective:
         """Cell length of the "exact" integrals: resolves ``f'`` (scale ~1), a narrow normal
         weight (``sigma / 8``) and small domains, with at most ~20000 cells."""
         h = min(1.0 / FINE_CELLS_PER_UNIT, (self.b - self.a) / 64)
-        if self.weight.kind == "normal" or (self.weight.base is not None and self.weight.base.kind == "normal"):
-            sigma = self.weight.sigma if self.weight.sigma is not None else self.weight.base.sigma
-            h = min(h, sigma / 8)
+        if self.weight.kind == "normal":
+            h = min(h, self.weight.sigma / 8)
         return max(h, (self.b - self.a) / 20000)
 
     def _fine(self, borders: np.ndarray) -> np.ndarray:

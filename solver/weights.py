@@ -16,11 +16,11 @@ constant (then ``int f' w`` is exact from ``f`` itself).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["Weight", "uniform", "normal", "histogram", "parse", "fold"]
+__all__ = ["Weight", "uniform", "normal", "histogram", "parse"]
 
 
 @dataclass(frozen=True)
@@ -28,13 +28,15 @@ class Weight:
     """A weight function for the objective.
 
     Args:
-        kind: ``"uniform"``, ``"normal"``, ``"histogram"`` or ``"folded"``.
+        kind: ``"uniform"``, ``"normal"`` or ``"histogram"``.
         spec: the string recorded in tables (``"uniform"``, ``"normal:2.0"``, ``"histogram"``).
         edges: for piecewise-constant weights, ``(m + 1,)`` increasing bin edges
             (``None`` for uniform: then ``w = 1`` on the whole fitting domain).
         densities: ``(m,)`` densities ``>= 0`` per bin.
         sigma: standard deviation of the normal weight.
-        base: for ``"folded"``, the weight ``w`` that is folded: ``w(x) + w(-x)`` on ``x >= 0``.
+
+    A mirrored fit (method.md §2) uses ``w(x) + w(-x)`` on ``x >= 0``; that folding, and the
+    restriction to the fitting domain, are done by :class:`fewbit.solver.objective.Objective`.
     """
 
     kind: str
@@ -42,13 +44,10 @@ class Weight:
     edges: tuple[float, ...] | None = None
     densities: tuple[float, ...] | None = None
     sigma: float | None = None
-    base: "Weight | None" = field(default=None, repr=False)
 
     @property
     def piecewise_constant(self) -> bool:
-        """True for uniform and histogram weights (and folds of them)."""
-        if self.kind == "folded":
-            return self.base.piecewise_constant
+        """True for uniform and histogram weights."""
         return self.kind != "normal"
 
     def __call__(self, x) -> np.ndarray:
@@ -65,16 +64,12 @@ class Weight:
             idx = np.searchsorted(e, x, side="right") - 1
             inside = (idx >= 0) & (idx < d.size)
             return np.where(inside, d[np.clip(idx, 0, d.size - 1)], 0.0)
-        if self.kind == "folded":
-            return self.base(x) + self.base(-x)
         raise ValueError(f"unknown weight kind {self.kind!r}")
 
     def breakpoints(self) -> tuple[float, ...]:
-        """Points where ``w`` jumps (bin edges; mirrored for a folded weight)."""
+        """Points where ``w`` jumps (bin edges)."""
         if self.kind == "histogram":
             return tuple(self.edges)
-        if self.kind == "folded":
-            return tuple(sorted({abs(b) for b in self.base.breakpoints()}))
         return ()
 
 
@@ -150,7 +145,3 @@ def parse(spec) -> Weight:
         f"fewbit.solver.weights.histogram(edges, densities)), got {spec!r}"
     )
 
-
-def fold(w: Weight) -> Weight:
-    """``x -> w(x) + w(-x)`` for ``x >= 0``: the weight of a mirrored fit on ``[0, B]`` (method.md §2)."""
-    return Weight("folded", w.spec, base=w)
