@@ -170,7 +170,7 @@ def fit_many(
     W, FW, F2 = obj.prefix(t)
     tick()
     k_max = 1 << max(bits_list)
-    D, Arg = dp_numba_tables(W, FW, F2, k_max)
+    _, Arg = dp_numba_tables(W, FW, F2, k_max)
     tick()
     n = t.size - 1
     out: dict[int, Table] = {}
