@@ -9,7 +9,8 @@ slices starting at 0, no fastmath (it would break NaN comparisons), chunks of
   sums give exactly ``codes[i(x)]``); NaN is above every border as in searchsorted;
   (a branch-free binary search per element measured 5x slower even at 255 borders);
 - pack: 8 codes -> one 64-bit little-endian word -> its low ``bits`` bytes (method.md §6);
-- decode: the inverse unpack, then ``grad * values[code]``; bfloat16 in and out through
+- decode: the inverse unpack, then ``grad * values[code]`` (a select tree on the code
+  bits for bits <= 4, which vectorises without gathers); bfloat16 in and out through
   int16 bit patterns (exact widening; round-to-nearest-even narrowing, NaN -> 0x7FC0).
 """
 
@@ -193,6 +194,65 @@ def _pack_dispatch(cb, os_, bits):
         _pack(cb, os_, 8)
 
 
+@njit(error_model="numpy", cache=True, nogil=True)
+def _mul_lut(gf, cb, values, prod, bits):
+    """``prod = gf * values[cb]``; for bits <= 4 a select tree on the code bits (no
+    gather: ~1.5x faster here), else an indexed load."""
+    m = gf.shape[0]
+    if bits == 1:
+        v0 = values[0]; v1 = values[1]
+        for i1 in range(m):
+            cc1 = cb[i1]
+            val1 = v1 if (cc1 >> np.uint8(0)) & np.uint8(1) else v0
+            prod[i1] = gf[i1] * val1
+    elif bits == 2:
+        v0 = values[0]; v1 = values[1]; v2 = values[2]; v3 = values[3]
+        for i2 in range(m):
+            cc2 = cb[i2]
+            s2_0_0 = v1 if (cc2 >> np.uint8(0)) & np.uint8(1) else v0
+            s2_0_1 = v3 if (cc2 >> np.uint8(0)) & np.uint8(1) else v2
+            val2 = s2_0_1 if (cc2 >> np.uint8(1)) & np.uint8(1) else s2_0_0
+            prod[i2] = gf[i2] * val2
+    elif bits == 3:
+        v0 = values[0]; v1 = values[1]; v2 = values[2]; v3 = values[3]; v4 = values[4]; v5 = values[5]; v6 = values[6]; v7 = values[7]
+        for i3 in range(m):
+            cc3 = cb[i3]
+            s3_0_0 = v1 if (cc3 >> np.uint8(0)) & np.uint8(1) else v0
+            s3_0_1 = v3 if (cc3 >> np.uint8(0)) & np.uint8(1) else v2
+            s3_0_2 = v5 if (cc3 >> np.uint8(0)) & np.uint8(1) else v4
+            s3_0_3 = v7 if (cc3 >> np.uint8(0)) & np.uint8(1) else v6
+            s3_1_0 = s3_0_1 if (cc3 >> np.uint8(1)) & np.uint8(1) else s3_0_0
+            s3_1_1 = s3_0_3 if (cc3 >> np.uint8(1)) & np.uint8(1) else s3_0_2
+            val3 = s3_1_1 if (cc3 >> np.uint8(2)) & np.uint8(1) else s3_1_0
+            prod[i3] = gf[i3] * val3
+    elif bits == 4:
+        v0 = values[0]; v1 = values[1]; v2 = values[2]; v3 = values[3]
+        v4 = values[4]; v5 = values[5]; v6 = values[6]; v7 = values[7]
+        v8 = values[8]; v9 = values[9]; v10 = values[10]; v11 = values[11]
+        v12 = values[12]; v13 = values[13]; v14 = values[14]; v15 = values[15]
+        for i4 in range(m):
+            cc4 = cb[i4]
+            s4_0_0 = v1 if (cc4 >> np.uint8(0)) & np.uint8(1) else v0
+            s4_0_1 = v3 if (cc4 >> np.uint8(0)) & np.uint8(1) else v2
+            s4_0_2 = v5 if (cc4 >> np.uint8(0)) & np.uint8(1) else v4
+            s4_0_3 = v7 if (cc4 >> np.uint8(0)) & np.uint8(1) else v6
+            s4_0_4 = v9 if (cc4 >> np.uint8(0)) & np.uint8(1) else v8
+            s4_0_5 = v11 if (cc4 >> np.uint8(0)) & np.uint8(1) else v10
+            s4_0_6 = v13 if (cc4 >> np.uint8(0)) & np.uint8(1) else v12
+            s4_0_7 = v15 if (cc4 >> np.uint8(0)) & np.uint8(1) else v14
+            s4_1_0 = s4_0_1 if (cc4 >> np.uint8(1)) & np.uint8(1) else s4_0_0
+            s4_1_1 = s4_0_3 if (cc4 >> np.uint8(1)) & np.uint8(1) else s4_0_2
+            s4_1_2 = s4_0_5 if (cc4 >> np.uint8(1)) & np.uint8(1) else s4_0_4
+            s4_1_3 = s4_0_7 if (cc4 >> np.uint8(1)) & np.uint8(1) else s4_0_6
+            s4_2_0 = s4_1_1 if (cc4 >> np.uint8(2)) & np.uint8(1) else s4_1_0
+            s4_2_1 = s4_1_3 if (cc4 >> np.uint8(2)) & np.uint8(1) else s4_1_2
+            val4 = s4_2_1 if (cc4 >> np.uint8(3)) & np.uint8(1) else s4_2_0
+            prod[i4] = gf[i4] * val4
+    else:
+        for ig in range(m):
+            prod[ig] = gf[ig] * values[cb[ig]]
+
+
 @njit(parallel=True, error_model="numpy", cache=True, nogil=True)
 def decode_mul(g, packed, values, out, bits):
     """``out = g * values[code]`` (1-D; float32/float64, or bf16 bits as uint16 with
@@ -217,6 +277,5 @@ def decode_mul(g, packed, values, out, bits):
         gf = _widen(g[e0:e1])
         os_ = out[e0:e1]
         prod = _prod_buf(os_)
-        for i in range(m):
-            prod[i] = gf[i] * values[cb[i]]
+        _mul_lut(gf, cb, values, prod, bits)
         _store(os_, prod)
