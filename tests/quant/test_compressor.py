@@ -75,6 +75,11 @@ def test_conv_net_gradients_close():
     approx = _grads(model, x, comp)
     assert comp.stats.compressed >= 3
     assert _cos(exact, approx) > 0.98
+    # channels_last activations come back contiguous: autograd accepts them
+    model_cl = model.to(memory_format=torch.channels_last)
+    x_cl = x.to(memory_format=torch.channels_last)
+    exact_cl = _grads(model_cl, x_cl)
+    assert _cos(exact_cl, _grads(model_cl, x_cl, ActivationCompressor(8))) > 0.999
 
 
 def test_attention_gradients_close_and_qkv_dedup():
