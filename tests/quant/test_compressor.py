@@ -231,3 +231,21 @@ def test_handle_nbytes():
     assert isinstance(h, _Handle)
     assert h.nbytes == 500 + 2 * 4 * 2
     assert h.unpack().shape == x.shape
+
+
+def test_originals_freed_while_graph_alive():
+    import weakref
+
+    lin1, lin2 = nn.Linear(256, 256), nn.Linear(256, 256)
+    x = torch.randn(64, 256)
+    comp = ActivationCompressor(4)
+    with comp:
+        h = torch.tanh(lin1(x))  # tanh saves h, lin2 saves h: both compressed/deduplicated
+        ref = weakref.ref(h)
+        loss = lin2(h).sum()
+    del h
+    gc.collect()
+    assert ref() is None  # neither autograd nor the dedup cache keeps the float32 original
+    assert len(comp._cache) >= 1
+    loss.backward()
+    assert lin1.weight.grad is not None
