@@ -78,6 +78,24 @@ def _median_time(fn, device, repeat: int, setup=None) -> float:
     return statistics.median(times)
 
 
+def _time_once(mode: str, fn, x0: torch.Tensor, g: torch.Tensor, device: torch.device) -> float:
+    """Seconds of one forward, backward, or forward+backward of ``fn`` on a fresh leaf."""
+    x = x0.detach().requires_grad_()
+    y = fn(x) if mode == "backward" else None
+    _sync(device)
+    t0 = time.perf_counter()
+    if mode == "forward":
+        y = fn(x)
+    elif mode == "backward":
+        y.backward(g)
+    else:
+        fn(x).backward(g)
+    _sync(device)
+    dt = time.perf_counter() - t0
+    del x, y
+    return dt
+
+
 def _saved_bytes(make_y, x) -> int:
     """Bytes of distinct storages saved for backward while computing ``make_y(x)``."""
     seen: dict[int, int] = {}
@@ -142,7 +160,7 @@ def run(args) -> None:
     print(f"# versions: {_versions()}")
     print(f"# device: {device}" + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""))
     print(f"# torch threads: {torch.get_num_threads()}; THP: {_thp()}")
-    print(f"# timings: median of {args.repeat} runs after 2 warm-ups; ratios are fewbit / torch baseline "
+    print(f"# timings: median of {args.repeat} round-robin runs after 2 warm-ups; ratios are fewbit / torch baseline "
           "of the same run (< 1: fewbit faster). Shared VMs are noisy.")
     modes = ["forward", "backward", "full"] if args.mode == "all" else [args.mode]
     header = f"{'activation':<10} {'dtype':<9} {'n':>6} {'bits':>4} {'candidate':<22} " + " ".join(
@@ -162,20 +180,20 @@ def run(args) -> None:
                     g = torch.randn_like(x0)
                     copy_t = _median_time(lambda s: s.copy_(x0), device, args.repeat,
                                           setup=lambda: torch.empty_like(x0))
+                    cands = _candidates(name, bits, table)
+                    # Round-robin: every repeat times each candidate once, so that load
+                    # changes on a shared machine hit all candidates alike.
+                    times = {(label, m): [] for label, _, _ in cands for m in modes + ["fwd_gbs"]}
+                    for rep in range(args.repeat + 2):
+                        for label, fn, is_fewbit in cands:
+                            for m in modes:
+                                times[(label, m)].append(_time_once(m, fn, x0, g, device))
                     base = {}
-                    for label, fn, is_fewbit in _candidates(name, bits, table):
+                    for label, fn, is_fewbit in cands:
                         row = f"{name:<10} {dt_name:<9} {'2^' + str(p):>6} {bits:>4} {label:<22} "
                         cells = []
                         for m in modes:
-                            if m == "forward":
-                                t = _median_time(lambda x: fn(x), device, args.repeat,
-                                                 setup=lambda: x0.detach().requires_grad_())
-                            elif m == "backward":
-                                t = _median_time(lambda y: y.backward(g), device, args.repeat,
-                                                 setup=lambda: fn(x0.detach().requires_grad_()))
-                            else:
-                                t = _median_time(lambda x: fn(x).backward(g), device, args.repeat,
-                                                 setup=lambda: x0.detach().requires_grad_())
+                            t = statistics.median(times[(label, m)][2:])
                             if not is_fewbit and m not in base:
                                 base[m] = t
                             cells.append(f"{t * 1e3:>12.2f} {t / base[m]:>6.2f}")
