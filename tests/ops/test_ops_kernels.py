@@ -186,3 +186,33 @@ def test_large_numel_int64_indexing(device):
     out = ops.decode_mul(g, packed, table)
     ref = ops.decode_mul_reference(g[start:].cpu(), tail, table.values, 3)
     assert bits_equal(out[start:].cpu(), ref)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
+def test_single_interval_and_unrolled_paddings(dtype):
+    # 0 borders (one interval), and border counts that exercise every padding of the
+    # unrolled CPU path (1, 3, 7, 15) and the pass-per-border path (16, 31).
+    t0 = Table("custom", 2, borders=[], codes=[2], values=[0.0, 1.0, 2.0, 3.0])
+    x = hard_inputs(random_table(1), dtype, 1027)
+    assert torch.equal(ops.encode(x, t0), ops.encode_reference(x, [], [2], 2))
+    for nb in (2, 5, 11, 16, 31):
+        g = torch.Generator().manual_seed(nb)
+        borders = torch.sort(torch.randn(nb, generator=g, dtype=torch.float64)).values.tolist()
+        codes = torch.randint(0, 32, (nb + 1,), generator=g).tolist()
+        t = Table("custom", 5, borders=borders, codes=codes, values=[0.0] * 32)
+        x = hard_inputs(t, dtype, 4101, seed=nb)
+        assert torch.equal(ops.encode(x, t), ops.encode_reference(x, borders, codes, 5)), nb
+
+
+def test_numba_threads_follow_torch():
+    numba = pytest.importorskip("numba")
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        ops.encode(torch.randn(100), random_table(2))
+        assert numba.get_num_threads() == 1
+        torch.set_num_threads(min(2, numba.config.NUMBA_NUM_THREADS))
+        ops.decode_mul(torch.randn(100), torch.zeros(25, dtype=torch.uint8), random_table(2))
+        assert numba.get_num_threads() == min(2, numba.config.NUMBA_NUM_THREADS)
+    finally:
+        torch.set_num_threads(old)
