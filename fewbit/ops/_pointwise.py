@@ -38,7 +38,7 @@ def table_tensors(
     Returns:
         ``(borders, codes, values)``: ``borders`` ``(m-1,)`` float64 for float64 inputs,
         else float32 rounded DOWN (exact comparisons, see
-        :func:`fewbit.ops.round_down_to_float32`); ``codes`` ``(m,)`` int32; ``values``
+        :func:`fewbit.ops.round_down_to_float32`); ``codes`` ``(m,)`` int64; ``values``
         ``(2**bits,)`` in the compute dtype (float64 for float64, else float32).
     """
     device = torch.device(device)
@@ -54,7 +54,7 @@ def table_tensors(
         if hit is None:
             b64 = torch.tensor(table.borders, dtype=torch.float64)
             borders = b64 if cdt == torch.float64 else round_down_to_float32(b64)
-            codes = torch.tensor(table.codes, dtype=torch.int32)
+            codes = torch.tensor(table.codes, dtype=torch.int64)
             values = torch.tensor(table.values, dtype=torch.float64).to(cdt)
             hit = tuple(t.to(device) for t in (borders, codes, values))
             _table_cache[key] = hit

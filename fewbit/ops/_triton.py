@@ -127,11 +127,14 @@ def encode_triton(
     block = block or default_block()
     x = x.detach().reshape(-1).contiguous()
     b = borders.detach().to(x.device).contiguous()
+    nb = b.numel()
+    if nb == 0:  # one interval: pass a dummy (never read) instead of a null pointer
+        b = torch.full((1,), float("inf"), dtype=b.dtype, device=x.device)
     c = codes.detach().to(device=x.device, dtype=torch.int32).contiguous()
     grid = (triton.cdiv(triton.cdiv(n, 8), block),)
     _encode_kernel[grid](
         x, b, c, out, n,
-        NB=b.numel(), BITS=bits, BLOCK=block, IS_F64=x.dtype == torch.float64,
+        NB=nb, BITS=bits, BLOCK=block, IS_F64=x.dtype == torch.float64,
     )
     return out
 

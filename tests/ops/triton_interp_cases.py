@@ -71,3 +71,13 @@ def test_float64_borders_rounded_for_float32_input():
     b64 = torch.tensor(table.borders, dtype=torch.float64)
     got = _triton.encode_triton(x, ops.round_down_to_float32(b64), torch.tensor(table.codes), 4)
     assert torch.equal(got, ops.encode_reference(x, table.borders, table.codes, 4))
+
+
+def test_single_interval_table():
+    from fewbit.table import Table
+
+    t = Table("custom", 2, borders=[], codes=[3], values=[0.0, 1.0, 2.0, 3.0])
+    b, c, v = ops.table_tensors(t, "cpu", torch.float32)
+    x = torch.randn(1001)
+    x[:3] = torch.tensor([float("nan"), float("inf"), float("-inf")])
+    assert torch.equal(_triton.encode_triton(x, b, c, 2), ops.encode_reference(x, [], [3], 2))
