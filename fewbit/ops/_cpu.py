@@ -3,9 +3,11 @@
 Loaded on the first CPU call, never at ``import fewbit``. The kernels live in
 :mod:`fewbit.ops._cpu_kernels` (a plain module, so numba's ``cache=True`` stores the
 compiled code next to it, or in numba's user-wide cache directory when the package is
-read-only). They are generic in the table (borders are a runtime array, one vectorised
-pass per border) and specialised inside for each bit width, so only a handful of
-functions ever compile (~3 s each, once).
+read-only). They take the table as runtime arrays (an unrolled compare-sum for up to 15
+borders, one vectorised pass per border beyond) and branch inside on the bit width, so
+only a handful of functions ever compile (about a minute in all, once; the cache makes
+later processes start in well under a second). Generating source per table shape
+(kernels-notes.md) was measured too: equally fast, but ~60 compiles of ~3 s each.
 
 Threads: numba's pool follows ``torch.get_num_threads()`` (capped by
 ``NUMBA_NUM_THREADS``) on every call; the OpenMP layer is preferred (faster than

@@ -7,10 +7,10 @@ slices starting at 0, no fastmath (it would break NaN comparisons), chunks of
 - encode, up to 15 borders: ``c = codes[0] + sum_j (d_j if not (x <= b_j))`` unrolled
   with the borders as scalars, padded with +inf and ``d = 0`` to 1, 3, 7 or 15 (+inf
   padding is never crossed by a finite x or +inf, and adds 0 for NaN); ~1.5x faster
-  than the pass-per-border form, which serves more borders:
-- linear encode: ``cb = codes[0]``, then for each border ``j`` one vectorised pass
+  than the pass-per-border form below;
+- encode, more borders: ``cb = codes[0]``, then for each border ``j`` one vectorised pass
   ``cb += (codes[j+1] - codes[j]) mod 256 if not (x <= b_j)`` (uint8 lanes; modular
-  sums give exactly ``codes[i(x)]``); NaN is above every border as in searchsorted;
+  sums give exactly ``codes[i(x)]``); NaN is above every border as in searchsorted
   (a branch-free binary search per element measured 5x slower even at 255 borders);
 - pack: 8 codes -> one 64-bit little-endian word -> its low ``bits`` bytes (method.md §6);
 - decode: the inverse unpack, then ``grad * values[code]`` (a select tree on the code
