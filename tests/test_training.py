@@ -1,0 +1,124 @@
+"""The training scripts, the summariser and the main job run end to end at tiny sizes."""
+
+import csv
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = ROOT / "scripts"
+sys.path.insert(0, str(SCRIPTS))
+
+import _data  # noqa: E402
+import summarize_runs  # noqa: E402
+import train_lm  # noqa: E402
+
+FIELDS = ["step", "train_loss", "val_loss", "accuracy", "step_time_s", "peak_saved_bytes"]
+
+
+def _run(script, *args, timeout=120):
+    return subprocess.run([sys.executable, str(SCRIPTS / script), *map(str, args)],
+                          capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+def _read(path):
+    with open(path, newline="") as fh:
+        return list(csv.DictReader(fh))
+
+
+def test_text_split_is_deterministic_and_disjoint():
+    a = _data.load_text(max_train_bytes=100_000, max_val_bytes=20_000)
+    b = _data.load_text(max_train_bytes=100_000, max_val_bytes=20_000)
+    assert a.train.equal(b.train) and a.val.equal(b.val)
+    assert len(a.train) > 90_000 and len(a.val) > 10_000
+    # Validation files are not training files: their first 200 bytes do not occur in train.
+    assert bytes(a.val[:200].tolist()) not in bytes(a.train.tolist())
+    bt = _data.TextBatcher(a, seq_len=16, batch_size=3, seed=0)
+    x, y = bt.train_batch()
+    assert x.shape == y.shape == (3, 16) and x.dtype == y.dtype
+    assert x[:, 1:].equal(y[:, :-1])
+    v1, v2 = bt.val_batches(2), _data.TextBatcher(a, 16, 3, seed=5).val_batches(2)
+    assert all(p[0].equal(q[0]) for p, q in zip(v1, v2))
+
+
+def test_digits_split():
+    xtr, ytr, xva, yva = _data.load_digits()
+    assert xtr.shape[1:] == (1, 8, 8) and len(xtr) + len(xva) == 1797
+    assert 0.0 <= float(xtr.min()) and float(xtr.max()) <= 1.0
+    assert set(yva.tolist()) == set(range(10))
+
+
+def test_unknown_variant_is_rejected():
+    with pytest.raises(ValueError, match="variant must be one of"):
+        train_lm.check_variant("fewbit9")
+
+
+def test_train_lm_quick_all_variants(tmp_path):
+    r = _run("train_lm.py", "--quick", "--variants", *train_lm.VARIANTS, "--seeds", "0", "--out", tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    saved = {}
+    for variant in train_lm.VARIANTS:
+        rows = _read(tmp_path / f"lm_{variant}_seed0.csv")
+        assert list(rows[0]) == FIELDS
+        assert [int(r["step"]) for r in rows] == [3, 6]
+        assert all(math.isfinite(float(r["val_loss"])) for r in rows)
+        saved[variant] = int(rows[-1]["peak_saved_bytes"])
+    assert saved["fewbit1"] < saved["fewbit2"] < saved["fewbit3"] < saved["fewbit4"] < saved["vanilla"]
+    assert saved["actnn2"] < saved["vanilla"]
+    assert saved["fewbit3+quant4"] < saved["fewbit3"]
+
+
+def test_train_lm_same_seed_same_curve_and_bad_args(tmp_path):
+    a = train_lm.run_lm("fewbit3", 1, data=_data.load_text(60_000, 20_000), steps=2, batch_size=2, seq_len=16,
+                        n_layer=1, n_embd=16, n_head=2, eval_every=2, val_batches=1, warmup=1)
+    b = train_lm.run_lm("fewbit3", 1, data=_data.load_text(60_000, 20_000), steps=2, batch_size=2, seq_len=16,
+                        n_layer=1, n_embd=16, n_head=2, eval_every=2, val_batches=1, warmup=1)
+    assert a[-1]["val_loss"] == b[-1]["val_loss"]
+    r = _run("train_lm.py", "--quick", "--variants", "nope", "--out", tmp_path)
+    assert r.returncode != 0 and "invalid choice" in r.stderr
+    r = _run("train_lm.py", "--steps", "0", "--out", tmp_path)
+    assert r.returncode != 0 and "must be > 0" in r.stderr
+
+
+def test_train_cnn_and_summarize(tmp_path):
+    r = _run("train_cnn.py", "--quick", "--variants", "vanilla", "fewbit2", "--seeds", "0", "1", "--out", tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    for v in ("vanilla", "fewbit2"):
+        for s in (0, 1):
+            rows = _read(tmp_path / f"cnn_{v}_seed{s}.csv")
+            assert list(rows[0]) == FIELDS and 0.0 <= float(rows[-1]["accuracy"]) <= 1.0
+    r = _run("summarize_runs.py", tmp_path, "--out", tmp_path / "sum")
+    assert r.returncode == 0, r.stderr[-2000:]
+    md = (tmp_path / "sum" / "summary.md").read_text()
+    assert "| vanilla | 2 |" in md and "| fewbit2 | 2 |" in md
+    for name in ("cnn_val_loss.png", "cnn_train_loss.png"):
+        data = (tmp_path / "sum" / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+
+
+def test_summarize_numbers(tmp_path):
+    for seed, losses in ((0, (2.0, 1.0)), (1, (2.0, 3.0))):
+        with open(tmp_path / f"lm_vanilla_seed{seed}.csv", "w", newline="") as fh:
+            w = csv.DictWriter(fh, fieldnames=FIELDS)
+            w.writeheader()
+            for i, l in enumerate(losses):
+                w.writerow({"step": i + 1, "train_loss": l, "val_loss": l, "accuracy": 0.5,
+                            "step_time_s": 0.1, "peak_saved_bytes": 2**20 * (seed + 1)})
+    s = summarize_runs.summarize(summarize_runs.load_runs(tmp_path))["lm"][0]
+    assert s["val_loss"] == (2.0, pytest.approx(math.sqrt(2.0)))
+    assert s["peak_saved_bytes"] == 2 * 2**20 and s["saved_ratio"] == 1.0
+    r = _run("summarize_runs.py", tmp_path / "missing")
+    assert r.returncode != 0 and "does not exist" in r.stderr
+
+
+def test_main_job_quick(tmp_path):
+    r = _run("main_job.py", "--quick", "--out", tmp_path, timeout=180)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "| gelu | 0.141" in r.stdout
+    assert "fewbit3" in r.stdout and "Saved for backward per step" in r.stdout
+    for name in ("approximations.png", "lm_val_loss.png", "memory.json", "main_job.md",
+                 "lm_vanilla_seed0.csv", "lm_fewbit3_seed0.csv"):
+        assert (tmp_path / name).exists(), name
