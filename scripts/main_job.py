@@ -111,7 +111,7 @@ def main(argv: Iterable[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--out", type=Path, default=Path("results"), help="output directory")
-    p.add_argument("--steps", type=int, default=250, help="training steps per run")
+    p.add_argument("--steps", type=int, default=200, help="training steps per run")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu")
     p.add_argument("--quick", action="store_true", help="tiny sizes (seconds), for tests")

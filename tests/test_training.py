@@ -71,16 +71,17 @@ def test_train_lm_quick_all_variants(tmp_path):
     assert saved["fewbit3+quant4"] < saved["fewbit3"]
 
 
-def test_train_lm_same_seed_same_curve_and_bad_args(tmp_path):
-    a = train_lm.run_lm("fewbit3", 1, data=_data.load_text(60_000, 20_000), steps=2, batch_size=2, seq_len=16,
-                        n_layer=1, n_embd=16, n_head=2, eval_every=2, val_batches=1, warmup=1)
-    b = train_lm.run_lm("fewbit3", 1, data=_data.load_text(60_000, 20_000), steps=2, batch_size=2, seq_len=16,
-                        n_layer=1, n_embd=16, n_head=2, eval_every=2, val_batches=1, warmup=1)
+def test_train_lm_same_seed_same_curve_and_bad_args(tmp_path, capsys):
+    data = _data.load_text(60_000, 20_000)
+    kw = dict(data=data, steps=2, batch_size=2, seq_len=16, n_layer=1, n_embd=16, n_head=2, eval_every=2,
+              val_batches=1, warmup=1)
+    a, b = train_lm.run_lm("fewbit3", 1, **kw), train_lm.run_lm("fewbit3", 1, **kw)
     assert a[-1]["val_loss"] == b[-1]["val_loss"]
-    r = _run("train_lm.py", "--quick", "--variants", "nope", "--out", tmp_path)
-    assert r.returncode != 0 and "invalid choice" in r.stderr
-    r = _run("train_lm.py", "--steps", "0", "--out", tmp_path)
-    assert r.returncode != 0 and "must be > 0" in r.stderr
+    for args, msg in ((["--variants", "nope"], "invalid choice"), (["--steps", "0"], "must be > 0"),
+                      (["--width", "30", "--heads", "4"], "multiple of --heads")):
+        with pytest.raises(SystemExit) as exc:
+            train_lm.main([*args, "--out", str(tmp_path)])
+        assert exc.value.code != 0 and msg in capsys.readouterr().err
 
 
 def test_train_cnn_and_summarize(tmp_path):
@@ -110,8 +111,9 @@ def test_summarize_numbers(tmp_path):
     s = summarize_runs.summarize(summarize_runs.load_runs(tmp_path))["lm"][0]
     assert s["val_loss"] == (2.0, pytest.approx(math.sqrt(2.0)))
     assert s["peak_saved_bytes"] == 2 * 2**20 and s["saved_ratio"] == 1.0
-    r = _run("summarize_runs.py", tmp_path / "missing")
-    assert r.returncode != 0 and "does not exist" in r.stderr
+    with pytest.raises(SystemExit) as exc:
+        summarize_runs.main([str(tmp_path / "missing")])
+    assert exc.value.code != 0
 
 
 def test_main_job_quick(tmp_path):
