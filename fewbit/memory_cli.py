@@ -156,7 +156,8 @@ def _format_table(title: str, res: dict) -> str:
     if any(p is not None for p in peak):
         lines.append("peak CUDA MiB: " + ", ".join(
             f"{v} {d['peak_bytes'] / _MIB:.1f}" for v, d in res.items() if d.get("peak_bytes") is not None))
-    lines.append("ratios are vanilla / variant; parameters are not counted (held anyway)")
+    lines.append("ratios are vanilla / variant; parameters are not counted (held anyway); "
+                 "'other' includes what the loss saves (logits)")
     return "\n".join(lines)
 
 

@@ -111,7 +111,7 @@ def main(argv: Iterable[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--out", type=Path, default=Path("results"), help="output directory")
-    p.add_argument("--steps", type=int, default=200, help="training steps per run")
+    p.add_argument("--steps", type=int, default=600, help="training steps per run")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu")
     p.add_argument("--quick", action="store_true", help="tiny sizes (seconds), for tests")
@@ -142,7 +142,7 @@ def main(argv: Iterable[str] | None = None) -> int:
         data = _data.load_text(max_train_bytes=200_000, max_val_bytes=50_000)
     else:
         sizes = dict(steps=args.steps, batch_size=8, seq_len=128, n_layer=2, n_embd=128, n_head=4,
-                     eval_every=25, val_batches=8, warmup=20)
+                     eval_every=50, val_batches=8, warmup=30)
         data = _data.load_text()
     print(f"\n## Training a {sizes['n_layer']}-layer GPT-2 (width {sizes['n_embd']}, byte-level) on "
           f"{len(data.train):,} bytes of stdlib sources, {sizes['steps']} steps\n", flush=True)
