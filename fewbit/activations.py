@@ -12,6 +12,7 @@ This module needs only torch and the standard library.
 from __future__ import annotations
 
 import difflib
+import importlib
 import math
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
@@ -29,6 +30,7 @@ __all__ = [
     "canonical_params",
     "non_default_params",
     "exact_table",
+    "import_callable",
 ]
 
 
@@ -182,6 +184,29 @@ ACTIVATIONS: dict[str, Activation] = {
 
 #: Other names accepted for registry entries.
 ALIASES: dict[str, str] = {"swish": "silu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
+
+
+def import_callable(spec: str) -> Callable[..., torch.Tensor]:
+    """Import a user function given as ``"package.module:callable"`` (``callable`` may be dotted).
+
+    Raises:
+        ValueError: naming ``fn``, if the spec is malformed, the module does not import, the
+            attribute is missing, or the object is not callable.
+    """
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"fn: a user function must be given as 'package.module:callable', got {spec!r}")
+    try:
+        obj = importlib.import_module(module_name)
+    except Exception as exc:  # ImportError, or any error raised while importing the module
+        raise ValueError(f"fn: cannot import module {module_name!r} of {spec!r} ({type(exc).__name__}: {exc})") from None
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"fn: module {module_name!r} has no attribute {attr!r} (from {spec!r})")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ValueError(f"fn: {spec!r} is not callable (got {type(obj).__name__})")
+    return obj
 
 
 def get_activation(name: str) -> Activation:

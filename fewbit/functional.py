@@ -50,6 +50,7 @@ from fewbit.activations import (
     canonical_params,
     exact_table,
     get_activation,
+    import_callable,
     non_default_params,
 )
 from fewbit.table import Table, TableFormatError, load_shipped, read_tables, table_filename, write_tables
@@ -187,31 +188,16 @@ class _Fn:
         return self.callable(input, **params)
 
 
-def _import_callable(spec: str) -> Callable[..., torch.Tensor]:
-    module_name, _, qualname = spec.partition(":")
-    if not module_name or not qualname:
-        raise ValueError(f"fn must be a registry name or 'module:callable', got {spec!r}")
-    try:
-        obj: Any = importlib.import_module(module_name)
-        for part in qualname.split("."):
-            obj = getattr(obj, part)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"fn {spec!r} cannot be imported ({exc})") from None
-    if not callable(obj):
-        raise TypeError(f"fn {spec!r} is not callable")
-    return obj
-
-
 def _resolve_fn(fn: FnLike) -> _Fn:
     if isinstance(fn, str):
         if ":" in fn:
-            return _Fn(fn, None, _import_callable(fn))
+            return _Fn(fn, None, import_callable(fn))
         act = get_activation(fn)
         return _Fn(act.name, act, act.torch_fn)
     if callable(fn):
         name = f"{getattr(fn, '__module__', None)}:{getattr(fn, '__qualname__', None)}"
         try:
-            same = _import_callable(name) is fn
+            same = import_callable(name) is fn
         except (ValueError, TypeError):
             same = False
         if not same:

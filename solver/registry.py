@@ -18,7 +18,6 @@ with torch autograd.
 
 from __future__ import annotations
 
-import importlib
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
@@ -27,6 +26,7 @@ import numpy as np
 from scipy import special
 
 from fewbit import activations as _acts
+from fewbit.activations import import_callable
 
 __all__ = ["SolverFunction", "get", "names"]
 
@@ -375,21 +375,7 @@ def _from_registry(name: str) -> SolverFunction:
 
 
 def _load_user(spec: str) -> SolverFunction:
-    module_name, _, attr = spec.partition(":")
-    if not module_name or not attr:
-        raise ValueError(f"fn: a user function must be given as 'package.module:callable', got {spec!r}")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as exc:  # ImportError, or any error raised while importing the module
-        raise ValueError(f"fn: cannot import module {module_name!r} of {spec!r} ({type(exc).__name__}: {exc})") from None
-    obj: Any = module
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ValueError(f"fn: module {module_name!r} has no attribute {attr!r} (from {spec!r})")
-        obj = getattr(obj, part)
-    if not callable(obj):
-        raise ValueError(f"fn: {spec!r} is not callable (got {type(obj).__name__})")
-    fn = obj
+    fn = import_callable(spec)
 
     import torch
 

@@ -7,13 +7,12 @@ element; backward ``grad_x = grad_y * values[c]``.
 
 from __future__ import annotations
 
-import importlib
 import threading
 from typing import Callable, Mapping
 
 import torch
 
-from fewbit.activations import ACTIVATIONS, ALIASES, canonical_params, get_activation
+from fewbit.activations import ACTIVATIONS, ALIASES, canonical_params, get_activation, import_callable
 from fewbit.ops import _ops  # noqa: F401  (registers fewbit::encode / fewbit::decode_mul)
 from fewbit.ops._reference import compute_dtype, round_down_to_float32
 from fewbit.table import Table
@@ -69,15 +68,7 @@ def _resolve_fn(fn: str) -> tuple[Callable[..., torch.Tensor], object]:
     if not isinstance(fn, str):
         raise TypeError(f"fn must be a registry name or a 'package.module:callable' string, got {type(fn).__name__}")
     if ":" in fn:
-        mod_name, _, attr = fn.partition(":")
-        try:
-            obj = importlib.import_module(mod_name)
-            for part in attr.split("."):
-                obj = getattr(obj, part)
-        except (ImportError, AttributeError) as exc:
-            raise ValueError(f"fn {fn!r} cannot be resolved: {exc}") from None
-        if not callable(obj):
-            raise ValueError(f"fn {fn!r} resolves to a non-callable {type(obj).__name__}")
+        obj = import_callable(fn)  # ValueError naming fn
         hit = (obj, None)
     else:
         act = get_activation(fn)  # ValueError for unknown names
