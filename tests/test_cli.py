@@ -1,0 +1,386 @@
+"""The ``fewbit`` command line (fewbit/cli.py), run in-process with click's CliRunner.
+
+Happy paths check the printed numbers against the shipped tables and the solver; bad input
+must give a non-zero exit, exactly one line of error, no traceback and no file written
+(an existing output file stays untouched). Fits are tiny (``--grid 300``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import textwrap
+import uuid
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from fewbit import __version__
+from fewbit.cli import cli
+from fewbit.table import load_shipped, read_tables, shipped_table_files
+
+GRID = "300"
+# An error cell: 4 significant digits in scientific notation (or "0" for an exact table).
+ERR4 = re.compile(r"^(?:\d\.\d{3}e[+-]\d{2}|0)$")
+
+
+def run(*args: str):
+    return CliRunner().invoke(cli, [str(a) for a in args], prog_name="fewbit")
+
+
+def fmt4(x: float) -> str:
+    return "0" if x == 0 else f"{x:.3e}"
+
+
+def assert_one_line_error(result, *needles: str) -> str:
+    """Non-zero exit, no traceback, exactly one non-empty line on stderr (and none on stdout)."""
+    assert result.exit_code != 0, result.output
+    assert isinstance(result.exception, SystemExit), repr(result.exception)
+    assert "Traceback" not in result.output
+    lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("Error: "), lines[0]
+    assert result.stdout.strip() == "", result.stdout
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+    return lines[0]
+
+
+def table_rows(stdout: str) -> dict[str, list[str]]:
+    """Rows of a rendered text table (after the ``---`` separator), keyed by first cell."""
+    lines = stdout.splitlines()
+    sep = next(i for i, ln in enumerate(lines) if ln.startswith("---"))
+    rows = {}
+    for ln in lines[sep + 1:]:
+        cells = ln.split()
+        if not cells or ln.startswith(("error =", "wrote ")) or re.match(r"\d+ tables;", ln):
+            break
+        rows[cells[0]] = cells[1:]
+    return rows
+
+
+@pytest.fixture
+def usermod(tmp_path, monkeypatch):
+    """Write a helper module into tmp_path (on sys.path); returns its unique module name."""
+
+    def make(source: str) -> str:
+        name = f"fewbit_cli_user_{uuid.uuid4().hex[:10]}"
+        (tmp_path / f"{name}.py").write_text(textwrap.dedent(source))
+        monkeypatch.syspath_prepend(str(tmp_path))
+        return name
+
+    return make
+
+
+# ---------------------------------------------------------------------------------------
+# Happy paths
+# ---------------------------------------------------------------------------------------
+
+
+def test_version_and_help():
+    r = run("--version")
+    assert r.exit_code == 0
+    assert r.stdout.strip() == f"fewbit {__version__}"
+    r = run("--help")
+    assert r.exit_code == 0
+    for cmd in ("fit", "error", "plot", "list", "memory"):
+        assert re.search(rf"^\s+{cmd}\s", r.stdout, re.M), cmd
+    r = run("fit", "--help")
+    assert r.exit_code == 0 and "torch" in r.stdout and "numpy function" not in r.stdout
+
+
+def test_list_shows_shipped_tables_with_errors():
+    r = run("list")
+    assert r.exit_code == 0, r.output
+    rows = table_rows(r.stdout)
+    assert len(rows) == len(shipped_table_files())
+    gelu = load_shipped("gelu")
+    cells = rows["gelu"]
+    # function, params, domain (2 cells), weight, sym, then one cell per bit width 1..8 present
+    errs = cells[-len(gelu):] if len(cells) >= 5 + len(gelu) else None
+    assert errs == [fmt4(gelu[b].error) for b in sorted(gelu)]
+    assert all(ERR4.match(c) for c in errs)
+    assert rows["relu"][-1] == "0"  # exact stepwise table (1 bit only)
+    assert "tables; error = integral" in r.stdout
+
+
+def test_error_table_4_significant_digits_matches_shipped():
+    names = ["gelu", "silu", "sigmoid", "tanh"]
+    r = run("error", *names, "--bits", "1", "2", "3", "4")
+    assert r.exit_code == 0, r.output
+    header = r.stdout.splitlines()[0].split()
+    assert header == ["function", "1", "bit", "2", "bits", "3", "bits", "4", "bits"]
+    rows = table_rows(r.stdout)
+    assert list(rows) == names
+    for name in names:
+        shipped = load_shipped(name)
+        assert rows[name] == [fmt4(shipped[b].error) for b in (1, 2, 3, 4)]
+        assert all(ERR4.match(c) and c != "0" for c in rows[name])
+
+
+def test_error_json_structure_and_values():
+    r = run("error", "gelu", "silu", "relu", "--bits", "1", "2", "3", "4", "--json")
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.stdout)
+    assert list(data) == ["gelu", "silu", "relu"]
+    for name in ("gelu", "silu"):
+        shipped = load_shipped(name)
+        assert data[name] == {str(b): shipped[b].error for b in (1, 2, 3, 4)}
+    # ReLU' is a step: the exact 1-bit table serves every width with error 0.
+    assert data["relu"] == {"1": 0.0, "2": 0.0, "3": 0.0, "4": 0.0}
+
+
+@pytest.mark.parametrize(
+    "bits_args, expected",
+    [
+        (["--bits", "1", "2", "3"], ["1", "2", "3"]),
+        (["--bits", "1,2,3"], ["1", "2", "3"]),
+        (["--bits", "3", "--bits", "1"], ["1", "3"]),
+        (["-b", "2"], ["2"]),
+        ([], ["1", "2", "3", "4"]),
+    ],
+)
+def test_bits_parsing(bits_args, expected):
+    r = run("error", *bits_args, "gelu", "--json")  # NAME after the bits: not taken as a width
+    assert r.exit_code == 0, r.output
+    assert list(json.loads(r.stdout)["gelu"]) == expected
+
+
+def test_error_domain_recomputes_the_integral():
+    full = json.loads(run("error", "gelu", "--bits", "2", "--json", "--domain", "-10", "10").stdout)["gelu"]["2"]
+    assert full == load_shipped("gelu")[2].error
+    part = json.loads(run("error", "gelu", "--bits", "2", "--json", "--domain", "-2", "2").stdout)["gelu"]["2"]
+    # the integrand (f' - q)^2 is >= 0 and not 0 outside [-2, 2]
+    assert 0 < part < full
+
+
+def test_error_refit_close_to_shipped():
+    r = run("error", "silu", "--refit", "--grid", GRID, "--bits", "1", "2", "--json", "--no-progress")
+    assert r.exit_code == 0, r.output
+    got = json.loads(r.stdout)["silu"]
+    shipped = load_shipped("silu")
+    for b in (1, 2):
+        assert got[str(b)] == pytest.approx(shipped[b].error, rel=2e-3)
+
+
+def test_fit_writes_loadable_tables(tmp_path):
+    out = tmp_path / "gelu.json"
+    r = run("fit", "gelu", "--bits", "1", "2", "--grid", GRID, "-o", out, "--no-progress")
+    assert r.exit_code == 0, r.output
+    tables = read_tables(out)
+    assert sorted(tables) == [1, 2]
+    for b, t in tables.items():
+        assert t.name == "gelu" and t.bits == b and len(t.values) == 2**b
+        assert t.provenance["grid"] == int(GRID)
+        assert t.error == pytest.approx(load_shipped("gelu")[b].error, rel=2e-3)
+    rows = table_rows(r.stdout)
+    assert rows["1"][0] == fmt4(tables[1].error) and rows["2"][0] == fmt4(tables[2].error)
+    assert f"wrote {out}" in r.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gelu.json"]  # no temporary left
+
+
+def test_fit_options_reach_the_solver(tmp_path):
+    out = tmp_path / "elu.json"
+    r = run("fit", "elu", "--bits", "1", "--grid", GRID, "--domain", "-4", "4", "--weight", "normal:2",
+            "--no-symmetric", "--param", "alpha=0.5", "-o", out, "--no-progress")
+    assert r.exit_code == 0, r.output
+    (t,) = read_tables(out).values()
+    assert t.params == {"alpha": 0.5}
+    assert tuple(t.domain) == (-4.0, 4.0)
+    assert t.weight == "normal:2" or t.weight.startswith("normal:2")
+    assert t.symmetric is False
+
+
+def test_fit_shows_progress_bar(tmp_path):
+    r = run("fit", "tanh", "--bits", "1", "--grid", GRID, "-o", tmp_path / "t.json")
+    assert r.exit_code == 0, r.output
+    assert "fit tanh" in r.stderr and "100%" in r.stderr
+
+
+def test_fit_user_function_matches_registry(tmp_path, usermod):
+    mod = usermod("""
+        import torch
+
+        def my_silu(x):
+            return x * torch.sigmoid(x)
+    """)
+    out = tmp_path / "u.json"
+    r = run("fit", f"{mod}:my_silu", "--bits", "1", "2", "--grid", GRID, "-o", out, "--no-progress")
+    assert r.exit_code == 0, r.output
+    tables = read_tables(out)
+    shipped = load_shipped("silu")
+    for b in (1, 2):
+        assert tables[b].name == f"{mod}:my_silu"
+        assert tables[b].error == pytest.approx(shipped[b].error, rel=2e-3)
+
+
+def test_fit_force_overwrites(tmp_path):
+    out = tmp_path / "g.json"
+    out.write_text("old")
+    r = run("fit", "gelu", "--bits", "1", "--grid", GRID, "-o", out, "--force", "--no-progress")
+    assert r.exit_code == 0, r.output
+    assert sorted(read_tables(out)) == [1]
+
+
+def _png_checks(path: Path) -> None:
+    import matplotlib.image as mpimg
+    import numpy as np
+
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    assert len(data) > 20_000
+    img = mpimg.imread(path)
+    assert img.shape[0] > 400 and img.shape[1] > 400
+    colours = np.unique((img[..., :3] * 255).astype(np.uint8).reshape(-1, 3), axis=0)
+    assert len(colours) > 50  # curves, text and anti-aliasing, not a blank canvas
+
+
+def test_plot_shipped(tmp_path):
+    out = tmp_path / "gelu.png"
+    r = run("plot", "gelu", "--bits", "1", "2", "3", "-o", out)
+    assert r.exit_code == 0, r.output
+    _png_checks(out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gelu.png"]
+
+
+def test_plot_fitted_table(tmp_path):
+    tj = tmp_path / "t.json"
+    assert run("fit", "silu", "--bits", "1", "2", "--grid", GRID, "-o", tj, "--no-progress").exit_code == 0
+    out = tmp_path / "silu.png"
+    r = run("plot", "silu", "--table", tj, "-o", out)
+    assert r.exit_code == 0, r.output
+    _png_checks(out)
+
+
+# ---------------------------------------------------------------------------------------
+# Bad input: one line, non-zero exit, no traceback, nothing written
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cmd", ["fit", "error", "plot"])
+def test_unknown_name_suggests_close_matches(cmd, tmp_path):
+    r = run(cmd, "gelux", "-o" if cmd != "error" else "--json", *([tmp_path / "o"] if cmd != "error" else []))
+    line = assert_one_line_error(r, "gelux", "did you mean", "'gelu'")
+    assert "'elu'" in line
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("cmd", ["fit", "error", "plot"])
+@pytest.mark.parametrize("bits", [["0"], ["9"], ["1", "9"], ["1,0"], ["-1"], ["x"], ["2.5"]])
+def test_bits_out_of_range(cmd, bits, tmp_path):
+    extra = ["-o", tmp_path / "o"] if cmd != "error" else []
+    r = run(cmd, "gelu", "--bits", *bits, *extra)
+    assert_one_line_error(r, "--bits", "1..8")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("cmd", ["fit", "error"])
+@pytest.mark.parametrize("domain, needle", [
+    (["1", "1"], "A < B"), (["2", "-1"], "A < B"), (["0", "inf"], "finite"),
+    (["nan", "1"], "finite"), (["-inf", "0"], "finite"), (["a", "1"], "--domain"),
+])
+def test_bad_domain(cmd, domain, needle, tmp_path):
+    extra = ["-o", tmp_path / "o"] if cmd == "fit" else []
+    r = run(cmd, "gelu", "--domain", *domain, *extra)
+    assert_one_line_error(r, "--domain", needle)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("grid_args, needle", [
+    (["--bits", "4", "--grid", "8"], "2**bits = 16"),
+    (["--bits", "1", "2", "3", "--grid", "5"], "2**bits = 8"),
+    (["--grid", "1"], "--grid"),
+    (["--grid", "many"], "--grid"),
+])
+def test_grid_too_small(grid_args, needle, tmp_path):
+    r = run("fit", "gelu", *grid_args, "-o", tmp_path / "o.json", "--no-progress")
+    assert_one_line_error(r, needle)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_refit_grid_too_small():
+    r = run("error", "gelu", "--refit", "--bits", "3", "--grid", "4", "--no-progress")
+    assert_one_line_error(r, "2**bits = 8")
+
+
+@pytest.mark.parametrize("source, attr, needle", [
+    ("raise RuntimeError('broken module')\n", "f", "cannot import module"),
+    ("import torch\nnot_callable = 3\n", "not_callable", "not callable"),
+    ("import torch\n", "missing", "no attribute 'missing'"),
+    ("import torch\ndef f(x):\n    return x.sum(0, keepdim=True)\n", "f", "elementwise"),
+    ("import torch\ndef f(x):\n    return torch.sqrt(x)\n", "f", "not finite"),
+    ("import torch\ndef f(x):\n    raise RuntimeError('boom')\n", "f", "boom"),
+    ("def f(x):\n    return [1.0]\n", "f", "torch.Tensor"),
+])
+def test_bad_user_function(source, attr, needle, usermod, tmp_path):
+    mod = usermod(source)
+    out = tmp_path / "out" / "u.json"
+    out.parent.mkdir()
+    r = run("fit", f"{mod}:{attr}", "--bits", "1", "--grid", GRID, "-o", out, "--no-progress")
+    assert_one_line_error(r, f"{mod}:{attr}", needle)
+    assert list(out.parent.iterdir()) == []
+
+
+def test_user_module_not_found(tmp_path):
+    r = run("fit", "no_such_pkg_fewbit.acts:f", "--grid", GRID, "-o", tmp_path / "o.json", "--no-progress")
+    assert_one_line_error(r, "cannot import module", "no_such_pkg_fewbit")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("cmd", ["fit", "plot"])
+def test_unwritable_output(cmd, tmp_path):
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    adir = tmp_path / "adir"
+    adir.mkdir()
+    ext = ".json" if cmd == "fit" else ".png"
+    for target, needle in [
+        (afile / f"o{ext}", "cannot write"),            # parent is a file
+        (tmp_path / "missing" / f"o{ext}", "does not exist"),
+        (adir, "directory"),
+    ]:
+        r = run(cmd, "gelu", "--bits", "1", "-o", target, "--no-progress" if cmd == "fit" else "--force")
+        assert_one_line_error(r, needle)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adir", "afile"]
+    assert afile.read_text() == "x" and list(adir.iterdir()) == []
+
+
+def test_existing_output_untouched_on_error(tmp_path):
+    out = tmp_path / "gelu.json"
+    out.write_text("precious")
+    # exists, no --force
+    assert_one_line_error(run("fit", "gelu", "--bits", "1", "--grid", GRID, "-o", out), "exists", "--force")
+    # --force but the fit fails (grid too small / bad user function / bad weight)
+    assert_one_line_error(run("fit", "gelu", "--bits", "4", "--grid", "8", "-o", out, "--force", "--no-progress"),
+                          "2**bits")
+    assert_one_line_error(run("fit", "gelu", "--weight", "normal:-1", "--grid", GRID, "-o", out, "--force",
+                              "--no-progress"), "sigma")
+    png = tmp_path / "p.png"
+    png.write_text("precious png")
+    assert_one_line_error(run("plot", "gelu", "--bits", "5", "-o", png, "--force"), "bits 5")
+    assert_one_line_error(run("plot", "gelu", "-o", png), "exists")
+    assert out.read_text() == "precious" and png.read_text() == "precious png"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gelu.json", "p.png"]
+
+
+@pytest.mark.parametrize("params, needle", [
+    (["alpha"], "KEY=VALUE"),
+    (["=1"], "KEY=VALUE"),
+    (["alpha="], "must be a number"),
+    (["alpha=x"], "must be a number"),
+    (["alpha=inf"], "finite"),
+    (["alpha=1", "alpha=2"], "given twice"),
+    (["beta=1"], "beta"),  # ELU takes only alpha
+])
+def test_malformed_param(params, needle, tmp_path):
+    r = run("fit", "elu", "--bits", "1", "--grid", GRID, "--param", *params, "-o", tmp_path / "o.json",
+            "--no-progress")
+    assert_one_line_error(r, needle)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_error_without_shipped_table_or_command():
+    assert_one_line_error(run("error", "elu", "--param", "alpha=0.3"), "no shipped table", "--refit")
+    assert_one_line_error(run("nosuchcommand"), "No such command")
+    assert_one_line_error(run("error"), "NAME")
