@@ -1,0 +1,98 @@
+"""Packaging: ``import fewbit`` stays lean, and a built wheel installs and runs on its own.
+
+The wheel is built from a copy of the tracked files (``git ls-files``) so that the repository
+gets no build/ or *.egg-info; it is installed into a venv that sees the system packages
+(torch, numba, ...) and run from a directory outside the repository.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _clean_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+    env["PYTHONNOUSERSITE"] = "1"
+    env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
+    env["PIP_NO_INPUT"] = "1"
+    return env
+
+
+def _run(cmd, cwd, timeout=300) -> subprocess.CompletedProcess:
+    proc = subprocess.run([str(c) for c in cmd], cwd=cwd, env=_clean_env(), capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, f"{cmd} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+    return proc
+
+
+def test_lean_import(tmp_path):
+    code = (
+        "import sys\n"
+        "import fewbit\n"
+        "fewbit.GELU; fewbit.functional; fewbit.convert_; fewbit.compress_activations\n"
+        "import fewbit.cli\n"
+        "import torch\n"
+        "heavy = [m for m in ('numba', 'scipy', 'triton', 'matplotlib', 'fewbit.solver') if m in sys.modules]\n"
+        "print('heavy:', heavy)\n"
+        "print('cuda:', torch.cuda.is_initialized())\n"
+    )
+    proc = _run([sys.executable, "-c", code], cwd=tmp_path)
+    lines = proc.stdout.splitlines()
+    assert "heavy: []" in lines, proc.stdout
+    assert "cuda: False" in lines, proc.stdout
+
+
+@pytest.fixture(scope="module")
+def repo_copy(tmp_path_factory) -> Path:
+    """The tracked files of the repository, copied (the build writes build/ and *.egg-info there)."""
+    files = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=True).stdout
+    dst = tmp_path_factory.mktemp("src") / "fewbit-src"
+    for rel in filter(None, files.decode().split("\0")):
+        src = REPO / rel
+        if src.is_file():
+            (dst / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dst / rel)
+    return dst
+
+
+def test_wheel_installs_and_runs(repo_copy, tmp_path):
+    before = {p.name for p in REPO.iterdir()}
+    wheels = tmp_path / "wheels"
+    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", wheels, repo_copy],
+         cwd=tmp_path)
+    (wheel,) = wheels.glob("fewbit-*.whl")
+    # The repository is left as it was: no build/ or *.egg-info.
+    after = {p.name for p in REPO.iterdir()}
+    assert not {n for n in after - before if n == "build" or n.endswith(".egg-info")}
+
+    import zipfile
+
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "fewbit/cli.py" in names and "fewbit/solver/fit.py" in names and "fewbit/tables/gelu.json" in names
+
+    venv = tmp_path / "venv"
+    _run([sys.executable, "-m", "venv", "--system-site-packages", venv], cwd=tmp_path)
+    py, exe = venv / "bin" / "python", venv / "bin" / "fewbit"
+    _run([py, "-m", "pip", "install", "--no-deps", "--no-index", "-q", wheel], cwd=tmp_path)
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    proc = _run([exe, "list"], cwd=elsewhere)
+    gelu = [ln for ln in proc.stdout.splitlines() if ln.split()[:1] == ["gelu"]]
+    assert len(gelu) == 1 and "e-0" in gelu[0], proc.stdout
+
+    proc = _run([py, "-c", "import fewbit, fewbit.tables, fewbit.solver; print(fewbit.__file__); "
+                 "print(fewbit.tables.__file__); print(fewbit.solver.__file__)"], cwd=elsewhere)
+    site = venv.resolve()
+    paths = [Path(p).resolve() for p in proc.stdout.split()]
+    assert len(paths) == 3
+    for p in paths:
+        assert site in p.parents, (p, proc.stdout)  # not the editable install in the repository
