@@ -28,6 +28,7 @@ __all__ = [
     "ALIASES",
     "get_activation",
     "canonical_params",
+    "merge_params",
     "non_default_params",
     "exact_table",
     "import_callable",
@@ -224,24 +225,37 @@ def get_activation(name: str) -> Activation:
     raise ValueError(f"unknown activation {name!r}{hint} (known: {', '.join(sorted(ACTIVATIONS))})")
 
 
+def merge_params(name: str, defaults: Mapping[str, float], params: Mapping[str, float] | None) -> dict[str, float]:
+    """``params`` merged over ``defaults`` (values as float), for the function ``name``.
+
+    Raises:
+        ValueError: for a parameter the function does not take, or a non-numeric or
+            non-finite value.
+    """
+    params = dict(params or {})
+    unknown = set(params) - set(defaults)
+    if unknown:
+        takes = f"parameters {', '.join(sorted(defaults))}" if defaults else "no parameters"
+        raise ValueError(f"params: {name} takes {takes}; got {', '.join(sorted(unknown))}")
+    out = {}
+    for k, default in defaults.items():
+        try:
+            v = float(params.get(k, default))
+        except (TypeError, ValueError):
+            raise ValueError(f"params: {k} of {name} must be a number, got {params[k]!r}") from None
+        if not math.isfinite(v):
+            raise ValueError(f"params: {k} of {name} must be finite, got {v}")
+        out[k] = v
+    return out
+
+
 def canonical_params(act: Activation, params: Mapping[str, float] | None) -> dict[str, float]:
-    """Full parameter dict (defaults filled in, values as float).
+    """Full parameter dict of ``act`` (defaults filled in, values as float).
 
     Raises:
         ValueError: for a parameter the activation does not take, or a non-finite value.
     """
-    params = dict(params or {})
-    unknown = set(params) - set(act.defaults)
-    if unknown:
-        allowed = ", ".join(sorted(act.defaults)) or "none"
-        raise ValueError(f"{act.name} takes parameters {allowed}; got {', '.join(sorted(unknown))}")
-    out = {}
-    for k, default in act.defaults.items():
-        v = float(params.get(k, default))
-        if not math.isfinite(v):
-            raise ValueError(f"parameter {k} of {act.name} must be finite, got {v}")
-        out[k] = v
-    return out
+    return merge_params(act.name, act.defaults, params)
 
 
 def non_default_params(act: Activation, params: Mapping[str, float] | None) -> dict[str, float]:

@@ -147,7 +147,7 @@ class Objective:
         g = self.df(x)
         if not np.all(np.isfinite(g)):
             bad = x[~np.isfinite(g)][0]
-            raise ValueError(f"fn: the derivative of {self.sf.name} is not finite at x={bad!r} on the domain")
+            raise ValueError(f"fn: the derivative of {self.sf.name} is not finite at x={float(bad)!r} on the domain")
         F2 = (g * g * wx).sum(axis=1)
         if self.use_f:
             F = self.sf.f_impl(edges, self.params)

@@ -26,7 +26,7 @@ import numpy as np
 from scipy import special
 
 from fewbit import activations as _acts
-from fewbit.activations import import_callable
+from fewbit.activations import import_callable, merge_params
 
 __all__ = ["SolverFunction", "get", "names"]
 
@@ -71,23 +71,7 @@ class SolverFunction:
         Raises:
             ValueError: for a key the function does not take, or a non-finite value.
         """
-        params = dict(params or {})
-        unknown = set(params) - set(self.defaults)
-        if unknown:
-            allowed = ", ".join(sorted(self.defaults)) or "none"
-            raise ValueError(
-                f"params: {self.name} takes parameters {allowed}; got {', '.join(sorted(unknown))}"
-            )
-        out = {}
-        for k, default in self.defaults.items():
-            try:
-                v = float(params.get(k, default))
-            except (TypeError, ValueError):
-                raise ValueError(f"params: {k} of {self.name} must be a number, got {params[k]!r}") from None
-            if not math.isfinite(v):
-                raise ValueError(f"params: {k} of {self.name} must be finite, got {v}")
-            out[k] = v
-        return out
+        return merge_params(self.name, self.defaults, params)
 
     def f(self, x, **params) -> np.ndarray:
         """``f(x)`` in float64; ``x`` array-like, any shape; ``params`` over the defaults."""

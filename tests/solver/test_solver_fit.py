@@ -30,7 +30,7 @@ GRID = 2000  # small grid for speed; refinement makes the result grid-independen
         (dict(bits=2, domain=(-np.inf, 1.0)), "domain must be"),
         (dict(bits=2, domain=3), "domain must be"),
         (dict(bits=4, grid=8), "grid must be at least 2\\*\\*bits = 16 cells, got 8"),
-        (dict(bits=2, params={"alpha": 1.0}), "takes parameters none; got alpha"),
+        (dict(bits=2, params={"alpha": 1.0}), "gelu takes no parameters; got alpha"),
         (dict(bits=2, weight="normal:-1"), "sigma must be finite and > 0"),
         (dict(bits=2, weight="normal"), "normal:SIGMA"),
         (dict(bits=2, weight="cauchy"), "weight must be 'uniform' or 'normal:SIGMA'"),
