@@ -434,6 +434,23 @@ def _border_params(f: _Fn, full: dict[str, float], dtype: torch.dtype) -> dict[s
     return None
 
 
+def _table_arg(table: Any, bits: int | None) -> tuple[Table, str]:
+    """The ``table`` argument of :func:`activation`: a Table, or any ``str``/PathLike as a
+    JSON table file (whatever its suffix)."""
+    if isinstance(table, Table):
+        return load_table(table, bits), "table"
+    if isinstance(table, (str, os.PathLike)):
+        if bits is None:
+            tables = read_tables(table)
+            if len(tables) != 1:
+                raise ValueError(f"table {table}: holds bits {sorted(tables)}; pass bits to choose one")
+            return next(iter(tables.values())), str(table)
+        return _read_table_file(table, bits), str(table)
+    raise TypeError(
+        f"table must be a fewbit.table.Table or a path to a JSON table file, got {type(table).__name__}"
+    )
+
+
 def activation(
     input: torch.Tensor,
     fn: FnLike,
@@ -453,8 +470,9 @@ def activation(
         fn: a registry name (``"gelu"``), a ``"module:callable"`` string, or a
             module-level callable ``fn(input, **params) -> Tensor`` that is elementwise
             (it is passed on by its ``"module:callable"`` name, so it must be importable).
-        table: the :class:`~fewbit.table.Table` or a JSON table file to use; ``None``
-            resolves it with :func:`load_table`. A table made for another function or
+        table: the :class:`~fewbit.table.Table` or a JSON table file (``str`` or
+            ``os.PathLike``, any suffix) to use; ``None`` resolves it with
+            :func:`load_table`. A table made for another function or
             other parameters is refused.
         bits: bits per element, 1..8; ``None``: the table's bits, or the function's
             default (3; 1 for stepwise functions).
@@ -465,9 +483,12 @@ def activation(
         Tensor of the shape and dtype of ``input``.
 
     Raises:
-        TypeError: if ``input`` is not a floating-point tensor.
+        TypeError: if ``input`` is not a floating-point tensor, or ``table`` is neither a
+            Table nor a path.
         ValueError: for bits outside 1..8, an unknown function or parameter, or a table
             that does not match ``fn``/``params``/``bits``.
+        TableFormatError: (a ValueError) if the table file is missing, unreadable, of
+            another schema version, or holds no ``bits``-bit table; names the file.
     """
     _check_input(input)
     if bits is not None:
@@ -481,8 +502,7 @@ def activation(
         default_bits = f.act.default_bits if f.act is not None else 3
         tab = _load(f, bits if bits is not None else default_bits, full, _border_params(f, full, input.dtype))
     else:
-        source = str(table) if _is_path(table) else "table"
-        tab = load_table(table, bits)
+        tab, source = _table_arg(table, bits)
         _check_table_matches(tab, f.name, f.table_params(full), source)
     return _pointwise(input, tab, f.name, full, inplace)
 

@@ -386,6 +386,22 @@ def test_activation_refuses_mismatched_table():
         FF.activation(x, "sigmoid", table=toy_table("tanh", 3))
 
 
+def test_activation_table_argument_errors_name_table(tmp_path):
+    """``table=`` is read as a file whatever its suffix; anything else is a TypeError
+    naming ``table`` (not ``fn``)."""
+    x = torch.randn(5, requires_grad=True)
+    path = tmp_path / "gelu_table"  # no .json suffix
+    write_tables(path, [toy_table("gelu", 2)])
+    y = FF.activation(x, "gelu", table=str(path), bits=2)
+    assert y.shape == x.shape
+    with pytest.raises(TableFormatError, match="gelu_table.*no 3-bit"):
+        FF.activation(x, "gelu", table=str(path), bits=3)
+    with pytest.raises(TableFormatError, match="missing_file.*cannot read"):
+        FF.activation(x, "gelu", table=str(tmp_path / "missing_file"), bits=2)
+    with pytest.raises(TypeError, match="table must be .* got int"):
+        FF.activation(x, "gelu", table=5, bits=2)
+
+
 def test_activation_generic_with_user_function(tmp_path):
     """A user's activation ("module:callable") with its own JSON table works like ours."""
     base = toy_table("sigmoid", 3)
