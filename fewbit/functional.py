@@ -23,7 +23,10 @@ Tables are resolved by :func:`load_table`:
 1. stepwise function: the exact 1-bit table (whatever ``bits`` asks for);
 2. a table shipped in ``fewbit.tables`` for (name, non-default params, bits);
 3. the user cache ``$FEWBIT_CACHE_DIR/tables/`` (default
-   ``platformdirs.user_cache_dir("fewbit")/tables/``);
+   ``platformdirs.user_cache_dir("fewbit")/tables/``); a cache file that cannot be read
+   (corrupt, truncated, other schema version) is moved aside to ``<file>.corrupt`` and
+   the table is refitted (step 4, the warning names both files); a readable cache file
+   whose table is for other parameters raises ValueError (it is never reused);
 4. otherwise the table is fitted by :func:`fewbit.solver.fit` (needs
    ``pip install "fewbit[solver]"``), written to the cache atomically, and a
    :class:`TableFittedWarning` says so.
@@ -267,7 +270,19 @@ def _solver_missing(exc: ImportError) -> ImportError:
     )
 
 
-def _fit_and_cache(f: _Fn, bits: int, params: dict[str, float], full: dict[str, float]) -> Table:
+def _set_aside(path: Path, exc: Exception) -> str:
+    """Rename an unreadable cache file to ``<name>.corrupt``; return a note for the warning."""
+    aside = path.with_name(path.name + ".corrupt")
+    try:
+        os.replace(path, aside)
+    except OSError as err:
+        raise TableFormatError(
+            f"{path}: unreadable cached table ({exc}) and it cannot be moved aside ({err}); delete it"
+        ) from exc
+    return f"; the unreadable cache file was moved to {aside} ({exc})"
+
+
+def _fit_and_cache(f: _Fn, bits: int, params: dict[str, float], full: dict[str, float], note: str = "") -> Table:
     try:
         solver = importlib.import_module("fewbit.solver")
     except ImportError as exc:
@@ -303,7 +318,7 @@ def _fit_and_cache(f: _Fn, bits: int, params: dict[str, float], full: dict[str, 
         where = f"not cached ({exc})"
     shown = ", ".join(f"{k}={v:g}" for k, v in params.items())
     warnings.warn(
-        f"fewbit: fitted a {bits}-bit table for {f.name}({shown}) with grid={FIT_OPTIONS['grid']}; {where}",
+        f"fewbit: fitted a {bits}-bit table for {f.name}({shown}) with grid={FIT_OPTIONS['grid']}; {where}{note}",
         TableFittedWarning,
         stacklevel=4,
     )
@@ -337,15 +352,22 @@ def _load(f: _Fn, bits: int, params: Mapping[str, float] | None, border_params: 
                 if shipped and bits in shipped:
                     table = _pick_bits(shipped, bits, f"fewbit.tables/{table_filename(f.name, nd)}")
                     _check_table_matches(table, f.name, nd, f"fewbit.tables/{table_filename(f.name, nd)}")
+            note = ""
             if table is None:
                 path = cache_dir() / table_filename(f.name, nd)
                 if path.exists():
-                    cached = read_tables(path)
+                    try:
+                        cached = read_tables(path)
+                    except TableFormatError as exc:
+                        # The cache is ours and can be rebuilt: set the unreadable file
+                        # aside (never deleted) and refit; the warning says so.
+                        cached = {}
+                        note = _set_aside(path, exc)
                     if bits in cached:
                         table = _pick_bits(cached, bits, str(path))
                         _check_table_matches(table, f.name, nd, str(path))
             if table is None:
-                table = _fit_and_cache(f, bits, nd, full)
+                table = _fit_and_cache(f, bits, nd, full, note)
         _TABLES[key] = table
         return table
 

@@ -492,6 +492,28 @@ def test_fit_with_unwritable_cache_still_returns_table(tmp_path, monkeypatch):
     assert blocker.read_text().startswith("a file")  # nothing the user had is overwritten
 
 
+def test_corrupt_cache_file_is_set_aside_and_refitted(tmp_path, monkeypatch):
+    """An unreadable cache file is never silently used nor deleted: it is moved to
+    ``<file>.corrupt``, the table is refitted, and the warning names both files."""
+    solver = pytest.importorskip("fewbit.solver")
+    if not hasattr(solver, "fit"):
+        pytest.skip("fewbit.solver.fit is not written yet")
+    monkeypatch.setenv("FEWBIT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setitem(FF.FIT_OPTIONS, "grid", 300)
+    path = tmp_path / "tables" / table_filename("elu", {"alpha": 0.5})
+    path.parent.mkdir(parents=True)
+    path.write_text("{truncated")
+    FF.clear_table_cache()
+    with pytest.warns(FF.TableFittedWarning, match=r"moved to .*\.corrupt"):
+        t = FF.load_table("elu", 2, {"alpha": 0.5})
+    assert dict(t.params) == {"alpha": 0.5} and t.bits == 2
+    assert (tmp_path / "tables" / (path.name + ".corrupt")).read_text() == "{truncated"
+    FF.clear_table_cache()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # now cached: no refit
+        assert FF.load_table("elu", 2, {"alpha": 0.5}).values == t.values
+
+
 def test_solver_dependency_missing_inside_fit(tmp_path, monkeypatch):
     solver = pytest.importorskip("fewbit.solver")
     if not hasattr(solver, "fit"):
