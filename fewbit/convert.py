@@ -359,6 +359,12 @@ def convert_(
 ) -> ConversionSummary:
     """Convert ``model`` in place to few-bit activations (and compressed saved tensors).
 
+    Activations keep ``config.activation_bits`` bits per element for backward (Novikov
+    et al., "Few-bit Backward", ICML 2023); tensors saved by the selected layers keep
+    ``config.saved_bits`` bits per element plus per-group stats (ActNN, method.md §7).
+    Forward outputs, parameters, buffers, ``state_dict()`` keys and ``training`` flags are
+    unchanged; converting again is idempotent (hooks are never stacked).
+
     Args:
         model: any ``nn.Module`` (torch or Hugging Face ``transformers`` model).
         config: what to do; default ``Config()`` (3-bit activations, no saved-tensor

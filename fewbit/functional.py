@@ -533,15 +533,26 @@ def activation(
 
 
 def gelu(input: torch.Tensor, approximate: str = "none", *, bits: int = 3) -> torch.Tensor:
-    """Few-bit :func:`torch.nn.functional.gelu`.
+    """Few-bit :func:`torch.nn.functional.gelu` (Novikov et al., ICML 2023, eq. 1-2).
+
+    Forward is ``F.gelu(input)`` bit for bit; backward is
+    ``grad_input = grad_output * values[code(input)]`` with a fitted ``bits``-bit table.
+    The other functions of this module follow the same contract.
 
     Args:
-        input: any shape, floating dtype.
+        input: tensor of any shape ``(*)``, float16/bfloat16/float32/float64, any strides.
         approximate: ``'none'`` (erf) or ``'tanh'`` (uses the ``gelu_tanh`` table).
         bits: bits per element kept for backward, 1..8.
 
+    Returns:
+        Tensor of shape ``(*)`` and the dtype of ``input``; its gradient has the input's
+        dtype. Kept for backward: ``ceil(numel * bits / 8)`` bytes of codes plus the
+        ``2**bits`` table values, instead of ``numel * element_size`` bytes.
+
     Raises:
-        TypeError: non-floating ``input``. ValueError: bad ``approximate`` or ``bits``.
+        TypeError: if ``input`` is not a floating-point tensor.
+        ValueError: for ``approximate`` not in ``{'none', 'tanh'}`` or ``bits`` not an
+            integer in 1..8.
     """
     if approximate not in ("none", "tanh"):
         raise ValueError(f"approximate must be 'none' or 'tanh', got {approximate!r}")
@@ -560,12 +571,14 @@ def selu(input: torch.Tensor, inplace: bool = False, *, bits: int = 3) -> torch.
 
 
 def elu(input: torch.Tensor, alpha: float = 1.0, inplace: bool = False, *, bits: int = 3) -> torch.Tensor:
-    """Few-bit :func:`torch.nn.functional.elu`; a non-default ``alpha`` uses its own table."""
+    """Few-bit :func:`torch.nn.functional.elu`; a non-default ``alpha`` uses its own table
+    (fitted once into the user cache, see :func:`load_table`); otherwise see :func:`gelu`."""
     return _registry(input, "elu", {"alpha": alpha}, bits, inplace, lambda: F.elu(input, alpha, inplace))
 
 
 def celu(input: torch.Tensor, alpha: float = 1.0, inplace: bool = False, *, bits: int = 3) -> torch.Tensor:
-    """Few-bit :func:`torch.nn.functional.celu`; a non-default ``alpha`` uses its own table."""
+    """Few-bit :func:`torch.nn.functional.celu`; a non-default ``alpha`` uses its own table
+    (fitted once into the user cache, see :func:`load_table`); otherwise see :func:`gelu`."""
     return _registry(input, "celu", {"alpha": alpha}, bits, inplace, lambda: F.celu(input, alpha, inplace))
 
 
@@ -622,7 +635,10 @@ def quick_gelu(input: torch.Tensor, *, bits: int = 3) -> torch.Tensor:
 def relu(input: torch.Tensor, inplace: bool = False, *, bits: int = 1) -> torch.Tensor:
     """Few-bit :func:`torch.nn.functional.relu`: exact gradient from a 1-bit code.
 
-    ``bits`` is accepted for symmetry; the exact 1-bit table is used for every value.
+    ``bits`` is accepted for symmetry (validated, 1..8); the exact 1-bit table is used for
+    every value, so backward keeps ``ceil(numel / 8)`` bytes and equals torch's gradient.
+    The other stepwise functions below follow the same contract; shapes, dtypes and
+    errors as in :func:`gelu`.
     """
     return _registry(input, "relu", {}, bits, inplace, lambda: F.relu(input, inplace=inplace))
 

@@ -54,14 +54,22 @@ class _FewBit:
 
 
 class GELU(_FewBit, nn.GELU):
-    """Few-bit :class:`torch.nn.GELU`.
+    """Few-bit :class:`torch.nn.GELU` (Novikov et al., "Few-bit Backward", ICML 2023, eq. 1-2).
+
+    Forward equals ``nn.GELU`` bit for bit; backward is ``grad_output * values[code(x)]``
+    (:func:`fewbit.functional.gelu`). The other modules here follow the same contract.
 
     Args:
         approximate: ``'none'`` or ``'tanh'``.
-        bits: bits per element kept for backward, 1..8 (default 3).
+        bits: bits per element kept for backward, 1..8 (default 3), checked here.
 
-    Shape: input ``(*)``, output ``(*)``, same dtype. Raises ValueError for a bad
-    ``approximate`` or ``bits``.
+    Shape: input ``(*)`` of a floating dtype (float16/bfloat16/float32/float64), output
+    ``(*)`` of the same dtype; memory kept for backward ``ceil(numel * bits / 8)`` bytes.
+
+    Raises:
+        ValueError: at construction, for a bad ``approximate`` or ``bits`` not an integer
+            in 1..8 ("bits must be ..., got X").
+        TypeError: in forward, if the input is not a floating-point tensor.
     """
 
     def __init__(self, approximate: str = "none", *, bits: int = 3) -> None:

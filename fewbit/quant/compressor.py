@@ -305,10 +305,18 @@ def compress_activations(
 ) -> ActivationCompressor:
     """A fresh :class:`ActivationCompressor`, for ``with fewbit.compress_activations(4): ...``.
 
-    Args: as :class:`ActivationCompressor`.
+    Saved floating tensors of any shape and dtype are group-quantized to ``bits`` bits
+    per element plus ``2 * 16 / group_size`` bits per element of bf16 stats (ActNN,
+    Chen et al., ICML 2021; method.md §7); unpacked copies have the saved shape and dtype.
+
+    Args: as :class:`ActivationCompressor` (bits one of 1, 2, 4, 8).
 
     Returns:
-        A new compressor (its ``stats`` count what was saved inside its blocks).
+        A new compressor (its ``stats`` count bytes before/after inside its blocks).
+
+    Raises:
+        ValueError: for ``bits``, ``group_size``, ``min_numel`` or ``stats_dtype`` out of range.
+        TypeError: for a ``generator`` that is not a ``torch.Generator``.
     """
     return ActivationCompressor(
         bits, group_size=group_size, min_numel=min_numel, stochastic=stochastic,
