@@ -54,7 +54,9 @@ class CompressionStats:
         deduplicated: saves answered with an existing compressed copy (no new bytes).
         skipped: reason -> count: ``parameter`` (nn.Parameter, leaf requiring grad or a
             view of one), ``dtype`` (integer/uint8 codes/complex), ``small`` (< min_numel),
-            ``layout`` (sparse, meta, or a view with overlapping/zero strides).
+            ``layout`` (sparse, meta, or a view with overlapping/zero strides),
+            ``no_grad`` (floating tensors that do not require grad: op statistics such as
+            SDPA's logsumexp, model inputs).
     """
 
     bytes_before: int = 0
@@ -134,7 +136,12 @@ class ActivationCompressor:
     them; bool tensors (dropout and other masks) are packed losslessly at 1 bit.
     Untouched: parameters (``nn.Parameter``, leaves that require grad, and views of
     them), integer and uint8 tensors (indices, fewbit codes), complex, sparse and
-    overlapping (expanded) tensors, tensors smaller than ``min_numel``.
+    overlapping (expanded) tensors, tensors smaller than ``min_numel``, and floating
+    tensors that do not require grad. The last are the statistics an op saves about its
+    input (the logsumexp of ``scaled_dot_product_attention``, the mean and rstd of a
+    norm): backward exponentiates or divides by them, so quantizing them biases the
+    gradient (a 2-layer GPT-2 diverged with the logsumexp at 4 bits). The cost: a saved
+    model input that does not require grad (the images into a first Conv) stays exact.
 
     A tensor saved by several operations (the q, k and v projections of one input) is
     compressed once: saves are keyed by (storage address, storage offset, shape, stride,
@@ -251,6 +258,12 @@ class ActivationCompressor:
             return self._skip(t, "small")
         if not _dense_non_overlapping(t):
             return self._skip(t, "layout")
+        if not is_bool and not t.requires_grad:
+            # Non-differentiable floats saved for backward are statistics of the op that
+            # saved them (SDPA's logsumexp, a norm's mean/rstd): backward rebuilds e.g.
+            # softmax as exp(s - lse), so a quantization error in them is exponentiated
+            # into a biased gradient. They are kept exact.
+            return self._skip(t, "no_grad")
         key = (
             t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(),
             t.dtype, t.device, t._version,

@@ -98,7 +98,7 @@ def test_attention_gradients_close_and_qkv_dedup():
 
 def test_dedup_one_copy_and_cache_released():
     lin = [nn.Linear(256, 256) for _ in range(3)]
-    x = torch.randn(64, 256)
+    x = torch.randn(64, 256, requires_grad=True)
     y = torch.tanh(x)
     comp = ActivationCompressor(4)
     with comp:
@@ -124,6 +124,7 @@ def test_parameters_ints_small_untouched():
                   torch.zeros(5000, dtype=torch.complex64)],
         "small": [torch.randn(999), torch.ones(10, dtype=torch.bool)],
         "layout": [torch.randn(64, 1).expand(64, 4096)],
+        "no_grad": [torch.randn(5000), torch.randn(100, 50)],
     }
     for reason, tensors in kept.items():
         for t in tensors:
@@ -131,7 +132,7 @@ def test_parameters_ints_small_untouched():
     for reason, tensors in kept.items():
         assert comp.stats.skipped[reason] == len(tensors)
     assert comp.stats.compressed == 0
-    assert isinstance(comp._pack(torch.randn(1000)), _Handle)
+    assert isinstance(comp._pack(torch.randn(1000, requires_grad=True) * 1), _Handle)
     # through autograd: leaf * w saves both (untouched), the grads are exact
     small = torch.randn(8, 8, requires_grad=True)
     with comp:
@@ -171,7 +172,7 @@ def test_dropout_training():
 def test_nested_reentrant_and_counters():
     comp = ActivationCompressor(4)
     lin = nn.Linear(256, 256)
-    x = torch.randn(64, 256)
+    x = torch.randn(64, 256, requires_grad=True)
     with comp:
         with comp:
             a = lin(torch.tanh(x))
@@ -226,7 +227,7 @@ def test_errors():
 
 def test_handle_nbytes():
     comp = ActivationCompressor(4, min_numel=0)
-    x = torch.randn(1000)
+    x = torch.randn(1000, requires_grad=True) * 1
     h = comp._pack(x)
     assert isinstance(h, _Handle)
     assert h.nbytes == 500 + 2 * 4 * 2
@@ -249,3 +250,47 @@ def test_originals_freed_while_graph_alive():
     assert len(comp._cache) >= 1
     loss.backward()
     assert lin1.weight.grad is not None
+
+
+def _saved_no_grad_floats(out):
+    """(grad_fn class, attribute, tensor) of the saved float tensors that need no grad."""
+    found, stack, seen = [], [out.grad_fn], set()
+    while stack:
+        fn = stack.pop()
+        if fn is None or id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        for name in sorted(dir(fn)):
+            if name.startswith("_saved_"):
+                t = getattr(fn, name)
+                if isinstance(t, torch.Tensor) and t.is_floating_point() and not t.requires_grad:
+                    found.append((type(fn).__name__, name, t))
+        stack.extend(f for f, _ in fn.next_functions)
+    return found
+
+
+def test_attention_logsumexp_and_norm_stats_stay_exact():
+    """SDPA's logsumexp and LayerNorm's mean/rstd do not require grad: never quantized.
+
+    Backward rebuilds softmax as exp(s - lse); a 4-bit error in lse scales whole rows of
+    attention probabilities, and it made a 2-layer GPT-2 diverge.
+    """
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(4, 4, 256, 32, requires_grad=True) for _ in range(3))
+    ln = nn.LayerNorm(32)
+
+    def forward():
+        a, b, c = (t * 1 for t in (q, k, v))
+        return ln(torch.nn.functional.scaled_dot_product_attention(a, b, c))
+
+    ref = _saved_no_grad_floats(forward())
+    comp = ActivationCompressor(4, min_numel=0)
+    with comp:
+        out = forward()
+    got = _saved_no_grad_floats(out)
+    assert comp.stats.compressed > 0
+    assert len(ref) >= 2, ref  # logsumexp (if the backend saves one) and mean/rstd
+    assert [(c, n) for c, n, _ in got] == [(c, n) for c, n, _ in ref]
+    for (cls, name, a), (_, _, b) in zip(got, ref):
+        assert torch.equal(a, b), (cls, name)
+    assert comp.stats.skipped["no_grad"] == len(ref)
