@@ -338,6 +338,8 @@ def _run_fit(
     kwargs: dict[str, Any] = dict(domain=domain, weight=weight, symmetric=symmetric, params=dict(params) or None)
     if grid is not None:
         kwargs["grid"] = grid
+    if _is_user_function(name):
+        _check_user_function(name, domain, params)
     with _progress_bar(f"fit {name}", progress) as bar:
 
         def report(done: int, total: int) -> None:
@@ -354,6 +356,28 @@ def _run_fit(
                     raise
                 raise ValueError(_one_line(exc)) from None
     return dict(tables)
+
+
+def _check_user_function(spec: str, domain: tuple[float, float], params: Mapping[str, float]) -> None:
+    """Load a ``module:callable`` and check that f' is finite on a dense sample of the domain.
+
+    Raises:
+        click.ClickException: the module does not import, the attribute is missing or not
+            callable, the function changes shape, or f' is not finite somewhere on the domain.
+    """
+    import numpy as np
+
+    from fewbit.solver import registry
+
+    with _LibraryErrors(f"cannot fit {spec}: "):
+        sf = registry.get(spec)
+        x = np.linspace(domain[0], domain[1], 20001)
+        df = np.asarray(sf.df(x, **params), dtype=np.float64)
+    bad = ~np.isfinite(df)
+    if bad.any():
+        raise click.ClickException(
+            f"cannot fit {spec}: its derivative is not finite on the domain (e.g. f'({x[bad][0]:g}) = {df[bad][0]})"
+        )
 
 
 def _fit_options(f: Callable) -> Callable:
@@ -583,7 +607,8 @@ def plot_cmd(name, bits, params, table_path, xlim, output, force) -> None:
         with _LibraryErrors():
             tables = read_tables(table_path)
         first = next(iter(tables.values()))
-        if name not in (first.name,) and not (not _is_user_function(name) and _resolve(name, {})[0] == first.name):
+        asked = name if _is_user_function(name) else _resolve(name, {})[0]
+        if asked != first.name:
             raise click.ClickException(f"{table_path} holds tables of {first.name!r}, not {name!r}")
         cname, nd_params, act = _resolve(first.name, first.params)
     else:
