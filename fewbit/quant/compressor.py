@@ -50,7 +50,7 @@ class CompressionStats:
         skipped_bytes: reason -> bytes of :attr:`bytes_skipped` (``parameter`` bytes are
             held by the model anyway).
         compressed: floating tensors quantized.
-        packed_bool: bool tensors packed at 1 bit (lossless).
+        packed_bool: bool tensors and float {0, c} masks packed at 1 bit (lossless).
         deduplicated: saves answered with an existing compressed copy (no new bytes).
         skipped: reason -> count: ``parameter`` (nn.Parameter, leaf requiring grad or a
             view of one), ``dtype`` (integer/uint8 codes/complex), ``small`` (< min_numel),
@@ -83,11 +83,12 @@ class CompressionStats:
 class _Handle:
     """What autograd keeps instead of a saved tensor."""
 
-    __slots__ = ("qt", "bool_bits", "shape", "dtype", "device", "__weakref__")
+    __slots__ = ("qt", "bool_bits", "mask_value", "shape", "dtype", "device", "__weakref__")
 
-    def __init__(self, qt, bool_bits, shape, dtype, device):
+    def __init__(self, qt, bool_bits, shape, dtype, device, mask_value=None):
         self.qt = qt
         self.bool_bits = bool_bits
+        self.mask_value = mask_value  # 0-d tensor c of a float {0, c} mask packed at 1 bit
         self.shape = shape
         self.dtype = dtype
         self.device = device
@@ -104,7 +105,20 @@ class _Handle:
         n = 1
         for d in self.shape:
             n *= d
-        return _unpack_bool(self.bool_bits, n).reshape(self.shape)
+        bits = _unpack_bool(self.bool_bits, n).reshape(self.shape)
+        if self.mask_value is None:
+            return bits
+        return bits.to(self.dtype) * self.mask_value
+
+
+def _two_valued_scale(t: torch.Tensor) -> torch.Tensor | None:
+    """``c`` if every element of ``t`` is +0 or one finite ``c`` (a dropout mask), else None."""
+    c = t.amax()
+    if not torch.isfinite(c) or c == 0:
+        return None
+    if not ((t == c) | ((t == 0) & ~torch.signbit(t))).all():
+        return None
+    return c
 
 
 def _is_parameter(t: torch.Tensor) -> bool:
@@ -137,7 +151,8 @@ class ActivationCompressor:
     Untouched: parameters (``nn.Parameter``, leaves that require grad, and views of
     them), integer and uint8 tensors (indices, fewbit codes), complex, sparse and
     overlapping (expanded) tensors, tensors smaller than ``min_numel``, and floating
-    tensors that do not require grad. The last are the statistics an op saves about its
+    tensors that do not require grad (but for masks holding only 0 and one value c, e.g.
+    CPU dropout's 0 or 1/(1-p), packed losslessly at 1 bit). The last are the statistics an op saves about its
     input (the logsumexp of ``scaled_dot_product_attention``, the mean and rstd of a
     norm): backward exponentiates or divides by them, so quantizing them biases the
     gradient (a 2-layer GPT-2 diverged with the logsumexp at 4 bits). The cost: a saved
@@ -258,12 +273,17 @@ class ActivationCompressor:
             return self._skip(t, "small")
         if not _dense_non_overlapping(t):
             return self._skip(t, "layout")
+        mask_value = None
         if not is_bool and not t.requires_grad:
             # Non-differentiable floats saved for backward are statistics of the op that
             # saved them (SDPA's logsumexp, a norm's mean/rstd): backward rebuilds e.g.
             # softmax as exp(s - lse), so a quantization error in them is exponentiated
-            # into a biased gradient. They are kept exact.
-            return self._skip(t, "no_grad")
+            # into a biased gradient. They are kept exact, except {0, c} masks (CPU
+            # dropout saves 0 or 1/(1-p) as floats), which are packed losslessly at 1 bit.
+            with torch.no_grad():
+                mask_value = _two_valued_scale(t)
+            if mask_value is None:
+                return self._skip(t, "no_grad")
         key = (
             t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(),
             t.dtype, t.device, t._version,
@@ -275,8 +295,9 @@ class ActivationCompressor:
                 self.stats.deduplicated += 1
                 return handle
         with torch.no_grad():
-            if is_bool:
-                handle = _Handle(None, _pack_bool(t), t.shape, t.dtype, t.device)
+            if is_bool or mask_value is not None:
+                bits = t if is_bool else t != 0
+                handle = _Handle(None, _pack_bool(bits), t.shape, t.dtype, t.device, mask_value)
                 self.stats.packed_bool += 1
             else:
                 from fewbit.quant import quantize

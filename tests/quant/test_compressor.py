@@ -294,3 +294,29 @@ def test_attention_logsumexp_and_norm_stats_stay_exact():
     for (cls, name, a), (_, _, b) in zip(got, ref):
         assert torch.equal(a, b), (cls, name)
     assert comp.stats.skipped["no_grad"] == len(ref)
+
+
+def test_float_dropout_mask_packed_losslessly():
+    """CPU dropout saves a float mask of 0 and 1/(1-p): packed at 1 bit, restored exactly."""
+    comp = ActivationCompressor(4, min_numel=0)
+    mask = (torch.rand(10_000) > 0.1).float() / 0.9
+    h = comp._pack(mask)
+    assert isinstance(h, _Handle) and h.nbytes == 10_000 // 8
+    assert torch.equal(h.unpack(), mask)
+    assert comp.stats.packed_bool == 1
+    # not a mask: two non-zero values, negative zero, or non-finite -> kept as it is
+    for t in (torch.full((5000,), 2.0).index_fill_(0, torch.tensor([3]), 1.0),
+              torch.zeros(5000).index_fill_(0, torch.tensor([3]), -0.0).index_fill_(0, torch.tensor([4]), 2.0),
+              torch.full((5000,), float("inf"))):
+        assert comp._pack(t) is t
+    assert comp.stats.skipped["no_grad"] == 3
+    # through autograd: dropout's gradient is exact
+    x = torch.randn(64, 256, requires_grad=True)
+    torch.manual_seed(3)
+    with comp:
+        y = torch.nn.functional.dropout(x * 1, 0.3, training=True)
+    (g,) = torch.autograd.grad(y.sum(), x)
+    torch.manual_seed(3)
+    x2 = x.detach().requires_grad_()
+    (g_ref,) = torch.autograd.grad(torch.nn.functional.dropout(x2 * 1, 0.3, training=True).sum(), x2)
+    assert torch.equal(g, g_ref)
