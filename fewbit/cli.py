@@ -40,7 +40,7 @@ import click
 
 from fewbit import __version__
 from fewbit.memory_cli import memory
-from fewbit.table import Table, TableFormatError
+from fewbit.table import Table, TableFormatError, atomic_output
 
 __all__ = ["cli", "main"]
 
@@ -691,17 +691,9 @@ def _plot(name: str, act: Any, params: Mapping[str, float], tables: Mapping[int,
     ax_err.set_ylim(max(top * 1e-5, floor), top * 2 if top > 0 else 1.0)
     ax_err.set_xlim(lo, hi)
     ax_err.legend(loc="best", fontsize=8, ncol=min(len(tables), 4), framealpha=0.9)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".png", dir=path.parent if str(path.parent) else ".")
-    os.close(fd)
     try:
-        fig.savefig(tmp, dpi=120, format="png")
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+        with atomic_output(path, suffix=".png") as tmp:
+            fig.savefig(tmp, dpi=120, format="png")
     finally:
         plt.close(fig)
 

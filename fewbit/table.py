@@ -30,6 +30,7 @@ This module imports nothing beyond the standard library.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -37,7 +38,7 @@ import tempfile
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Iterator, Mapping
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -47,6 +48,7 @@ __all__ = [
     "loads_tables",
     "read_tables",
     "write_tables",
+    "atomic_output",
     "table_filename",
     "shipped_table_files",
     "load_shipped",
@@ -243,6 +245,29 @@ def read_tables(path: str | os.PathLike) -> dict[int, Table]:
     return loads_tables(text, source=str(path))
 
 
+@contextlib.contextmanager
+def atomic_output(path: str | os.PathLike, suffix: str = ".tmp") -> Iterator[str]:
+    """Yield a temporary file name beside ``path``; on success rename it onto ``path``.
+
+    Nothing is left half-written: on any error the temporary file is removed and the
+    previous ``path``, if any, is unchanged.
+
+    Raises:
+        OSError: if the directory is not writable.
+    """
+    path = Path(path)
+    directory = path.parent if str(path.parent) else Path(".")
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=suffix, dir=directory)
+    os.close(fd)
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
 def write_tables(path: str | os.PathLike, tables: Iterable[Table]) -> Path:
     """Write tables to ``path`` atomically (a temporary file renamed into place).
 
@@ -253,18 +278,8 @@ def write_tables(path: str | os.PathLike, tables: Iterable[Table]) -> Path:
     """
     path = Path(path)
     text = dumps_tables(tables)
-    directory = path.parent if str(path.parent) else Path(".")
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    with atomic_output(path) as tmp:
+        Path(tmp).write_text(text, encoding="utf-8")
     return path
 
 
