@@ -77,9 +77,20 @@ def _resolve_fn(fn: str) -> tuple[Callable[..., torch.Tensor], object]:
     return hit
 
 
-def _check_table(table: Table, act, full_params: Mapping[str, float]) -> None:
+def _require_float(t, name: str) -> None:
+    """TypeError naming ``name`` unless ``t`` is a float16/bfloat16/float32/float64 tensor."""
+    if not isinstance(t, torch.Tensor) or t.dtype not in _FLOATS:
+        got = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
+        raise TypeError(f"{name} must be a float16, bfloat16, float32 or float64 tensor, got {got}")
+
+
+def _require_table(table) -> None:
     if not isinstance(table, Table):
         raise TypeError(f"table must be a fewbit.table.Table, got {type(table).__name__}")
+
+
+def _check_table(table: Table, act, full_params: Mapping[str, float]) -> None:
+    _require_table(table)
     if act is None:
         return
     tname = ALIASES.get(table.name, table.name)
@@ -151,9 +162,7 @@ def pointwise(
         ValueError: for an unknown ``fn``, bad ``params``, or a table made for another
             function or other parameters.
     """
-    if not isinstance(input, torch.Tensor) or input.dtype not in _FLOATS:
-        got = input.dtype if isinstance(input, torch.Tensor) else type(input).__name__
-        raise TypeError(f"input must be a float16, bfloat16, float32 or float64 tensor, got {got}")
+    _require_float(input, "input")
     torch_fn, act = _resolve_fn(fn)
     full = canonical_params(act, params) if act is not None else dict(params or {})
     _check_table(table, act, full)
@@ -180,11 +189,8 @@ def encode(input: torch.Tensor, table: Table) -> torch.Tensor:
     Raises:
         TypeError: for a non-floating ``input`` or a non-Table ``table``.
     """
-    if not isinstance(input, torch.Tensor) or input.dtype not in _FLOATS:
-        got = input.dtype if isinstance(input, torch.Tensor) else type(input).__name__
-        raise TypeError(f"input must be a float16, bfloat16, float32 or float64 tensor, got {got}")
-    if not isinstance(table, Table):
-        raise TypeError(f"table must be a fewbit.table.Table, got {type(table).__name__}")
+    _require_float(input, "input")
+    _require_table(table)
     borders, codes, _ = table_tensors(table, input.device, input.dtype)
     return torch.ops.fewbit.encode(input.detach(), borders, codes, table.bits)
 
@@ -205,10 +211,7 @@ def decode_mul(grad_output: torch.Tensor, packed: torch.Tensor, table: Table) ->
         TypeError: for a non-floating ``grad_output``, non-uint8 ``packed`` or non-Table.
         ValueError: if ``packed`` is too short.
     """
-    if not isinstance(grad_output, torch.Tensor) or grad_output.dtype not in _FLOATS:
-        got = grad_output.dtype if isinstance(grad_output, torch.Tensor) else type(grad_output).__name__
-        raise TypeError(f"grad_output must be a float16, bfloat16, float32 or float64 tensor, got {got}")
-    if not isinstance(table, Table):
-        raise TypeError(f"table must be a fewbit.table.Table, got {type(table).__name__}")
+    _require_float(grad_output, "grad_output")
+    _require_table(table)
     _, _, values = table_tensors(table, grad_output.device, grad_output.dtype)
     return torch.ops.fewbit.decode_mul(grad_output, packed, values, table.bits)
