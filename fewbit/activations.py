@@ -2,7 +2,7 @@
 
 Each entry names the torch function that fewbit mirrors (forward is always exactly that
 function), its default parameters, whether its derivative is even (the "parity" trick
-of Novikov et al., ICML 2023, method.md §2), and, for stepwise derivatives, the exact
+of Novikov et al., ICML 2023, docs/method.md §2), and, for stepwise derivatives, the exact
 1-bit table. The offline solver (``fewbit.solver.registry``) adds analytic float64
 ``f`` and ``f'`` for the same names; both use the names defined here.
 
@@ -141,7 +141,7 @@ ACTIVATIONS: dict[str, Activation] = {
         Activation("tanhshrink", F.tanhshrink, even=True, module="Tanhshrink"),
         Activation("hardswish", F.hardswish, module="Hardswish"),
         Activation("quick_gelu", _quick_gelu, module=None),
-        # Stepwise derivatives: exact 1-bit tables, no fitting (method.md §2).
+        # Stepwise derivatives: exact 1-bit tables, no fitting (docs/method.md §2).
         Activation("relu", F.relu, exact=_relu_exact, module="ReLU"),
         Activation(
             "leaky_relu",

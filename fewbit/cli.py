@@ -13,8 +13,8 @@ Commands::
     fewbit --version
 
 A table approximates an activation's derivative ``f'`` by a piecewise-constant ``q`` with
-``2**bits`` levels (Novikov et al., "Few-bit Backward", ICML 2023, eq. 3-5; method.md §2-3).
-The *error* reported everywhere is method.md §3: ``integral over [A, B] of (f' - q)^2 dx``
+``2**bits`` levels (Novikov et al., "Few-bit Backward", ICML 2023, eq. 3-5; docs/method.md §2-3).
+The *error* reported everywhere is docs/method.md §3: ``integral over [A, B] of (f' - q)^2 dx``
 (uniform weight, default domain ``[-10, 10]``), printed with 4 significant digits.
 
 Options that take several values accept them space-separated (``--bits 1 2 3 4``),
@@ -46,7 +46,7 @@ __all__ = ["cli", "main"]
 
 #: Default bit widths of ``fit``, ``error`` and ``plot``.
 DEFAULT_BITS = (1, 2, 3, 4)
-#: Default fitting domain (method.md §3).
+#: Default fitting domain (docs/method.md §3).
 DEFAULT_DOMAIN = (-10.0, 10.0)
 
 
@@ -463,7 +463,7 @@ def fit_cmd(name, bits, domain, weight, grid, symmetric, params, output, force, 
     NAME is a registered activation (see `fewbit list`; e.g. gelu, silu, elu) or a
     user function "package.module:callable": a torch elementwise function of a float64
     tensor (f' is taken with torch autograd).
-    Prints the error (method.md §3) of each bit width.
+    Prints the error (docs/method.md §3) of each bit width.
 
     Example: fewbit fit gelu --bits 1 2 3 4 --grid 2000 -o gelu.json
     """
@@ -497,7 +497,7 @@ def fit_cmd(name, bits, domain, weight, grid, symmetric, params, output, force, 
 @_fit_options
 @click.option("--progress/--no-progress", default=True, help="Show a progress bar on stderr (--refit).")
 def error_cmd(names, bits, domain, params, as_json, refit, weight, grid, symmetric, progress) -> None:
-    """Print the approximation error of the tables of each NAME (method.md §3).
+    """Print the approximation error of the tables of each NAME (docs/method.md §3).
 
     Rows are functions, columns bit widths; errors are the integral of (f' - q)^2 over
     the domain, with 4 significant digits. The shipped tables are used unless --refit
@@ -556,7 +556,7 @@ def _recompute_error(table: Table, name: str, act: Any, params: Mapping[str, flo
 
 @cli.command("list")
 def list_cmd() -> None:
-    """List the shipped tables with their bit widths and errors (method.md §3)."""
+    """List the shipped tables with their bit widths and errors (docs/method.md §3)."""
     from fewbit.table import loads_tables, shipped_table_files
 
     files = shipped_table_files()
@@ -579,7 +579,7 @@ def list_cmd() -> None:
             + [_fmt_error(tables[b].error) if b in tables else "" for b in all_bits]
         )
     click.echo(_render_table(header, rows, right_from=5))
-    click.echo(f"{len(rows)} tables; error = integral of (f' - q)^2 over the domain (method.md §3)")
+    click.echo(f"{len(rows)} tables; error = integral of (f' - q)^2 over the domain (docs/method.md §3)")
 
 
 @cli.command("plot", cls=MultiValueCommand)
@@ -635,7 +635,7 @@ def plot_cmd(name, bits, params, table_path, xlim, output, force) -> None:
 
 
 def _evaluate_table(table: Table, x):
-    """q(x) = values[codes[searchsorted(borders, x, side='left')]] (method.md §2)."""
+    """q(x) = values[codes[searchsorted(borders, x, side='left')]] (docs/method.md §2)."""
     import numpy as np
 
     idx = np.searchsorted(np.asarray(table.borders, dtype=np.float64), x, side="left")

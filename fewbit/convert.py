@@ -16,7 +16,7 @@
    shared :class:`fewbit.quant.ActivationCompressor` per converted model (entered in a
    forward pre-hook, left in a forward hook with ``always_call=True``), so what those
    layers save for backward is group-quantized to ``saved_bits`` bits per element
-   (Chen et al., "ActNN", ICML 2021; method.md §7) and a tensor saved by several layers
+   (Chen et al., "ActNN", ICML 2021; docs/method.md §7) and a tensor saved by several layers
    is compressed once. Everything executed inside such a module is covered, including
    its submodules (e.g. the projections inside an ``...Attention`` module).
 
@@ -78,7 +78,7 @@ class Config:
         activation_bits: bits per element kept by few-bit activations, 1..8, or ``None``
             to leave activations as they are. Stepwise functions always use 1 (exact).
         saved_bits: bits per element for the tensors saved by layers of kind ``layers``
-            (group quantizer, method.md §7), one of 1, 2, 4, 8; ``None`` (default)
+            (group quantizer, docs/method.md §7), one of 1, 2, 4, 8; ``None`` (default)
             compresses nothing.
         group_size: elements per quantization group (>= 1); stats overhead is
             ``32 / group_size`` bits per element (bf16 min and scale).
@@ -361,7 +361,7 @@ def convert_(
 
     Activations keep ``config.activation_bits`` bits per element for backward (Novikov
     et al., "Few-bit Backward", ICML 2023); tensors saved by the selected layers keep
-    ``config.saved_bits`` bits per element plus per-group stats (ActNN, method.md §7).
+    ``config.saved_bits`` bits per element plus per-group stats (ActNN, docs/method.md §7).
     Forward outputs, parameters, buffers, ``state_dict()`` keys and ``training`` flags are
     unchanged; converting again is idempotent (hooks are never stacked).
 

@@ -3,7 +3,7 @@
 Every function here computes exactly what its ``torch.nn.functional`` twin computes in
 forward (bit for bit), but keeps only a ``bits``-bit code per element for backward and
 multiplies the incoming gradient by the code's level (Novikov et al., "Few-bit Backward",
-ICML 2023, eq. 1-2; method.md §1)::
+ICML 2023, eq. 1-2; docs/method.md §1)::
 
     forward:  y = f(x),  c = code(x)          (bits per element, packed)
     backward: grad_x = grad_y * values[c]
@@ -97,7 +97,7 @@ TableLike = Union[Table, str, os.PathLike]
 FnLike = Union[str, Callable[..., torch.Tensor]]
 
 #: Options passed to :func:`fewbit.solver.fit` when a table has to be fitted at run time.
-#: ``grid`` is the number of DP grid cells (method.md §4); smaller is faster and coarser.
+#: ``grid`` is the number of DP grid cells (docs/method.md §4); smaller is faster and coarser.
 FIT_OPTIONS: dict[str, Any] = {"domain": (-10.0, 10.0), "weight": "uniform", "grid": 4096}
 
 
@@ -485,7 +485,7 @@ def activation(
     """Apply any elementwise activation with few-bit backward.
 
     Forward is exactly ``fn(input, **params)``; backward is
-    ``grad_output * table.values[code(input)]`` (method.md §1).
+    ``grad_output * table.values[code(input)]`` (docs/method.md §1).
 
     Args:
         input: tensor of any shape, floating dtype.

@@ -3,7 +3,7 @@
 Every tensor that autograd saves for backward passes through the saved-tensor pack hook
 (:class:`torch.autograd.graph.saved_tensors_hooks`). :class:`SavedTensorRecorder` installs a
 pack hook that wraps whatever hooks are already active (e.g. the group quantizer of
-:mod:`fewbit.quant`, method.md §7), so it sees what is *actually* stored: a plain tensor, or a
+:mod:`fewbit.quant`, docs/method.md §7), so it sees what is *actually* stored: a plain tensor, or a
 packed object whose ``.nbytes`` is counted. Plain tensors are deduplicated by the address of
 their untyped storage (a storage saved by several ops, or several views of one storage, counts
 once, with the storage's full size, since that is what stays alive); packed objects by
@@ -453,7 +453,7 @@ def compare(
     - ``"fewbit+quant"``: the same, and the tensors saved by linear, conv, norm and attention
       layers group-quantized to ``saved_bits`` bits with groups of ``group_size``
       (``fewbit.convert_(model, fewbit.Config(activation_bits=bits, saved_bits=saved_bits,
-      group_size=group_size))``; ActNN-style, method.md §7; tensors below the quantizer's
+      group_size=group_size))``; ActNN-style, docs/method.md §7; tensors below the quantizer's
       ``min_numel`` and those saved by the loss are kept as they are).
 
     Each variant gets a fresh model from ``model_factory`` (seeded with 0 before each call).

@@ -1,4 +1,4 @@
-"""Reference packer for b-bit codes (method.md §6), in pure torch.
+"""Reference packer for b-bit codes (docs/method.md §6), in pure torch.
 
 Codes are one little-endian bit stream: element ``j`` occupies stream bits
 ``[j*b, (j+1)*b)``, and stream bit ``k`` is bit ``k % 8`` of byte ``k // 8``. The stream

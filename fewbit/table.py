@@ -1,6 +1,6 @@
 """Few-bit tables: the one schema shared by the solver (writer) and the runtime (reader).
 
-A table for (function, parameters, bits) holds three arrays (method.md §2; Novikov et al.,
+A table for (function, parameters, bits) holds three arrays (docs/method.md §2; Novikov et al.,
 "Few-bit Backward", ICML 2023, sec. 3):
 
 - ``borders``: ``m - 1`` strictly increasing finite floats, the interior interval ends;
@@ -78,13 +78,13 @@ class Table:
         borders: ``(m - 1,)`` strictly increasing finite floats (float64 semantics).
         codes: ``(m,)`` integers in ``[0, 2**bits)``, the code of each interval.
         values: ``(2**bits,)`` finite floats, the derivative level of each code.
-        error: the approximation error of method.md §3 (uniform weight over ``domain``),
+        error: the approximation error of docs/method.md §3 (uniform weight over ``domain``),
             or ``None`` if unknown.
         params: the function's parameters the table was fitted for (e.g. ``{"alpha": 1.0}``).
         domain: ``(A, B)`` the fitting interval.
         weight: the weight used to fit (``"uniform"``, ``"normal:SIGMA"``, ``"histogram"``,
             or ``"exact"`` for stepwise derivatives).
-        symmetric: whether the table was fitted on ``[0, B]`` and mirrored (method.md §2).
+        symmetric: whether the table was fitted on ``[0, B]`` and mirrored (docs/method.md §2).
         provenance: free-form metadata (solver version, grid, command that regenerates it).
 
     Raises:

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Benchmark of the group quantizer (fewbit.quant, method.md §7) and of saved-tensor compression.
+"""Benchmark of the group quantizer (fewbit.quant, docs/method.md §7) and of saved-tensor compression.
 
 Measures, in one run:
 1. quantize / dequantize throughput (GB/s of the float input) against ``x.clone()`` on the

@@ -1,12 +1,12 @@
 #!/usr/bin/env python
-"""Benchmark the offline solver (method.md §4-5) and print the error table.
+"""Benchmark the offline solver (docs/method.md §4-5) and print the error table.
 
 Prints the machine and versions, then:
 1. the exact DP (numba, warm, JIT excluded) for ``--n`` cells and ``--k`` pieces, and the
    plain numpy reference on ``--numpy-n`` cells, with the per-inner-step ratio;
 2. the time to regenerate every shipped table (``scripts/build_tables.py`` in-process,
    written to a temporary directory; ``--skip-tables`` to skip);
-3. the error (method.md §3: w = 1 on the domain) of ``--functions`` at ``--bits``.
+3. the error (docs/method.md §3: w = 1 on the domain) of ``--functions`` at ``--bits``.
 
 The machine is shared with other jobs: timings are noisy; each is the min of ``--repeat``.
 
@@ -120,7 +120,7 @@ def main(argv=None) -> int:
                   f"{time.perf_counter() - t:.1f} s (rc {rc})")
 
     # 3. error table
-    print(f"\nerror (method.md §3, w = 1 on [-10, 10], not normalised), bits {args.bits}:")
+    print(f"\nerror (docs/method.md §3, w = 1 on [-10, 10], not normalised), bits {args.bits}:")
     print(f"{'function':12s}" + "".join(f"{f'b={b}':>12s}" for b in args.bits) + f"{'ratio/bit':>24s}")
     for name in args.functions:
         tabs = fit_many(name, args.bits)

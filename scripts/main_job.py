@@ -2,7 +2,7 @@
 """The whole fewbit path on a built-in default, in a few minutes on a laptop CPU.
 
 1. Load the shipped few-bit tables (fit any that are missing with the solver) and print
-   the approximation error of method.md §3 for bits 1..4.
+   the approximation error of docs/method.md §3 for bits 1..4.
 2. Plot f' and its 1..4-bit approximations (GELU, SiLU).
 3. Train a small GPT-2-style byte-level LM on the Python standard library sources,
    vanilla and with 3-bit fewbit activations (same seed, same batches).
@@ -65,7 +65,7 @@ def load_tables(names: Iterable[str] = TABLE_NAMES, *, grid: int | None = None) 
 
 
 def error_table(tables: dict[str, dict]) -> str:
-    """Markdown table of the method.md §3 errors (4 significant digits) and ratios per bit."""
+    """Markdown table of the docs/method.md §3 errors (4 significant digits) and ratios per bit."""
     head = "| activation | " + " | ".join(f"{b} bit" for b in BITS) + " | source |"
     lines = [head, "|" + "---|" * (len(BITS) + 2)]
     for name, rec in tables.items():
@@ -131,7 +131,7 @@ def main(argv: Iterable[str] | None = None) -> int:
     # 1-2. tables ---------------------------------------------------------------------
     tables = load_tables(grid=1000 if args.quick else None)
     md_errors = error_table(tables)
-    print("\n## Approximation error of f' (method.md §3, uniform weight on [-10, 10])\n")
+    print("\n## Approximation error of f' (docs/method.md §3, uniform weight on [-10, 10])\n")
     print(md_errors, flush=True)
     approx_png = plot_approximations(tables, args.out / "approximations.png")
 

@@ -9,7 +9,7 @@ Variants (``--variants``):
 - ``actnn2``: the paper's ActNN baseline: only the activation functions' saved inputs are
   group-quantized to 2 bits (``fewbit.compress_activations`` inside each activation);
 - ``fewbit3+quant4``: fewbit 3-bit activations and every other saved tensor quantized to
-  4 bits (method.md §7).
+  4 bits (docs/method.md §7).
 
 Each (variant, seed) writes ``OUT/lm_<variant>_seed<seed>.csv`` with columns
 ``step, train_loss, val_loss, accuracy, step_time_s, peak_saved_bytes`` (loss in nats per

@@ -1,4 +1,4 @@
-"""fewbit.solver: offline fitting of few-bit tables (method.md §2-5).
+"""fewbit.solver: offline fitting of few-bit tables (docs/method.md §2-5).
 
 Novikov et al., "Few-bit Backward" (ICML 2023): the b-bit table of an activation's
 derivative minimises ``L = sum_i int (f' - y_i)^2 w`` (eq. 3); an exact dynamic program on

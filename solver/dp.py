@@ -1,4 +1,4 @@
-"""Exact dynamic programming for optimal piecewise-constant fits (method.md §4).
+"""Exact dynamic programming for optimal piecewise-constant fits (docs/method.md §4).
 
 Novikov et al., "Few-bit Backward" (ICML 2023), sec. 3 and app. G: on a grid
 ``A = t_0 < ... < t_n = B`` with prefix integrals

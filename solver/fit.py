@@ -1,4 +1,4 @@
-"""Fit few-bit tables: DP on a grid, then continuous refinement (method.md §2-5).
+"""Fit few-bit tables: DP on a grid, then continuous refinement (docs/method.md §2-5).
 
 Novikov et al., "Few-bit Backward" (ICML 2023): the optimal b-bit approximation of
 ``f'`` by a piecewise-constant ``q`` minimises eq. 3; sec. 3 / app. G solve it by
@@ -227,7 +227,7 @@ def fit(
     refine: bool = True,
     progress: Callable[[int, int], None] | None = None,
 ) -> Table:
-    """Fit the optimal ``bits``-bit piecewise-constant table of ``f'`` (method.md §2-5).
+    """Fit the optimal ``bits``-bit piecewise-constant table of ``f'`` (docs/method.md §2-5).
 
     Minimises ``L = sum_i int (f' - y_i)^2 w`` (Novikov et al., ICML 2023, eq. 3): an exact
     DP on a grid of ``grid`` cells (sec. 3, app. G), then continuous refinement of the
@@ -251,11 +251,11 @@ def fit(
         symmetric: ``None`` mirrors when ``f'`` is even (registry flag) and ``A < 0 < B``;
             ``True`` forces it (``ValueError`` if ``f'`` is not even); ``False`` never.
         params: the function's parameters, merged over its defaults.
-        refine: refine the DP borders continuously (method.md §5).
+        refine: refine the DP borders continuously (docs/method.md §5).
         progress: optional ``progress(done, total)`` callback (e.g. to drive a tqdm bar).
 
     Returns:
-        Table: ``error`` is method.md §3's error with ``w = 1`` on ``domain`` (not
+        Table: ``error`` is docs/method.md §3's error with ``w = 1`` on ``domain`` (not
         normalised, over the whole domain also for mirrored tables), whatever the fit weight.
 
     Raises:

@@ -1,9 +1,9 @@
-"""The fitting objective and its exact integrals (method.md §3; Novikov et al., eq. 3-5).
+"""The fitting objective and its exact integrals (docs/method.md §3; Novikov et al., eq. 3-5).
 
     L(s, y) = sum_i int_{s_i}^{s_{i+1}} (f'(x) - y_i)^2 w(x) dx
 
 An :class:`Objective` binds ``f'`` (float64, with its kinks), a weight restricted to the
-fitting interval, and for a mirrored fit (method.md §2) folds the problem onto
+fitting interval, and for a mirrored fit (docs/method.md §2) folds the problem onto
 ``[0, C]``: ``L`` over ``[A, B]`` of a mirrored table equals the folded ``L`` with weight
 ``w(x) + w(-x)`` on ``[0, C]``, ``C = max(-A, B)``.
 
@@ -242,7 +242,7 @@ class Objective:
         return y_opt, float((r * r * wx).sum())
 
     def gradient(self, borders: np.ndarray, y: np.ndarray) -> np.ndarray:
-        """``dL/ds_i = (y_i - y_{i-1}) (2 f'(s_i) - y_{i-1} - y_i) w(s_i)`` (method.md §3)."""
+        """``dL/ds_i = (y_i - y_{i-1}) (2 f'(s_i) - y_{i-1} - y_i) w(s_i)`` (docs/method.md §3)."""
         s = np.asarray(borders, dtype=np.float64)
         return (y[1:] - y[:-1]) * (2.0 * self.df(s) - y[:-1] - y[1:]) * self.density(s)
 

@@ -1,4 +1,4 @@
-"""Continuous refinement of DP borders (method.md §5).
+"""Continuous refinement of DP borders (docs/method.md §5).
 
 The DP optimum is exact only on the grid. Starting from it, :func:`refine` minimises
 ``L(s, y(s))`` (Novikov et al., eq. 3-5) over continuous borders with the analytic

@@ -3,7 +3,7 @@
 Every name of :data:`fewbit.activations.ACTIVATIONS` (and its aliases) has here a
 numpy/scipy.special ``f(x, **params)`` and ``df(x, **params)`` in float64, the points
 where ``f'`` is not smooth (``kinks``), and the torch function it mirrors. The default
-parameters and the ``even`` flag (method.md §2, the "parity" trick of Novikov et al.,
+parameters and the ``even`` flag (docs/method.md §2, the "parity" trick of Novikov et al.,
 "Few-bit Backward", ICML 2023) come from :mod:`fewbit.activations`, so runtime and solver
 agree on names and defaults.
 

@@ -1,4 +1,4 @@
-"""Weights ``w(x) >= 0`` of the fitting objective (method.md §3, Novikov et al. eq. 3).
+"""Weights ``w(x) >= 0`` of the fitting objective (docs/method.md §3, Novikov et al. eq. 3).
 
 The objective ``L = sum_i int (f' - y_i)^2 w`` is weighted by where activations' inputs
 fall. Three kinds, all zero outside their support:
@@ -35,7 +35,7 @@ class Weight:
         densities: ``(m,)`` densities ``>= 0`` per bin.
         sigma: standard deviation of the normal weight.
 
-    A mirrored fit (method.md §2) uses ``w(x) + w(-x)`` on ``x >= 0``; that folding, and the
+    A mirrored fit (docs/method.md §2) uses ``w(x) + w(-x)`` on ``x >= 0``; that folding, and the
     restriction to the fitting domain, are done by :class:`fewbit.solver.objective.Objective`.
     """
 

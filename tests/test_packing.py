@@ -1,4 +1,4 @@
-"""The reference packer defines the stream layout of method.md §6."""
+"""The reference packer defines the stream layout of docs/method.md §6."""
 
 import pytest
 import torch

@@ -1,7 +1,7 @@
 """fewbit.ops: kernels and the autograd op of few-bit activations.
 
 Novikov et al., "Few-bit Backward: Quantized Gradients of Activation Functions for
-Memory Footprint Reduction", ICML 2023 (method.md §1, §2, §6).
+Memory Footprint Reduction", ICML 2023 (docs/method.md §1, §2, §6).
 
 Layers (Liger-Kernel / bitsandbytes / torchao style):
 

@@ -7,7 +7,7 @@ read-only). They take the table as runtime arrays (an unrolled compare-sum for u
 borders, one vectorised pass per border beyond) and branch inside on the bit width, so
 only a handful of functions ever compile (about a minute in all, once; the cache makes
 later processes start in well under a second). Generating source per table shape
-(kernels-notes.md) was measured too: equally fast, but ~60 compiles of ~3 s each.
+(docs/kernels.md) was measured too: equally fast, but ~60 compiles of ~3 s each.
 
 Threads: numba's pool follows ``torch.get_num_threads()`` (capped by
 ``NUMBA_NUM_THREADS``) on every call; the OpenMP layer is preferred (faster than

@@ -1,6 +1,6 @@
 """numba kernels of fewbit's CPU backend (imported lazily by :mod:`fewbit.ops._cpu`).
 
-Written for the loop vectoriser (kernels-notes.md): ``error_model="numpy"``, loops over
+Written for the loop vectoriser (docs/kernels.md): ``error_model="numpy"``, loops over
 slices starting at 0, no fastmath (it would break NaN comparisons), chunks of
 ``_CHUNK`` elements per parallel iteration with the codes of a chunk in a uint8 buffer:
 
@@ -12,7 +12,7 @@ slices starting at 0, no fastmath (it would break NaN comparisons), chunks of
   ``cb += (codes[j+1] - codes[j]) mod 256 if not (x <= b_j)`` (uint8 lanes; modular
   sums give exactly ``codes[i(x)]``); NaN is above every border as in searchsorted
   (a branch-free binary search per element measured 5x slower even at 255 borders);
-- pack: 8 codes -> one 64-bit little-endian word -> its low ``bits`` bytes (method.md §6);
+- pack: 8 codes -> one 64-bit little-endian word -> its low ``bits`` bytes (docs/method.md §6);
 - decode: the inverse unpack, then ``grad * values[code]`` (a select tree on the code
   bits for bits <= 4, which vectorises without gathers); bfloat16 in and out through
   int16 bit patterns (exact widening; round-to-nearest-even narrowing, NaN -> 0x7FC0).

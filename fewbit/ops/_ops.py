@@ -1,7 +1,7 @@
 """``torch.library`` ops of fewbit: one schema each, one kernel per backend.
 
 ``fewbit::encode(Tensor x, Tensor borders, Tensor codes, int bits) -> Tensor``
-    Packed codes of ``x`` (method.md §2, §6). ``borders`` are the comparison borders:
+    Packed codes of ``x`` (docs/method.md §2, §6). ``borders`` are the comparison borders:
     float64 for float64 ``x``; for float32/float16/bfloat16 ``x`` either float32 borders
     already rounded DOWN (:func:`fewbit.ops.round_down_to_float32`) or float64 borders
     (then rounded down per call). Interval index = number of borders ``b`` with

@@ -1,6 +1,6 @@
 """The few-bit pointwise activation: exact forward, b-bit codes saved, table backward.
 
-Novikov et al., "Few-bit Backward", ICML 2023, sec. 3 (method.md §1):
+Novikov et al., "Few-bit Backward", ICML 2023, sec. 3 (docs/method.md §1):
 forward ``y = f(x)`` (torch's own kernel), ``c = code(x)`` packed at ``bits`` bits per
 element; backward ``grad_x = grad_y * values[c]``.
 """
@@ -176,7 +176,7 @@ def pointwise(
 
 
 def encode(input: torch.Tensor, table: Table) -> torch.Tensor:
-    """Packed codes of ``input`` for ``table`` (method.md §2, §6).
+    """Packed codes of ``input`` for ``table`` (docs/method.md §2, §6).
 
     Args:
         input: any shape, float16/bfloat16/float32/float64 (flattened in C order).

@@ -1,4 +1,4 @@
-"""Pure-torch references for the few-bit kernels (method.md §2 and §6).
+"""Pure-torch references for the few-bit kernels (docs/method.md §2 and §6).
 
 These functions *define* what every backend computes; the kernels are tested against
 them bit for bit (``atol=0, rtol=0``). They favour clarity over speed.
@@ -85,7 +85,7 @@ def encode_reference(
     ``i(x) = torch.searchsorted(borders_f64, x.double(), right=False)`` (the number of
     borders strictly less than ``x``; NaN lands in the last interval),
     ``code(x) = codes[i(x)]``, packed with :func:`fewbit.packing.pack_reference`
-    (method.md §2, §6; Novikov et al., "Few-bit Backward", ICML 2023, sec. 3).
+    (docs/method.md §2, §6; Novikov et al., "Few-bit Backward", ICML 2023, sec. 3).
 
     Args:
         input: any shape, floating dtype; flattened in C order.

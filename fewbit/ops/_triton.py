@@ -4,7 +4,7 @@ Imported lazily by the ``cuda`` kernels of ``fewbit::encode`` / ``fewbit::decode
 (never at ``import fewbit``). Each program handles ``BLOCK`` groups of 8 elements; a
 group's 8 codes are summed into one 64-bit word at bit offsets ``k * BITS`` (disjoint
 fields, so the sum is an OR) and its low ``BITS`` bytes are stored: the little-endian
-stream of method.md §6. All offsets are int64, so tensors of 2**31 elements or more
+stream of docs/method.md §6. All offsets are int64, so tensors of 2**31 elements or more
 index correctly. The kernels also run on CPU tensors under ``TRITON_INTERPRET=1``
 (tests use that; use a large ``block`` there, the interpreter is slow per program).
 

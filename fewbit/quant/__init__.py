@@ -1,13 +1,13 @@
 """fewbit.quant: ActNN-style group quantizer for the tensors other layers save for backward.
 
-Maths (method.md §7; Chen et al., "ActNN", ICML 2021, eq. 2-3; Liu et al., "GACT", ICML
+Maths (docs/method.md §7; Chen et al., "ActNN", ICML 2021, eq. 2-3; Liu et al., "GACT", ICML
 2022): flatten ``x``, split it into groups of ``group_size`` elements (the last group may
 be short), keep per group the min ``m`` and the scale ``s = (2**b - 1) / (max - m)`` in
 ``stats_dtype``, and the codes
 
     q = clamp(floor((x - m) * s + u), 0, 2**b - 1),   u ~ Uniform[0, 1)  (or u = 1/2)
 
-packed as one little-endian b-bit stream (method.md §6). ``x_hat = m + q / s``.
+packed as one little-endian b-bit stream (docs/method.md §6). ``x_hat = m + q / s``.
 ``q`` is computed from the *stored* ``m`` and ``s``; both are rounded *down* to
 ``stats_dtype`` so that ``0 <= (x - m) * s <= 2**b - 1`` and the clamp never cuts a value:
 stochastic rounding is then unbiased, ``E[x_hat] = x``, with per-element variance
@@ -54,10 +54,10 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 @dataclass(frozen=True, eq=False)
 class QuantizedTensor:
-    """A group-quantized tensor (method.md §7).
+    """A group-quantized tensor (docs/method.md §7).
 
     Attributes:
-        packed: ``(ceil(numel * bits / 8),)`` uint8, codes in the method.md §6 stream layout.
+        packed: ``(ceil(numel * bits / 8),)`` uint8, codes in the docs/method.md §6 stream layout.
         mins: ``(ceil(numel / group_size),)`` per-group min ``m`` in ``stats_dtype``.
         scales: same shape, per-group scale ``s`` (NaN for a non-finite group).
         shape: shape of the original tensor.
@@ -144,7 +144,7 @@ def quantize(
     stats_dtype: torch.dtype = torch.bfloat16,
     generator: torch.Generator | None = None,
 ) -> QuantizedTensor:
-    """Group-quantize ``x`` to ``bits`` bits per element (method.md §7, ActNN eq. 2-3).
+    """Group-quantize ``x`` to ``bits`` bits per element (docs/method.md §7, ActNN eq. 2-3).
 
     Args:
         x: any shape (read flattened in C order; non-contiguous inputs are copied),

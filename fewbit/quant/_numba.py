@@ -1,12 +1,12 @@
 """CPU kernels of the group quantizer in numba (imported lazily, never by ``import fewbit``).
 
-They implement exactly the steps of :mod:`fewbit.quant._reference` (method.md §7), so the
+They implement exactly the steps of :mod:`fewbit.quant._reference` (docs/method.md §7), so the
 stored stats and the packed codes are bit-identical to the reference for both rounding
 modes (the noise is the same counter-based hash). Per chunk of groups (about 16K
 elements, one prange iteration): the stats of each group from its min/max (computed before
 by torch's vectorised amin/amax), the codes of each group into a scratch buffer (branch-free
-loops that LLVM vectorises), then whole bytes packed (method.md §6); the stream layout equals
-the 64-bit-word packing of kernels-notes.md. Arithmetic is in the dtype of ``x`` (float32 or
+loops that LLVM vectorises), then whole bytes packed (docs/method.md §6); the stream layout equals
+the 64-bit-word packing of docs/kernels.md. Arithmetic is in the dtype of ``x`` (float32 or
 float64); no fastmath, so no FMA
 contraction: ``(x - m) * s + u`` is rounded twice as in torch.
 """
@@ -19,7 +19,7 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-if numba.config.THREADING_LAYER == "default":  # kernels-notes.md: omp beats workqueue here
+if numba.config.THREADING_LAYER == "default":  # docs/kernels.md: omp beats workqueue here
     try:
         numba.config.THREADING_LAYER = "omp"
     except Exception:  # pragma: no cover - layer already fixed by another import
@@ -142,7 +142,7 @@ def quantize_kernel(x, lo_arr, hi_arr, bits, group_size, chunk_groups, seed, sto
 
 @njit(inline="always", cache=True)
 def _pack_chunk(sc, L, bits, out):
-    """Pack the codes ``sc`` (zero-padded to a multiple of 8) into ``out`` (method.md §6)."""
+    """Pack the codes ``sc`` (zero-padded to a multiple of 8) into ``out`` (docs/method.md §6)."""
     nb = out.shape[0]
     if bits == 8:
         for j in range(nb):

@@ -1,4 +1,4 @@
-"""Pure-torch reference of the group quantizer (method.md §7): the definition.
+"""Pure-torch reference of the group quantizer (docs/method.md §7): the definition.
 
 Every backend (numba on CPU, Triton on CUDA) must produce the same packed codes and the
 same stored statistics bit for bit. The steps, per group of ``group_size`` elements
@@ -98,7 +98,7 @@ def floor_to_dtype(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def group_stats_reference(x: torch.Tensor, bits: int, group_size: int, stats_dtype: torch.dtype):
-    """Per-group stored ``(mins, scales)`` and a finite-group mask (method.md §7 steps 1-3).
+    """Per-group stored ``(mins, scales)`` and a finite-group mask (docs/method.md §7 steps 1-3).
 
     Args:
         x: ``(numel,)`` floating tensor (flattened input).
@@ -138,7 +138,7 @@ def quantize_codes_reference(
     x: torch.Tensor, mins: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int,
     seed: int | None,
 ) -> torch.Tensor:
-    """Codes ``q`` (int64, ``(numel,)``) from the stored stats (method.md §7 step 4)."""
+    """Codes ``q`` (int64, ``(numel,)``) from the stored stats (docs/method.md §7 step 4)."""
     cdt = compute_dtype(x.dtype)
     n = x.numel()
     xc = x.reshape(-1).to(cdt)
@@ -169,7 +169,7 @@ def quantize_reference(
 
     Returns:
         ``(packed, mins, scales)``: ``(ceil(numel * bits / 8),)`` uint8 codes in the
-        method.md §6 stream layout, and two ``(ceil(numel / group_size),)`` stats tensors.
+        docs/method.md §6 stream layout, and two ``(ceil(numel / group_size),)`` stats tensors.
     """
     flat = x.reshape(-1)
     if flat.numel() == 0:

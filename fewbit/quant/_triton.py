@@ -1,9 +1,9 @@
 """Triton kernels of the group quantizer for CUDA (imported lazily; needs triton).
 
-Same steps as :mod:`fewbit.quant._reference` (method.md §7) for float16/bfloat16/float32
+Same steps as :mod:`fewbit.quant._reference` (docs/method.md §7) for float16/bfloat16/float32
 input (arithmetic in float32): a stats kernel (min/max per group, rounded-down stored
 ``m`` and ``s``), a codes kernel (8 codes per 64-bit little-endian word, its low ``bits``
-bytes stored: the method.md §6 stream) and a dequantize kernel. Bit-exactness with the
+bytes stored: the docs/method.md §6 stream) and a dequantize kernel. Bit-exactness with the
 reference relies on IEEE-rounded division (``tl.math.div_rn``; Triton's ``/`` is not
 correctly rounded on NVIDIA GPUs) and on launching with ``enable_fp_fusion=False`` so that
 ``(x - m) * s + u`` is not contracted into an FMA. The noise is the same counter-based

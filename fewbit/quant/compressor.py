@@ -1,4 +1,4 @@
-"""Compression of the tensors autograd saves for backward (method.md §7; ActNN, GACT).
+"""Compression of the tensors autograd saves for backward (docs/method.md §7; ActNN, GACT).
 
 :class:`ActivationCompressor` installs ``torch.autograd.graph.saved_tensors_hooks``:
 every floating tensor that an operation saves for backward inside ``with comp:`` is
@@ -26,7 +26,7 @@ def _bit_weights(device) -> torch.Tensor:
 
 
 def _pack_bool(t: torch.Tensor) -> torch.Tensor:
-    """Bool tensor -> ``(ceil(numel / 8),)`` uint8, bit ``j % 8`` of byte ``j // 8`` (method.md §6, b=1)."""
+    """Bool tensor -> ``(ceil(numel / 8),)`` uint8, bit ``j % 8`` of byte ``j // 8`` (docs/method.md §6, b=1)."""
     flat = t.reshape(-1).contiguous().view(torch.uint8)
     pad = (-flat.numel()) % 8
     if pad:
@@ -146,7 +146,7 @@ class ActivationCompressor:
     """Compress the tensors saved for backward inside ``with`` blocks (ActNN-style).
 
     Floating tensors with at least ``min_numel`` elements are group-quantized
-    (:func:`fewbit.quant.quantize`, method.md §7) and dequantized when backward needs
+    (:func:`fewbit.quant.quantize`, docs/method.md §7) and dequantized when backward needs
     them; bool tensors (dropout and other masks) are packed losslessly at 1 bit.
     Untouched: parameters (``nn.Parameter``, leaves that require grad, and views of
     them), integer and uint8 tensors (indices, fewbit codes), complex, sparse and
@@ -341,7 +341,7 @@ def compress_activations(
 
     Saved floating tensors of any shape and dtype are group-quantized to ``bits`` bits
     per element plus ``2 * 16 / group_size`` bits per element of bf16 stats (ActNN,
-    Chen et al., ICML 2021; method.md §7); unpacked copies have the saved shape and dtype.
+    Chen et al., ICML 2021; docs/method.md §7); unpacked copies have the saved shape and dtype.
 
     Args: as :class:`ActivationCompressor` (bits one of 1, 2, 4, 8).
 

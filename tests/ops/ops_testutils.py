@@ -26,7 +26,7 @@ def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def random_table(bits: int, *, mirrored: bool = False, seed: int = 0, scale: float = 3.0) -> Table:
     """A random valid table: identity codes over 2**bits intervals, or a mirrored
-    (even-derivative) code map over 2**(bits+1) - 1 intervals (method.md §2)."""
+    (even-derivative) code map over 2**(bits+1) - 1 intervals (docs/method.md §2)."""
     g = torch.Generator().manual_seed(seed)
     n_codes = 1 << bits
     if mirrored:

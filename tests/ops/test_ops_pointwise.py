@@ -32,7 +32,7 @@ def _table_for(name, bits=3, seed=0, params=None):
 
 
 def _q64(x, table):
-    """float64 derivative approximation q(x) (method.md §2) via searchsorted."""
+    """float64 derivative approximation q(x) (docs/method.md §2) via searchsorted."""
     b = torch.tensor(table.borders, dtype=torch.float64)
     idx = torch.searchsorted(b, x.detach().double().reshape(-1), right=False)
     code = torch.tensor(table.codes)[idx]

@@ -1,4 +1,4 @@
-"""Group quantizer (method.md §7): backends against the pure-torch reference, statistics."""
+"""Group quantizer (docs/method.md §7): backends against the pure-torch reference, statistics."""
 
 import math
 

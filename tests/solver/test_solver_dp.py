@@ -1,4 +1,4 @@
-"""DP (method.md §4): segment cost, numba == numpy == brute force, lean import."""
+"""DP (docs/method.md §4): segment cost, numba == numpy == brute force, lean import."""
 
 import subprocess
 import sys

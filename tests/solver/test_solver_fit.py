@@ -1,4 +1,4 @@
-"""fit / fit_many / approximation_error: validation, symmetry, known values (method.md §8)."""
+"""fit / fit_many / approximation_error: validation, symmetry, known values (docs/method.md §8)."""
 
 import numpy as np
 import pytest
@@ -86,7 +86,7 @@ def test_error_falls_two_to_four_times_per_bit(name):
     tabs = load_shipped(name)
     errs = [tabs[b].error for b in (1, 2, 3, 4)]
     ratios = [errs[i] / errs[i + 1] for i in range(3)]
-    # method.md §8: "roughly 2-4x"; asymptotically 4x (error ~ 1/K^2), softplus 1->2 bits is 5.4x
+    # docs/method.md §8: "roughly 2-4x"; asymptotically 4x (error ~ 1/K^2), softplus 1->2 bits is 5.4x
     assert all(2.0 <= r <= 6.0 for r in ratios), ratios
 
 

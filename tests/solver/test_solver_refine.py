@@ -1,4 +1,4 @@
-"""Refinement (method.md §5): gradient, never worse than DP, best against independent optimisers."""
+"""Refinement (docs/method.md §5): gradient, never worse than DP, best against independent optimisers."""
 
 import numpy as np
 import pytest
