@@ -14,6 +14,7 @@ from __future__ import annotations
 import difflib
 import importlib
 import math
+import struct
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
@@ -63,8 +64,16 @@ def _relu6_exact(p):
     return _hardtanh_like_exact(0.0, 6.0, 1.0)
 
 
+#: The slope torch's hardsigmoid backward uses: the float32 constant ``1.0f / 6.0f`` in
+#: every dtype, float64 included (``hardsigmoid_backward_kernel`` in ATen's
+#: ``native/cpu/Activation.cpp`` and ``native/cuda/ActivationHardsigmoidKernel.cu``:
+#: ``scalar_t one_sixth(1.0f / 6.0f)``, resp. ``opmath_t``), i.e. 0.1666666716337204,
+#: not float64 1/6. With it the exact table gives torch's gradient bit for bit.
+HARDSIGMOID_SLOPE: float = struct.unpack("<f", struct.pack("<f", 1.0 / 6.0))[0]
+
+
 def _hardsigmoid_exact(p):
-    return _hardtanh_like_exact(-3.0, 3.0, 1.0 / 6.0)
+    return _hardtanh_like_exact(-3.0, 3.0, HARDSIGMOID_SLOPE)
 
 
 def _threshold_exact(p):

@@ -1,8 +1,9 @@
-"""The runtime activation list: exact stepwise tables reproduce torch's gradients."""
+"""The runtime activation list: exact stepwise tables reproduce torch's gradients bit for bit."""
 
 import pytest
 import torch
 
+import fewbit.functional as FF
 from fewbit.activations import ACTIVATIONS, canonical_params, exact_table, get_activation, non_default_params
 
 STEPWISE = [n for n, a in ACTIVATIONS.items() if a.stepwise]
@@ -36,7 +37,7 @@ def test_exact_tables_match_torch_gradient(name, dtype):
         (g,) = torch.autograd.grad(act.torch_fn(x, **full).sum(), x)
         idx = torch.searchsorted(torch.tensor(table.borders, dtype=torch.float64), x.detach().double(), right=False)
         q = torch.tensor(table.values, dtype=torch.float64)[torch.tensor(table.codes)[idx]]
-        torch.testing.assert_close(q.to(dtype), g, atol=0, rtol=1e-2 if name == "hardsigmoid" else 0)
+        torch.testing.assert_close(q.to(dtype), g, atol=0, rtol=0)
 
 
 def test_lookup_and_params():
@@ -55,3 +56,61 @@ def test_lookup_and_params():
         exact_table("gelu")
     with pytest.raises(ValueError, match="max_val must be greater"):
         exact_table("hardtanh", {"min_val": 1.0, "max_val": 1.0})
+
+
+# ----------------------------------------------------------------------------- gradients bit for bit
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+
+# (function, params, its borders): non-default parameters that no float format holds
+# exactly (0.3, 0.1, -0.7) as well as exact ones, so every rounding of a border is hit.
+STEPWISE_CASES = [
+    ("relu", {}, [0.0]),
+    ("leaky_relu", {}, [0.0]),
+    ("leaky_relu", {"negative_slope": 0.3}, [0.0]),
+    ("relu6", {}, [0.0, 6.0]),
+    ("hardtanh", {}, [-1.0, 1.0]),
+    ("hardtanh", {"min_val": -0.7, "max_val": 0.3}, [-0.7, 0.3]),
+    ("threshold", {"threshold": 0.1, "value": -2.0}, [0.1]),
+    ("threshold", {"threshold": -1.5, "value": 0.5}, [-1.5]),
+    ("hardshrink", {}, [-0.5, 0.5]),
+    ("hardshrink", {"lambd": 0.3}, [-0.3, 0.3]),
+    ("hardshrink", {"lambd": 0.0}, [0.0]),
+    ("softshrink", {}, [-0.5, 0.5]),
+    ("softshrink", {"lambd": 0.1}, [-0.1, 0.1]),
+    ("hardsigmoid", {}, [-3.0, 3.0]),
+]
+
+
+def _border_points(borders, dtype):
+    """Each border rounded to every float format, then to ``dtype``, with both of its
+    ``dtype`` neighbours; signed zeros, infinities, the extremes and subnormals."""
+    pts = []
+    for b in list(borders) + [0.0]:
+        for fmt in DTYPES:
+            v = torch.tensor(b, dtype=torch.float64).to(fmt).to(dtype)
+            pts += [v, torch.nextafter(v, v + 1), torch.nextafter(v, v - 1)]
+    fi = torch.finfo(dtype)
+    extra = [-0.0, float("inf"), -float("inf"), fi.max, -fi.max, fi.tiny, -fi.tiny, fi.smallest_normal / 2]
+    return torch.cat([torch.stack(pts).reshape(-1), torch.tensor(extra, dtype=torch.float64).to(dtype)])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name,params,borders", STEPWISE_CASES,
+                         ids=[f"{n}{p or ''}" for n, p, _ in STEPWISE_CASES])
+def test_stepwise_gradient_is_torch_gradient_bit_for_bit(name, params, borders, dtype):
+    """fewbit's gradient (codes from the exact table, torch's multiply rounding) equals
+    torch's own backward in every dtype, at and next to every border and on random points."""
+    gen = torch.Generator().manual_seed(0)
+    rand = torch.randn(20000, generator=gen, dtype=torch.float64) * 4
+    x = torch.cat([_border_points(borders, dtype), rand.to(dtype)])
+    g = torch.randn(x.shape, generator=gen, dtype=torch.float64).to(dtype)
+    act = ACTIVATIONS[name]
+    full = canonical_params(act, params)
+    x_ours = x.clone().requires_grad_(True)
+    x_torch = x.clone().requires_grad_(True)
+    getattr(FF, name)(x_ours, **params).backward(g)
+    act.torch_fn(x_torch, **full).backward(g)
+    assert torch.equal(x_ours.grad, x_torch.grad), (
+        f"{int((x_ours.grad != x_torch.grad).sum())} of {x.numel()} gradients differ"
+    )
