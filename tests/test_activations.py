@@ -114,3 +114,37 @@ def test_stepwise_gradient_is_torch_gradient_bit_for_bit(name, params, borders, 
     assert torch.equal(x_ours.grad, x_torch.grad), (
         f"{int((x_ours.grad != x_torch.grad).sum())} of {x.numel()} gradients differ"
     )
+
+
+# ----------------------------------------------------------------------------- formulas
+
+
+def test_formulas_share_a_registry_table():
+    from fewbit.activations import FORMULAS, get_formula, import_callable
+    from fewbit.table import load_shipped
+
+    assert sorted(FORMULAS) == ["gelu_accurate", "gelu_fast", "gelu_new", "gelu_python", "gelu_python_tanh"]
+    for name, f in FORMULAS.items():
+        assert get_formula(name) is f and f.name == name
+        assert import_callable(f.spec) is f.torch_fn  # what fewbit.ops imports
+        act = ACTIVATIONS[f.table]  # a registry entry with shipped fitted tables, no copy
+        assert not act.stepwise and sorted(load_shipped(f.table)) == [1, 2, 3, 4]
+        assert load_shipped(name) is None
+    with pytest.raises(ValueError, match="unknown formula 'gelu_newer'.*gelu_new"):
+        get_formula("gelu_newer")
+
+
+@pytest.mark.parametrize("name", ["gelu_accurate", "gelu_fast", "gelu_new", "gelu_python", "gelu_python_tanh"])
+def test_formula_derivative_within_the_documented_gap_of_its_table_function(name):
+    """f' of the formula (float64 autograd) vs f' of the table's function: equal up to float64
+    rounding, plus ``derivative_gap`` (gelu_fast's constant 0.7978845608 != sqrt(2/pi))."""
+    from fewbit.activations import FORMULAS
+
+    f = FORMULAS[name]
+    x = torch.linspace(-12, 12, 200001, dtype=torch.float64, requires_grad=True)
+    (d_formula,) = torch.autograd.grad(f.torch_fn(x).sum(), x)
+    (d_table,) = torch.autograd.grad(ACTIVATIONS[f.table].torch_fn(x).sum(), x)
+    gap = float((d_formula - d_table).abs().max())
+    assert gap <= f.derivative_gap + 1e-14
+    if f.derivative_gap:
+        assert gap >= 0.9 * f.derivative_gap  # the documented figure is the real one
