@@ -6,6 +6,12 @@ of Novikov et al., ICML 2023, docs/method.md §2), and, for stepwise derivatives
 1-bit table. The offline solver (``fewbit.solver.registry``) adds analytic float64
 ``f`` and ``f'`` for the same names; both use the names defined here.
 
+:data:`FORMULAS` holds the Hugging Face Python formulas (``gelu_new``, ``gelu_fast``, ...)
+that compute one of these functions with other roundings: a formula has no tables of its
+own; it names the registry entry whose tables it uses (``Formula.table``), so backward
+shares that entry's shipped tables while forward computes the formula bit for bit
+(:class:`fewbit.modules.FormulaActivation`).
+
 This module needs only torch and the standard library.
 """
 
