@@ -6,6 +6,12 @@ of Novikov et al., ICML 2023, docs/method.md §2), and, for stepwise derivatives
 1-bit table. The offline solver (``fewbit.solver.registry``) adds analytic float64
 ``f`` and ``f'`` for the same names; both use the names defined here.
 
+:data:`FORMULAS` holds the Hugging Face Python formulas (``gelu_new``, ``gelu_fast``, ...)
+that compute one of these functions with other roundings: a formula has no tables of its
+own; it names the registry entry whose tables it uses (``Formula.table``), so backward
+shares that entry's shipped tables while forward computes the formula bit for bit
+(:class:`fewbit.modules.FormulaActivation`).
+
 This module needs only torch and the standard library.
 """
 
@@ -14,6 +20,7 @@ from __future__ import annotations
 import difflib
 import importlib
 import math
+import struct
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
@@ -27,6 +34,9 @@ __all__ = [
     "ACTIVATIONS",
     "ALIASES",
     "get_activation",
+    "Formula",
+    "FORMULAS",
+    "get_formula",
     "canonical_params",
     "merge_params",
     "non_default_params",
@@ -63,8 +73,16 @@ def _relu6_exact(p):
     return _hardtanh_like_exact(0.0, 6.0, 1.0)
 
 
+#: The slope torch's hardsigmoid backward uses: the float32 constant ``1.0f / 6.0f`` in
+#: every dtype, float64 included (``hardsigmoid_backward_kernel`` in ATen's
+#: ``native/cpu/Activation.cpp`` and ``native/cuda/ActivationHardsigmoidKernel.cu``:
+#: ``scalar_t one_sixth(1.0f / 6.0f)``, resp. ``opmath_t``), i.e. 0.1666666716337204,
+#: not float64 1/6. With it the exact table gives torch's gradient bit for bit.
+HARDSIGMOID_SLOPE: float = struct.unpack("<f", struct.pack("<f", 1.0 / 6.0))[0]
+
+
 def _hardsigmoid_exact(p):
-    return _hardtanh_like_exact(-3.0, 3.0, 1.0 / 6.0)
+    return _hardtanh_like_exact(-3.0, 3.0, HARDSIGMOID_SLOPE)
 
 
 def _threshold_exact(p):
@@ -183,8 +201,111 @@ ACTIVATIONS: dict[str, Activation] = {
     ]
 }
 
-#: Other names accepted for registry entries.
+#: Other names accepted for registry entries. An alias is the same function with the same
+#: tables; forward is the entry's torch function. ``"gelu_new"`` names ``gelu_tanh`` here (the
+#: tanh approximation, computed by ``F.gelu(approximate='tanh')``); Hugging Face's own
+#: ``gelu_new`` Python formula, bit for bit, is :data:`FORMULAS` ``["gelu_new"]``.
 ALIASES: dict[str, str] = {"swish": "silu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
+
+
+# --------------------------------------------------------------------------- formulas
+# The Hugging Face ``transformers.activations`` Python formulas, written exactly as there
+# (same operations, same order, same Python constants; 4.40 to 5.x), so that computing
+# them gives HF's output bit for bit in every dtype.
+
+_SQRT_2_OVER_PI = math.sqrt(2 / math.pi)  # AccurateGELUActivation.precomputed_constant
+
+
+def gelu_new(input: torch.Tensor) -> torch.Tensor:
+    """HF ``NewGELUActivation`` (``ACT2FN["gelu_new"]``, GPT-2):
+    ``0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x**3)))``."""
+    return 0.5 * input * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (input + 0.044715 * torch.pow(input, 3.0))))
+
+
+def gelu_python_tanh(input: torch.Tensor) -> torch.Tensor:
+    """HF ``GELUTanh(use_gelu_tanh_python=True)`` (``ACT2FN["gelu_python_tanh"]``):
+    ``x * 0.5 * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x**3)))``."""
+    return input * 0.5 * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (input + 0.044715 * torch.pow(input, 3.0))))
+
+
+def gelu_accurate(input: torch.Tensor) -> torch.Tensor:
+    """HF ``AccurateGELUActivation`` (``ACT2FN["gelu_accurate"]``, MEGA), with its default
+    ``precomputed_constant = sqrt(2 / pi)``."""
+    return 0.5 * input * (1 + torch.tanh(_SQRT_2_OVER_PI * (input + 0.044715 * torch.pow(input, 3))))
+
+
+def gelu_fast(input: torch.Tensor) -> torch.Tensor:
+    """HF ``FastGELUActivation`` (``ACT2FN["gelu_fast"]``):
+    ``0.5 * x * (1 + tanh(x * 0.7978845608 * (1 + 0.044715 * x * x)))``."""
+    return 0.5 * input * (1.0 + torch.tanh(input * 0.7978845608 * (1.0 + 0.044715 * input * input)))
+
+
+def gelu_python(input: torch.Tensor) -> torch.Tensor:
+    """HF ``GELUActivation(use_gelu_python=True)`` (``ACT2FN["gelu_python"]``):
+    ``x * 0.5 * (1 + erf(x / sqrt(2)))``."""
+    return input * 0.5 * (1.0 + torch.erf(input / math.sqrt(2.0)))
+
+
+@dataclass(frozen=True)
+class Formula:
+    """A floating-point formula of a registry function, computed bit for bit.
+
+    Hugging Face ``transformers`` writes some activations as Python formulas, e.g.
+    ``NewGELUActivation`` (GPT-2). Each is mathematically one of the registry's functions
+    (or, for ``gelu_fast``, within 1.1e-12 of one in ``f'``), but rounds differently from
+    torch's fused kernel (``F.gelu(x, approximate='tanh')`` and the ``gelu_new`` formula
+    differ in about 1 % of float32 elements, by up to 5e-7). :class:`fewbit.modules.FormulaActivation` computes ``torch_fn`` in
+    forward, so outputs stay bit-identical to the Hugging Face module, and uses the fitted
+    tables of the registry entry ``table`` in backward: no table is fitted or shipped for a
+    formula. The tables approximate ``f'`` of ``table`` with the error shipped with them
+    (docs/method.md §3); ``derivative_gap`` adds at most its value to ``|f' - q|``.
+
+    Args:
+        name: the Hugging Face ``ACT2FN`` name (``"gelu_new"``).
+        torch_fn: ``torch_fn(input) -> Tensor``, a module-level function of this module
+            (so that ``spec`` imports it): the formula exactly as Hugging Face writes it.
+        table: the registry name whose tables backward uses (``"gelu_tanh"``).
+        derivative_gap: ``sup_x |f'_formula(x) - f'_table(x)|`` in exact arithmetic:
+            0 for the same mathematical function; for ``gelu_fast`` (constant
+            ``0.7978845608`` instead of ``sqrt(2/pi) = 0.79788456080286536``) 1.1e-12,
+            reached near ``x = -0.61``.
+        source: the Hugging Face class (and arguments) that computes it.
+    """
+
+    name: str
+    torch_fn: Callable[[torch.Tensor], torch.Tensor]
+    table: str
+    derivative_gap: float
+    source: str
+
+    @property
+    def spec(self) -> str:
+        """``"fewbit.activations:<function>"``: the formula as a ``"module:callable"`` name."""
+        return f"{__name__}:{self.torch_fn.__name__}"
+
+
+#: Hugging Face formulas by their ``ACT2FN`` name; backward uses the tables of ``table``.
+FORMULAS: dict[str, Formula] = {
+    f.name: f
+    for f in [
+        Formula("gelu_new", gelu_new, "gelu_tanh", 0.0, "NewGELUActivation"),
+        Formula("gelu_python_tanh", gelu_python_tanh, "gelu_tanh", 0.0, "GELUTanh(use_gelu_tanh_python=True)"),
+        Formula("gelu_accurate", gelu_accurate, "gelu_tanh", 0.0, "AccurateGELUActivation"),
+        Formula("gelu_fast", gelu_fast, "gelu_tanh", 1.1e-12, "FastGELUActivation"),
+        Formula("gelu_python", gelu_python, "gelu", 0.0, "GELUActivation(use_gelu_python=True)"),
+    ]
+}
+
+
+def get_formula(name: str) -> Formula:
+    """Look up a :data:`FORMULAS` entry by its Hugging Face ``ACT2FN`` name.
+
+    Raises:
+        ValueError: for an unknown name, listing the known ones.
+    """
+    if isinstance(name, str) and name in FORMULAS:
+        return FORMULAS[name]
+    raise ValueError(f"unknown formula {name!r} (known: {', '.join(sorted(FORMULAS))})")
 
 
 def import_callable(spec: str) -> Callable[..., torch.Tensor]:

@@ -20,44 +20,71 @@
    is compressed once. Everything executed inside such a module is covered, including
    its submodules (e.g. the projections inside an ``...Attention`` module).
 
-Hugging Face classes replaced (transformers.activations, 4.x/5.x):
+Hugging Face classes replaced (``transformers.activations``, 4.40 to 5.x). Each is replaced
+by a fewbit module that computes the very same expression, so forward outputs (and a
+converted model's logits) are bit-identical; backward uses the fitted table of the
+function the expression computes (:data:`fewbit.activations.FORMULAS`):
 
-==============================  ==================  ====================================
-class                           fewbit module       forward after conversion
-==============================  ==================  ====================================
-``GELUActivation``              ``GELU()``          ``F.gelu`` (the ``use_gelu_python``
-                                                    erf formula differs by rounding only)
-``GELUTanh``/``PytorchGELUTanh`` ``GELU('tanh')``   identical (or rounding, python flavour)
-``NewGELUActivation``           ``GELU('tanh')``    same function; ``F.gelu(tanh)`` rounds
-``AccurateGELUActivation``      ``GELU('tanh')``    differently: |diff| <~ 1e-6 * |x| fp32
-``FastGELUActivation``          ``GELU('tanh')``    (constant 0.7978845608 vs sqrt(2/pi))
-``QuickGELUActivation``         ``QuickGELU()``     identical
-``SiLUActivation``              ``SiLU()``          identical
-``MishActivation``              ``Mish()``          identical
-==============================  ==================  ====================================
+========================================  =========================================  =================
+class                                     fewbit module (forward = HF's own)         table
+========================================  =========================================  =================
+``GELUActivation``                        ``GELU()`` (``F.gelu``)                    ``gelu``
+``GELUActivation(use_gelu_python=True)``  ``FormulaActivation('gelu_python')``       ``gelu``
+``GELUTanh`` / ``PytorchGELUTanh``        ``GELU('tanh')`` (``F.gelu``)              ``gelu_tanh``
+``GELUTanh(use_gelu_tanh_python=True)``   ``FormulaActivation('gelu_python_tanh')``  ``gelu_tanh``
+``NewGELUActivation``                     ``FormulaActivation('gelu_new')``          ``gelu_tanh``
+``AccurateGELUActivation``                ``FormulaActivation('gelu_accurate')``     ``gelu_tanh``
+``FastGELUActivation``                    ``FormulaActivation('gelu_fast')``         ``gelu_tanh`` (*)
+``QuickGELUActivation``                   ``QuickGELU()``                            ``quick_gelu``
+``SiLUActivation``                        ``SiLU()`` (``F.silu``)                    ``silu``
+``MishActivation``                        ``Mish()`` (``F.mish``)                    ``mish``
+========================================  =========================================  =================
+
+(*) FastGELU's constant 0.7978845608 is not quite sqrt(2/pi): its derivative is within
+1.1e-12 of gelu_tanh's. The others compute exactly the table's function.
+
+An HF module is recognised by its class and by what it computes: one whose ``act`` is not
+one of the above (``AccurateGELUActivation`` with another ``precomputed_constant``, an
+instance whose ``forward`` was replaced, e.g. by a hub kernel) is left alone and listed.
 
 Left alone and listed in :attr:`ConversionSummary.unsupported`: activations that are not
 one of fewbit's pointwise functions or have learnable/random parameters (``PReLU``,
 ``RReLU``, ``GLU``, ``Softmax``/``LogSoftmax``/``Softmin``/``Softmax2d``, HF
 ``ClippedGELUActivation``, ``LaplaceActivation``, ``ReLUSquaredActivation``,
-``SqrtSoftplusActivation``, ``XIELUActivation``), and the root module itself if it is an
-activation (it cannot be replaced in place). Activations called as functions inside a
-``forward`` (``F.gelu(x)``) are not modules and cannot be seen.
+``SqrtSoftplusActivation``, ``XIELUActivation``), the root module itself if it is an
+activation (it cannot be replaced in place), TorchScript submodules (compiled: nothing in
+them can be replaced), and activation calls that are nodes of a ``torch.fx`` graph
+(``torch.export(...).module()``, ``symbolic_trace`` of ``F.gelu(x)``). Activations called
+as functions inside an eager ``forward`` (``F.gelu(x)``) are not modules and cannot be seen.
 
-Converting twice is safe: fewbit modules are not replaced again, and the compression
-hooks of an earlier conversion are removed before new ones are registered.
+What can be converted and what cannot:
+
+- eager modules, ``torch.fx.GraphModule`` (its ``call_module`` activations), models inside
+  ``nn.DataParallel`` / ``DistributedDataParallel`` and ``torch.compile`` wrappers
+  (``OptimizedModule``: the wrapped model is converted in place and torch.compile
+  recompiles it on the next call; fqns start with ``_orig_mod.``);
+- a TorchScript model (``torch.jit.script`` / ``torch.jit.trace``) cannot: ``TypeError``.
+
+Converting twice applies the new settings: fewbit modules already there get the new
+``activation_bits`` (listed in :attr:`ConversionSummary.changed`; stepwise ones stay
+exact at 1 bit), nothing is wrapped twice, and the compression hooks of an earlier
+conversion are removed before new ones are registered.
 """
 
 from __future__ import annotations
 
+import functools
+import math
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from fewbit import modules as fm
+from fewbit.activations import ACTIVATIONS, get_activation
 
 __all__ = ["Config", "ConversionSummary", "convert_", "LAYER_KINDS", "layer_kind"]
 
@@ -137,7 +164,9 @@ class ConversionSummary:
         model: the converted model (the same object that was passed in).
         config: the :class:`Config` used.
         replaced: ``{fqn: (old class name, repr of the new module)}``.
-        unsupported: ``{fqn: class name}`` of activation modules left as they were.
+        changed: ``{fqn: (old repr, new repr)}`` of fewbit modules already in the model
+            (an earlier conversion) whose ``bits`` were set to ``activation_bits``.
+        unsupported: ``{fqn: class name (and why)}`` of activations left as they were.
         compressed: ``{fqn: kind}`` of modules whose forward runs inside the compressor.
         compressor: the shared :class:`fewbit.quant.ActivationCompressor` (its ``stats``
             count bytes before/after), or ``None`` when ``saved_bits`` is ``None``.
@@ -146,6 +175,7 @@ class ConversionSummary:
     model: nn.Module
     config: Config
     replaced: dict[str, tuple[str, str]] = field(default_factory=dict)
+    changed: dict[str, tuple[str, str]] = field(default_factory=dict)
     unsupported: dict[str, str] = field(default_factory=dict)
     compressed: dict[str, str] = field(default_factory=dict)
     compressor: Any = None
@@ -158,8 +188,11 @@ class ConversionSummary:
             f"  replaced {len(self.replaced)} activation module(s):",
         ]
         lines += [f"    {fqn or '<root>'}: {old} -> {new}" for fqn, (old, new) in self.replaced.items()]
+        if self.changed:
+            lines.append(f"  changed {len(self.changed)} fewbit module(s) already there:")
+            lines += [f"    {fqn or '<root>'}: {old} -> {new}" for fqn, (old, new) in self.changed.items()]
         if self.unsupported:
-            lines.append(f"  left {len(self.unsupported)} unsupported activation module(s):")
+            lines.append(f"  left {len(self.unsupported)} unsupported activation(s) as they were:")
             lines += [f"    {fqn or '<root>'}: {name}" for fqn, name in self.unsupported.items()]
         if c.saved_bits is not None:
             kinds = {}
@@ -175,7 +208,12 @@ class ConversionSummary:
 
 # --------------------------------------------------------------------------- activations
 
-_Factory = Callable[[nn.Module, int], nn.Module]
+#: A factory makes the fewbit module for ``(module, bits)``, or returns a string saying why
+#: that module is left as it is.
+_Factory = Callable[[nn.Module, int], "nn.Module | str"]
+
+#: torch activations whose derivative is stepwise: exact at 1 bit whatever ``bits`` says.
+_STEPWISE = (nn.ReLU, nn.LeakyReLU, nn.ReLU6, nn.Hardtanh, nn.Threshold, nn.Hardshrink, nn.Softshrink, nn.Hardsigmoid)
 
 
 def _torch_factories() -> dict[type, _Factory]:
@@ -209,11 +247,58 @@ _TORCH_UNSUPPORTED = (
     nn.PReLU, nn.RReLU, nn.GLU, nn.Softmax, nn.Softmin, nn.LogSoftmax, nn.Softmax2d,
 )
 
-_HF_GELU_TANH = ("GELUTanh", "PytorchGELUTanh", "NewGELUActivation", "AccurateGELUActivation", "FastGELUActivation")
 _HF_UNSUPPORTED = (
     "ClippedGELUActivation", "LaplaceActivation", "ReLUSquaredActivation", "SqrtSoftplusActivation",
     "XIELUActivation",
 )
+
+
+def _is_method(fn: Any, cls: type, name: str) -> bool:
+    """Whether ``fn`` is ``cls.<name>`` bound to an instance."""
+    return getattr(fn, "__func__", None) is getattr(cls, name, object())
+
+
+def _formula(name: str) -> _Factory:
+    return lambda m, b: fm.FormulaActivation(name, bits=b)
+
+
+def _hf_gelu(m: nn.Module, b: int) -> nn.Module | str:
+    """``GELUActivation``: ``act`` is ``F.gelu`` or its ``_gelu_python`` erf formula."""
+    act = getattr(m, "act", None)
+    if act is F.gelu:
+        return fm.GELU("none", bits=b)
+    if _is_method(act, type(m), "_gelu_python"):
+        return fm.FormulaActivation("gelu_python", bits=b)
+    return f"its act is {act!r}, neither F.gelu nor _gelu_python"
+
+
+def _hf_gelu_tanh(m: nn.Module, b: int) -> nn.Module | str:
+    """``GELUTanh`` (``act``: ``partial(F.gelu, approximate='tanh')`` or the Python formula)
+    and 4.x ``PytorchGELUTanh`` (no ``act``; forward is ``F.gelu(input, approximate='tanh')``)."""
+    if not hasattr(m, "act"):
+        return fm.GELU("tanh", bits=b)
+    act = m.act
+    if isinstance(act, functools.partial) and act.func is F.gelu and not act.args and act.keywords == {
+        "approximate": "tanh"
+    }:
+        return fm.GELU("tanh", bits=b)
+    if _is_method(act, type(m), "_gelu_tanh_python"):
+        return fm.FormulaActivation("gelu_python_tanh", bits=b)
+    return f"its act is {act!r}, neither F.gelu(approximate='tanh') nor _gelu_tanh_python"
+
+
+def _hf_gelu_accurate(m: nn.Module, b: int) -> nn.Module | str:
+    c = getattr(m, "precomputed_constant", None)
+    if c != math.sqrt(2 / math.pi):
+        return f"precomputed_constant={c!r} is not sqrt(2/pi)"
+    return fm.FormulaActivation("gelu_accurate", bits=b)
+
+
+def _hf_mish(m: nn.Module, b: int) -> nn.Module | str:
+    act = getattr(m, "act", None)
+    if act is not F.mish:
+        return f"its act is {act!r}, not F.mish"
+    return fm.Mish(bits=b)
 
 
 def _hf_factories() -> tuple[dict[type, _Factory], tuple[type, ...]]:
@@ -229,14 +314,69 @@ def _hf_factories() -> tuple[dict[type, _Factory], tuple[type, ...]]:
         if isinstance(cls, type):
             out[cls] = factory
 
-    add("GELUActivation", lambda m, b: fm.GELU("none", bits=b))
-    for name in _HF_GELU_TANH:
-        add(name, lambda m, b: fm.GELU("tanh", bits=b))
+    add("GELUActivation", _hf_gelu)
+    add("GELUTanh", _hf_gelu_tanh)
+    add("PytorchGELUTanh", _hf_gelu_tanh)  # 4.x class; in 5.x the same class as GELUTanh
+    add("NewGELUActivation", _formula("gelu_new"))
+    add("AccurateGELUActivation", _hf_gelu_accurate)
+    add("FastGELUActivation", _formula("gelu_fast"))
     add("QuickGELUActivation", lambda m, b: fm.QuickGELU(bits=b))
     add("SiLUActivation", lambda m, b: fm.SiLU(bits=b))
-    add("MishActivation", lambda m, b: fm.Mish(bits=b))
+    add("MishActivation", _hf_mish)
     unsupported = tuple(c for c in (getattr(acts, n, None) for n in _HF_UNSUPPORTED) if isinstance(c, type))
     return out, unsupported
+
+
+def _set_bits(m: nn.Module, bits: int) -> str | None:
+    """Give a fewbit module that an earlier conversion (or the user) put there ``bits``.
+
+    Returns ``None`` if it now has them (changed or not), or why it cannot.
+    """
+    if isinstance(m, _STEPWISE):
+        return None  # exact at 1 bit: more bits could not change its gradient
+    if isinstance(m, fm.FewBitActivation):
+        if isinstance(m.fn, str) and ":" not in m.fn and get_activation(m.fn).stepwise:
+            return None
+        if m.table is not None:
+            if m.table.bits != bits:
+                return f"its {m.table.bits}-bit table was given at construction; bits={bits} not applied"
+            return None
+    m.bits = bits
+    return None
+
+
+def _script_module_error(model: nn.Module) -> TypeError:
+    return TypeError(
+        f"model is a TorchScript module ({type(model).__name__}, made by torch.jit.script or "
+        "torch.jit.trace): its forward is compiled, so none of its modules can be replaced. Call "
+        "fewbit.convert_ on the eager model instead (fewbit modules run in eager mode and under "
+        "torch.compile, not in TorchScript)"
+    )
+
+
+#: Names of the registry's activations as functions in fx graph nodes (torch, aten, methods).
+_GRAPH_NAMES = frozenset(ACTIVATIONS) | {"log_sigmoid"}
+
+
+def _graph_activation_calls(gm: nn.Module) -> list[tuple[str, str]]:
+    """``(node name, target)`` of the fx nodes of ``gm`` that call a supported activation as a
+    function (``F.gelu``, ``torch.ops.aten.gelu.default``, ``x.sigmoid()``)."""
+    found = []
+    for node in gm.graph.nodes:
+        if node.op not in ("call_function", "call_method"):
+            continue
+        target = node.target
+        schema = getattr(target, "_schema", None)
+        if isinstance(target, str):  # call_method: x.sigmoid()
+            name, shown = target, f"Tensor.{target}"
+        elif schema is not None:  # an aten op: torch.ops.aten.gelu.default
+            name, shown = schema.name.split("::")[-1], str(target)
+        else:  # a Python function: torch.nn.functional.gelu
+            name = getattr(target, "__name__", "")
+            shown = f"{getattr(target, '__module__', None) or 'torch'}.{name}"
+        if name.rstrip("_") in _GRAPH_NAMES:
+            found.append((node.name, shown))
+    return found
 
 
 # --------------------------------------------------------------------------- layer kinds
@@ -362,11 +502,16 @@ def convert_(
     Activations keep ``config.activation_bits`` bits per element for backward (Novikov
     et al., "Few-bit Backward", ICML 2023); tensors saved by the selected layers keep
     ``config.saved_bits`` bits per element plus per-group stats (ActNN, docs/method.md §7).
-    Forward outputs, parameters, buffers, ``state_dict()`` keys and ``training`` flags are
-    unchanged; converting again is idempotent (hooks are never stacked).
+    Forward outputs are bit-identical (each new module computes the replaced module's own
+    expression; see the table in :mod:`fewbit.convert`); parameters, buffers,
+    ``state_dict()`` keys and ``training`` flags are unchanged. Converting again applies
+    the new config: fewbit modules already there get the new ``activation_bits``
+    (``.changed``), nothing is wrapped twice and hooks are never stacked.
 
     Args:
-        model: any ``nn.Module`` (torch or Hugging Face ``transformers`` model).
+        model: an eager ``nn.Module`` (torch or Hugging Face ``transformers`` model),
+            also inside ``nn.DataParallel``, ``DistributedDataParallel`` or a
+            ``torch.compile`` wrapper, or a ``torch.fx.GraphModule``; not TorchScript.
         config: what to do; default ``Config()`` (3-bit activations, no saved-tensor
             compression).
         bits: shortcut for ``Config(activation_bits=bits)``; not together with ``config``.
@@ -376,13 +521,14 @@ def convert_(
 
     Returns:
         A :class:`ConversionSummary` (``.model`` is ``model`` itself, converted in place;
-        ``.replaced``, ``.unsupported``, ``.compressed``, ``.compressor``;
+        ``.replaced``, ``.changed``, ``.unsupported``, ``.compressed``, ``.compressor``;
         ``print(summary)`` shows it). Like ``load_state_dict``, the in-place verb returns
         a report rather than the model.
 
     Raises:
-        TypeError: if ``model`` is not an ``nn.Module``, ``config`` not a :class:`Config`,
-            or ``filter_fn`` not callable.
+        TypeError: if ``model`` is not an ``nn.Module`` or is a TorchScript module
+            (``torch.jit.script``/``trace``: compiled, nothing in it can be replaced),
+            ``config`` is not a :class:`Config`, or ``filter_fn`` is not callable.
         ValueError: if both ``config`` and ``bits`` are given, or ``bits`` is out of range.
 
     Example:
@@ -390,7 +536,12 @@ def convert_(
         >>> print(summary)
     """
     if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        hint = ""
+        if type(model).__name__ == "ExportedProgram":
+            hint = " (a torch.export program is not a module: convert the eager model before exporting)"
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}{hint}")
+    if isinstance(model, torch.jit.ScriptModule):
+        raise _script_module_error(model)
     if config is not None and bits is not None:
         raise ValueError(f"pass either config or bits, not both (got bits={bits!r} and a config)")
     if config is None:
@@ -412,8 +563,36 @@ def convert_(
         hf_factories, hf_unsupported = _hf_factories()
         factories.update(hf_factories)
         unsupported = _TORCH_UNSUPPORTED + hf_unsupported
+        fx = sys.modules.get("torch.fx")
+        graph_module = getattr(fx, "GraphModule", ()) if fx is not None else ()
         new_for: dict[int, nn.Module] = {}
+        scripted: list[str] = []  # fqn prefixes of TorchScript submodules
         for fqn, m in named:
+            if any(fqn.startswith(p) for p in scripted):
+                continue
+            if isinstance(m, torch.jit.ScriptModule):
+                scripted.append(fqn + ".")
+                if selected(m, fqn):
+                    summary.unsupported[fqn] = (
+                        f"{getattr(m, 'original_name', type(m).__name__)} (TorchScript: compiled, nothing in "
+                        "it can be replaced; convert the eager module)"
+                    )
+                continue
+            if graph_module and isinstance(m, graph_module) and selected(m, fqn):
+                for node, target in _graph_activation_calls(m):
+                    summary.unsupported[f"{fqn}.{node}" if fqn else node] = (
+                        f"{target} (a function call in a torch.fx graph, not a module; convert the eager "
+                        "model before torch.export / symbolic_trace)"
+                    )
+            if isinstance(m, (fm._FewBit, fm.FewBitActivation)):
+                if selected(m, fqn):
+                    before = repr(m)
+                    why = _set_bits(m, config.activation_bits)
+                    if why is not None:
+                        summary.unsupported[fqn] = f"{type(m).__name__} ({why})"
+                    elif repr(m) != before:
+                        summary.changed[fqn] = (before, repr(m))
+                continue
             factory = factories.get(type(m))
             if factory is None:
                 if isinstance(m, unsupported) and selected(m, fqn):
@@ -424,7 +603,13 @@ def convert_(
             if m is model:
                 summary.unsupported[fqn] = f"{type(m).__name__} (the root module cannot be replaced in place)"
                 continue
+            if "forward" in vars(m):
+                summary.unsupported[fqn] = f"{type(m).__name__} (its forward was replaced on the instance)"
+                continue
             new = factory(m, config.activation_bits)
+            if isinstance(new, str):
+                summary.unsupported[fqn] = f"{type(m).__name__} ({new})"
+                continue
             new.train(m.training)
             new_for[id(m)] = new
             summary.replaced[fqn] = (type(m).__name__, repr(new))

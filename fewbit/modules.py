@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from fewbit import functional as FF
+from fewbit.activations import get_formula
 from fewbit.functional import _check_bits
 from fewbit.table import Table
 
@@ -32,6 +33,8 @@ __all__ = [
     # stepwise (exact 1-bit tables)
     "ReLU", "LeakyReLU", "ReLU6", "Hardtanh", "Threshold", "Hardshrink", "Softshrink",
     "Hardsigmoid",
+    # Hugging Face formulas, bit for bit
+    "FormulaActivation",
     # generic
     "FewBitActivation",
 ]
@@ -322,6 +325,57 @@ class Hardsigmoid(_FewBit, nn.Hardsigmoid):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         return FF.hardsigmoid(input, self.inplace, bits=self.bits)
+
+
+# --------------------------------------------------------------------------- formulas
+
+
+class FormulaActivation(_FewBit, nn.Module):
+    """Few-bit Hugging Face activation formula, bit for bit (:data:`fewbit.activations.FORMULAS`).
+
+    Forward is ``FORMULAS[name].torch_fn(input)``: the very expression the Hugging Face
+    module evaluates (``NewGELUActivation`` for ``"gelu_new"``, ...), so a converted model's
+    outputs are bit-identical to the original's. Backward is
+    ``grad_output * values[code(input)]`` (Novikov et al., "Few-bit Backward", ICML 2023,
+    eq. 1-2) with the shipped ``bits``-bit table of ``FORMULAS[name].table`` (``gelu_tanh``
+    for the tanh formulas, ``gelu`` for ``gelu_python``); see
+    :class:`fewbit.activations.Formula` for how close the formula's derivative is to that
+    table's function. :func:`fewbit.convert_` creates these for the Hugging Face classes.
+
+    Args:
+        name: ``"gelu_new"``, ``"gelu_python_tanh"``, ``"gelu_accurate"``, ``"gelu_fast"``
+            or ``"gelu_python"``.
+        bits: bits per element kept for backward, 1..8 (default 3).
+
+    Shape: input ``(*)`` of a floating dtype (float16/bfloat16/float32/float64), output
+    ``(*)`` of the same dtype; memory kept for backward ``ceil(numel * bits / 8)`` bytes
+    (the formula's intermediates are not kept).
+
+    Raises:
+        ValueError: at construction, for an unknown ``name`` or ``bits`` not in 1..8.
+        TypeError: in forward, if the input is not a floating-point tensor.
+    """
+
+    def __init__(self, name: str, *, bits: int = 3) -> None:
+        super().__init__()
+        self.name = get_formula(name).name
+        self._init_bits(bits)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if not isinstance(input, torch.Tensor) or not input.is_floating_point():
+            got = input.dtype if isinstance(input, torch.Tensor) else type(input).__name__
+            raise TypeError(f"input must be a floating-point tensor, got {got}")
+        formula = get_formula(self.name)
+        if not (torch.is_grad_enabled() and input.requires_grad):
+            return formula.torch_fn(input)  # no table needed
+        from fewbit.ops import pointwise
+
+        # The formula goes to the op as a "module:callable" function, whose table is the
+        # caller's: here the registry table the formula shares (nothing fitted or copied).
+        return pointwise(input, FF.load_table(formula.table, self.bits), formula.spec)
+
+    def extra_repr(self) -> str:
+        return f"{self.name!r}, bits={self.bits}"
 
 
 # --------------------------------------------------------------------------- generic

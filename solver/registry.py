@@ -293,7 +293,8 @@ def _hardsigmoid_f(x, p):
 
 
 def _hardsigmoid_df(x, p):
-    return np.where((x > -3.0) & (x < 3.0), 1.0 / 6.0, 0.0)
+    # torch's backward multiplies by the float32 constant 1.0f / 6.0f in every dtype
+    return np.where((x > -3.0) & (x < 3.0), _acts.HARDSIGMOID_SLOPE, 0.0)
 
 
 def _tanh_f(x, p):
