@@ -690,7 +690,8 @@ def list_cmd() -> None:
 @_bits_option("Bit widths to draw (default: 1 2 3 4, those available).")
 @_param_option
 @click.option("--table", "table_path", type=click.Path(dir_okay=False, exists=True, path_type=Path),
-              default=None, help="Plot the tables of this JSON file (from `fewbit fit`) instead of the shipped or cached ones.")
+              default=None,
+              help="Plot the tables of this JSON file (from `fewbit fit`) instead of the shipped or cached ones.")
 @click.option("--xlim", nargs=2, type=float, default=None, callback=_check_domain, metavar="A B",
               help="x range of the plot (default: the table's domain).")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), default=None,

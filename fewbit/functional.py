@@ -295,10 +295,13 @@ def _set_aside(path: Path, exc: Exception) -> str:
             os.unlink(path)
         except OSError as err:
             raise TableFormatError(
-                f"{path}: unreadable cached table ({exc}); a copy is at {aside} but it cannot be removed ({err}); delete it"
+                f"{path}: unreadable cached table ({exc}); a copy is at {aside} but it cannot be "
+                f"removed ({err}); delete it"
             ) from exc
         return f"; the unreadable cache file was moved to {aside} ({exc})"
-    raise TableFormatError(f"{path}: unreadable cached table ({exc}) and 1000 copies are set aside already; delete them")
+    raise TableFormatError(
+        f"{path}: unreadable cached table ({exc}) and 1000 copies are set aside already; delete them"
+    )
 
 
 def _fit_and_cache(f: _Fn, bits: int, params: dict[str, float], full: dict[str, float], note: str = "") -> Table:

@@ -485,7 +485,9 @@ def read_tables(path: str | os.PathLike) -> dict[int, Table]:
     try:
         text = data.decode("utf-8-sig")  # a byte-order mark some editors write is fine
     except UnicodeDecodeError as exc:
-        raise TableFormatError(f"{path}: not a valid table file (not UTF-8: {exc.reason} at byte {exc.start})") from None
+        raise TableFormatError(
+            f"{path}: not a valid table file (not UTF-8: {exc.reason} at byte {exc.start})"
+        ) from None
     return loads_tables(text, source=str(path))
 
 
