@@ -387,6 +387,7 @@ def _lookup(f: _Fn, bits: int, full: dict[str, float], nd: dict[str, float], bp:
 
 
 def _keys(f: _Fn, params: Mapping[str, float] | None, border_params: Mapping[str, float] | None):
+    """``(full params, non-default params, border params)`` of a request."""
     full = f.full_params(params)
     nd = f.table_params(full)
     bp = dict(border_params) if border_params is not None else full
