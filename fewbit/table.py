@@ -162,7 +162,8 @@ class Table:
             or ``None`` if unknown.
         objective: the objective the fit minimised, ``L = int (f' - q)^2 w`` over ``domain``
             with the fit's ``weight`` (Novikov et al., ICML 2023, eq. 3), or ``None`` if
-            unknown; equal to ``error`` for the uniform weight.
+            unknown; equal to ``error`` for the uniform weight. Like ``provenance``, it
+            records how the table was fitted and is not compared by ``==``.
         params: the function's parameters the table was fitted for (e.g. ``{"alpha": 1.0}``).
         domain: ``(A, B)`` the fitting interval.
         weight: the weight used to fit (``"uniform"``, ``"normal:SIGMA"``, ``"histogram"``,
@@ -186,7 +187,7 @@ class Table:
     weight: str = "uniform"
     symmetric: bool = False
     provenance: Mapping[str, Any] = field(default_factory=dict, compare=False)
-    objective: float | None = None
+    objective: float | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
