@@ -216,3 +216,17 @@ def test_fit_many_provenance_names_every_bit_width_and_objective_is_the_weighted
     for b, t in fit_many("sigmoid", [1, 2], grid=GRID).items():  # uniform, mirrored
         assert t.objective == pytest.approx(t.error, rel=1e-9)
     assert fit_many("relu", [1, 2])[2].objective == 0.0
+
+
+def test_error_on_a_huge_domain_is_cheap_and_right():
+    # [-1e6, 1e6] used to need ~3e7 quadrature cells (5 GB, minutes); the cells now grow
+    # with the domain beyond 20000 of them. GELU' is 0 / 1 to rounding beyond |x| = 20, so
+    # the error is that on [-20, 20] plus the two constant tails.
+    import time
+
+    t = load_shipped("gelu")[2]
+    start = time.perf_counter()
+    huge = approximation_error(t, domain=(-1e6, 1e6))
+    assert time.perf_counter() - start < 10
+    tails = (0.0 - t.values[t.codes[0]]) ** 2 * (1e6 - 20) + (1.0 - t.values[t.codes[-1]]) ** 2 * (1e6 - 20)
+    assert huge == pytest.approx(approximation_error(t, domain=(-20.0, 20.0)) + tails, rel=1e-9)
