@@ -153,7 +153,8 @@ class Table:
     """A piecewise-constant approximation of an activation's derivative for ``bits`` bits.
 
     Args:
-        name: registry name of the function (e.g. ``"gelu"``), or ``"module:callable"``.
+        name: registry name of the function (e.g. ``"gelu"``), or ``"module:callable"``
+            (printable, at most 256 characters).
         bits: bits per element of the code, 1..8.
         borders: ``(m - 1,)`` strictly increasing finite floats (float64 semantics).
         codes: ``(m,)`` integers in ``[0, 2**bits)``, the code of each interval.
@@ -190,8 +191,11 @@ class Table:
     objective: float | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not self.name:
-            raise ValueError(f"name must be a non-empty string, got {self.name!r}")
+        name = self.name
+        if not isinstance(name, str) or not name or len(name) > 256 or not name.isprintable():
+            # (printable: a newline or a bidi override would garble or spoof messages)
+            raise ValueError(f"name must be a non-empty string of printable characters (at most 256), "
+                             f"got {_short(name)}")
         _check_bits(self.bits)
         b = _reals("borders", self.borders)
         c = _integers("codes", self.codes)

@@ -224,6 +224,9 @@ HOSTILE = [
     ("missing-borders", _drop(*_R2, "borders"), None, ["tables.2.borders is missing"]),
     ("name-number", _set(["name"], 3), None, ["name must be a string", "got 3"]),
     ("name-empty", _set(["name"], ""), None, ["name must be a non-empty string"]),
+    ("name-newline", _set(["name"], "gelu\nError: spoofed"), None, ["name must be a non-empty string", '"gelu\\nError']),
+    ("name-bidi-override", _set(["name"], "gelu\u202e"), None, ["name must be a non-empty string"]),
+    ("name-huge", _set(["name"], "g" * 10_000), None, ["name must be a non-empty string", "..."]),
     ("schema-true", _set(["schema_version"], True), None, ["schema_version must be 1", "true"]),
     ("schema-1.0", _set(["schema_version"], 1.0), None, ["schema_version must be 1", "1.0"]),
     ("schema-string", _set(["schema_version"], "1"), None, ["schema_version must be 1", '"1"']),
@@ -267,8 +270,10 @@ def test_hostile_table_files(tmp_path, mutate, replace, needles):
         ("[1, 2]", "the top level must be an object, got a list"),
         ("3", "the top level must be an object, got a number"),
         ('{"schema_version": 1', "not a valid table file"),
+        ('{"schema_version": 1} trailing', "Extra data"),
+        ("\x00\x01", "not a valid table file"),
     ],
-    ids=["deep-lists", "deep-objects", "empty", "null", "list", "number", "truncated"],
+    ids=["deep-lists", "deep-objects", "empty", "null", "list", "number", "truncated", "trailing", "control"],
 )
 def test_hostile_texts(tmp_path, text, needle):
     path = tmp_path / "t.json"
