@@ -269,26 +269,66 @@ def _full_params(act: Any, params: Mapping[str, float]) -> dict[str, float]:
     return canonical_params(act, params)
 
 
-def _shipped(name: str, params: Mapping[str, float], act: Any) -> dict[int, Table] | None:
-    """Shipped tables of ``name`` (exact 1-bit table for stepwise derivatives if not shipped)."""
-    from fewbit.table import load_shipped
+def _find_tables(name: str, params: Mapping[str, float], bits: Iterable[int]) -> dict[int, tuple[Table, str]]:
+    """``{bits: (table, source)}`` for the widths that exist, found as the runtime finds them
+    (exact table of a stepwise derivative, shipped table, user cache: fewbit.functional),
+    never fitted. ``source`` is ``"exact"``, ``"fewbit.tables/<file>"`` or a cache path.
 
+    Raises:
+        click.ClickException: an unreadable shipped or cached file, or a bad name/params.
+    """
+    from fewbit.functional import _find_table
+
+    out = {}
     with _LibraryErrors():
-        tables = load_shipped(name, params or None)
-        if tables is None and act is not None and act.stepwise:
-            from fewbit.activations import exact_table
+        for b in bits:
+            table, source = _find_table(name, b, params)
+            if table is not None:
+                out[b] = (table, source)
+    return out
 
-            tables = {1: exact_table(name, params)}
-    return tables
+
+def _what(name: str, params: Mapping[str, float]) -> str:
+    return name + (f" ({_fmt_params(params)})" if params else "")
 
 
-def _table_for_bits(tables: Mapping[int, Table], bits: int, act: Any) -> Table | None:
-    """The table for ``bits``; for a stepwise derivative the exact 1-bit table serves every width."""
-    if bits in tables:
-        return tables[bits]
-    if act is not None and act.stepwise and 1 in tables and tables[1].error == 0:
-        return tables[1]
-    return None
+def _command_line(*words: Any) -> str:
+    """A shell command line (quoted as needed), e.g. for the hint of an error message."""
+    import shlex
+
+    return shlex.join(str(w) for w in words)
+
+
+def _param_args(params: Mapping[str, float]) -> list[str]:
+    return [w for k, v in sorted(params.items()) for w in ("--param", f"{k}={v!r}")]
+
+
+def _bits_args(bits: Sequence[int] | None) -> list[str]:
+    return ["--bits", *map(str, bits)] if bits else []
+
+
+def _nothing_found(name: str, params: Mapping[str, float], bits: Sequence[int]) -> str:
+    """Where the tables were looked for, for an error message."""
+    from fewbit.functional import cache_dir
+
+    where = "no shipped table and no" if not _is_user_function(name) else "no"
+    return (
+        f"{where} table in the user cache ({cache_dir()}) for {_what(name, params)} "
+        f"at bits {', '.join(map(str, bits))}"
+    )
+
+
+def _cache_note(found: Mapping[int, tuple[Table, str]]) -> str:
+    """'; bits 3 from the user cache PATH' for the tables that are neither shipped nor exact."""
+    by_source: dict[str, list[int]] = {}
+    for b, (_, source) in sorted(found.items()):
+        if source != "exact" and not source.startswith("fewbit.tables/"):
+            by_source.setdefault(source, []).append(b)
+    return "".join(
+        f"; bits {', '.join(map(str, bs))} from "
+        + ("tables fitted in this process" if src == "memory" else f"the user cache {src}")
+        for src, bs in by_source.items()
+    )
 
 
 def _check_writable(path: Path, force: bool) -> None:
@@ -315,10 +355,36 @@ def _check_writable(path: Path, force: bool) -> None:
         raise click.ClickException(f"cannot write {path}: permission denied")
 
 
-def _progress_bar(desc: str, enabled: bool):
-    from tqdm.auto import tqdm
+class _ProgressBar:
+    """A tqdm bar on stderr driven by ``progress(done, total)`` callbacks.
 
-    return tqdm(total=1, desc=desc, unit="step", file=sys.stderr, disable=not enabled, leave=False)
+    The bar is created at the first callback (the solver reports ``(0, total)`` first),
+    so it shows its real total from the start.
+    """
+
+    def __init__(self, desc: str, enabled: bool) -> None:
+        self.desc = desc
+        self.enabled = enabled
+        self.bar = None
+
+    def __call__(self, done: int, total: int) -> None:
+        if not self.enabled:
+            return
+        total = max(int(total), 1)
+        if self.bar is None:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=total, desc=self.desc, unit="step", file=sys.stderr, leave=False)
+        self.bar.total = total
+        self.bar.n = min(int(done), total)
+        self.bar.refresh()
+
+    def __enter__(self) -> "_ProgressBar":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
 def _run_fit(
@@ -340,13 +406,7 @@ def _run_fit(
         kwargs["grid"] = grid
     if _is_user_function(name):
         _check_user_function(name, domain, params)
-    with _progress_bar(f"fit {name}", progress) as bar:
-
-        def report(done: int, total: int) -> None:
-            bar.total = max(int(total), 1)
-            bar.n = min(int(done), bar.total)
-            bar.refresh()
-
+    with _ProgressBar(f"fit {name}", progress) as report:
         with _LibraryErrors(f"cannot fit {name}: "):
             try:
                 tables = solver.fit_many(name, list(bits), progress=report, **kwargs)
@@ -446,6 +506,8 @@ def cli() -> None:
     """
 
 
+
+
 @cli.command("fit", cls=MultiValueCommand)
 @click.argument("name")
 @_bits_option("Bit widths to fit (default: 1 2 3 4).")
@@ -463,9 +525,17 @@ def fit_cmd(name, bits, domain, weight, grid, symmetric, params, output, force, 
     NAME is a registered activation (see `fewbit list`; e.g. gelu, silu, elu) or a
     user function "package.module:callable": a torch elementwise function of a float64
     tensor (f' is taken with torch autograd).
-    Prints the error (docs/method.md §3) of each bit width.
+
+    A table q is piecewise constant with 2**bits levels. The fit minimises
+    L = integral of (f'(x) - q(x))^2 w(x) dx over the domain [A, B] (Novikov et al.
+    2023, eq. 3), w being the weight (--weight; uniform: w = 1, normal:SIGMA: the
+    density of N(0, SIGMA^2)). Prints per bit width the error, the integral of
+    (f'(x) - q(x))^2 dx over the domain (L with w = 1), and with another weight also
+    the minimised L, labelled with its weight.
 
     Example: fewbit fit gelu --bits 1 2 3 4 --grid 2000 -o gelu.json
+    \f
+    The error is docs/method.md §3; the objective eq. 3 of the paper.
     """
     from fewbit.table import table_filename, write_tables
 
@@ -476,9 +546,22 @@ def fit_cmd(name, bits, domain, weight, grid, symmetric, params, output, force, 
     _check_writable(path, force)
     tables = _run_fit(cname, bits, domain=domain, weight=weight, grid=grid, symmetric=symmetric,
                       params=nd_params, progress=progress)
-    rows = [[str(b), _fmt_error(tables[b].error), str(tables[b].num_intervals)] for b in sorted(tables)]
-    click.echo(f"{cname} ({_fmt_params(nd_params)}) on [{domain[0]:g}, {domain[1]:g}], weight {weight}")
-    click.echo(_render_table(["bits", "error", "intervals"], rows))
+    first = tables[min(tables)]
+    dom = f"[{domain[0]:g}, {domain[1]:g}]"
+    click.echo(f"{_what(cname, nd_params)} on {dom}, weight {first.weight}")
+    if first.weight in ("uniform", "exact"):
+        rows = [[str(b), _fmt_error(t.error), str(t.num_intervals)] for b, t in sorted(tables.items())]
+        click.echo(_render_table(["bits", "error", "intervals"], rows))
+        click.echo(f"error = integral of (f' - q)^2 dx over {dom} (w = 1), the objective the fit minimised")
+    else:
+        # The fit minimised the weighted objective; the uniform error is what `fewbit error`
+        # and `fewbit list` show. Both are labelled.
+        rows = [[str(b), _fmt_error(t.objective), _fmt_error(t.error), str(t.num_intervals)]
+                for b, t in sorted(tables.items())]
+        weighted = f"error (w = {first.weight})"
+        click.echo(_render_table(["bits", weighted, "error (w = 1)", "intervals"], rows))
+        click.echo(f"{weighted} = integral of (f' - q)^2 w dx over {dom}, the objective the fit minimised")
+        click.echo(f"error (w = 1) = integral of (f' - q)^2 dx over {dom}, as `fewbit error` reports it")
     try:
         write_tables(path, tables.values())
     except OSError as exc:
@@ -493,36 +576,46 @@ def fit_cmd(name, bits, domain, weight, grid, symmetric, params, output, force, 
               help="Interval of the error integral (default: the table's, -10 10).")
 @_param_option
 @click.option("--json", "as_json", is_flag=True, help="Print {name: {bits: error}} as JSON.")
-@click.option("--refit", is_flag=True, help="Fit the tables anew instead of using the shipped ones.")
+@click.option("--refit", is_flag=True, help="Fit the tables anew instead of using the shipped or cached ones.")
 @_fit_options
 @click.option("--progress/--no-progress", default=True, help="Show a progress bar on stderr (--refit).")
 def error_cmd(names, bits, domain, params, as_json, refit, weight, grid, symmetric, progress) -> None:
-    """Print the approximation error of the tables of each NAME (docs/method.md §3).
+    """Print the approximation error of the tables of each NAME.
 
-    Rows are functions, columns bit widths; errors are the integral of (f' - q)^2 over
-    the domain, with 4 significant digits. The shipped tables are used unless --refit
-    is given; with --domain the error is recomputed on that interval.
+    The error of a table q (piecewise constant, 2**bits levels) is the integral of
+    (f'(x) - q(x))^2 dx over the domain [A, B] (Novikov et al. 2023, eq. 3 with
+    weight w = 1), printed with 4 significant digits; rows are functions, columns bit
+    widths. The tables are those the library uses: the exact table of a stepwise
+    derivative (ReLU, ...), a shipped table, or one fitted earlier for these parameters
+    and kept in the user cache. --refit fits them anew; with --domain the error is
+    recomputed on that interval.
 
     Example: fewbit error gelu silu --bits 1 2 3 4
+    \f
+    The error is docs/method.md §3.
     """
-    bits = bits or DEFAULT_BITS
+    asked_bits, bits = bits, bits or DEFAULT_BITS
     results: dict[str, dict[int, float | None]] = {}
     missing: list[str] = []
+    cached: list[str] = []
     resolved = [(name, *_resolve(name, params)) for name in names]
     for name, cname, nd_params, act in resolved:
         if refit:
             tables = _run_fit(cname, bits, domain=domain or DEFAULT_DOMAIN, weight=weight, grid=grid,
                               symmetric=symmetric, params=nd_params, progress=progress)
         else:
-            tables = _shipped(cname, nd_params, act)
-            if tables is None:
-                what = cname + (f" with {_fmt_params(nd_params)}" if nd_params else "")
-                raise click.ClickException(
-                    f"no shipped table for {what}; use --refit to fit one (or `fewbit fit`)"
-                )
+            found = _find_tables(cname, nd_params, bits)
+            if not found:
+                hint = _command_line("fewbit", "error", cname, *_param_args(nd_params), *_bits_args(asked_bits),
+                                     "--refit")
+                raise click.ClickException(f"{_nothing_found(cname, nd_params, bits)}; fit them with `{hint}`")
+            tables = {b: t for b, (t, _) in found.items()}
+            note = _cache_note(found)
+            if note:
+                cached.append(_what(cname, nd_params) + ": " + note[2:])
         row: dict[int, float | None] = {}
         for b in bits:
-            table = _table_for_bits(tables, b, act)
+            table = tables.get(b)
             if table is None:
                 row[b] = None
                 missing.append(f"{cname}@{b}")
@@ -542,8 +635,10 @@ def error_cmd(names, bits, domain, params, as_json, refit, weight, grid, symmetr
         click.echo(_render_table(header, rows))
         dom = domain or DEFAULT_DOMAIN
         click.echo(f"error = integral of (f' - q)^2 over [{dom[0]:g}, {dom[1]:g}] (uniform weight)")
+    for line in cached:
+        click.echo(f"note: {line}", err=True)
     if missing:
-        click.echo(f"note: no shipped table for {', '.join(missing)} (n/a); use --refit", err=True)
+        click.echo(f"note: no shipped or cached table for {', '.join(missing)} (n/a); use --refit", err=True)
 
 
 def _recompute_error(table: Table, name: str, act: Any, params: Mapping[str, float],
@@ -556,7 +651,14 @@ def _recompute_error(table: Table, name: str, act: Any, params: Mapping[str, flo
 
 @cli.command("list")
 def list_cmd() -> None:
-    """List the shipped tables with their bit widths and errors (docs/method.md §3)."""
+    """List the shipped tables with their bit widths and errors.
+
+    The error of a table q (piecewise constant, 2**bits levels) is the integral of
+    (f'(x) - q(x))^2 dx over the table's domain (Novikov et al. 2023, eq. 3 with
+    weight w = 1).
+    \f
+    The error is docs/method.md §3.
+    """
     from fewbit.table import loads_tables, shipped_table_files
 
     files = shipped_table_files()
@@ -579,7 +681,8 @@ def list_cmd() -> None:
             + [_fmt_error(tables[b].error) if b in tables else "" for b in all_bits]
         )
     click.echo(_render_table(header, rows, right_from=5))
-    click.echo(f"{len(rows)} tables; error = integral of (f' - q)^2 over the domain (docs/method.md §3)")
+    click.echo(f"{len(rows)} tables; error = integral of (f' - q)^2 dx over the domain "
+               "(Novikov et al. 2023, eq. 3 with w = 1)")
 
 
 @cli.command("plot", cls=MultiValueCommand)
@@ -587,7 +690,8 @@ def list_cmd() -> None:
 @_bits_option("Bit widths to draw (default: 1 2 3 4, those available).")
 @_param_option
 @click.option("--table", "table_path", type=click.Path(dir_okay=False, exists=True, path_type=Path),
-              default=None, help="Plot the tables of this JSON file (from `fewbit fit`) instead of the shipped ones.")
+              default=None,
+              help="Plot the tables of this JSON file (from `fewbit fit`) instead of the shipped or cached ones.")
 @click.option("--xlim", nargs=2, type=float, default=None, callback=_check_domain, metavar="A B",
               help="x range of the plot (default: the table's domain).")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), default=None,
@@ -596,11 +700,19 @@ def list_cmd() -> None:
 def plot_cmd(name, bits, params, table_path, xlim, output, force) -> None:
     """Plot f' of NAME with its few-bit approximations q and the error |f' - q|.
 
-    Top panel: f' and one step line per bit width (errors in the legend); bottom panel:
-    the pointwise error |f' - q| on a log scale.
+    Top panel: f' and one step line per bit width, the legend giving each table's
+    error, the integral of (f'(x) - q(x))^2 dx over the table's domain (Novikov et al. 2023,
+    eq. 3 with weight w = 1); bottom panel: the pointwise error |f' - q| on a log
+    scale. The tables are those the library uses (exact, shipped, or fitted earlier
+    and kept in the user cache), or those of --table; none is fitted here.
 
     Example: fewbit plot gelu --bits 1 2 3 4 -o gelu.png
+    \f
+    The error is docs/method.md §3.
     """
+    from fewbit.table import table_filename
+
+    note = ""
     if table_path is not None:
         from fewbit.table import read_tables
 
@@ -611,27 +723,42 @@ def plot_cmd(name, bits, params, table_path, xlim, output, force) -> None:
         if asked != first.name:
             raise click.ClickException(f"{table_path} holds tables of {first.name!r}, not {name!r}")
         cname, nd_params, act = _resolve(first.name, first.params)
+        if params and _resolve(first.name, params)[1] != nd_params:
+            raise click.ClickException(
+                f"{table_path} holds tables for {_what(cname, nd_params)}, not for --param {_fmt_params(params)}"
+            )
+        if bits:
+            absent = [str(b) for b in bits if b not in tables]
+            if absent:
+                raise click.ClickException(
+                    f"{table_path} has no table at bits {', '.join(absent)} "
+                    f"(it has bits {', '.join(map(str, sorted(tables)))})"
+                )
+            chosen = {b: tables[b] for b in bits}
+        else:
+            chosen = {b: t for b, t in sorted(tables.items()) if b in DEFAULT_BITS} or dict(sorted(tables.items()))
     else:
         cname, nd_params, act = _resolve(name, params)
-        tables = _shipped(cname, nd_params, act)
-        if tables is None:
+        wanted = bits or DEFAULT_BITS
+        found = _find_tables(cname, nd_params, wanted)
+        absent = [b for b in wanted if b not in found]
+        if bits and absent or not found:
+            fname = table_filename(cname, nd_params)
+            fit_cmd_line = _command_line("fewbit", "fit", cname, *_param_args(nd_params), *_bits_args(bits))
+            plot_line = _command_line("fewbit", "plot", cname, *_bits_args(bits), "--table", fname)
             raise click.ClickException(
-                f"no shipped table for {cname}; fit one with `fewbit fit {cname} -o T.json` and pass --table T.json"
+                f"{_nothing_found(cname, nd_params, absent)}; fit them with `{fit_cmd_line}` "
+                f"(writes {fname}) and plot that with `{plot_line}`"
             )
-    if bits:
-        chosen = {b: _table_for_bits(tables, b, act) for b in bits}
-        absent = [str(b) for b, t in chosen.items() if t is None]
-        if absent:
-            raise click.ClickException(
-                f"no table for {cname} at bits {', '.join(absent)} (available: {', '.join(map(str, sorted(tables)))})"
-            )
-    else:
-        chosen = {b: t for b, t in sorted(tables.items()) if b in DEFAULT_BITS} or dict(sorted(tables.items()))
+        if act is not None and act.stepwise and not bits:
+            found = {1: found[1]}  # the exact 1-bit table serves every width
+        chosen = {b: t for b, (t, _) in sorted(found.items())}
+        note = _cache_note(found)
     path = output if output is not None else Path(f"{cname.replace(':', '--')}.png")
     _check_writable(path, force)
     with _LibraryErrors(f"cannot plot {cname}: "):
         _plot(cname, act, nd_params, chosen, xlim, path)
-    click.echo(f"wrote {path}")
+    click.echo(f"wrote {path}" + (f" ({note[2:]})" if note else ""))
 
 
 def _evaluate_table(table: Table, x):

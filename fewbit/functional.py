@@ -271,15 +271,37 @@ def _solver_missing(exc: ImportError) -> ImportError:
 
 
 def _set_aside(path: Path, exc: Exception) -> str:
-    """Rename an unreadable cache file to ``<name>.corrupt``; return a note for the warning."""
-    aside = path.with_name(path.name + ".corrupt")
-    try:
-        os.replace(path, aside)
-    except OSError as err:
-        raise TableFormatError(
-            f"{path}: unreadable cached table ({exc}) and it cannot be moved aside ({err}); delete it"
-        ) from exc
-    return f"; the unreadable cache file was moved to {aside} ({exc})"
+    """Move an unreadable cache file to ``<name>.corrupt`` (``<name>.corrupt.1``, ... if
+    that exists: a file set aside earlier is never overwritten); return a note for the
+    warning."""
+    for i in range(1000):
+        aside = path.with_name(path.name + (".corrupt" if i == 0 else f".corrupt.{i}"))
+        try:
+            # a hard link never replaces an existing file (os.replace would)
+            os.link(path, aside, follow_symlinks=False)
+        except FileExistsError:
+            continue
+        except OSError as err:  # no hard links on this file system: check, then rename
+            if os.path.lexists(aside):
+                continue
+            try:
+                os.rename(path, aside)
+            except OSError as err2:
+                raise TableFormatError(
+                    f"{path}: unreadable cached table ({exc}) and it cannot be moved aside ({err2}); delete it"
+                ) from err
+            return f"; the unreadable cache file was moved to {aside} ({exc})"
+        try:
+            os.unlink(path)
+        except OSError as err:
+            raise TableFormatError(
+                f"{path}: unreadable cached table ({exc}); a copy is at {aside} but it cannot be "
+                f"removed ({err}); delete it"
+            ) from exc
+        return f"; the unreadable cache file was moved to {aside} ({exc})"
+    raise TableFormatError(
+        f"{path}: unreadable cached table ({exc}) and 1000 copies are set aside already; delete them"
+    )
 
 
 def _fit_and_cache(f: _Fn, bits: int, params: dict[str, float], full: dict[str, float], note: str = "") -> Table:
@@ -314,7 +336,7 @@ def _fit_and_cache(f: _Fn, bits: int, params: dict[str, float], full: dict[str, 
         existing = read_tables(path) if path.exists() else {}
         existing = {b: t for b, t in existing.items() if b != bits}
         write_tables(path, [*existing.values(), table])
-    except (OSError, TableFormatError) as exc:
+    except (OSError, ValueError) as exc:  # ValueError: TableFormatError, or a file of other fit options
         where = f"not cached ({exc})"
     shown = ", ".join(f"{k}={v:g}" for k, v in params.items())
     warnings.warn(
@@ -325,13 +347,58 @@ def _fit_and_cache(f: _Fn, bits: int, params: dict[str, float], full: dict[str, 
     return table
 
 
+def _lookup(f: _Fn, bits: int, full: dict[str, float], nd: dict[str, float], bp: dict[str, float],
+            set_aside: bool) -> tuple[Table | None, str, str]:
+    """Steps 1-3 of the module docstring (exact, shipped, user cache), never fitting.
+
+    Returns ``(table or None, source, note)``: ``source`` says where the table came from
+    (``"exact"``, ``"fewbit.tables/<file>"`` or the cache file's path); ``note`` is set when
+    an unreadable cache file was moved aside (``set_aside``; otherwise TableFormatError).
+    """
+    if f.act is not None and f.act.stepwise:
+        # Exact at 1 bit: more bits could not make the gradient more exact.
+        table = exact_table(f.name, bp)
+        if bp != full:
+            table = dataclasses.replace(table, params=nd)
+        return table, "exact", ""
+    if f.act is not None:
+        shipped = load_shipped(f.name, nd)
+        if shipped and bits in shipped:
+            source = f"fewbit.tables/{table_filename(f.name, nd)}"
+            table = _pick_bits(shipped, bits, source)
+            _check_table_matches(table, f.name, nd, source)
+            return table, source, ""
+    path = cache_dir() / table_filename(f.name, nd)
+    if not path.exists():
+        return None, "", ""
+    try:
+        cached = read_tables(path)
+    except TableFormatError as exc:
+        if not set_aside:
+            raise
+        # The cache is ours and can be rebuilt: set the unreadable file aside (never
+        # deleted) and refit; the warning says so.
+        return None, "", _set_aside(path, exc)
+    if bits not in cached:
+        return None, "", ""
+    table = _pick_bits(cached, bits, str(path))
+    _check_table_matches(table, f.name, nd, str(path))
+    return table, str(path), ""
+
+
+def _keys(f: _Fn, params: Mapping[str, float] | None, border_params: Mapping[str, float] | None):
+    """``(full params, non-default params, border params)`` of a request."""
+    full = f.full_params(params)
+    nd = f.table_params(full)
+    bp = dict(border_params) if border_params is not None else full
+    return full, nd, bp
+
+
 def _load(f: _Fn, bits: int, params: Mapping[str, float] | None, border_params: Mapping[str, float] | None = None) -> Table:
     """Resolve (and cache in memory) a table. ``border_params``: for stepwise functions,
     the parameters rounded as torch rounds them for the input dtype; the table's borders
     come from them while its ``params`` stay the requested ones."""
-    full = f.full_params(params)
-    nd = f.table_params(full)
-    bp = dict(border_params) if border_params is not None else full
+    full, nd, bp = _keys(f, params, border_params)
     key = (f.name, _params_tuple(nd), bits, _params_tuple(bp))
     table = _TABLES.get(key)
     if table is not None:
@@ -340,36 +407,41 @@ def _load(f: _Fn, bits: int, params: Mapping[str, float] | None, border_params: 
         table = _TABLES.get(key)
         if table is not None:
             return table
-        if f.act is not None and f.act.stepwise:
-            # Exact at 1 bit: more bits could not make the gradient more exact.
-            table = exact_table(f.name, bp)
-            if bp != full:
-                table = dataclasses.replace(table, params=nd)
-        else:
-            table = None
-            if f.act is not None:
-                shipped = load_shipped(f.name, nd)
-                if shipped and bits in shipped:
-                    table = _pick_bits(shipped, bits, f"fewbit.tables/{table_filename(f.name, nd)}")
-                    _check_table_matches(table, f.name, nd, f"fewbit.tables/{table_filename(f.name, nd)}")
-            note = ""
-            if table is None:
-                path = cache_dir() / table_filename(f.name, nd)
-                if path.exists():
-                    try:
-                        cached = read_tables(path)
-                    except TableFormatError as exc:
-                        # The cache is ours and can be rebuilt: set the unreadable file
-                        # aside (never deleted) and refit; the warning says so.
-                        cached = {}
-                        note = _set_aside(path, exc)
-                    if bits in cached:
-                        table = _pick_bits(cached, bits, str(path))
-                        _check_table_matches(table, f.name, nd, str(path))
-            if table is None:
-                table = _fit_and_cache(f, bits, nd, full, note)
+        table, _, note = _lookup(f, bits, full, nd, bp, set_aside=True)
+        if table is None:
+            table = _fit_and_cache(f, bits, nd, full, note)
         _TABLES[key] = table
         return table
+
+
+def _find_table(fn: FnLike, bits: int | None = None,
+                params: Mapping[str, float] | None = None) -> tuple[Table | None, str]:
+    """The table :func:`load_table` would return, found the same way, but never fitted.
+
+    For the command line (``fewbit plot`` / ``fewbit error``), which must show the tables
+    the runtime uses and must not fit one silently.
+
+    Returns:
+        ``(table, source)``: ``source`` is ``"exact"``, ``"fewbit.tables/<file>"``, the path
+        of the user cache file, or ``"memory"`` (fitted earlier in this process, not
+        cached); ``(None, "")`` when :func:`load_table` would have to fit the table.
+
+    Raises:
+        ValueError: as :func:`load_table`.
+        TableFormatError: if a shipped or cached file is unreadable (the cached file is left
+            where it is; :func:`load_table` would move it aside and refit).
+    """
+    if bits is not None:
+        bits = _check_bits(bits)
+    f = _resolve_fn(fn)
+    if bits is None:
+        bits = f.act.default_bits if f.act is not None else 3
+    full, nd, bp = _keys(f, params, None)
+    table, source, _ = _lookup(f, bits, full, nd, bp, set_aside=False)
+    if table is None:
+        table = _TABLES.get((f.name, _params_tuple(nd), bits, _params_tuple(bp)))
+        source = "memory" if table is not None else ""
+    return table, source
 
 
 def load_table(fn: FnLike | TableLike, bits: int | None = None, params: Mapping[str, float] | None = None) -> Table:

@@ -24,8 +24,20 @@ On disk a JSON file holds every bit width fitted for one function and parameter 
       "tables": {"1": {"borders": [...], "codes": [...], "values": [...], "error": 0.1}, ...}
     }
 
-Files are read with :func:`json.loads` only (never pickle) and written atomically.
-This module imports nothing beyond the standard library.
+``schema_version``, ``name`` and ``tables`` are required; the other top-level fields
+default to the values shown (``params`` ``{}``, ``symmetric`` false, ``domain``
+``[-10, 10]``, ``weight`` ``"uniform"``, ``provenance`` ``{}``). A bit-width record may
+also hold ``objective`` (the weighted objective the fit minimised) and its own
+``provenance`` (when it differs from the file's). Keys of ``tables`` are ``"1"`` to ``"8"``.
+
+Files are read with :func:`json.loads` only (never pickle) and validated strictly: every
+field must have its JSON type (numbers are numbers, not strings; codes are integers;
+``symmetric`` is true or false), numbers must be finite (``NaN``/``Infinity`` are refused),
+levels must be finite in float32 (the kernels compute in it), and unknown or duplicate
+keys are refused, so a typo never silently falls back to a default. Any problem raises one
+:class:`TableFormatError` naming the file, the field and the value. Files are written
+atomically, with the permissions of an ordinary new file (``0o666`` minus the umask) or
+those of the file they replace. This module imports nothing beyond the standard library.
 """
 
 from __future__ import annotations
@@ -33,8 +45,10 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import numbers
 import os
-import tempfile
+import re
+import stat
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -42,6 +56,7 @@ from typing import Any, Iterable, Iterator, Mapping
 
 __all__ = [
     "SCHEMA_VERSION",
+    "MAX_FILE_SIZE",
     "Table",
     "TableFormatError",
     "dumps_tables",
@@ -57,6 +72,14 @@ __all__ = [
 #: Version of the JSON layout above. Readers refuse any other version.
 SCHEMA_VERSION = 1
 
+#: Largest table file read, in bytes (a 8-bit table is about 60 kB; anything near this
+#: limit is not a table file).
+MAX_FILE_SIZE = 4 * 1024 * 1024
+
+# A float64 at or beyond this magnitude rounds to inf in float32 (2**128 - 2**103 is the
+# midpoint between the largest float32 and 2**128; ties round to the even 2**128).
+_FLOAT32_OVERFLOW = 2.0**128 - 2.0**103
+
 
 class TableFormatError(ValueError):
     """A table file is missing, corrupt, or of another schema version."""
@@ -68,18 +91,80 @@ def _check_bits(bits: Any, name: str = "bits") -> int:
     return bits
 
 
+def _short(value: Any, limit: int = 60) -> str:
+    """``value`` as JSON (as it was in the file), else its repr; at most ``limit`` characters."""
+    try:
+        text = json.dumps(value, allow_nan=True)
+    except (TypeError, ValueError, RecursionError):
+        text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _real(name: str, x: Any) -> float:
+    if isinstance(x, bool) or not isinstance(x, numbers.Real):
+        raise ValueError(f"{name} must be a number, got {_short(x)}")
+    return float(x)
+
+
+def _sequence(name: str, seq: Any) -> list:
+    if isinstance(seq, (str, bytes, Mapping)) or not isinstance(seq, Iterable):
+        raise ValueError(f"{name} must be a list of numbers, got {_short(seq)}")
+    return list(seq)
+
+
+def _reals(name: str, seq: Any) -> tuple[float, ...]:
+    return tuple(_real(f"{name}[{i}]", x) for i, x in enumerate(_sequence(name, seq)))
+
+
+def _integers(name: str, seq: Any) -> tuple[int, ...]:
+    out = []
+    for i, x in enumerate(_sequence(name, seq)):
+        if isinstance(x, bool) or not isinstance(x, numbers.Integral):
+            raise ValueError(f"{name}[{i}] must be an integer, got {_short(x)}")
+        out.append(int(x))
+    return tuple(out)
+
+
+def _optional_nonnegative(name: str, x: Any) -> float | None:
+    if x is None:
+        return None
+    x = _real(name, x)
+    if not (math.isfinite(x) and x >= 0):
+        raise ValueError(f"{name} must be a finite number >= 0 or None, got {x!r}")
+    return x
+
+
+def _params(params: Any) -> dict[str, float]:
+    if not isinstance(params, Mapping):
+        raise ValueError(f"params must be a mapping of names to numbers, got {_short(params)}")
+    out = {}
+    for k, v in params.items():
+        if not isinstance(k, str) or not k.isidentifier():
+            raise ValueError(f"params: parameter names must be identifiers, got {_short(k)}")
+        v = _real(f"params.{k}", v)
+        if not math.isfinite(v):
+            raise ValueError(f"params.{k} must be finite, got {v!r}")
+        out[k] = v
+    return out
+
+
 @dataclass(frozen=True)
 class Table:
     """A piecewise-constant approximation of an activation's derivative for ``bits`` bits.
 
     Args:
-        name: registry name of the function (e.g. ``"gelu"``), or ``"module:callable"``.
+        name: registry name of the function (e.g. ``"gelu"``), or ``"module:callable"``
+            (printable, at most 256 characters).
         bits: bits per element of the code, 1..8.
         borders: ``(m - 1,)`` strictly increasing finite floats (float64 semantics).
         codes: ``(m,)`` integers in ``[0, 2**bits)``, the code of each interval.
         values: ``(2**bits,)`` finite floats, the derivative level of each code.
         error: the approximation error of docs/method.md §3 (uniform weight over ``domain``),
             or ``None`` if unknown.
+        objective: the objective the fit minimised, ``L = int (f' - q)^2 w`` over ``domain``
+            with the fit's ``weight`` (Novikov et al., ICML 2023, eq. 3), or ``None`` if
+            unknown; equal to ``error`` for the uniform weight. Like ``provenance``, it
+            records how the table was fitted and is not compared by ``==``.
         params: the function's parameters the table was fitted for (e.g. ``{"alpha": 1.0}``).
         domain: ``(A, B)`` the fitting interval.
         weight: the weight used to fit (``"uniform"``, ``"normal:SIGMA"``, ``"histogram"``,
@@ -88,7 +173,8 @@ class Table:
         provenance: free-form metadata (solver version, grid, command that regenerates it).
 
     Raises:
-        ValueError: if the arrays do not satisfy the constraints above.
+        ValueError: if a field does not satisfy the constraints above (numbers must be real
+            numbers, not strings or booleans; codes integers; values finite in float32).
     """
 
     name: str
@@ -102,32 +188,57 @@ class Table:
     weight: str = "uniform"
     symmetric: bool = False
     provenance: Mapping[str, Any] = field(default_factory=dict, compare=False)
+    objective: float | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
+        name = self.name
+        if not isinstance(name, str) or not name or len(name) > 256 or not name.isprintable():
+            # (printable: a newline or a bidi override would garble or spoof messages)
+            raise ValueError(f"name must be a non-empty string of printable characters (at most 256), "
+                             f"got {_short(name)}")
         _check_bits(self.bits)
-        object.__setattr__(self, "borders", tuple(float(b) for b in self.borders))
-        object.__setattr__(self, "codes", tuple(int(c) for c in self.codes))
-        object.__setattr__(self, "values", tuple(float(v) for v in self.values))
-        object.__setattr__(self, "params", dict(self.params))
-        object.__setattr__(self, "domain", tuple(float(d) for d in self.domain))
-        b, c, v = self.borders, self.codes, self.values
-        if not all(math.isfinite(x) for x in b):
-            raise ValueError(f"borders must be finite, got {list(b)}")
-        if any(b[i] >= b[i + 1] for i in range(len(b) - 1)):
-            raise ValueError(f"borders must be strictly increasing, got {list(b)}")
+        b = _reals("borders", self.borders)
+        c = _integers("codes", self.codes)
+        v = _reals("values", self.values)
+        object.__setattr__(self, "borders", b)
+        object.__setattr__(self, "codes", c)
+        object.__setattr__(self, "values", v)
+        object.__setattr__(self, "params", _params(self.params))
+        object.__setattr__(self, "domain", _reals("domain", self.domain))
+        object.__setattr__(self, "error", _optional_nonnegative("error", self.error))
+        object.__setattr__(self, "objective", _optional_nonnegative("objective", self.objective))
+        if not isinstance(self.weight, str) or not self.weight:
+            raise ValueError(f"weight must be a non-empty string, got {self.weight!r}")
+        if not isinstance(self.symmetric, bool):
+            raise ValueError(f"symmetric must be True or False, got {self.symmetric!r}")
+        if not isinstance(self.provenance, Mapping):
+            raise ValueError(f"provenance must be a mapping, got {type(self.provenance).__name__}")
+        object.__setattr__(self, "provenance", dict(self.provenance))
+        for i, x in enumerate(b):
+            if not math.isfinite(x):
+                raise ValueError(f"borders must be finite, got borders[{i}] = {x!r}")
+            if i and not b[i - 1] < x:
+                raise ValueError(
+                    f"borders must be strictly increasing, got borders[{i - 1}] = {b[i - 1]!r} "
+                    f"then borders[{i}] = {x!r}"
+                )
         if len(c) != len(b) + 1:
             raise ValueError(
                 f"codes must have len(borders) + 1 = {len(b) + 1} entries, got {len(c)}"
             )
         n_codes = 1 << self.bits
-        if any(not 0 <= x < n_codes for x in c):
-            raise ValueError(f"codes must be in [0, {n_codes}) for bits={self.bits}, got {list(c)}")
+        for i, x in enumerate(c):
+            if not 0 <= x < n_codes:
+                raise ValueError(f"codes must be in [0, {n_codes}) for bits={self.bits}, got codes[{i}] = {x}")
         if len(v) != n_codes:
             raise ValueError(f"values must have 2**bits = {n_codes} entries, got {len(v)}")
-        if not all(math.isfinite(x) for x in v):
-            raise ValueError(f"values must be finite, got {list(v)}")
-        if len(self.domain) != 2 or not self.domain[0] < self.domain[1]:
-            raise ValueError(f"domain must be (A, B) with A < B, got {self.domain}")
+        for i, x in enumerate(v):
+            if not abs(x) < _FLOAT32_OVERFLOW:
+                what = "finite" if not math.isfinite(x) else "finite in float32 (|value| < 3.4e38)"
+                raise ValueError(f"values must be {what}, got values[{i}] = {x!r}")
+        d = self.domain
+        if len(d) != 2 or not all(math.isfinite(x) for x in d) or not d[0] < d[1]:
+            raise ValueError(f"domain must be (A, B), finite, with A < B, got {list(d)}")
 
     @property
     def num_intervals(self) -> int:
@@ -135,13 +246,17 @@ class Table:
         return len(self.borders) + 1
 
     def to_dict(self) -> dict[str, Any]:
-        """The per-bit-width JSON record (``borders``, ``codes``, ``values``, ``error``)."""
-        return {
+        """The per-bit-width JSON record (``borders``, ``codes``, ``values``, ``error``,
+        and ``objective`` when known)."""
+        out = {
             "borders": list(self.borders),
             "codes": list(self.codes),
             "values": list(self.values),
             "error": self.error,
         }
+        if self.objective is not None:
+            out["objective"] = self.objective
+        return out
 
 
 def _params_key(params: Mapping[str, float] | None) -> str:
@@ -164,8 +279,12 @@ def table_filename(name: str, params: Mapping[str, float] | None = None) -> str:
 def dumps_tables(tables: Iterable[Table]) -> str:
     """Serialise tables of one function and parameter set (several bit widths) to JSON.
 
+    The file-level ``provenance`` is that of the lowest bit width; a table whose
+    provenance differs keeps its own in its record.
+
     Raises:
-        ValueError: if ``tables`` is empty or mixes functions, parameters or domains.
+        ValueError: if ``tables`` is empty, holds a bit width twice, or mixes functions,
+            parameters, symmetry, domains or weights.
     """
     tables = sorted(tables, key=lambda t: t.bits)
     if not tables:
@@ -174,9 +293,20 @@ def dumps_tables(tables: Iterable[Table]) -> str:
     bits = [t.bits for t in tables]
     if len(set(bits)) != len(bits):
         raise ValueError(f"each bit width may appear once, got bits {bits}")
+    shared = ("name", "params", "symmetric", "domain", "weight")
     for t in tables[1:]:
-        if (t.name, dict(t.params), t.symmetric) != (first.name, dict(first.params), first.symmetric):
-            raise ValueError("all tables of one file must share name, params and symmetric")
+        for attr in shared:
+            if getattr(t, attr) != getattr(first, attr):
+                raise ValueError(
+                    "all tables of one file must share name, params, symmetric, domain and weight; "
+                    f"{first.bits}-bit has {attr}={getattr(first, attr)!r}, {t.bits}-bit has {getattr(t, attr)!r}"
+                )
+    records = {}
+    for t in tables:
+        rec = t.to_dict()
+        if t.provenance != first.provenance:
+            rec["provenance"] = dict(t.provenance)
+        records[str(t.bits)] = rec
     doc = {
         "schema_version": SCHEMA_VERSION,
         "name": first.name,
@@ -185,64 +315,215 @@ def dumps_tables(tables: Iterable[Table]) -> str:
         "domain": list(first.domain),
         "weight": first.weight,
         "provenance": dict(first.provenance),
-        "tables": {str(t.bits): t.to_dict() for t in tables},
+        "tables": records,
     }
-    return json.dumps(doc, indent=1, sort_keys=False) + "\n"
+    # allow_nan=False: a non-finite number is a bug upstream, never written as NaN/Infinity.
+    return json.dumps(doc, indent=1, sort_keys=False, allow_nan=False) + "\n"
 
 
-def loads_tables(text: str, *, source: str = "<string>") -> dict[int, Table]:
-    """Parse a JSON table file; returns ``{bits: Table}``.
+_TOP_REQUIRED = ("schema_version", "name", "tables")
+_TOP_OPTIONAL = ("params", "symmetric", "domain", "weight", "provenance")
+_RECORD_REQUIRED = ("borders", "codes", "values")
+_RECORD_OPTIONAL = ("error", "objective", "provenance")
+_BITS_KEY = re.compile(r"[1-8]")
+_WEIGHT = re.compile(r"uniform|exact|histogram|normal:(.+)")
+_RECORD_FIELD = re.compile(r"(?:borders|codes|values|error|objective)\b")
 
-    Raises:
-        TableFormatError: if the text is not valid JSON, is of another schema version,
-            or any table in it is invalid.
-    """
-    try:
-        doc = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise TableFormatError(f"{source}: not a valid table file ({exc})") from None
+
+def _json_type(x: Any) -> str:
+    if x is None:
+        return "null"
+    if isinstance(x, bool):
+        return "a boolean"
+    if isinstance(x, (int, float)):
+        return "a number"
+    if isinstance(x, str):
+        return "a string"
+    return "a list" if isinstance(x, list) else "an object"
+
+
+class _Reject(Exception):
+    """A problem found while parsing (field, message); turned into TableFormatError."""
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise _Reject(f"duplicate key {_short(k)} in one object (which one counts is unclear)")
+        out[k] = v
+    return out
+
+
+def _no_constants(name: str) -> Any:
+    raise _Reject(f"{name} is not a JSON number (numbers must be finite)")
+
+
+def _check_keys(where: str, obj: dict, required: tuple[str, ...], optional: tuple[str, ...]) -> None:
+    """Every required key present and no other than the optional ones (a typo such as
+    "symetric" would otherwise fall back to the default silently)."""
+    for k in required:
+        if k not in obj:
+            raise _Reject(f"{where + '.' if where else ''}{k} is missing")
+    for k in obj:
+        if k not in required and k not in optional:
+            allowed = ", ".join(required + optional)
+            raise _Reject(f"{where or 'top level'}: unknown field {_short(k)} (known: {allowed})")
+
+
+def _expect(field: str, value: Any, kind: type) -> Any:
+    """``value`` if it has the JSON type ``kind`` (dict, list, str or bool)."""
+    if not isinstance(value, kind):
+        want = {dict: "an object", list: "a list", str: "a string", bool: "true or false"}[kind]
+        raise _Reject(f"{field} must be {want}, got {_short(value)}")
+    return value
+
+
+def _parse_doc(doc: Any) -> dict[int, Table]:
+    """Validate a decoded table file; returns ``{bits: Table}`` or raises _Reject."""
     if not isinstance(doc, dict):
-        raise TableFormatError(f"{source}: not a valid table file (top level is not an object)")
+        raise _Reject(f"the top level must be an object, got {_json_type(doc)}")
     version = doc.get("schema_version")
-    if version != SCHEMA_VERSION:
-        raise TableFormatError(
-            f"{source}: schema_version must be {SCHEMA_VERSION}, got {version!r}"
-        )
+    if isinstance(version, bool) or not isinstance(version, int) or version != SCHEMA_VERSION:
+        raise _Reject(f"schema_version must be {SCHEMA_VERSION}, got {_short(version)}")
+    _check_keys("", doc, _TOP_REQUIRED, _TOP_OPTIONAL)
+    name = _expect("name", doc["name"], str)
+    params = _expect("params", doc.get("params", {}), dict)
+    symmetric = _expect("symmetric", doc.get("symmetric", False), bool)
+    domain = _expect("domain", doc.get("domain", [-10.0, 10.0]), list)
+    weight = _expect("weight", doc.get("weight", "uniform"), str)
+    provenance = _expect("provenance", doc.get("provenance", {}), dict)
+    records = _expect("tables", doc["tables"], dict)
+    if len(domain) != 2:
+        raise _Reject(f"domain must be a list [A, B] of 2 numbers, got {_short(domain)}")
+    match = _WEIGHT.fullmatch(weight)
+    if match is None:
+        raise _Reject(f"weight must be 'uniform', 'normal:SIGMA', 'histogram' or 'exact', got {_short(weight)}")
+    if match.group(1) is not None:
+        try:
+            sigma = float(match.group(1))
+        except ValueError:
+            sigma = math.nan
+        if not (math.isfinite(sigma) and sigma > 0):
+            raise _Reject(f"weight: SIGMA of 'normal:SIGMA' must be a finite number > 0, got {_short(weight)}")
+    if not records:
+        raise _Reject("tables holds no table (it must map bit widths '1'..'8' to tables)")
     out: dict[int, Table] = {}
-    try:
-        for key, rec in doc["tables"].items():
+    for key, rec in records.items():
+        if not _BITS_KEY.fullmatch(key):
+            raise _Reject(f"tables: keys must be bit widths '1' to '8', got {_short(key)}")
+        where = f"tables.{key}"
+        _expect(where, rec, dict)
+        _check_keys(where, rec, _RECORD_REQUIRED, _RECORD_OPTIONAL)
+        for k in _RECORD_REQUIRED:
+            _expect(f"{where}.{k}", rec[k], list)
+        try:
             out[int(key)] = Table(
-                name=doc["name"],
+                name=name,
                 bits=int(key),
                 borders=rec["borders"],
                 codes=rec["codes"],
                 values=rec["values"],
                 error=rec.get("error"),
-                params=doc.get("params", {}),
-                domain=tuple(doc.get("domain", (-10.0, 10.0))),
-                weight=doc.get("weight", "uniform"),
-                symmetric=bool(doc.get("symmetric", False)),
-                provenance=doc.get("provenance", {}),
+                objective=rec.get("objective"),
+                params=params,
+                domain=tuple(domain),
+                weight=weight,
+                symmetric=symmetric,
+                provenance=_expect(f"{where}.provenance", rec.get("provenance", provenance), dict),
             )
-    except (KeyError, TypeError, ValueError) as exc:
-        raise TableFormatError(f"{source}: invalid table ({exc})") from None
-    if not out:
-        raise TableFormatError(f"{source}: holds no tables")
+        except ValueError as exc:
+            # Table's messages start with the field; a record's fields get the record's path
+            msg = str(exc)
+            raise _Reject(f"{where}.{msg}" if _RECORD_FIELD.match(msg) else msg) from None
     return out
+
+
+def loads_tables(text: str, *, source: str = "<string>") -> dict[int, Table]:
+    """Parse and validate a JSON table file; returns ``{bits: Table}``.
+
+    Args:
+        text: the file's content.
+        source: what to call it in error messages (the file name).
+
+    Raises:
+        TableFormatError: if the text is not valid JSON (``NaN``/``Infinity`` included),
+            is larger than :data:`MAX_FILE_SIZE`, nests too deeply, repeats a key, is of
+            another schema version, lacks a required field, has an unknown field, or any
+            field has the wrong type or an invalid value; the message names ``source``,
+            the field and the value.
+    """
+    if not isinstance(text, str):
+        raise TypeError(f"text must be a str, got {type(text).__name__}")
+    if len(text) > MAX_FILE_SIZE:
+        raise TableFormatError(
+            f"{source}: not a table file ({len(text)} characters, more than {MAX_FILE_SIZE})"
+        )
+    try:
+        doc = json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constants)
+        return _parse_doc(doc)
+    except _Reject as exc:
+        raise TableFormatError(f"{source}: invalid table file: {exc}") from None
+    except json.JSONDecodeError as exc:
+        raise TableFormatError(f"{source}: not a valid table file ({exc})") from None
+    except RecursionError:
+        raise TableFormatError(f"{source}: not a valid table file (nested too deeply)") from None
+    except ValueError as exc:  # e.g. an integer with more digits than int() accepts
+        raise TableFormatError(f"{source}: not a valid table file ({exc})") from None
 
 
 def read_tables(path: str | os.PathLike) -> dict[int, Table]:
     """Read a JSON table file from ``path``; returns ``{bits: Table}``.
 
     Raises:
-        TableFormatError: if the file is missing, unreadable or invalid.
+        TableFormatError: if the file is missing, unreadable, not UTF-8, larger than
+            :data:`MAX_FILE_SIZE`, or invalid (see :func:`loads_tables`).
     """
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        with open(path, "rb") as f:
+            data = f.read(MAX_FILE_SIZE + 1)
     except OSError as exc:
         raise TableFormatError(f"{path}: cannot read table file ({exc.strerror or exc})") from None
+    if len(data) > MAX_FILE_SIZE:
+        raise TableFormatError(f"{path}: not a table file (larger than {MAX_FILE_SIZE} bytes)")
+    try:
+        text = data.decode("utf-8-sig")  # a byte-order mark some editors write is fine
+    except UnicodeDecodeError as exc:
+        raise TableFormatError(
+            f"{path}: not a valid table file (not UTF-8: {exc.reason} at byte {exc.start})"
+        ) from None
     return loads_tables(text, source=str(path))
+
+
+def _new_file_beside(path: Path, suffix: str) -> str:
+    """Create an empty, unique file beside ``path``; return its name.
+
+    Its permissions are those of ``path`` if it exists, else those of any new file
+    (``0o666`` minus the umask; :func:`tempfile.mkstemp` would give ``0o600``).
+    """
+    directory = path.parent if str(path.parent) else Path(".")
+    try:
+        mode = stat.S_IMODE(os.stat(path).st_mode)
+    except OSError:
+        mode = None
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+    for _ in range(100):
+        tmp = directory / f".{path.name}.{os.urandom(6).hex()}{suffix}"
+        try:
+            fd = os.open(tmp, flags, 0o666)
+        except FileExistsError:
+            continue
+        try:
+            if mode is not None:
+                os.chmod(tmp, mode)
+        except OSError:
+            os.close(fd)
+            os.unlink(tmp)
+            raise
+        os.close(fd)
+        return str(tmp)
+    raise FileExistsError(f"cannot create a temporary file beside {path}")
 
 
 @contextlib.contextmanager
@@ -250,15 +531,14 @@ def atomic_output(path: str | os.PathLike, suffix: str = ".tmp") -> Iterator[str
     """Yield a temporary file name beside ``path``; on success rename it onto ``path``.
 
     Nothing is left half-written: on any error the temporary file is removed and the
-    previous ``path``, if any, is unchanged.
+    previous ``path``, if any, is unchanged. The new file gets the permissions of the
+    file it replaces, or those of any new file (``0o666`` minus the umask).
 
     Raises:
         OSError: if the directory is not writable.
     """
     path = Path(path)
-    directory = path.parent if str(path.parent) else Path(".")
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=suffix, dir=directory)
-    os.close(fd)
+    tmp = _new_file_beside(path, suffix)
     try:
         yield tmp
         os.replace(tmp, path)

@@ -19,6 +19,8 @@ three implementations here evaluate the full recurrence, O(n^2 K) time.
   parallel over ``i`` in the block; then it finishes the few ``j`` inside the block
   sequentially. That is the same recurrence, with the same tie-breaking.
   (One run also yields the optimum for every ``k <= K``: :func:`backtrack`.)
+  The blocks are run in a few kernel calls (:func:`dp_chunks`) so that Ctrl-C stops a
+  long DP promptly; the kernel writes into arrays it is given and returns nothing.
 - :func:`dp_numpy`: a plain layer-by-layer numpy reference.
 - :func:`brute_force`: enumerates every set of borders (tiny grids, tests).
 
@@ -28,6 +30,7 @@ Ties are broken towards the smallest ``j`` in all three.
 from __future__ import annotations
 
 import itertools
+import math
 import threading
 
 import numpy as np
@@ -37,6 +40,7 @@ __all__ = [
     "segment_cost",
     "dp_numba",
     "dp_numba_tables",
+    "dp_chunks",
     "backtrack",
     "dp_numpy",
     "brute_force",
@@ -91,15 +95,15 @@ _LANES = 64
 
 
 @njit(parallel=True, error_model="numpy", fastmath=_FASTMATH, cache=True)
-def _dp_kernel(W, FW, F2, K, block):  # pragma: no cover - compiled
+def _dp_kernel(W, FW, F2, K, block, D, A, i_begin, i_end):  # pragma: no cover - compiled
+    # Fills D[:, i] and A[:, i] for the blocks starting at i0 = i_begin, i_begin + block, ...
+    # below i_end; every earlier column must be final. Returns nothing: boxing a result
+    # would call back into the interpreter (see dp_numba_tables).
     n = W.shape[0] - 1
     KP = K + 1
     L = 64  # == _LANES
     # D[k, j]: best cost of [t_0, t_j] with k pieces; padded columns stay +inf.
-    D = np.full((KP, n + 1 + L), np.inf)
-    A = np.zeros((KP, n + 1), np.int32)
-    D[0, 0] = 0.0
-    for i0 in range(1, n + 1, block):
+    for i0 in range(i_begin, i_end, block):
         i1 = min(i0 + block, n + 1)
         nch = (i0 + L - 1) // L
         # Part 1, j < i0 (every layer of D final), parallel over i in the block:
@@ -150,22 +154,63 @@ def _dp_kernel(W, FW, F2, K, block):  # pragma: no cover - compiled
                     if c < D[k, i]:
                         D[k, i] = c
                         A[k, i] = j
-    return D[:, : n + 1], A
 
 
-def dp_numba_tables(W, FW, F2, K):
+#: Kernel calls per DP at most (see :func:`dp_chunks`).
+_MAX_CHUNKS = 16
+
+
+def dp_chunks(n: int) -> list[tuple[int, int]]:
+    """The ranges ``[i_begin, i_end)`` of grid rows that :func:`dp_numba_tables` computes
+    per kernel call, for a grid of ``n`` cells: whole blocks, about equal work each (the
+    work of row ``i`` grows like ``i``), at most 16 of them."""
+    block = _block(n)
+    starts = list(range(1, n + 1, block))
+    nb = len(starts)
+    c = min(_MAX_CHUNKS, nb)
+    ends = sorted({max(1, math.ceil(nb * math.sqrt(m / c))) for m in range(1, c + 1)})
+    out, prev = [], 0
+    for e in ends:
+        if e > prev:
+            out.append((starts[prev], starts[e] if e < nb else n + 1))
+            prev = e
+    return out
+
+
+def dp_numba_tables(W, FW, F2, K, *, progress=None):
     """Full DP tables: ``D (n + 1, K + 1)`` best costs and ``A`` arg-mins (int32).
 
     ``D[i, k]`` is the best cost of ``[t_0, t_i]`` with exactly ``k`` pieces, so one run
     serves every ``k <= K`` (see :func:`backtrack`).
 
+    The kernel runs in :func:`dp_chunks` pieces, returning to Python after each, so that
+    Ctrl-C (``KeyboardInterrupt``) stops a long DP within one piece. The kernel writes into
+    arrays allocated here and returns nothing: compiled code that returns arrays calls back
+    into the interpreter to box them, and a SIGINT pending at that moment raised
+    ``KeyboardInterrupt`` inside numba's boxing code (SystemError or SIGSEGV).
+
+    Args:
+        W, FW, F2: ``(n + 1,)`` float64 prefix integrals.
+        K: pieces, ``1 <= K <= n``.
+        progress: optional ``progress(done, total)`` called after each piece
+            (``total = len(dp_chunks(n))``); an exception it raises stops the DP.
+
     Raises:
         ValueError: for bad shapes, non-finite input, ``K < 1`` or fewer than ``K`` cells.
     """
     W, FW, F2, K = _check(W, FW, F2, K)
+    n = W.size - 1
+    D = np.full((K + 1, n + 1 + _LANES), np.inf)
+    D[0, 0] = 0.0
+    A = np.zeros((K + 1, n + 1), np.int32)
+    chunks = dp_chunks(n)
+    block = _block(n)
     with _KERNEL_LOCK:
-        D, A = _dp_kernel(W, FW, F2, K, _block(W.size - 1))
-    return D.T, A.T
+        for done, (i_begin, i_end) in enumerate(chunks, 1):
+            _dp_kernel(W, FW, F2, K, block, D, A, i_begin, i_end)
+            if progress is not None:
+                progress(done, len(chunks))
+    return D[:, : n + 1].T, A.T
 
 
 def backtrack(A: np.ndarray, n: int, k: int) -> np.ndarray:

@@ -7,6 +7,7 @@ dynamic programming, which we follow with a continuous refinement of the borders
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Callable, Iterable, Mapping
 
@@ -42,8 +43,10 @@ def _check_domain(domain) -> tuple[float, float]:
     return A, B
 
 
-def _command(fn, bits, domain, weight, grid, symmetric, params, refine) -> str:
-    args = [repr(fn), f"bits={bits!r}"]
+def _command(func, fn, bits, domain, weight, grid, symmetric, params, refine) -> str:
+    """The Python call that reproduces a fit: ``fit(fn, bits=3, ...)`` for one bit width,
+    ``fit_many(fn, [1, 2, 3, 4], ...)`` for several."""
+    args = [repr(fn), f"bits={bits!r}" if func == "fit" else repr(list(bits))]
     if domain != DEFAULT_DOMAIN:
         args.append(f"domain={domain!r}")
     if weight != "uniform":
@@ -56,11 +59,12 @@ def _command(fn, bits, domain, weight, grid, symmetric, params, refine) -> str:
         args.append(f"params={dict(params)!r}")
     if not refine:
         args.append("refine=False")
-    return f"fewbit.solver.fit({', '.join(args)})"
+    return f"fewbit.solver.{func}({', '.join(args)})"
 
 
 def _stepwise_table(sf, params, bits: int) -> Table:
-    base = _acts.exact_table(sf.name, params)
+    # exact: the objective is 0 whatever the weight
+    base = dataclasses.replace(_acts.exact_table(sf.name, params), objective=0.0)
     if bits == 1:
         return base
     n_codes = 1 << bits
@@ -72,6 +76,7 @@ def _stepwise_table(sf, params, bits: int) -> Table:
         codes=base.codes,
         values=values,
         error=0.0,
+        objective=0.0,
         params=base.params,
         domain=base.domain,
         weight=base.weight,
@@ -138,6 +143,11 @@ def fit_many(
     Raises:
         ValueError: as :func:`fit`, or for an empty ``bits_list``.
     """
+    return _fit(fn, bits_list, domain, weight, grid, symmetric, params, refine, progress, "fit_many")
+
+
+def _fit(fn, bits_list, domain, weight, grid, symmetric, params, refine, progress, caller) -> dict[int, Table]:
+    """:func:`fit_many`; ``caller`` ("fit" or "fit_many") names the call in the provenance."""
     if isinstance(bits_list, (int, np.integer)):
         bits_list = [bits_list]
     bits_list = sorted({_check_bits(b) for b in bits_list})
@@ -147,31 +157,32 @@ def fit_many(
     nondefault = {k: v for k, v in full.items() if v != float(sf.defaults[k])}
 
     if sf.stepwise:
+        if progress is not None:
+            progress(0, 1)
         out = {b: _stepwise_table(sf, full, b) for b in bits_list}
         if progress is not None:
             progress(1, 1)
         return out
 
     from fewbit import __version__
-    from .dp import backtrack, dp_numba_tables
+    from .dp import backtrack, dp_chunks, dp_numba_tables
     from .refine import refine as _refine
-
-    total = 2 + len(bits_list)
-    done = 0
-
-    def tick():
-        nonlocal done
-        done += 1
-        if progress is not None:
-            progress(done, total)
 
     obj = Objective(sf, full, w, dom, symmetric=sym)
     t = obj.grid(grid)
+    # Steps: the prefix integrals, each kernel call of the DP, one refinement per bit width.
+    n_chunks = len(dp_chunks(t.size - 1))
+    total = 1 + n_chunks + len(bits_list)
+
+    def report(done: int) -> None:
+        if progress is not None:
+            progress(done, total)
+
+    report(0)
     W, FW, F2 = obj.prefix(t)
-    tick()
+    report(1)
     k_max = 1 << max(bits_list)
-    _, Arg = dp_numba_tables(W, FW, F2, k_max)
-    tick()
+    _, Arg = dp_numba_tables(W, FW, F2, k_max, progress=lambda done, _: report(1 + done))
     n = t.size - 1
     out: dict[int, Table] = {}
     for bits in bits_list:
@@ -179,9 +190,9 @@ def fit_many(
         idx = backtrack(Arg, n, K)
         s = t[idx]
         if refine:
-            s, y, _ = _refine(obj, s)
+            s, y, loss = _refine(obj, s)
         else:
-            y, _ = obj.levels_and_loss(s)
+            y, loss = obj.levels_and_loss(s)
         if sym:
             # K pieces on [0, C] -> 2K - 1 intervals; the central one (-s_1, s_1] has code 0.
             borders = np.r_[-s[::-1], s]
@@ -195,7 +206,10 @@ def fit_many(
             "domain": list(dom),
             "weight": w.spec,
             "refined": bool(refine),
-            "command": _command(fn, bits, dom, w.spec, grid, symmetric, nondefault, refine),
+            "command": _command(
+                caller, fn, bits_list[0] if caller == "fit" else bits_list, dom, w.spec, grid, symmetric,
+                nondefault, refine,
+            ),
         }
         err = table_error(sf, full, borders, codes, y, dom)
         out[bits] = Table(
@@ -210,8 +224,9 @@ def fit_many(
             weight=w.spec,
             symmetric=sym,
             provenance=provenance,
+            objective=max(float(loss), 0.0),
         )
-        tick()
+        report(1 + n_chunks + len(out))
     return out
 
 
@@ -256,7 +271,9 @@ def fit(
 
     Returns:
         Table: ``error`` is docs/method.md §3's error with ``w = 1`` on ``domain`` (not
-        normalised, over the whole domain also for mirrored tables), whatever the fit weight.
+        normalised, over the whole domain also for mirrored tables), whatever the fit weight;
+        ``objective`` is the minimised ``L`` with the fit's ``weight`` (equal to ``error``,
+        up to quadrature, for the uniform weight).
 
     Raises:
         ValueError: for ``bits`` outside 1..8, a bad domain, grid, weight or ``symmetric``,
@@ -264,10 +281,7 @@ def fit(
             has a non-finite derivative on the domain.
     """
     bits = _check_bits(bits)
-    return fit_many(
-        fn, [bits], domain=domain, weight=weight, grid=grid, symmetric=symmetric,
-        params=params, refine=refine, progress=progress,
-    )[bits]
+    return _fit(fn, [bits], domain, weight, grid, symmetric, params, refine, progress, "fit")[bits]
 
 
 def approximation_error(table: Table, fn: str | None = None, *, domain: tuple[float, float] | None = None) -> float:

@@ -29,6 +29,23 @@ __all__ = ["Objective", "GL_NODES", "gauss_legendre", "table_error"]
 GL_NODES = 8
 #: Cells per unit length for the "exact" integrals (refinement and reported errors).
 FINE_CELLS_PER_UNIT = 16
+#: Cells of the reported error's uniform mesh at most; a wider domain gets a graded mesh.
+MAX_ERROR_CELLS = 20000
+
+
+def _graded(points: np.ndarray, h: float, ratio: float = 1.05) -> np.ndarray:
+    """Sorted ``points`` with every gap split into cells of length ``h`` next to its ends,
+    growing by ``ratio`` towards its middle: O(log(gap / h)) cells per gap instead of
+    gap / h, for domains too wide for a uniform mesh."""
+    p = np.unique(points)
+    out = [p]
+    for lo, hi in zip(p[:-1], p[1:]):
+        half = 0.5 * (hi - lo)
+        k = np.arange(int(math.ceil(math.log1p(half * (ratio - 1.0) / h) / math.log(ratio))) + 1)
+        s = h * (ratio**k - 1.0) / (ratio - 1.0)
+        s = s[(s > 0) & (s < half)]
+        out += [lo + s, hi - s, [lo + half]]
+    return np.unique(np.concatenate(out))
 
 
 def gauss_legendre(n: int = GL_NODES) -> tuple[np.ndarray, np.ndarray]:
@@ -261,7 +278,10 @@ def table_error(sf: SolverFunction, params: Mapping[str, float], borders, codes,
     kinks = [k for k in sf.kinks_impl(dict(params)) if A < k < B]
     pts = np.r_[A, kinks, b[(b > A) & (b < B)], B]
     h = min(1.0 / FINE_CELLS_PER_UNIT, (B - A) / 64)
-    edges = _subdivide(pts, h)
+    if (B - A) / h <= MAX_ERROR_CELLS:
+        edges = _subdivide(pts, h)
+    else:  # e.g. [-1e6, 1e6]: a uniform mesh would take gigabytes
+        edges = _graded(np.r_[pts, [0.0] if A < 0.0 < B else []], h)
     hh = np.diff(edges)
     x = edges[:-1, None] + hh[:, None] * _GL_X[None, :]
     gw = hh[:, None] * _GL_W[None, :]

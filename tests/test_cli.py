@@ -13,6 +13,7 @@ import textwrap
 import uuid
 from pathlib import Path
 
+import click
 import pytest
 from click.testing import CliRunner
 
@@ -58,6 +59,19 @@ def table_rows(stdout: str) -> dict[str, list[str]]:
             break
         rows[cells[0]] = cells[1:]
     return rows
+
+
+@pytest.fixture(autouse=True)
+def user_cache(tmp_path_factory, monkeypatch):
+    """An empty user table cache of its own for every test (never the user's real one)."""
+    import fewbit.functional as FF
+
+    path = tmp_path_factory.mktemp("cache")
+    monkeypatch.setenv("FEWBIT_CACHE_DIR", str(path))
+    monkeypatch.setitem(FF.FIT_OPTIONS, "grid", 300)
+    FF.clear_table_cache()
+    yield path / "tables"
+    FF.clear_table_cache()
 
 
 @pytest.fixture
@@ -384,3 +398,176 @@ def test_error_without_shipped_table_or_command():
     assert_one_line_error(run("error", "elu", "--param", "alpha=0.3"), "no shipped table", "--refit")
     assert_one_line_error(run("nosuchcommand"), "No such command")
     assert_one_line_error(run("error"), "NAME")
+
+
+# ---------------------------------------------------------------------------------------
+# Issue 13: tables the runtime cached, labelled errors, progress total, provenance,
+# permissions, help texts, hostile table files
+# ---------------------------------------------------------------------------------------
+
+
+def _runtime_fit(name, bits, params):
+    """Fit a table the way a training script does (load_table -> solver -> user cache)."""
+    import fewbit.functional as FF
+
+    with pytest.warns(FF.TableFittedWarning):
+        table = FF.load_table(name, bits, params)
+    FF.clear_table_cache()  # the CLI must find it on disk
+    return table
+
+
+def test_plot_and_error_find_the_table_the_runtime_cached(tmp_path, user_cache):
+    cached = _runtime_fit("elu", 3, {"alpha": 0.5})
+    path = user_cache / "elu@alpha=0.5.json"
+    assert path.exists()
+    out = tmp_path / "elu.png"
+    r = run("plot", "elu", "--param", "alpha=0.5", "-o", out)
+    assert r.exit_code == 0, r.output
+    assert f"wrote {out}" in r.stdout and str(path) in r.stdout and "bits 3" in r.stdout
+    _png_checks(out)
+    r = run("error", "elu", "--param", "alpha=0.5", "--bits", "2", "3", "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout) == {"elu": {"2": None, "3": cached.error}}
+    assert "elu@2" in r.stderr and str(path) in r.stderr
+    # what the runtime uses is what the CLI shows: shipped default, exact stepwise
+    r = run("error", "elu", "relu", "--bits", "3", "--json")
+    assert json.loads(r.stdout) == {"elu": {"3": load_shipped("elu")[3].error}, "relu": {"3": 0.0}}
+    assert sorted(p.name for p in user_cache.iterdir()) == ["elu@alpha=0.5.json"]  # nothing fitted
+
+
+def _suggested(line: str) -> list[list[str]]:
+    import shlex
+
+    return [shlex.split(cmd) for cmd in re.findall(r"`([^`]+)`", line)]
+
+
+def test_plot_without_any_table_suggests_commands_that_work(tmp_path, monkeypatch, user_cache):
+    monkeypatch.chdir(tmp_path)
+    line = assert_one_line_error(run("plot", "elu", "--param", "alpha=0.5"), "elu (alpha=0.5)", str(user_cache))
+    fit, plot = _suggested(line)
+    assert fit[:5] == ["fewbit", "fit", "elu", "--param", "alpha=0.5"] and "--table" in plot
+    r = run(*fit[1:], "--grid", GRID, "--no-progress")
+    assert r.exit_code == 0, r.output
+    r = run(*plot[1:])
+    assert r.exit_code == 0, r.output
+    _png_checks(tmp_path / "elu.png")
+    # some widths asked for are missing: the suggested fit covers all of them
+    _runtime_fit("elu", 3, {"alpha": 0.25})
+    line = assert_one_line_error(run("plot", "elu", "--param", "alpha=0.25", "--bits", "2", "3", "-o", "x.png"),
+                                 "at bits 2;")
+    fit, plot = _suggested(line)
+    assert fit[-3:] == ["--bits", "2", "3"] and plot[3:6] == ["--bits", "2", "3"]
+    assert not user_cache.joinpath("elu@alpha=0.5.json").exists()  # plot fits nothing
+
+
+def test_error_without_any_table_suggests_a_command_that_works(user_cache):
+    line = assert_one_line_error(run("error", "elu", "--param", "alpha=0.5"), "no shipped table", str(user_cache))
+    (cmd,) = _suggested(line)
+    assert cmd == ["fewbit", "error", "elu", "--param", "alpha=0.5", "--refit"]
+    r = run(*cmd[1:], "--grid", GRID, "--no-progress", "--json")
+    assert r.exit_code == 0, r.output
+    assert list(json.loads(r.stdout)["elu"]) == ["1", "2", "3", "4"]
+
+
+def test_corrupt_cache_file_is_reported_not_used(tmp_path, user_cache):
+    user_cache.mkdir(parents=True)
+    bad = user_cache / "elu@alpha=0.5.json"
+    bad.write_text('{"schema_version": 1, "name": "elu", "tables": null}')
+    for args in (["plot", "elu", "--param", "alpha=0.5", "-o", tmp_path / "p.png"],
+                 ["error", "elu", "--param", "alpha=0.5"]):
+        assert_one_line_error(run(*args), str(bad), "tables must be an object, got null")
+    assert bad.read_text().endswith("null}") and sorted(p.name for p in user_cache.iterdir()) == [bad.name]
+
+
+def test_fit_with_a_weight_shows_the_minimised_error_labelled(tmp_path):
+    out = tmp_path / "elu.json"
+    r = run("fit", "elu", "--param", "alpha=0.5", "--weight", "normal:2", "--bits", "1", "2", "3", "4",
+            "--grid", GRID, "-o", out, "--no-progress")
+    assert r.exit_code == 0, r.output
+    header = next(ln for ln in r.stdout.splitlines() if ln.startswith("bits"))
+    assert "error (w = normal:2.0)" in header and "error (w = 1)" in header
+    tables = read_tables(out)
+    rows = table_rows(r.stdout)
+    weighted = []
+    for b in (1, 2, 3, 4):
+        t = tables[b]
+        assert rows[str(b)] == [fmt4(t.objective), fmt4(t.error), str(t.num_intervals)]
+        weighted.append(t.objective)
+    assert weighted == sorted(weighted, reverse=True)  # the minimised error falls with bits
+    assert "the objective the fit minimised" in r.stdout and "as `fewbit error` reports it" in r.stdout
+
+
+def test_fit_progress_bar_has_its_total_from_the_start(tmp_path):
+    r = run("fit", "gelu", "--bits", "1", "2", "3", "4", "--grid", GRID, "-o", tmp_path / "t.json")
+    assert r.exit_code == 0, r.output
+    frames = re.findall(r"\| *(\d+)/(\d+) ", r.stderr)
+    assert frames and frames[0][0] == "0", frames
+    assert len({total for _, total in frames}) == 1, frames  # was 0/1 then 1/6 ...
+    assert frames[-1][0] == frames[-1][1]
+
+
+def test_fit_file_provenance_names_all_bit_widths(tmp_path):
+    out = tmp_path / "t.json"
+    assert run("fit", "silu", "--bits", "1", "2", "4", "--grid", GRID, "-o", out, "--no-progress").exit_code == 0
+    prov = json.loads(out.read_text())["provenance"]
+    assert prov["command"] == f"fewbit.solver.fit_many('silu', [1, 2, 4], grid={GRID})"
+    assert all(t.provenance == prov for t in read_tables(out).values())
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_outputs_and_cache_files_follow_the_umask(tmp_path, user_cache, umask):
+    import os
+    import stat
+
+    old = os.umask(umask)
+    try:
+        assert run("fit", "gelu", "--bits", "1", "--grid", GRID, "-o", tmp_path / "g.json",
+                   "--no-progress").exit_code == 0
+        assert run("plot", "gelu", "--bits", "1", "-o", tmp_path / "g.png").exit_code == 0
+        _runtime_fit("elu", 1, {"alpha": 0.5})
+    finally:
+        os.umask(old)
+    for path in (tmp_path / "g.json", tmp_path / "g.png", user_cache / "elu@alpha=0.5.json"):
+        assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~umask, path
+
+
+def _all_commands(group, prefix=()):
+    for name, cmd in group.commands.items():
+        yield (*prefix, name)
+        if isinstance(cmd, click.Group):
+            yield from _all_commands(cmd, (*prefix, name))
+
+
+def test_help_texts_define_the_error_and_cite_no_file_users_lack():
+    commands = [()] + list(_all_commands(cli))
+    assert ("fit",) in commands and ("memory",) in commands
+    for words in commands:
+        r = run(*words, "--help")
+        assert r.exit_code == 0, (words, r.output)
+        assert "docs/" not in r.stdout and ".md" not in r.stdout, (words, r.stdout)
+    for words in (("fit",), ("error",), ("plot",), ("list",)):
+        text = " ".join(run(*words, "--help").stdout.split())
+        assert "integral of (f'(x) - q(x))^2 dx over the" in text and "eq. 3" in text, (words, text)
+    assert "weight" in " ".join(run("fit", "--help").stdout.split())
+
+
+@pytest.mark.parametrize("doc_text, needle", [
+    ('"tables": null', "tables must be an object, got null"),
+    ('"tables": []', "tables must be an object, got []"),
+    ('"symmetric": "no", "tables": {}', 'symmetric must be true or false, got "no"'),
+])
+def test_plot_hostile_table_file_is_one_line(tmp_path, doc_text, needle):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"schema_version": 1, "name": "gelu", ' + doc_text + "}")
+    assert_one_line_error(run("plot", "gelu", "--table", bad, "-o", tmp_path / "p.png"), str(bad), needle)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.json"]
+
+
+def test_plot_table_file_refuses_other_params(tmp_path):
+    tj = tmp_path / "elu.json"
+    assert run("fit", "elu", "--param", "alpha=0.5", "--bits", "1", "--grid", GRID, "-o", tj,
+               "--no-progress").exit_code == 0
+    assert_one_line_error(run("plot", "elu", "--table", tj, "--param", "alpha=2", "-o", tmp_path / "p.png"),
+                          "alpha=0.5", "alpha=2")
+    r = run("plot", "elu", "--table", tj, "--param", "alpha=0.5", "-o", tmp_path / "p.png")
+    assert r.exit_code == 0, r.output

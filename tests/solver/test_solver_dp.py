@@ -133,3 +133,33 @@ def test_dp_from_several_threads():
     for c, b in results:
         assert c == pytest.approx(ref[0], rel=1e-12)
         np.testing.assert_array_equal(b, ref[1])
+
+
+def test_dp_runs_in_pieces_and_stops_between_them():
+    # Ctrl-C (KeyboardInterrupt) must stop a long DP within one kernel call: the kernel
+    # runs in pieces and returns to Python (the progress callback) after each.
+    from fewbit.solver.dp import dp_chunks
+
+    obj = _objective("gelu")
+    W, FW, F2 = prefix_integrals(obj, obj.grid(150))
+    n = W.size - 1
+    chunks = dp_chunks(n)
+    assert len(chunks) > 2 and chunks[0][0] == 1 and chunks[-1][1] == n + 1
+    assert all(a[1] == b[0] for a, b in zip(chunks, chunks[1:]))
+    calls = []
+
+    def stop_at_two(done, total):
+        calls.append((done, total))
+        if done == 2:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        dp_numba_tables(W, FW, F2, 4, progress=stop_at_two)
+    assert calls == [(1, len(chunks)), (2, len(chunks))]
+    # the kernel lock was released; a full run still equals the reference
+    calls.clear()
+    D, A = dp_numba_tables(W, FW, F2, 4, progress=lambda d, t: calls.append((d, t)))
+    assert calls == [(d, len(chunks)) for d in range(1, len(chunks) + 1)]
+    c_np, b_np = dp_numpy(W, FW, F2, 4)
+    assert D[n, 4] == pytest.approx(c_np, rel=1e-12)
+    np.testing.assert_array_equal(backtrack(A, n, 4), b_np)

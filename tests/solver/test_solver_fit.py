@@ -130,7 +130,10 @@ def test_fit_many_equals_fit_and_reports_progress():
     calls = []
     many = fit_many("silu", [1, 3], grid=GRID, progress=lambda d, n: calls.append((d, n)))
     assert sorted(many) == [1, 3]
-    assert calls[-1][0] == calls[-1][1] and [d for d, _ in calls] == list(range(1, len(calls) + 1))
+    # (0, total) first, so that a progress bar has its real total from the start; then
+    # one call per step (prefix integrals, each DP piece, each refinement), total unchanged
+    assert calls[-1][0] == calls[-1][1] and [d for d, _ in calls] == list(range(len(calls)))
+    assert {n for _, n in calls} == {calls[0][1]}
     for b in (1, 3):
         single = fit("silu", b, grid=GRID)
         np.testing.assert_allclose(many[b].borders, single.borders, rtol=0, atol=1e-12)
@@ -196,3 +199,34 @@ def test_narrow_normal_weight_is_resolved():
         den = integrate.quad(w, lo, hi, epsabs=1e-14)[0]
         assert y == pytest.approx(num / den, rel=1e-8)
     assert abs(s) < 0.1 and obj.loss(t.borders) > 0
+
+
+def test_fit_many_provenance_names_every_bit_width_and_objective_is_the_weighted_loss():
+    many = fit_many("gelu", [1, 2, 3], grid=GRID, weight="normal:2.0")
+    # one command for the whole file (it used to say bits=1 for a 1-3-bit file)
+    for t in many.values():
+        assert t.provenance["command"] == "fewbit.solver.fit_many('gelu', [1, 2, 3], weight='normal:2.0', grid=2000)"
+    sf = registry.get("gelu")
+    obj = Objective(sf, sf.params(), weights.parse("normal:2.0"), (-10.0, 10.0))
+    objectives = [many[b].objective for b in (1, 2, 3)]
+    for b in (1, 2, 3):
+        assert many[b].objective == pytest.approx(obj.loss(np.asarray(many[b].borders), np.asarray(many[b].values)),
+                                                  rel=1e-9)
+    assert objectives == sorted(objectives, reverse=True)  # the minimised quantity falls with bits
+    for b, t in fit_many("sigmoid", [1, 2], grid=GRID).items():  # uniform, mirrored
+        assert t.objective == pytest.approx(t.error, rel=1e-9)
+    assert fit_many("relu", [1, 2])[2].objective == 0.0
+
+
+def test_error_on_a_huge_domain_is_cheap_and_right():
+    # [-1e6, 1e6] used to need ~3e7 quadrature cells (5 GB, minutes); the cells now grow
+    # with the domain beyond 20000 of them. GELU' is 0 / 1 to rounding beyond |x| = 20, so
+    # the error is that on [-20, 20] plus the two constant tails.
+    import time
+
+    t = load_shipped("gelu")[2]
+    start = time.perf_counter()
+    huge = approximation_error(t, domain=(-1e6, 1e6))
+    assert time.perf_counter() - start < 10
+    tails = (0.0 - t.values[t.codes[0]]) ** 2 * (1e6 - 20) + (1.0 - t.values[t.codes[-1]]) ** 2 * (1e6 - 20)
+    assert huge == pytest.approx(approximation_error(t, domain=(-20.0, 20.0)) + tails, rel=1e-9)

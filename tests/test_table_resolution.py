@@ -1,0 +1,83 @@
+"""Table resolution without fitting (fewbit.functional._find_table, used by the CLI) and
+the user cache's handling of unreadable files (fewbit.functional._set_aside)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+import fewbit.functional as FF
+from fewbit.table import TableFormatError, read_tables, table_filename
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("FEWBIT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setitem(FF.FIT_OPTIONS, "grid", 300)
+    FF.clear_table_cache()
+    yield tmp_path / "tables"
+    FF.clear_table_cache()
+
+
+def test_find_table_follows_the_runtime_and_never_fits(cache):
+    pytest.importorskip("fewbit.solver")
+    t, src = FF._find_table("relu", 4)
+    assert src == "exact" and t == FF.load_table("relu", 4)
+    t, src = FF._find_table("gelu", 2)
+    assert src == "fewbit.tables/gelu.json" and t == FF.load_table("gelu", 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no TableFittedWarning: nothing is fitted
+        assert FF._find_table("elu", 2, {"alpha": 0.5}) == (None, "")
+    assert not cache.exists()
+    with pytest.warns(FF.TableFittedWarning):
+        fitted = FF.load_table("elu", 2, {"alpha": 0.5})
+    FF.clear_table_cache()
+    t, src = FF._find_table("elu", 2, {"alpha": 0.5})
+    assert src == str(cache / table_filename("elu", {"alpha": 0.5})) and t == fitted
+    assert FF._find_table("elu", 3, {"alpha": 0.5}) == (None, "")  # that width was never fitted
+    assert FF._find_table("elu", 2) == (FF.load_table("elu", 2), "fewbit.tables/elu.json")
+    with pytest.raises(ValueError, match="bits must be"):
+        FF._find_table("elu", 9)
+
+
+def test_find_table_reports_a_corrupt_cache_file_and_leaves_it(cache):
+    path = cache / table_filename("elu", {"alpha": 0.5})
+    path.parent.mkdir(parents=True)
+    path.write_text('{"schema_version": 1, "name": "elu", "tables": null}')
+    with pytest.raises(TableFormatError, match=f"{path}: .*tables must be an object, got null"):
+        FF._find_table("elu", 2, {"alpha": 0.5})
+    assert path.exists() and sorted(p.name for p in cache.iterdir()) == [path.name]
+
+
+def test_a_second_corrupt_cache_file_does_not_overwrite_the_first(cache):
+    """Each unreadable cache file is kept: .corrupt, then .corrupt.1, ... (it used to be
+    os.replace'd onto .corrupt, losing the first one)."""
+    pytest.importorskip("fewbit.solver")
+    path = cache / table_filename("elu", {"alpha": 0.5})
+    path.parent.mkdir(parents=True)
+    for i, junk in enumerate(["{first", "{second", "{third"]):
+        path.write_text(junk)
+        FF.clear_table_cache()
+        with pytest.warns(FF.TableFittedWarning, match="moved to .*corrupt"):
+            FF.load_table("elu", 1, {"alpha": 0.5})
+    assert (cache / (path.name + ".corrupt")).read_text() == "{first"
+    assert (cache / (path.name + ".corrupt.1")).read_text() == "{second"
+    assert (cache / (path.name + ".corrupt.2")).read_text() == "{third"
+    assert sorted(read_tables(path)) == [1]
+
+
+def test_a_cache_file_of_other_fit_options_is_kept(cache, monkeypatch):
+    """A 1-bit cache table fitted on another domain cannot share a file with a new
+    2-bit one: the new table is used but not cached, and the file is unchanged."""
+    pytest.importorskip("fewbit.solver")
+    with pytest.warns(FF.TableFittedWarning):
+        FF.load_table("elu", 1, {"alpha": 0.5})
+    path = cache / table_filename("elu", {"alpha": 0.5})
+    before = path.read_text()
+    monkeypatch.setitem(FF.FIT_OPTIONS, "domain", (-4.0, 4.0))
+    with pytest.warns(FF.TableFittedWarning, match="not cached .*domain"):
+        t = FF.load_table("elu", 2, {"alpha": 0.5})
+    assert t.bits == 2 and t.domain == (-4.0, 4.0)
+    assert path.read_text() == before
+    assert FF._find_table("elu", 2, {"alpha": 0.5})[1] == "memory"
