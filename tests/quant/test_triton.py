@@ -14,10 +14,30 @@ sys.path.insert(0, str(HERE))
 from _adversarial import adversarial_groups, bound_violations  # noqa: E402
 
 
+def _interpreter_broken_reason():
+    """Why this triton's interpreter cannot run any kernel here, or None.
+
+    The interpreters of triton 3.0 and 3.1 return garbage with numpy >= 2 (even for a
+    vector add: checked with torch 2.13 and numpy 2.4.6; they work with numpy 1.26, where
+    these kernels pass). This is a triton defect that does not affect compiled kernels.
+    """
+    import numpy
+    import triton
+
+    tv = tuple(int(p) for p in triton.__version__.split(".")[:2])
+    nv = int(numpy.__version__.split(".")[0])
+    if tv < (3, 2) and nv >= 2:
+        return f"the interpreter of triton {triton.__version__} does not work with numpy {numpy.__version__} (needs numpy < 2)"
+    return None
+
+
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 def test_triton_kernels_bit_exact_vs_reference_interpreted():
     """tests/quant/triton_interp_cases.py in a subprocess (the interpreter setting must not
     leak into the rest of the suite)."""
+    reason = _interpreter_broken_reason()
+    if reason:
+        pytest.skip(reason)
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(HERE / "triton_interp_cases.py")]
     r = subprocess.run(cmd, cwd=HERE.parent.parent, env=env, capture_output=True, text=True, timeout=900)
