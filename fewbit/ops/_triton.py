@@ -12,8 +12,8 @@ Bit-exactness with the CPU kernels: comparisons are exact (no arithmetic on x); 
 backward is one multiply (no FMA possible) followed by a round-to-nearest-even cast.
 """
 
-from __future__ import annotations
-
+# No ``from __future__ import annotations``: the interpreter of triton 3.0/3.1 recognises
+# ``tl.constexpr`` parameters only from evaluated annotations, not from strings.
 import os
 
 import torch

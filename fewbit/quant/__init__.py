@@ -9,16 +9,22 @@ be short), keep per group the min ``m`` and the scale ``s = (2**b - 1) / (max - 
 
 packed as one little-endian b-bit stream (docs/method.md §6). ``x_hat = m + q / s``.
 ``q`` is computed from the *stored* ``m`` and ``s``; both are rounded *down* to
-``stats_dtype`` so that ``0 <= (x - m) * s <= 2**b - 1`` and the clamp never cuts a value:
-stochastic rounding is then unbiased, ``E[x_hat] = x``, with per-element variance
+``stats_dtype`` (``s`` one more step if the rounded division overshoots) so that
+``0 <= (x - m) * s <= 2**b - 1`` holds as computed (float32 arithmetic, or float64 for
+float64 input) and the clamp never cuts a value: stochastic rounding is then unbiased, ``E[x_hat] = x``, with per-element variance
 ``<= 1 / (4 s**2)``. See :mod:`fewbit.quant._reference` for the exact steps, the
 ``max == min`` guard and non-finite groups (NaN/inf in a group: that group dequantizes to
 NaN, other groups are unaffected).
 
-Random numbers: a counter-based hash (lowbias32 applied twice) of the flat element index
-and one 64-bit seed drawn from ``generator``. Every backend computes the same noise, so the
-stochastic path is bit-identical to :func:`quantize_reference` for the same generator
-state, no noise tensor is materialised, and a run is reproducible from the generator.
+Random numbers: ``u`` is a counter-based hash of the flat element index and one 64-bit
+seed (:func:`fewbit.quant._reference.uniform_noise`, the one definition that the numba and
+Triton kernels implement). The seed is one draw per call from a *CPU* generator (``generator``,
+or torch's default CPU generator), whatever the device of ``x``: the draw needs no device
+synchronisation, and the same generator state gives the same codes on CPU and CUDA (a CUDA
+generator and a CPU generator seeded alike draw different numbers, so CUDA generators are
+refused). Every backend computes the same noise, so the stochastic path is bit-identical
+to :func:`quantize_reference` for the same generator state, no noise tensor is
+materialised, and a run is reproducible under ``torch.manual_seed``.
 
 Backends (``fewbit::group_quantize`` / ``fewbit::group_dequantize`` torch.library ops):
 numba on CPU, Triton on CUDA, both imported lazily (``import fewbit`` imports neither).
@@ -126,13 +132,27 @@ def _validate(x, bits, group_size, stats_dtype, generator) -> None:
             f"stats_dtype must be torch.bfloat16 or torch.float32 (float16 cannot hold the "
             f"range of activations), got {stats_dtype!r}"
         )
-    if generator is not None and not isinstance(generator, torch.Generator):
+    _validate_generator(generator)
+
+
+def _validate_generator(generator) -> None:
+    """``generator`` must be None or a CPU torch.Generator (see :func:`_draw_seed`)."""
+    if generator is None:
+        return
+    if not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+    if generator.device.type != "cpu":
+        raise ValueError(
+            "generator must be a CPU torch.Generator (the noise seed is drawn on the CPU for "
+            f"tensors on every device, so codes do not depend on the device), got one on {generator.device}"
+        )
 
 
 def _draw_seed(generator: torch.Generator | None) -> int:
-    device = generator.device if generator is not None else "cpu"
-    return int(torch.randint(0, 2**63 - 1, (1,), generator=generator, device=device).item())
+    """The 64-bit noise seed of one quantization: one draw from ``generator`` (a CPU
+    generator), or from torch's default CPU generator if None (advancing it, as any random
+    op does). The draw never depends on the device of the tensor being quantized."""
+    return int(torch.randint(0, 2**63 - 1, (1,), generator=generator).item())
 
 
 def quantize(
@@ -155,8 +175,9 @@ def quantize(
         stochastic: stochastic rounding (unbiased, ``u ~ U[0, 1)``) if True, nearest
             rounding (``u = 1/2``) if False.
         stats_dtype: dtype of the stored ``m`` and ``s``: torch.bfloat16 or torch.float32.
-        generator: source of the 64-bit noise seed (one draw per call when ``stochastic``);
-            the default generator of the CPU if None.
+        generator: a CPU ``torch.Generator``, source of the 64-bit noise seed (one draw per
+            call when ``stochastic``, whatever the device of ``x``); torch's default CPU
+            generator if None (then ``torch.manual_seed`` makes the result reproducible).
 
     Returns:
         A :class:`QuantizedTensor` holding ``ceil(numel * bits / 8)`` bytes of codes plus
@@ -164,7 +185,8 @@ def quantize(
 
     Raises:
         TypeError: ``x`` not a floating tensor, ``generator`` not a torch.Generator.
-        ValueError: ``bits`` not in {1, 2, 4, 8}, ``group_size < 1``, unsupported ``stats_dtype``.
+        ValueError: ``bits`` not in {1, 2, 4, 8}, ``group_size < 1``, unsupported
+            ``stats_dtype``, ``generator`` not on the CPU.
     """
     _validate(x, bits, group_size, stats_dtype, generator)
     seed = _draw_seed(generator) if stochastic else 0

@@ -57,8 +57,17 @@ def _floor_to_grid(v, mant_bits, min_exp, fmax):
 
 @njit(inline="always", cache=True)
 def _uniform(e, s0, s1):
-    h = _lowbias32(_lowbias32(np.uint64(e) & _MASK32 ^ s0) ^ s1)
+    """``u`` of flat index ``e`` (:func:`fewbit.quant._reference.uniform_noise`), uint64 words < 2**32."""
+    j = np.uint64(e)
+    h = _lowbias32(_lowbias32((j & _MASK32) ^ s0) ^ s1 ^ (j >> np.uint64(32)))
     return np.float32(h >> np.uint64(8)) * np.float32(2.0 ** -24)
+
+
+@njit(inline="always", cache=True)
+def _prev_on_grid(v, mant_bits, min_exp, fmax):
+    """Largest grid value ``< v`` for ``v > 0`` on the grid (float64 in and out)."""
+    f, e = math.frexp(v)
+    return _floor_to_grid(math.ldexp(f - 2.0 ** -53, e), mant_bits, min_exp, fmax)  # v - 1 ulp64
 
 
 @njit(parallel=True, error_model="numpy", cache=True)
@@ -107,6 +116,12 @@ def quantize_kernel(x, lo_arr, hi_arr, bits, group_size, chunk_groups, seed, sto
                             if np.isinf(out_s[g]):
                                 out_s[g] = fmax_c
                         out_s[g] = _floor_to_grid(np.float64(out_s[g]), mant_bits, min_exp, fmax)
+                        # the division rounds to nearest: step down once if r * s > levels
+                        # (product rounded in the dtype of x, as in the codes loop)
+                        out_m[g] = rng * out_s[g]
+                        if out_m[g] > levels:
+                            out_s[g] = _prev_on_grid(np.float64(out_s[g]), mant_bits, min_exp, fmax)
+                        out_m[g] = m
                         ok = out_s[g] > 0
             if not ok:
                 out_m[g] = np.nan

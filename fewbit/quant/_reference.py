@@ -11,8 +11,13 @@ same stored statistics bit for bit. The steps, per group of ``group_size`` eleme
    cuts a value and stochastic rounding stays unbiased.
 3. ``r = hi - m``; ``s_raw = (2**b - 1) / r`` (``s_raw = 1`` when ``r == 0``: the
    ``max == min`` guard; ``s_raw`` = the largest finite ``S`` value when the division
-   overflows); ``s = floor_S(s_raw)``, again rounded down so that ``(hi - m) * s <=
-   2**b - 1``.
+   overflows); ``s = floor_S(s_raw)``, again rounded down; then, if ``r * s > 2**b - 1``
+   (both rounded in the compute dtype), ``s`` is replaced by the next smaller ``S`` value.
+   The correction is needed because ``s_raw`` is the *nearest* compute-dtype value to the
+   quotient and may lie above it (with ``S`` = float32, ``floor_S`` is the identity);
+   one step always suffices (the ``S`` spacing at ``s`` is at least the rounding error of
+   the division). Since rounding is monotonic, ``0 <= (x - m) * s <= 2**b - 1`` then holds
+   *as computed* for every ``x`` of the group, and the clamp never cuts a value.
 4. ``q = clamp(floor((x - m) * s + u), 0, 2**b - 1)`` with ``m`` and ``s`` the *stored*
    values (two separately rounded operations, no fused multiply-add), ``u = 0.5`` for
    nearest rounding or the counter-based uniform of :func:`uniform_noise`.
@@ -23,9 +28,11 @@ compute dtype or the stats dtype), its stored ``m`` and ``s`` are NaN and its co
 so it dequantizes to NaN *for that group only*; other groups are untouched. A NaN in the
 gradient is what mixed-precision loss scalers look for, so the overflow is not hidden.
 
-Random numbers (choice documented in ``fewbit/quant/__init__.py``): a counter-based
-hash of the flat element index and a 64-bit seed, so CPU, CUDA and this reference draw
-the same ``u`` for the same seed and the stochastic path is testable bit for bit.
+Random numbers: :func:`uniform_noise` is the one definition of ``u``, a counter-based hash
+of the flat element index and a 64-bit seed (the numba and Triton kernels implement it, in
+32-bit unsigned arithmetic), so CPU, CUDA and this reference draw the same ``u`` for the
+same seed and the stochastic path is testable bit for bit. How the seed is drawn (on the
+CPU, whatever the device of ``x``) is in ``fewbit/quant/__init__.py``.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ from fewbit.packing import pack_reference, unpack_reference
 __all__ = [
     "uniform_noise",
     "floor_to_dtype",
+    "prev_in_dtype",
     "group_stats_reference",
     "quantize_codes_reference",
     "quantize_reference",
@@ -73,19 +81,34 @@ def _lowbias32(x: torch.Tensor) -> torch.Tensor:
 
 
 def uniform_noise(numel: int, seed: int, device=None, start: int = 0) -> torch.Tensor:
-    """Counter-based uniform noise ``u`` in [0, 1) used by stochastic rounding.
+    """Counter-based uniform noise ``u`` in [0, 1) used by stochastic rounding: the definition.
 
-    ``h = lowbias32(lowbias32((j mod 2**32) ^ s0) ^ s1)`` with ``j`` the flat element index,
-    ``s0``/``s1`` the low/high 32 bits of ``seed``; ``u = (h >> 8) * 2**-24`` (24 random
-    bits, exactly representable in float32). Indices repeat every 2**32 elements.
+    For the flat element index ``j`` (``j_lo``/``j_hi`` its low/high 32 bits) and the 64-bit
+    ``seed`` (``s0``/``s1`` its low/high 32 bits), all operations on unsigned 32-bit words::
+
+        h = lowbias32(lowbias32(j_lo ^ s0) ^ s1 ^ j_hi)
+        u = (h >> 8) * 2**-24
+
+    (24 random bits, exactly representable in float32). ``lowbias32`` is Chris Wellons'
+    integer hash (hash-prospector): ``x ^= x >> 16; x *= 0x7FEB352D; x ^= x >> 15;
+    x *= 0x846CA68B; x ^= x >> 16`` modulo 2**32. A counter-based generator (Salmon et al.,
+    "Parallel random numbers: as easy as 1, 2, 3", SC 2011) needs no state and no noise
+    tensor, and gives every element the same ``u`` on every backend and device.
+    Here the 32-bit products are computed in int64 without overflow (:func:`_mul32`).
+
+    Args:
+        numel: number of values.
+        seed: integer in ``[0, 2**64)``.
+        device: device of the result.
+        start: flat index of the first value.
 
     Returns:
         ``(numel,)`` float32 tensor.
     """
     s0 = seed & _MASK32
     s1 = (seed >> 32) & _MASK32
-    j = torch.arange(start, start + numel, dtype=torch.int64, device=device) & _MASK32
-    h = _lowbias32(_lowbias32(j ^ s0) ^ s1)
+    j = torch.arange(start, start + numel, dtype=torch.int64, device=device)
+    h = _lowbias32(_lowbias32((j & _MASK32) ^ s0) ^ s1 ^ (j >> 32))
     return (h >> 8).to(torch.float32) * (2.0 ** -24)
 
 
@@ -95,6 +118,13 @@ def floor_to_dtype(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     above = c.to(v.dtype) > v
     down = torch.nextafter(c, torch.full_like(c, float("-inf")))
     return torch.where(above, down, c)
+
+
+def prev_in_dtype(v: torch.Tensor) -> torch.Tensor:
+    """Largest value of ``v.dtype`` that is ``< v`` (elementwise, ``v`` finite), in ``v.dtype``."""
+    w = v.to(torch.float64)  # exact for float16/bfloat16/float32; below v by one float64 ulp:
+    w = torch.nextafter(w, torch.full_like(w, float("-inf")))
+    return floor_to_dtype(w, v.dtype)
 
 
 def group_stats_reference(x: torch.Tensor, bits: int, group_size: int, stats_dtype: torch.dtype):
@@ -129,6 +159,9 @@ def group_stats_reference(x: torch.Tensor, bits: int, group_size: int, stats_dty
     s_max = torch.finfo(stats_dtype).max
     s_raw = torch.where(torch.isinf(s_raw), torch.full_like(s_raw, s_max), s_raw)
     s = floor_to_dtype(s_raw, stats_dtype)
+    # s_raw is the division rounded to *nearest*: step s down once if r * s > levels
+    over = rng * s.to(cdt) > levels
+    s = torch.where(over, prev_in_dtype(s), s)
     ok &= s.to(cdt) > 0
     nan = torch.full_like(m, float("nan"))
     return torch.where(ok, m, nan), torch.where(ok, s, nan), ok

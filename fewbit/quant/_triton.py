@@ -6,15 +6,16 @@ input (arithmetic in float32): a stats kernel (min/max per group, rounded-down s
 bytes stored: the docs/method.md §6 stream) and a dequantize kernel. Bit-exactness with the
 reference relies on IEEE-rounded division (``tl.math.div_rn``; Triton's ``/`` is not
 correctly rounded on NVIDIA GPUs) and on launching with ``enable_fp_fusion=False`` so that
-``(x - m) * s + u`` is not contracted into an FMA. The noise is the same counter-based
-hash (computed in int64, like the torch reference).
+``(x - m) * s + u`` is not contracted into an FMA. The noise is the counter-based hash of
+:func:`fewbit.quant._reference.uniform_noise`, computed here in uint32 arithmetic (native
+on GPUs; the reference emulates it in int64).
 
 On a machine without a GPU the kernels run under ``TRITON_INTERPRET=1`` on CPU tensors
 (see tests/quant/test_triton.py); they were not run on a GPU when written.
 """
 
-from __future__ import annotations
-
+# No ``from __future__ import annotations``: the interpreter of triton 3.0/3.1 recognises
+# ``tl.constexpr`` parameters only from evaluated annotations, not from strings.
 import torch
 import triton
 import triton.language as tl
@@ -25,21 +26,24 @@ _MASK32 = 0xFFFFFFFF
 
 
 @triton.jit
-def _mul32(x, C: tl.constexpr):
-    # (x * C) mod 2**32 for int64 x in [0, 2**32), C < 2**32, without int64 overflow
-    if C >= 2147483648:
-        return (x * (C - 2147483648) + ((x & 1) << 31)) & 0xFFFFFFFF
-    else:
-        return (x * C) & 0xFFFFFFFF
+def _lowbias32(x):
+    # x: uint32. Products wrap modulo 2**32 and >> is a logical shift on unsigned words;
+    # both multipliers are typed uint32 explicitly (a literal >= 2**31 would otherwise be
+    # typed by the front end's literal rules, which differ between Triton versions).
+    x = x ^ (x >> 16)
+    x = x * tl.full((), 0x7FEB352D, tl.uint32)
+    x = x ^ (x >> 15)
+    x = x * tl.full((), 0x846CA68B, tl.uint32)
+    return x ^ (x >> 16)
 
 
 @triton.jit
-def _lowbias32(x):
-    x = x ^ (x >> 16)
-    x = _mul32(x, 0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = _mul32(x, 0x846CA68B)
-    return x ^ (x >> 16)
+def _uniform(e, seed0, seed1):
+    """u of the int64 flat indices e (fewbit.quant._reference.uniform_noise); seeds uint32."""
+    j_lo = (e & 0xFFFFFFFF).to(tl.uint32)
+    j_hi = (e >> 32).to(tl.uint32)
+    h = _lowbias32(_lowbias32(j_lo ^ seed0) ^ seed1 ^ j_hi)
+    return (h >> 8).to(tl.float32) * 5.960464477539063e-08  # 2**-24
 
 
 @triton.jit
@@ -55,16 +59,30 @@ def _floor_stats(v, IS_BF16: tl.constexpr):
 
 
 @triton.jit
+def _prev_stats(v, IS_BF16: tl.constexpr):
+    """Largest stats-dtype value < v (v > 0 finite, on the stats grid)."""
+    b = v.to(tl.int32, bitcast=True)
+    if IS_BF16:
+        b = b - 65536
+    else:
+        b = b - 1
+    return b.to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _stats_kernel(x_ptr, m_ptr, s_ptr, n, G, n_groups, levels, fmax,
-                  IS_BF16: tl.constexpr, BLOCK_GROUPS: tl.constexpr, BLOCK_G: tl.constexpr):
+                  IS_BF16: tl.constexpr, BLOCK_GROUPS: tl.constexpr, BLOCK_G: tl.constexpr,
+                  N_ITER: tl.constexpr):
     pid = tl.program_id(0)
     gi = pid.to(tl.int64) * BLOCK_GROUPS + tl.arange(0, BLOCK_GROUPS)
     gmask = gi < n_groups
     lo = tl.full([BLOCK_GROUPS], float("inf"), tl.float32)
     hi = tl.full([BLOCK_GROUPS], float("-inf"), tl.float32)
     bad = tl.zeros([BLOCK_GROUPS], tl.int32)
-    for start in range(0, G, BLOCK_G):
-        j = start + tl.arange(0, BLOCK_G)
+    # a constexpr trip count: a loop bound read from a runtime argument fails in the
+    # interpreter of triton <= 3.6 with numpy >= 2.4 (it calls int() on a 1-element array)
+    for it in range(N_ITER):
+        j = it * BLOCK_G + tl.arange(0, BLOCK_G)
         e = gi[:, None] * G + j[None, :]
         msk = gmask[:, None] & (j[None, :] < G) & (e < n)
         v = tl.load(x_ptr + e, mask=msk, other=0.0).to(tl.float32)
@@ -82,12 +100,14 @@ def _stats_kernel(x_ptr, m_ptr, s_ptr, n, G, n_groups, levels, fmax,
     sr = tl.where(pos, tl.math.div_rn(levels_v, tl.where(pos, rng, 1.0)), 1.0)
     sr = tl.where(sr == float("inf"), fmax, sr)
     s = _floor_stats(sr, IS_BF16)
+    # the division rounds to nearest: step s down once if r * s > levels (as the reference)
+    s = tl.where(pos & (rng * s > levels), _prev_stats(s, IS_BF16), s)
     ok = ok & (s > 0)
     tl.store(m_ptr + gi, tl.where(ok, m, float("nan")), mask=gmask)
     tl.store(s_ptr + gi, tl.where(ok, s, float("nan")), mask=gmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed0", "seed1"])
 def _codes_kernel(x_ptr, m_ptr, s_ptr, out_ptr, n, nbytes, G, seed0, seed1, levels,
                   STOCHASTIC: tl.constexpr, BITS: tl.constexpr, BLOCK_W: tl.constexpr):
     pid = tl.program_id(0)
@@ -100,8 +120,7 @@ def _codes_kernel(x_ptr, m_ptr, s_ptr, out_ptr, n, nbytes, G, seed0, seed1, leve
     s = tl.load(s_ptr + g, mask=msk, other=1.0)
     x = tl.load(x_ptr + e, mask=msk, other=0.0).to(tl.float32)
     if STOCHASTIC:
-        h = _lowbias32(_lowbias32((e & 0xFFFFFFFF) ^ seed0.to(tl.int64)) ^ seed1.to(tl.int64))
-        u = (h >> 8).to(tl.float32) * 5.960464477539063e-08  # 2**-24
+        u = _uniform(e, seed0.to(tl.uint32), seed1.to(tl.uint32))
     else:
         u = tl.full([BLOCK_W, 8], 0.5, tl.float32)
     t = (x - m) * s
@@ -143,6 +162,13 @@ def _dequant_kernel(p_ptr, m_ptr, s_ptr, out_ptr, n, nbytes, G,
         tl.store(out_ptr + e, y.to(out_ptr.dtype.element_ty), mask=msk)
 
 
+def _as_int32(v: int) -> int:
+    """The low 32 bits of ``v`` as a signed int32 value: every seed is passed as an i32
+    argument (one compiled variant; the kernel reinterprets it as uint32)."""
+    v &= _MASK32
+    return v - (1 << 32) if v >= (1 << 31) else v
+
+
 def _fmax(stats_dtype: torch.dtype) -> float:
     return float(torch.finfo(stats_dtype).max)
 
@@ -169,11 +195,11 @@ def quantize(x, bits, group_size, seed, stochastic, stats_dtype, *, block_w=256,
     _stats_kernel[(triton.cdiv(n_groups, block_groups),)](
         x, m, s, n, G, n_groups, levels, _fmax(stats_dtype),
         IS_BF16=stats_dtype == torch.bfloat16, BLOCK_GROUPS=block_groups, BLOCK_G=block_g,
-        enable_fp_fusion=False,
+        N_ITER=triton.cdiv(G, block_g), enable_fp_fusion=False,
     )
     n_words = -(-n // 8)
     _codes_kernel[(triton.cdiv(n_words, block_w),)](
-        x, m, s, packed, n, nbytes, G, seed & _MASK32, (seed >> 32) & _MASK32, levels,
+        x, m, s, packed, n, nbytes, G, _as_int32(seed), _as_int32(seed >> 32), levels,
         STOCHASTIC=bool(stochastic), BITS=bits, BLOCK_W=block_w, enable_fp_fusion=False,
     )
     return packed, m.to(stats_dtype), s.to(stats_dtype)

@@ -175,15 +175,34 @@ class ActivationCompressor:
             that the stats and the bookkeeping are not worth it).
         stochastic: stochastic (unbiased) rounding if True, nearest if False.
         stats_dtype: torch.bfloat16 or torch.float32 for the per-group min and scale.
-        generator: generator of the noise seeds (one 64-bit draw per compressed tensor). If
-            None, a private CPU generator seeded from ``torch.initial_seed()``: the global
-            RNG stream (dropout masks, ...) is the same with and without compression.
+        generator: a CPU ``torch.Generator`` that supplies the noise seeds (one 64-bit draw
+            per compressed tensor). If None (default), the seeds are drawn from torch's
+            default CPU generator, like any other random op (see the note below).
+
+    Note:
+        Random numbers. Every compressed tensor gets a new 64-bit seed, so no two
+        tensors, layers, steps or compressor instances reuse a noise pattern (a replayed
+        pattern is a bias that SGD does not average away; docs/compression.md §1). With
+        ``generator=None`` the seeds come from torch's default CPU generator, which
+        ``torch.manual_seed`` resets: the same seed and program give the same gradients,
+        also after re-seeding in the same process. Compression therefore *advances* the
+        global CPU RNG stream by one draw per compressed tensor, so CPU random draws made
+        after it (CPU dropout masks, a ``DataLoader`` that shuffles with the default
+        generator) differ from an uncompressed run with the same seed; CUDA dropout uses
+        the CUDA generator and is unaffected. This is deliberate: a compressor that left
+        the global stream untouched would have to keep its own state, which
+        ``torch.manual_seed`` does not reset, so either fresh compressors would replay
+        the same noise (the earlier behaviour) or re-seeding would not reproduce a run.
+        To keep the global stream untouched, pass a ``generator`` (seeded by you) and
+        reuse it across steps.
 
     Attributes:
         stats: :class:`CompressionStats` counters, accumulated over every use.
 
     Raises:
-        ValueError: for ``bits``, ``group_size``, ``min_numel`` or ``stats_dtype`` out of range.
+        ValueError: for ``bits``, ``group_size``, ``min_numel`` or ``stats_dtype`` out of
+            range, or a ``generator`` that is not on the CPU.
+        TypeError: for a ``generator`` that is not a ``torch.Generator``.
 
     Example:
         >>> comp = ActivationCompressor(bits=4)
@@ -203,7 +222,7 @@ class ActivationCompressor:
         stats_dtype: torch.dtype = torch.bfloat16,
         generator: torch.Generator | None = None,
     ):
-        from fewbit.quant import SUPPORTED_BITS, SUPPORTED_STATS_DTYPES
+        from fewbit.quant import SUPPORTED_BITS, SUPPORTED_STATS_DTYPES, _validate_generator
 
         if isinstance(bits, bool) or not isinstance(bits, int) or bits not in SUPPORTED_BITS:
             raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {bits!r}")
@@ -213,18 +232,13 @@ class ActivationCompressor:
             raise ValueError(f"min_numel must be an integer >= 0, got {min_numel!r}")
         if stats_dtype not in SUPPORTED_STATS_DTYPES:
             raise ValueError(f"stats_dtype must be torch.bfloat16 or torch.float32, got {stats_dtype!r}")
-        if generator is not None and not isinstance(generator, torch.Generator):
-            raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+        _validate_generator(generator)
         self.bits = bits
         self.group_size = group_size
         self.min_numel = min_numel
         self.stochastic = bool(stochastic)
         self.stats_dtype = stats_dtype
-        if generator is None:
-            # A private generator: compression must not consume the global RNG stream, or
-            # dropout masks (and every later random draw of the model) would change.
-            generator = torch.Generator().manual_seed((torch.initial_seed() + 0x5EED) % (1 << 63))
-        self.generator = generator
+        self.generator = generator  # None: torch's default CPU generator, read at each draw
         self.stats = CompressionStats()
         self._stack: list = []
         # key -> (weakref to the tensor or its base, weakref to the handle)
@@ -349,7 +363,8 @@ def compress_activations(
         A new compressor (its ``stats`` count bytes before/after inside its blocks).
 
     Raises:
-        ValueError: for ``bits``, ``group_size``, ``min_numel`` or ``stats_dtype`` out of range.
+        ValueError: for ``bits``, ``group_size``, ``min_numel`` or ``stats_dtype`` out of
+            range, or a ``generator`` that is not on the CPU.
         TypeError: for a ``generator`` that is not a ``torch.Generator``.
     """
     return ActivationCompressor(

@@ -141,6 +141,21 @@ def test_uniform_noise_is_uniform():
     assert abs(r) < 4 / math.sqrt(u.numel())
 
 
+def test_uniform_noise_cpu_kernel_matches_definition_past_2_32():
+    """The numba hash is the reference's, also for flat indices >= 2**32 (high index word);
+    the Triton one is checked in tests/quant/triton_interp_cases.py."""
+    import numpy as np
+
+    from fewbit.quant import _numba
+
+    for base in (0, 2**31 - 4, 2**32 - 4, 3 * 2**32 + 5, 2**40):
+        for seed in (0, 123456789012345, 2**64 - 1):
+            s0, s1 = np.uint64(seed & 0xFFFFFFFF), np.uint64(seed >> 32)
+            got = torch.tensor([float(_numba._uniform(base + i, s0, s1)) for i in range(8)])
+            assert torch.equal(got, ref.uniform_noise(8, seed, start=base)), (base, seed)
+    assert not torch.equal(ref.uniform_noise(64, 5), ref.uniform_noise(64, 5, start=2**32))
+
+
 @pytest.mark.parametrize("bits", [1, 2, 4])
 def test_unbiased_and_variance(bits):
     """Mean of N stochastic dequantizations converges to x at rate 1/sqrt(N).
