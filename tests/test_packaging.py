@@ -11,6 +11,7 @@ them) are not processed, so the checkout cannot be what gets imported.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import site
@@ -119,3 +120,23 @@ def test_wheel_installs_and_runs(repo_copy, tmp_path):
     assert len(paths) == 3
     for p in paths:
         assert site in p.parents, (p, proc.stdout)  # not the editable install in the repository
+
+
+def test_cli_imports_user_function_from_current_directory(tmp_path):
+    """``fewbit fit mypkg.acts:my_act`` run from the folder holding ``mypkg/`` finds it, as
+    ``python -m`` would, without ``PYTHONPATH=.``.
+
+    ``python -I -c`` puts neither the current directory nor PYTHONPATH on ``sys.path``:
+    exactly what the ``fewbit`` console script sees (its own ``bin/`` instead).
+    """
+    (tmp_path / "mypkg").mkdir()
+    (tmp_path / "mypkg" / "__init__.py").write_text("")
+    (tmp_path / "mypkg" / "acts.py").write_text(
+        "import torch\n\n\ndef my_act(x):\n    return x * torch.sigmoid(1.5 * x)\n")
+    proc = subprocess.run(
+        [sys.executable, "-I", "-c", "from fewbit.cli import main; main()",
+         "fit", "mypkg.acts:my_act", "--bits", "1", "--grid", "200", "--no-progress", "-o", "my_act.json"],
+        cwd=tmp_path, env=_clean_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "No module named" not in proc.stderr
+    assert json.loads((tmp_path / "my_act.json").read_text())["name"] == "mypkg.acts:my_act"
