@@ -1,18 +1,19 @@
 #!/usr/bin/env python
-"""The whole fewbit path on a built-in default, in a few minutes on a laptop CPU.
+"""The whole fewbit path on a built-in default, in about 10 minutes on a 2-core CPU.
 
 1. Load the shipped few-bit tables (fit any that are missing with the solver) and print
    the approximation error of docs/method.md §3 for bits 1..4.
 2. Plot f' and its 1..4-bit approximations (GELU, SiLU).
 3. Train a small GPT-2-style byte-level LM on the Python standard library sources,
    vanilla and with 3-bit fewbit activations (same seed, same batches).
-4. Count what one training step saves for backward (vanilla, fewbit, fewbit+quant) and
-   print it beside the final losses.
+4. Count what one training step saves for backward (vanilla, fewbit, fewbit+quant), time
+   one training step of each trained variant (interleaved, after a warm-up:
+   :func:`time_steps`) and print both beside the final losses.
 5. Write CSVs, ``summary.md`` and PNG plots into ``--out`` (default ``./results``).
 
 Example::
 
-    python scripts/main_job.py            # ~5 minutes on 2 CPU cores
+    python scripts/main_job.py            # ~14 CPU-minutes: ~10 minutes on 2 idle cores
     python scripts/main_job.py --quick    # seconds (tests)
 """
 
