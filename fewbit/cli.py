@@ -829,7 +829,18 @@ cli.add_command(memory)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """Entry point of the ``fewbit`` console script."""
+    """Entry point of the ``fewbit`` console script.
+
+    As with ``python -m``, the current directory goes first on ``sys.path``, so that a
+    user function named ``mypkg.acts:my_act`` imports from the directory the command runs
+    in (a console script otherwise sees only its own ``bin/`` directory).
+    """
+    try:
+        cwd = os.getcwd()
+    except OSError:  # the current directory was deleted: nothing to import from it
+        cwd = None
+    if cwd is not None and (not sys.path or sys.path[0] != cwd):
+        sys.path.insert(0, cwd)
     cli.main(args=list(argv) if argv is not None else None, prog_name="fewbit")
 
 

@@ -2,7 +2,10 @@
 
 Builds the model from its transformers *config class defaults* (random weights; nothing is
 downloaded, the hub is never contacted), runs one training step for the three variants of
-:func:`fewbit.memory.compare` and prints a table in MiB (or ``--json``).
+:func:`fewbit.memory.compare` and prints a table in MiB (or ``--json``). Progress goes to
+stderr (tqdm). The model is built once and each variant gets a deep copy of it, with the
+random-number state the fresh build would have left: the same weights, dropout masks and
+counts as three separate builds, without paying for three initialisations.
 
 This module imports only click and the standard library at import time; torch,
 transformers and fewbit.memory are imported inside the command.
@@ -10,6 +13,7 @@ transformers and fewbit.memory are imported inside the command.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import sys
@@ -95,6 +99,8 @@ def _seq_tokens(cfg, kind: str, seq_len: int) -> int:
 def _estimate_bytes(name: str, cfg, n_params: int, batch: int, seq: int) -> int:
     """Rough upper estimate of one fp32 training step: weights + grads + saved activations.
 
+    Weights count twice: the template built once and the copy being measured.
+
     Saved activations per layer follow Korthikanti et al. (2022), ``s*b*h*(34 + 5*a*s/h)``
     bytes in 16-bit, doubled for fp32; plus the logits (3 copies) and a 1.5x margin.
     """
@@ -106,7 +112,7 @@ def _estimate_bytes(name: str, cfg, n_params: int, batch: int, seq: int) -> int:
     vocab = int(getattr(cfg, "vocab_size", None) or getattr(cfg, "num_labels", 2))
     act = layers * batch * seq * h * (34 + 5 * a * seq / h) * 2
     logits = 3 * batch * seq * vocab * 4
-    return int(1.5 * (8 * n_params + act + logits))
+    return int(1.5 * (12 * n_params + act + logits))
 
 
 def _available_bytes(device: str) -> int | None:
@@ -161,6 +167,39 @@ def _format_table(title: str, res: dict) -> str:
     return "\n".join(lines)
 
 
+class _CopyFactory:
+    """Model factory for :func:`fewbit.memory.compare` that builds the model only once.
+
+    ``compare`` seeds torch with 0 and calls the factory once per variant. The first call
+    builds the model (the template) and records the CPU random-number state that the build
+    left; every call returns a deep copy of the template (the last call the template
+    itself) and restores that state, so weights and later random draws (dropout) are
+    exactly those of a fresh build. Each call also advances the progress bar.
+    """
+
+    def __init__(self, build, device, bar, stages):
+        self._build, self._device, self._bar, self._stages = build, device, bar, stages
+        self._template = None
+        self._rng = None
+        self._calls = 0
+
+    def __call__(self):
+        import torch
+
+        if self._template is None:
+            self._template = self._build().to(self._device)
+            self._template.train()
+            self._rng = torch.get_rng_state()
+        self._bar.update(1)
+        self._calls += 1
+        self._bar.set_postfix_str(self._stages[min(self._calls, len(self._stages) - 1)])
+        torch.set_rng_state(self._rng)
+        if self._calls == len(self._stages) - 1:  # the last variant: no copy needed
+            model, self._template = self._template, None
+            return model
+        return copy.deepcopy(self._template)
+
+
 def _positive(ctx, param, value):
     if value is not None and value < 1:
         raise click.BadParameter(f"must be >= 1, got {value}")
@@ -183,7 +222,9 @@ def _positive(ctx, param, value):
               help="Override the hidden size (MLP width and heads follow).")
 @click.option("--device", default="cpu", show_default=True, help="torch device (cpu, cuda).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
-def memory(model_name, seq_len, batch, bits, saved_bits, group_size, layers, hidden, device, as_json):
+@click.option("--progress/--no-progress", default=True, show_default=True,
+              help="Show a progress bar on stderr.")
+def memory(model_name, seq_len, batch, bits, saved_bits, group_size, layers, hidden, device, as_json, progress):
     """Memory saved for backward by one training step of a Hugging Face model.
 
     The model is built from the default config of its transformers class with random
@@ -229,22 +270,28 @@ def memory(model_name, seq_len, batch, bits, saved_bits, group_size, layers, hid
         _fail(f"{key} with batch {batch} and {seq} tokens needs about {need / _GIB:.1f} GiB, "
               f"only {avail / _GIB:.1f} GiB available; lower --seq-len/--batch or use --layers/--hidden")
 
-    def factory():
-        m = model_cls(cfg).to(dev)
-        m.train()
-        return m
+    from tqdm import tqdm
 
     inputs = _inputs(key, cfg, batch, seq_len, dev)
+    stages = ["building the model", *(f"{v}: forward+backward" for v in fm.VARIANTS)]
+    bar = tqdm(total=len(stages), desc=f"fewbit memory {key}", unit="step", file=sys.stderr,
+               disable=not progress, leave=False, dynamic_ncols=True)
     try:
-        res = fm.compare(factory, inputs, bits=bits, saved_bits=saved_bits, group_size=group_size)
+        bar.set_postfix_str(stages[0])
+        res = fm.compare(_CopyFactory(lambda: model_cls(cfg), dev, bar, stages), inputs, bits=bits,
+                         saved_bits=saved_bits, group_size=group_size)
+        bar.update(1)
     except (MemoryError, torch.OutOfMemoryError) as exc:
+        bar.close()
         _fail(f"out of memory while measuring {key} (batch {batch}, {seq} tokens): "
               f"lower --seq-len/--batch ({type(exc).__name__})")
     except RuntimeError as exc:
+        bar.close()
         msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         if "memory" in msg.lower() or "allocate" in msg.lower():
             _fail(f"out of memory while measuring {key}: {msg}; lower --seq-len/--batch")
         raise
+    bar.close()
     if res["vanilla"]["activation_bytes"] == 0 or res["fewbit"]["converted"] == 0:
         click.echo(f"warning: {key} has no activation module that fewbit supports; "
                    "the fewbit variants only differ by the group quantizer", err=True)

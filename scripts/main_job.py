@@ -1,18 +1,19 @@
 #!/usr/bin/env python
-"""The whole fewbit path on a built-in default, in a few minutes on a laptop CPU.
+"""The whole fewbit path on a built-in default, in about 10 minutes on a 2-core CPU.
 
 1. Load the shipped few-bit tables (fit any that are missing with the solver) and print
    the approximation error of docs/method.md §3 for bits 1..4.
 2. Plot f' and its 1..4-bit approximations (GELU, SiLU).
 3. Train a small GPT-2-style byte-level LM on the Python standard library sources,
    vanilla and with 3-bit fewbit activations (same seed, same batches).
-4. Count what one training step saves for backward (vanilla, fewbit, fewbit+quant) and
-   print it beside the final losses.
+4. Count what one training step saves for backward (vanilla, fewbit, fewbit+quant), time
+   one training step of each trained variant (interleaved, after a warm-up:
+   :func:`time_steps`) and print both beside the final losses.
 5. Write CSVs, ``summary.md`` and PNG plots into ``--out`` (default ``./results``).
 
 Example::
 
-    python scripts/main_job.py            # ~5 minutes on 2 CPU cores
+    python scripts/main_job.py            # ~14 CPU-minutes: ~10 minutes on 2 idle cores
     python scripts/main_job.py --quick    # seconds (tests)
 """
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -107,6 +109,64 @@ def plot_approximations(tables: dict[str, dict], path: Path, names=("gelu", "sil
     return path
 
 
+def time_steps(
+    variants: Iterable[str],
+    sizes: dict,
+    data,
+    *,
+    device: str = "cpu",
+    seed: int = 0,
+    warmup: int = 3,
+    rounds: int = 20,
+    lr: float = 3e-3,
+) -> dict[str, list[float]]:
+    """Wall time of one training step per variant, measured interleaved after a warm-up.
+
+    One model per variant (same seed, same batch, AdamW as in training) is warmed up for
+    ``warmup`` steps (allocations, lazy imports, numba compiles), then the variants take
+    turns, one step each, for ``rounds`` rounds; the order is reversed every other round
+    (ABBA) so that a drift in machine load hits every variant alike. Nothing else runs
+    in between (no saved-tensor counting, no evaluation).
+
+    Returns:
+        ``{variant: [seconds per step, one per round]}``.
+    """
+    variants = list(variants)
+    dev = torch.device(device)
+    x, y = _data.TextBatcher(data, sizes["seq_len"], sizes["batch_size"], seed).train_batch()
+    x, y = x.to(dev), y.to(dev)
+    runs = {}
+    for variant in variants:
+        torch.manual_seed(seed)
+        model = train_lm.build_lm(sizes["n_layer"], sizes["n_embd"], sizes["n_head"], sizes["seq_len"]).to(dev)
+        train_lm.apply_variant(model, variant)
+        model.train()
+        runs[variant] = (model, torch.optim.AdamW(model.parameters(), lr=lr))
+
+    def step(variant: str) -> float:
+        model, opt = runs[variant]
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        t0 = time.perf_counter()
+        logits = model(input_ids=x).logits
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        return time.perf_counter() - t0
+
+    for variant in variants:
+        for _ in range(warmup):
+            step(variant)
+    times: dict[str, list[float]] = {v: [] for v in variants}
+    for r in range(rounds):
+        for variant in (variants if r % 2 == 0 else variants[::-1]):
+            times[variant].append(step(variant))
+    return times
+
+
 def main(argv: Iterable[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -152,6 +212,13 @@ def main(argv: Iterable[str] | None = None) -> int:
         train_lm.write_csv(args.out / f"lm_{variant}_seed{args.seed}.csv", rows)
         results[variant] = rows
 
+    # step time: interleaved and warmed up (the training loop above also counts saved bytes
+    # and runs its variants one after the other, so its timings are not comparable)
+    warm, rounds = (1, 2) if args.quick else (3, 20)
+    times = time_steps(("vanilla", "fewbit3"), sizes, data, device=args.device, seed=args.seed,
+                       warmup=warm, rounds=rounds)
+    step_ms = {v: 1e3 * statistics.median(ts) for v, ts in times.items()}
+
     # 4. memory -------------------------------------------------------------------------
     from fewbit.memory import compare
 
@@ -166,11 +233,9 @@ def main(argv: Iterable[str] | None = None) -> int:
              "|---|---|---|---|---|---|"]
     for variant, key in (("vanilla", "vanilla"), ("fewbit3", "fewbit")):
         last = results[variant][-1]
-        body = results[variant][1:] or results[variant]
-        step_ms = 1e3 * sum(float(r["step_time_s"]) for r in body) / len(body)
         lines.append(f"| {variant} | {float(last['val_loss']):.4f} | {float(last['accuracy']):.4f} | "
                      f"{mem[key]['saved_bytes'] / mib:.2f} | {mem[key]['activation_bytes'] / mib:.3f} | "
-                     f"{step_ms:.0f} |")
+                     f"{step_ms[variant]:.0f} |")
     q = mem["fewbit+quant"]
     lines.append(f"| fewbit3+quant4 (memory only) | - | - | {q['saved_bytes'] / mib:.2f} | "
                  f"{q['activation_bytes'] / mib:.3f} | - |")
@@ -181,16 +246,18 @@ def main(argv: Iterable[str] | None = None) -> int:
                     f"activations {v['activation_bytes'] / max(1, f['activation_bytes']):.1f}x less), "
                     f"fewbit 3-bit + 4-bit quantizer {q['saved_bytes'] / mib:.2f} MiB "
                     f"({v['saved_bytes'] / q['saved_bytes']:.2f}x less).")
-    print("\n## Results (loss in nats per byte; step time measured on this machine, noisy)\n")
+    time_line = (f"Step time: fewbit3 {step_ms['fewbit3'] / step_ms['vanilla']:.2f}x vanilla's (median of "
+                 f"{rounds} steps each, interleaved, after {warm} warm-up steps; wall time on this machine).")
+    print("\n## Results (loss in nats per byte)\n")
     print(md_train)
-    print("\n" + summary_line, flush=True)
+    print("\n" + summary_line + "\n" + time_line, flush=True)
 
     # 5. plots and summary --------------------------------------------------------------
     runs = {"lm": {var: {args.seed: [{k: float(val) for k, val in r.items()} for r in rows]}
                    for var, rows in results.items()}}
     pngs = summarize_runs.plot(runs, args.out)
     report = ("# fewbit main job\n\n## Approximation error\n\n" + md_errors + "\n\n## Training\n\n" + md_train
-              + "\n\n" + summary_line + "\n")
+              + "\n\n" + summary_line + "\n" + time_line + "\n")
     tmp = args.out / ".main_job.md.tmp"
     tmp.write_text(report)
     os.replace(tmp, args.out / "main_job.md")

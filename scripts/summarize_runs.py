@@ -5,8 +5,11 @@ Reads ``DIR/<task>_<variant>_seed<N>.csv`` as written by ``train_lm.py`` / ``tra
 and writes, per task:
 
 - ``OUT/summary.md``: one table per task with, per variant, the number of seeds, the final
-  validation loss (mean ± sample std over seeds), the final accuracy, the peak bytes saved
-  for backward (and the ratio vanilla / variant), and the mean step time;
+  validation loss (mean ± sample std over seeds), the final accuracy, and the peak bytes
+  saved for backward (and the ratio vanilla / variant). Step times are not printed: the
+  runs were timed one after the other with saved-byte counting on, so their ratio says
+  more about the machine's load at the time than about the variants (the main job and
+  ``scripts/bench_activations.py`` time variants interleaved);
 - ``OUT/<task>_val_loss.png`` and ``OUT/<task>_train_loss.png``: mean curve per variant with
   a band from the min to the max over seeds (as in Novikov et al., ICML 2023, fig. 4-5).
 
@@ -96,21 +99,23 @@ def to_markdown(summary: dict[str, list[dict]]) -> str:
     lines = []
     for task, rows in summary.items():
         lines += [f"### {task}", "",
-                  "| variant | seeds | final val loss | final accuracy | peak saved MiB | saved ratio | step ms | time ratio |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "| variant | seeds | final val loss | final accuracy | peak saved MiB | saved ratio |",
+                  "|---|---|---|---|---|---|"]
         for r in rows:
             vl, vs = r["val_loss"]
             am, as_ = r["accuracy"]
             acc = "-" if math.isnan(am) else f"{am:.4f} ± {as_:.4f}"
             lines.append(
                 f"| {r['variant']} | {r['seeds']} | {vl:.4f} ± {vs:.4f} | {acc} | "
-                f"{r['peak_saved_bytes'] / 2**20:.2f} | {r['saved_ratio']:.2f}x | "
-                f"{r['step_time_s'] * 1e3:.0f} | {r['time_ratio']:.2f}x |")
+                f"{r['peak_saved_bytes'] / 2**20:.2f} | {r['saved_ratio']:.2f}x |")
         lines.append("")
     lines.append("val loss / accuracy: last evaluation, mean ± sample std over seeds; saved ratio: "
-                 "vanilla / variant peak bytes saved for backward in one step (exact count); "
-                 "step ms: mean wall time per training step, first evaluation interval excluded (noisy on a shared CPU).")
+                 "vanilla / variant peak bytes saved for backward in one step (exact count).")
     return "\n".join(lines) + "\n"
+
+
+def _seeds(n: int) -> str:
+    return f"{n} seed" if n == 1 else f"{n} seeds"
 
 
 def plot(runs: dict, out: Path) -> list[Path]:
@@ -130,7 +135,7 @@ def plot(runs: dict, out: Path) -> list[Path]:
                 steps = [seeds[0][i]["step"] for i in range(n)]
                 vals = [[r[i][metric] for r in seeds] for i in range(n)]
                 mean = [statistics.fmean(v) for v in vals]
-                line, = ax.plot(steps, mean, label=f"{variant} ({len(seeds)} seeds)", lw=1.5)
+                line, = ax.plot(steps, mean, label=f"{variant} ({_seeds(len(seeds))})", lw=1.5)
                 if len(seeds) > 1:
                     ax.fill_between(steps, [min(v) for v in vals], [max(v) for v in vals],
                                     color=line.get_color(), alpha=0.2, lw=0)

@@ -1,16 +1,23 @@
 """Packaging: ``import fewbit`` stays lean, and a built wheel installs and runs on its own.
 
 The wheel is built from a copy of the tracked files (``git ls-files``) so that the repository
-gets no build/ or *.egg-info; it is installed into a venv that sees the system packages
-(torch, numba, ...) and run from a directory outside the repository.
+gets no build/ or *.egg-info; it is installed into a throw-away venv and run from a directory
+outside the repository. The throw-away venv gets its dependencies (torch, numba, ...) from the
+environment that runs the tests -- a plain venv as the README makes, or a system interpreter --
+through a ``.pth`` file listing that environment's site-packages. A ``.pth`` line only adds a
+directory to ``sys.path``: the ``.pth`` files inside it (an editable install's finder among
+them) are not processed, so the checkout cannot be what gets imported.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import site
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -63,6 +70,19 @@ def repo_copy(tmp_path_factory) -> Path:
     return dst
 
 
+def _dependency_dirs() -> list[str]:
+    """Site-packages of the running environment (venv and, if it sees them, the system's)."""
+    dirs = [sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"], *site.getsitepackages()]
+    if site.ENABLE_USER_SITE:
+        dirs.append(site.getusersitepackages())
+    out = []
+    for d in dirs:
+        p = Path(d).resolve()
+        if p.is_dir() and REPO not in p.parents and p != REPO and str(p) not in out:
+            out.append(str(p))
+    return out
+
+
 def test_wheel_installs_and_runs(repo_copy, tmp_path):
     before = {p.name for p in REPO.iterdir()}
     wheels = tmp_path / "wheels"
@@ -79,9 +99,13 @@ def test_wheel_installs_and_runs(repo_copy, tmp_path):
     assert "fewbit/cli.py" in names and "fewbit/solver/fit.py" in names and "fewbit/tables/gelu.json" in names
 
     venv = tmp_path / "venv"
-    _run([sys.executable, "-m", "venv", "--system-site-packages", venv], cwd=tmp_path)
+    _run([sys.executable, "-m", "venv", venv], cwd=tmp_path)
     py, exe = venv / "bin" / "python", venv / "bin" / "fewbit"
-    _run([py, "-m", "pip", "install", "--no-deps", "--no-index", "-q", wheel], cwd=tmp_path)
+    purelib = _run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], cwd=tmp_path).stdout.strip()
+    (Path(purelib) / "_fewbit_test_deps.pth").write_text("\n".join(_dependency_dirs()) + "\n")
+    # --ignore-installed: the running environment's fewbit (seen through the .pth) is neither
+    # uninstalled nor taken as already satisfying the wheel.
+    _run([py, "-m", "pip", "install", "--no-deps", "--no-index", "--ignore-installed", "-q", wheel], cwd=tmp_path)
 
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
@@ -89,10 +113,30 @@ def test_wheel_installs_and_runs(repo_copy, tmp_path):
     gelu = [ln for ln in proc.stdout.splitlines() if ln.split()[:1] == ["gelu"]]
     assert len(gelu) == 1 and "e-0" in gelu[0], proc.stdout
 
-    proc = _run([py, "-c", "import fewbit, fewbit.tables, fewbit.solver; print(fewbit.__file__); "
+    proc = _run([py, "-c", "import torch, numba, fewbit, fewbit.tables, fewbit.solver; print(fewbit.__file__); "
                  "print(fewbit.tables.__file__); print(fewbit.solver.__file__)"], cwd=elsewhere)
     site = venv.resolve()
     paths = [Path(p).resolve() for p in proc.stdout.split()]
     assert len(paths) == 3
     for p in paths:
         assert site in p.parents, (p, proc.stdout)  # not the editable install in the repository
+
+
+def test_cli_imports_user_function_from_current_directory(tmp_path):
+    """``fewbit fit mypkg.acts:my_act`` run from the folder holding ``mypkg/`` finds it, as
+    ``python -m`` would, without ``PYTHONPATH=.``.
+
+    ``python -I -c`` puts neither the current directory nor PYTHONPATH on ``sys.path``:
+    exactly what the ``fewbit`` console script sees (its own ``bin/`` instead).
+    """
+    (tmp_path / "mypkg").mkdir()
+    (tmp_path / "mypkg" / "__init__.py").write_text("")
+    (tmp_path / "mypkg" / "acts.py").write_text(
+        "import torch\n\n\ndef my_act(x):\n    return x * torch.sigmoid(1.5 * x)\n")
+    proc = subprocess.run(
+        [sys.executable, "-I", "-c", "from fewbit.cli import main; main()",
+         "fit", "mypkg.acts:my_act", "--bits", "1", "--grid", "200", "--no-progress", "-o", "my_act.json"],
+        cwd=tmp_path, env=_clean_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "No module named" not in proc.stderr
+    assert json.loads((tmp_path / "my_act.json").read_text())["name"] == "mypkg.acts:my_act"
