@@ -14,8 +14,12 @@ slices starting at 0, no fastmath (it would break NaN comparisons), chunks of
   (a branch-free binary search per element measured 5x slower even at 255 borders);
 - pack: 8 codes -> one 64-bit little-endian word -> its low ``bits`` bytes (docs/method.md §6);
 - decode: the inverse unpack, then ``grad * values[code]`` (a select tree on the code
-  bits for bits <= 4, which vectorises without gathers); bfloat16 in and out through
-  int16 bit patterns (exact widening; round-to-nearest-even narrowing, NaN -> 0x7FC0).
+  bits for bits <= 4, which vectorises without gathers), and +0 where the level is 0 for
+  tables whose zero levels torch selects; bfloat16 in and out through int16 bit
+  patterns (exact widening; round-to-nearest-even narrowing, NaN -> 0x7FC0);
+- non-finite inputs: encode counts them per chunk (``v - v != 0``) when asked; the
+  rare path that lists them and patches the gradient is pure torch
+  (:mod:`fewbit.ops._nonfinite`).
 """
 
 import numpy as np
@@ -186,11 +190,24 @@ def _pack_tail(cb, os_, bits):
         os_[t] = np.uint8((w >> np.uint64(8 * t)) & np.uint64(255))
 
 
+@njit(inline="always")
+def _count_nonfinite(xf):
+    """Number of NaN and +-inf in ``xf``: ``v - v`` is 0 exactly for finite ``v``
+    (vectorises: one subtract, one compare, one add per element)."""
+    c = 0
+    for i in range(xf.shape[0]):
+        v = xf[i]
+        c += 0 if (v - v) == 0 else 1
+    return c
+
+
 @njit(parallel=True, error_model="numpy", cache=True, nogil=True)
-def encode(x, borders, codes, out, bits):
+def encode(x, borders, codes, out, bits, count_nonfinite):
     """Packed codes of ``x`` (1-D, float32/float64 or bf16 bits as int16) into ``out``.
 
     ``borders``: ``(nb,)`` in the compare dtype; ``codes``: ``(nb + 1,)`` int64.
+    Returns the number of non-finite elements of ``x`` if ``count_nonfinite``, else 0
+    (counted per chunk while the chunk is in cache; fewbit.ops._nonfinite).
     """
     n = x.shape[0]
     nfull = n // 8 * 8
@@ -203,6 +220,7 @@ def encode(x, borders, codes, out, bits):
         dp[j] = np.int32(codes[j + 1] - codes[j])
     c0 = np.int32(codes[0])
     nchunks = (nfull + _CHUNK - 1) // _CHUNK
+    total = 0
     for ch in prange(nchunks):
         e0 = ch * _CHUNK
         e1 = min(e0 + _CHUNK, nfull)
@@ -223,11 +241,14 @@ def encode(x, borders, codes, out, bits):
         else:
             _codes_linear(xf, borders, codes, cb)
         _pack_dispatch(cb, out[e0 // 8 * bits:e1 // 8 * bits], bits)
+        total += _count_nonfinite(xf) if count_nonfinite else 0
     if nfull < n:
         xf = _widen(x[nfull:n])
         cb = np.empty(n - nfull, np.uint8)
         _codes_linear(xf, borders, codes, cb)  # < 8 elements
         _pack_tail(cb, out[nfull // 8 * bits:], bits)
+        total += _count_nonfinite(xf) if count_nonfinite else 0
+    return total
 
 
 @njit(inline="always")
@@ -340,10 +361,19 @@ def _mul_lut(gf, cb, values, prod, bits):
             prod[ig] = gf[ig] * values[cb[ig]]
 
 
+@njit(inline="always")
+def _select_zero(cb, zero, prod):
+    """``prod[i] = +0`` where the level of code ``cb[i]`` is 0 (torch's select)."""
+    for i in range(prod.shape[0]):
+        if zero[cb[i]]:
+            prod[i] = 0.0
+
+
 @njit(parallel=True, error_model="numpy", cache=True, nogil=True)
-def decode_mul(g, packed, values, out, bits):
+def decode_mul(g, packed, values, out, bits, select_zero):
     """``out = g * values[code]`` (1-D; float32/float64, or bf16 bits as uint16 with
-    float32 values)."""
+    float32 values); with ``select_zero``, +0 where the level is 0."""
+    zero = values == 0
     n = g.shape[0]
     mask = np.uint64((1 << bits) - 1)
     nchunks = (n + _CHUNK - 1) // _CHUNK
@@ -365,4 +395,6 @@ def decode_mul(g, packed, values, out, bits):
         os_ = out[e0:e1]
         prod = _prod_buf(os_)
         _mul_lut(gf, cb, values, prod, bits)
+        if select_zero:
+            _select_zero(cb, zero, prod)
         _store(os_, prod)
