@@ -66,6 +66,7 @@ follow what torch gives for all but a few elements of a real-sized tensor.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from fractions import Fraction
 import warnings
@@ -226,7 +227,10 @@ def _torch_grad(fn, params, x: torch.Tensor, g: torch.Tensor) -> torch.Tensor | 
     if torch cannot differentiate ``fn``."""
     n = x.numel()
     m = max(64, -(-n // 64) * 64)
-    xp = torch.cat([x, x[:1].expand(m - n)]).detach().clone().requires_grad_(True)
+    # (a leaf made by a factory: requires_grad_() is refused inside torch.func transforms)
+    xp = torch.empty(m, dtype=x.dtype, device=x.device, requires_grad=True)
+    with torch.no_grad():
+        xp.copy_(torch.cat([x, x[:1].expand(m - n)]))
     gp = torch.cat([g, g[:1].expand(m - n)]).contiguous()
     try:
         with torch.enable_grad(), torch.autocast(x.device.type, enabled=False):
@@ -414,6 +418,12 @@ def derive_grad_rules(
     """
     device = torch.device(device)
     # Outside any torch.func transform, autocast or the caller's saved-tensor hooks
-    # (the probes are not part of the user's graph).
-    with torch._C._DisableFuncTorch(), torch.autograd.graph.saved_tensors_hooks(_keep, _keep):
+    # (the probes are not part of the user's graph). torch.func transforms disable
+    # saved-tensor hooks themselves (then pushing ours raises, and there is nothing to hide).
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch._C._DisableFuncTorch())
+        try:
+            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(_keep, _keep))
+        except RuntimeError:
+            pass
         return _derive(fn, dict(params), table, dtype, device)

@@ -216,3 +216,72 @@ def _(grad, packed, values, bits, nonfinite=None, patch=None, select_zero=False)
         grad, packed, values.to(cdt), bits,
         nonfinite=nonfinite, patch=None if patch is None else patch.to(cdt), select_zero=select_zero,
     )
+
+
+# --------------------------------------------------------------------------- vmap
+# torch.func.vmap (e.g. per-sample gradients, vmap(grad(f)), jacrev): each sample has
+# its own packed stream (and record), exactly what the op gives for that sample alone.
+# Without a record the batch runs as one call (samples padded to whole bytes); with a
+# record, one call per sample.
+
+
+def _unsupported_batched(in_dims, names):
+    for d, name in zip(in_dims, names):
+        if d is not None:
+            raise NotImplementedError(f"fewbit: vmap over {name} is not supported (tables are shared)")
+
+
+def _batched(t, d, batch):
+    """``t`` with its batch dimension first (expanded when it is not batched)."""
+    return t.movedim(d, 0) if d is not None else t.unsqueeze(0).expand(batch, *t.shape)
+
+
+@torch.library.register_vmap("fewbit::encode")
+def _encode_vmap(info, in_dims, x, borders, codes, bits):
+    _unsupported_batched(in_dims[1:3], ("borders", "codes"))
+    xb = x.movedim(in_dims[0], 0).reshape(info.batch_size, -1)
+    m = xb.shape[1]
+    nbytes = (m * bits + 7) // 8
+    m8 = (m + 7) // 8 * 8
+    if m8 != m:
+        xb = torch.nn.functional.pad(xb, (0, m8 - m))
+    out = torch.ops.fewbit.encode(xb, borders, codes, bits).reshape(info.batch_size, -1)[:, :nbytes]
+    rem = (m * bits) % 8
+    if rem:  # the stream of one sample ends mid-byte: its padding bits are 0
+        out = torch.cat([out[:, :-1], out[:, -1:] & ((1 << rem) - 1)], dim=1)
+    return out.contiguous(), 0
+
+
+@torch.library.register_vmap("fewbit::encode_nonfinite")
+def _encode_nonfinite_vmap(info, in_dims, x, borders, codes, bits, classes, capacity):
+    _unsupported_batched(in_dims[1:3], ("borders", "codes"))
+    xb = x.movedim(in_dims[0], 0)
+    outs = [torch.ops.fewbit.encode_nonfinite(xb[i], borders, codes, bits, classes, capacity)
+            for i in range(info.batch_size)]
+    return (torch.stack([o[0] for o in outs]), torch.stack([o[1] for o in outs])), (0, 0)
+
+
+@torch.library.register_vmap("fewbit::decode_mul")
+def _decode_mul_vmap(info, in_dims, grad, packed, values, bits, nonfinite=None, patch=None, select_zero=False):
+    in_dims = tuple(in_dims) + (None,) * (7 - len(in_dims))  # optional arguments left out
+    _unsupported_batched((in_dims[2], in_dims[5]), ("values", "patch"))
+    batch = info.batch_size
+    g = _batched(grad, in_dims[0], batch)
+    shape = g.shape[1:]
+    g = g.reshape(batch, -1)
+    p = _batched(packed, in_dims[1], batch)
+    if nonfinite is not None:
+        rec = _batched(nonfinite, in_dims[4], batch)
+        out = torch.stack([
+            torch.ops.fewbit.decode_mul(g[i], p[i], values, bits, rec[i], patch, select_zero) for i in range(batch)
+        ])
+        return out.reshape(batch, *shape), 0
+    m = g.shape[1]
+    m8 = (m + 7) // 8 * 8
+    nbytes = (m * bits + 7) // 8
+    p = p[:, :nbytes]
+    if m8 != m:  # pad every sample to whole bytes (codes 0 for padding, dropped after)
+        g = torch.nn.functional.pad(g, (0, m8 - m))
+        p = torch.nn.functional.pad(p, (0, m8 * bits // 8 - nbytes))
+    out = torch.ops.fewbit.decode_mul(g.reshape(-1), p.reshape(-1), values, bits, None, None, select_zero)
+    return out.reshape(batch, m8)[:, :m].reshape(batch, *shape), 0

@@ -153,6 +153,12 @@ def _prepare(fn: str, params: tuple, table: Table, dtype: torch.dtype, device: t
     return hit
 
 
+def _transforms_active() -> bool:
+    """Whether a torch.func transform (grad, vmap, ...) is running; True if unknown."""
+    active = getattr(torch._C, "_are_functorch_transforms_active", None)
+    return True if active is None else bool(active())
+
+
 class DecodeMul(torch.autograd.Function):
     """``fewbit::decode_mul`` as a differentiable function of ``grad_output``.
 
@@ -162,6 +168,8 @@ class DecodeMul(torch.autograd.Function):
     built (``create_graph=True``, ``torch.func``); written with ``setup_context`` so that
     ``torch.func`` transforms accept it.
     """
+
+    generate_vmap_rule = True
 
     @staticmethod
     def forward(grad, packed, values, bits, nonfinite, patch, select_zero):
@@ -188,13 +196,17 @@ class _NoSecondDerivative(torch.autograd.Function):
     so a double backward through it would silently drop that term.
     """
 
+    generate_vmap_rule = True
+
     @staticmethod
-    def forward(grad_input, what):
+    def forward(grad_input, anchor, what):
+        # anchor: an empty tensor computed from the activation's input x, so that this
+        # node lies on every path from the gradient back to x (and to grad_output)
         return grad_input.view_as(grad_input)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        ctx.what = inputs[1]
+        ctx.what = inputs[2]
 
     @staticmethod
     def backward(ctx, _):
@@ -212,8 +224,11 @@ class _FewBitPointwise(torch.autograd.Function):
     (plus, when the input had NaN or inf of a recorded class, their record and the shared
     patch; fewbit.ops._nonfinite)."""
 
+    generate_vmap_rule = True
+
     @staticmethod
-    def forward(x, borders, codes, values, patch, bits, fn, params, inplace, classes, capacity, select_zero, what):
+    def forward(x, borders, codes, values, patch, bits, fn, params, inplace, classes, capacity, select_zero, what,
+                anchor):
         # Codes (and the non-finite record) from the exact x, before any in-place write.
         record = None
         if classes == 0:
@@ -235,7 +250,7 @@ class _FewBitPointwise(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, _, _, values, patch, bits, _, _, inplace, _, _, select_zero, what = inputs
+        x, _, _, values, patch, bits, _, _, inplace, _, _, select_zero, what, anchor = inputs
         _, packed, record = output
         if inplace:
             ctx.mark_dirty(x)
@@ -245,6 +260,9 @@ class _FewBitPointwise(torch.autograd.Function):
         else:
             ctx.save_for_backward(packed, values, record, patch)
         ctx.bits, ctx.select_zero, ctx.what = bits, select_zero, what
+        # An attribute, not a saved tensor: it holds no data (0 elements) and no
+        # reference back to this node; saving it would count as a saved activation.
+        ctx.anchor = anchor
 
     @staticmethod
     def backward(ctx, grad_output, _packed, _record):
@@ -254,12 +272,12 @@ class _FewBitPointwise(torch.autograd.Function):
         if torch.is_grad_enabled():  # a graph of the backward is being built
             grad_input = DecodeMul.apply(grad_output, packed, values, ctx.bits, record, patch, ctx.select_zero)
             if ctx.what is not None:
-                grad_input = _NoSecondDerivative.apply(grad_input, ctx.what)
+                grad_input = _NoSecondDerivative.apply(grad_input, ctx.anchor, ctx.what)
         else:
             grad_input = torch.ops.fewbit.decode_mul(
                 grad_output, packed, values, ctx.bits, record, patch, ctx.select_zero
             )
-        return (grad_input,) + (None,) * 12
+        return (grad_input,) + (None,) * 13
 
 
 def pointwise(
@@ -341,11 +359,20 @@ def pointwise(
     select_zero, classes, patch_id = _prepare(fn, tuple(sorted(full.items())), table, input.dtype, input.device)
     borders, codes, values = table_tensors(table, input.device, input.dtype)
     patch = _patch_tensor(patch_id, values.device, values.dtype) if classes else None
-    capacity = -1 if (input.device.type == "cpu" and not compiling) else CAPACITY
-    what = None if table.weight == "exact" else f"{fn} ({table.bits}-bit fitted table)"
+    # CPU eager: the count is on the host for free, record exactly; else a fixed capacity
+    # (CUDA: no host sync; torch.compile and torch.func: no data-dependent Python).
+    host_count = input.device.type == "cpu" and not compiling and not _transforms_active()
+    capacity = -1 if host_count else CAPACITY
+    what = anchor = None
+    if table.weight != "exact":
+        # Double backward must raise for a fitted table (no f'' from codes). An empty
+        # copy of a slice of x carries x's autograd history into the backward (no data,
+        # nothing of x saved), so the guard is on the path to x; one small op per call.
+        what = f"{fn} ({table.bits}-bit fitted table)"
+        anchor = torch.narrow_copy(input.reshape(-1) if input.dim() == 0 else input, 0, 0, 0)
     y, _, _ = _FewBitPointwise.apply(
         input, borders, codes, values, patch, table.bits, torch_fn, full, inplace, classes, capacity,
-        select_zero, what,
+        select_zero, what, anchor,
     )
     return y
 
