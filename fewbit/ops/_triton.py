@@ -37,6 +37,19 @@ __all__ = ["encode_triton", "encode_nonfinite_triton", "decode_mul_triton", "def
 
 
 @triton.jit
+def _widen(v, IS_F64: tl.constexpr):
+    """``v`` in the compute dtype (float64 for float64, else float32), exactly. bfloat16
+    is widened by its bits: the interpreter's bfloat16 cast flushes subnormals."""
+    if IS_F64:
+        w = v.to(tl.float64)
+    elif v.dtype == tl.bfloat16:
+        w = (v.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    else:
+        w = v.to(tl.float32)
+    return w
+
+
+@triton.jit
 def _record_nonfinite(xc, idx, valid, rec_ptr, cap, CLASSES: tl.constexpr, NUMEL: tl.constexpr):
     """Append the non-finite elements of a tile to the record (fewbit.ops._nonfinite).
 
@@ -82,11 +95,7 @@ def _encode_kernel(
     k = tl.arange(0, 8)
     idx = grp[:, None] * 8 + k[None, :].to(tl.int64)
     valid = idx < n
-    x = tl.load(x_ptr + idx, mask=valid, other=0.0)
-    if IS_F64:
-        xc = x.to(tl.float64)
-    else:
-        xc = x.to(tl.float32)  # exact for fp16 / bf16 / fp32
+    xc = _widen(tl.load(x_ptr + idx, mask=valid, other=0.0), IS_F64)  # exact
     if CLASSES != 0:
         _record_nonfinite(xc, idx, valid, rec_ptr, cap, CLASSES, BLOCK * 8)
     prev = tl.load(codes_ptr).to(tl.int32)
@@ -134,11 +143,10 @@ def _patch_nonfinite(
         i = e >> 2
         own = m & (i >= lo) & (i < hi)
         row = patch_ptr + (e & 3) * 8
+        g = _widen(tl.load(g_ptr + i, mask=own, other=0.0), IS_F64)
         if IS_F64:
-            g = tl.load(g_ptr + i, mask=own, other=0.0).to(tl.float64)
             neg = g.to(tl.int64, bitcast=True) < 0
         else:
-            g = tl.load(g_ptr + i, mask=own, other=0.0).to(tl.float32)
             neg = g.to(tl.int32, bitcast=True) < 0
         mode = tl.load(row, mask=own, other=0.0)
         d = tl.load(row + 1, mask=own, other=0.0)
@@ -182,11 +190,7 @@ def _decode_mul_kernel(
     idx = grp[:, None] * 8 + t[None, :].to(tl.int64)
     valid = idx < n
     v = tl.load(values_ptr + code, mask=valid, other=0.0)
-    g = tl.load(g_ptr + idx, mask=valid, other=0.0)
-    if IS_F64:
-        prod = g.to(tl.float64) * v
-    else:
-        prod = g.to(tl.float32) * v
+    prod = _widen(tl.load(g_ptr + idx, mask=valid, other=0.0), IS_F64) * v
     if SELECT_ZERO:
         prod = tl.where(v == 0, 0.0, prod)
     if HAS_REC:
