@@ -124,7 +124,6 @@ def _patch_tensor(patch_id: int, device: torch.device, cdt: torch.dtype) -> torc
     return hit
 
 
-@torch.compiler.assume_constant_result
 def _prepare(fn: str, params: tuple, table: Table, dtype: torch.dtype, device: torch.device) -> tuple:
     """``(select_zero, classes, patch_id)`` of torch's backward rules for this setting
     (:func:`fewbit.ops._nonfinite.derive_grad_rules`), cached.
@@ -151,6 +150,11 @@ def _prepare(fn: str, params: tuple, table: Table, dtype: torch.dtype, device: t
     with _lock:
         _prepared[key] = hit
     return hit
+
+
+# What torch.compiler.assume_constant_result(_prepare) does, without importing
+# torch._dynamo (seconds) at ``import fewbit``.
+_prepare._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def _transforms_active() -> bool:

@@ -183,6 +183,25 @@ def test_compiled_path_uses_fixed_capacity():
     assert a.grad.isnan().all()
 
 
+def test_compile_cold_caches_no_graph_break():
+    # First call of a setting inside torch.compile: the rules (torch autograd probes) and
+    # the table/patch tensors are prepared once, eagerly, as a constant of the trace.
+    from fewbit.ops import _pointwise
+
+    table = random_table(3, seed=12345)
+    table = type(table)(**{**table.__dict__, "name": "silu"})
+    lin = torch.nn.Linear(6, 6)
+
+    def f(x):
+        return lin(ops.pointwise(lin(x), table, "silu")).sum()
+
+    torch._dynamo.reset()
+    assert not any(k[3] == table.borders for k in _pointwise._prepared)
+    explained = torch._dynamo.explain(f)(torch.randn(2, 6))
+    assert explained.graph_break_count == 0, explained.break_reasons
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("shape", [(3, 5), (0, 4), "noncontig"])
 def test_opcheck_nonfinite_ops(shape):
     table = random_table(3, seed=7)
