@@ -284,6 +284,20 @@ class _FewBitPointwise(torch.autograd.Function):
         return (grad_input,) + (None,) * 13
 
 
+class _FewBitPointwiseEager(torch.autograd.Function):
+    """:class:`_FewBitPointwise` in the ``forward(ctx, ...)`` style, used when no
+    ``torch.func`` transform is active: ``apply`` of a ``setup_context`` Function binds
+    its arguments with ``inspect.signature`` on every call (tens of microseconds)."""
+
+    @staticmethod
+    def forward(ctx, *args):
+        output = _FewBitPointwise.forward(*args)
+        _FewBitPointwise.setup_context(ctx, args, output)
+        return output
+
+    backward = _FewBitPointwise.backward
+
+
 def pointwise(
     input: torch.Tensor,
     table: Table,
@@ -365,7 +379,8 @@ def pointwise(
     patch = _patch_tensor(patch_id, values.device, values.dtype) if classes else None
     # CPU eager: the count is on the host for free, record exactly; else a fixed capacity
     # (CUDA: no host sync; torch.compile and torch.func: no data-dependent Python).
-    host_count = input.device.type == "cpu" and not compiling and not _transforms_active()
+    transforms = _transforms_active()
+    host_count = input.device.type == "cpu" and not compiling and not transforms
     capacity = -1 if host_count else CAPACITY
     what = anchor = None
     if table.weight != "exact":
@@ -374,7 +389,8 @@ def pointwise(
         # nothing of x saved), so the guard is on the path to x; one small op per call.
         what = f"{fn} ({table.bits}-bit fitted table)"
         anchor = torch.narrow_copy(input.reshape(-1) if input.dim() == 0 else input, 0, 0, 0)
-    y, _, _ = _FewBitPointwise.apply(
+    function = _FewBitPointwise if transforms else _FewBitPointwiseEager
+    y, _, _ = function.apply(
         input, borders, codes, values, patch, table.bits, torch_fn, full, inplace, classes, capacity,
         select_zero, what, anchor,
     )
