@@ -23,17 +23,10 @@ import fewbit.modules as fm
 from fewbit import functional as FF
 from fewbit.activations import ACTIVATIONS, canonical_params
 from fewbit.table import Table
+from test_functional import fewbit_env  # noqa: F401  (autouse: an empty user cache per test)
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 NONFINITE = [math.nan, math.inf, -math.inf]
-
-
-@pytest.fixture(autouse=True)
-def fewbit_env(monkeypatch, tmp_path):
-    monkeypatch.setenv("FEWBIT_CACHE_DIR", str(tmp_path / "cache"))
-    FF.clear_table_cache()
-    yield
-    FF.clear_table_cache()
 
 
 def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
