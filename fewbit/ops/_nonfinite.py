@@ -236,9 +236,15 @@ def _torch_grad(fn, params, x: torch.Tensor, g: torch.Tensor) -> torch.Tensor | 
         with torch.enable_grad(), torch.autocast(x.device.type, enabled=False):
             y = fn(xp, **params)
             if not isinstance(y, torch.Tensor) or not y.requires_grad or y.shape != xp.shape:
-                return None
+                return None  # not differentiable by torch, or not elementwise
             (gx,) = torch.autograd.grad(y, xp, gp, allow_unused=True)
-    except RuntimeError:
+    except Exception as exc:  # a user function that fails on the probe: keep the table's gradient
+        warnings.warn(
+            f"fewbit: could not evaluate torch's gradient of {getattr(fn, '__name__', fn)} on a 1-D probe "
+            f"({type(exc).__name__}: {exc}); its gradient at NaN/inf inputs is the table's",
+            RuntimeWarning,
+            stacklevel=4,
+        )
         return None
     if gx is None or gx.dtype != x.dtype:
         return None

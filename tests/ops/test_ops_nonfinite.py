@@ -135,6 +135,14 @@ def test_rules_for_other_user_functions():
     # a function torch cannot differentiate: no rules, the table's gradient stays
     r = nf.derive_grad_rules(lambda t: t.detach().sigmoid(), {}, table, torch.float32, "cpu")
     assert r == nf.GradRules()
+    # a function that fails on the 1-D probe: a warning, no rules (the forward still runs)
+
+    def needs_2d(t):
+        return torch.sigmoid(t) * t.shape[1]
+
+    with pytest.warns(RuntimeWarning, match="could not evaluate torch's gradient of needs_2d"):
+        r = nf.derive_grad_rules(needs_2d, {}, table, torch.float32, "cpu")
+    assert r == nf.GradRules()
 
 
 def _saved_during(fn):

@@ -145,9 +145,16 @@ def test_decode_with_record_and_select(dtype, select_zero):
             assert bits_equal(got, ref), (n, cap)
 
 
-@pytest.mark.parametrize("name,params", [("gelu", {}), ("selu", {}), ("tanhshrink", {}), ("hardshrink", {}),
-                                         ("leaky_relu", {"negative_slope": 0.2}), ("relu6", {})])
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def _pipeline_cases():
+    from fewbit.activations import ACTIVATIONS
+
+    every = [(n, {}, dt) for n in sorted(ACTIVATIONS) for dt in (torch.float32, torch.bfloat16)]
+    extra = [(n, p, dt) for n, p in [("selu", {}), ("hardshrink", {}), ("leaky_relu", {"negative_slope": 0.2})]
+             for dt in (torch.float64, torch.float16)]
+    return every + extra
+
+
+@pytest.mark.parametrize("name,params,dtype", _pipeline_cases(), ids=str)
 def test_cuda_pipeline_gives_torch_gradient(name, params, dtype):
     # The CUDA path (Triton encode with a fixed-capacity record, Triton decode with the
     # patch and the select) on CPU tensors, with the rules torch's CPU kernels give.
