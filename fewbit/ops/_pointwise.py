@@ -125,8 +125,9 @@ def _patch_tensor(patch_id: int, device: torch.device, cdt: torch.dtype) -> torc
 
 
 def _prepare(fn: str, params: tuple, table: Table, dtype: torch.dtype, device: torch.device) -> tuple:
-    """``(select_zero, classes, patch_id)`` of torch's backward rules for this setting
-    (:func:`fewbit.ops._nonfinite.derive_grad_rules`), cached.
+    """``(select_zero, classes, patch_id, what)`` of torch's backward rules for this
+    setting (:func:`fewbit.ops._nonfinite.derive_grad_rules`), cached; ``what`` names a
+    fitted table in the double-backward error (``None`` for an exact table).
 
     It also fills the tensor caches of this setting (table tensors, patch), so the calls
     that follow only read them: under ``torch.compile`` this function runs once while
@@ -146,7 +147,8 @@ def _prepare(fn: str, params: tuple, table: Table, dtype: torch.dtype, device: t
             _patch_rows.append(rules.patch)
     if rules.classes:
         _patch_tensor(pid, values.device, values.dtype)
-    hit = (rules.select_zero, rules.classes, pid)
+    what = None if table.weight == "exact" else f"{fn} ({table.bits}-bit fitted table)"
+    hit = (rules.select_zero, rules.classes, pid, what)
     with _lock:
         _prepared[key] = hit
     return hit
@@ -223,79 +225,93 @@ class _NoSecondDerivative(torch.autograd.Function):
         )
 
 
+def _forward(x, borders, codes, values, patch, bits, fn, params, inplace, classes, capacity, select_zero, what,
+             anchor):
+    """``(y, packed, record)``: codes (and the non-finite record) from the exact ``x``,
+    before any in-place write; then ``y = fn(x)``."""
+    record = None
+    if classes == 0:
+        packed = torch.ops.fewbit.encode(x, borders, codes, bits)
+    elif capacity >= 0:  # fixed capacity: count unknown on the host (CUDA, compile)
+        packed, record = torch.ops.fewbit.encode_nonfinite(x, borders, codes, bits, classes, capacity)
+    else:  # CPU eager: counted in the encode pass; listed (pure torch) only if any
+        packed, record = torch.ops.fewbit.encode_nonfinite(x, borders, codes, bits, classes, 0)
+        count = record.item()  # capacity 0: the record is just the count
+        if count == 0:
+            record = None
+        elif count <= CAPACITY:
+            record = nonfinite_record_reference(x, classes, count)
+    y = fn(x, **params)
+    if inplace:
+        x.copy_(y)
+        y = x
+    return y, packed, record
+
+
+def _save(ctx, inputs, packed, record) -> None:
+    x, _, _, values, patch, bits, _, _, inplace, _, _, select_zero, what, anchor = inputs
+    if inplace:
+        ctx.mark_dirty(x)
+    if record is None:
+        ctx.save_for_backward(packed, values)
+    else:
+        ctx.save_for_backward(packed, values, record, patch)
+    ctx.bits, ctx.select_zero, ctx.what = bits, select_zero, what
+    # An attribute, not a saved tensor: it holds no data (0 elements) and no reference
+    # back to this node; saving it would count as a saved activation.
+    ctx.anchor = anchor
+
+
+def _backward(ctx, grad_output):
+    saved = ctx.saved_tensors
+    packed, values = saved[0], saved[1]
+    record, patch = (saved[2], saved[3]) if len(saved) > 2 else (None, None)
+    if torch.is_grad_enabled():  # a graph of the backward is being built
+        grad_input = DecodeMul.apply(grad_output, packed, values, ctx.bits, record, patch, ctx.select_zero)
+        if ctx.what is not None:
+            grad_input = _NoSecondDerivative.apply(grad_input, ctx.anchor, ctx.what)
+        return grad_input
+    return torch.ops.fewbit.decode_mul(grad_output, packed, values, ctx.bits, record, patch, ctx.select_zero)
+
+
 class _FewBitPointwise(torch.autograd.Function):
-    """Autograd of :func:`pointwise`: saves only the packed codes and the shared values
-    (plus, when the input had NaN or inf of a recorded class, their record and the shared
-    patch; fewbit.ops._nonfinite)."""
+    """Autograd of :func:`pointwise` for ``torch.func`` (``setup_context`` style; the
+    codes and record are outputs so that ``setup_context`` can save them): saves only the
+    packed codes and the shared values (plus, when the input had NaN or inf of a recorded
+    class, their record and the shared patch; fewbit.ops._nonfinite)."""
 
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(x, borders, codes, values, patch, bits, fn, params, inplace, classes, capacity, select_zero, what,
-                anchor):
-        # Codes (and the non-finite record) from the exact x, before any in-place write.
-        record = None
-        if classes == 0:
-            packed = torch.ops.fewbit.encode(x, borders, codes, bits)
-        elif capacity >= 0:  # fixed capacity: count unknown on the host (CUDA, compile)
-            packed, record = torch.ops.fewbit.encode_nonfinite(x, borders, codes, bits, classes, capacity)
-        else:  # CPU eager: counted in the encode pass; listed (pure torch) only if any
-            packed, record = torch.ops.fewbit.encode_nonfinite(x, borders, codes, bits, classes, 0)
-            count = int(record[0])
-            if count == 0:
-                record = None
-            elif count <= CAPACITY:
-                record = nonfinite_record_reference(x, classes, count)
-        y = fn(x, **params)
-        if inplace:
-            x.copy_(y)
-            y = x
-        return y, packed, record
+    def forward(*args):
+        return _forward(*args)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, _, _, values, patch, bits, _, _, inplace, _, _, select_zero, what, anchor = inputs
         _, packed, record = output
-        if inplace:
-            ctx.mark_dirty(x)
         ctx.mark_non_differentiable(*(t for t in (packed, record) if t is not None))
-        if record is None:
-            ctx.save_for_backward(packed, values)
-        else:
-            ctx.save_for_backward(packed, values, record, patch)
-        ctx.bits, ctx.select_zero, ctx.what = bits, select_zero, what
-        # An attribute, not a saved tensor: it holds no data (0 elements) and no
-        # reference back to this node; saving it would count as a saved activation.
-        ctx.anchor = anchor
+        _save(ctx, inputs, packed, record)
 
     @staticmethod
     def backward(ctx, grad_output, _packed, _record):
-        saved = ctx.saved_tensors
-        packed, values = saved[0], saved[1]
-        record, patch = (saved[2], saved[3]) if len(saved) > 2 else (None, None)
-        if torch.is_grad_enabled():  # a graph of the backward is being built
-            grad_input = DecodeMul.apply(grad_output, packed, values, ctx.bits, record, patch, ctx.select_zero)
-            if ctx.what is not None:
-                grad_input = _NoSecondDerivative.apply(grad_input, ctx.anchor, ctx.what)
-        else:
-            grad_input = torch.ops.fewbit.decode_mul(
-                grad_output, packed, values, ctx.bits, record, patch, ctx.select_zero
-            )
-        return (grad_input,) + (None,) * 13
+        return (_backward(ctx, grad_output),) + (None,) * 13
 
 
 class _FewBitPointwiseEager(torch.autograd.Function):
-    """:class:`_FewBitPointwise` in the ``forward(ctx, ...)`` style, used when no
-    ``torch.func`` transform is active: ``apply`` of a ``setup_context`` Function binds
-    its arguments with ``inspect.signature`` on every call (tens of microseconds)."""
+    """The same in the ``forward(ctx, ...)`` style, used when no ``torch.func`` transform
+    is active: it returns only ``y`` (fewer outputs for autograd to wrap), and ``apply``
+    of a ``setup_context`` Function binds its arguments with ``inspect.signature`` on
+    every call; together tens of microseconds per call."""
 
     @staticmethod
     def forward(ctx, *args):
-        output = _FewBitPointwise.forward(*args)
-        _FewBitPointwise.setup_context(ctx, args, output)
-        return output
+        y, packed, record = _forward(*args)
+        _save(ctx, args, packed, record)
+        return y
 
-    backward = _FewBitPointwise.backward
+    @staticmethod
+    def backward(ctx, grad_output):
+        return (_backward(ctx, grad_output),) + (None,) * 13
 
 
 def pointwise(
@@ -374,7 +390,7 @@ def pointwise(
         # cannot be rebased), run by a self-copy that writes nothing: raise before the
         # input is touched, with torch's message.
         input.copy_(input)
-    select_zero, classes, patch_id = _prepare(fn, tuple(sorted(full.items())), table, input.dtype, input.device)
+    select_zero, classes, patch_id, what = _prepare(fn, tuple(full.items()), table, input.dtype, input.device)
     borders, codes, values = table_tensors(table, input.device, input.dtype)
     patch = _patch_tensor(patch_id, values.device, values.dtype) if classes else None
     # CPU eager: the count is on the host for free, record exactly; else a fixed capacity
@@ -382,19 +398,17 @@ def pointwise(
     transforms = _transforms_active()
     host_count = input.device.type == "cpu" and not compiling and not transforms
     capacity = -1 if host_count else CAPACITY
-    what = anchor = None
-    if table.weight != "exact":
+    anchor = None
+    if what is not None:
         # Double backward must raise for a fitted table (no f'' from codes). An empty
         # copy of a slice of x carries x's autograd history into the backward (no data,
         # nothing of x saved), so the guard is on the path to x; one small op per call.
-        what = f"{fn} ({table.bits}-bit fitted table)"
         anchor = torch.narrow_copy(input.reshape(-1) if input.dim() == 0 else input, 0, 0, 0)
-    function = _FewBitPointwise if transforms else _FewBitPointwiseEager
-    y, _, _ = function.apply(
-        input, borders, codes, values, patch, table.bits, torch_fn, full, inplace, classes, capacity,
-        select_zero, what, anchor,
-    )
-    return y
+    args = (input, borders, codes, values, patch, table.bits, torch_fn, full, inplace, classes, capacity,
+            select_zero, what, anchor)
+    if transforms:
+        return _FewBitPointwise.apply(*args)[0]
+    return _FewBitPointwiseEager.apply(*args)
 
 
 def encode(input: torch.Tensor, table: Table) -> torch.Tensor:
