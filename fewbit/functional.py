@@ -571,7 +571,8 @@ def activation(
         bits: bits per element, 1..8; ``None``: the table's bits, or the function's
             default (3; 1 for stepwise functions).
         params: keyword parameters of ``fn`` (``{"alpha": 0.5}``).
-        inplace: overwrite ``input`` with the result.
+        inplace: overwrite ``input`` with the result; refused (``RuntimeError``, nothing
+            written) where torch refuses an in-place write, as for a ``Parameter``.
 
     Returns:
         Tensor of the shape and dtype of ``input``.
@@ -583,6 +584,11 @@ def activation(
             that does not match ``fn``/``params``/``bits``.
         TableFormatError: (a ValueError) if the table file is missing, unreadable, of
             another schema version, or holds no ``bits``-bit table; names the file.
+        RuntimeError: see :func:`gelu` (double backward of a fitted table; in-place
+            writes torch refuses).
+
+    Gradient semantics (NaN/inf inputs, selects, double backward, ``torch.func``) as in
+    :func:`gelu`, for user functions too.
     """
     _check_input(input)
     if bits is not None:
@@ -616,6 +622,22 @@ def gelu(input: torch.Tensor, approximate: str = "none", *, bits: int = 3) -> to
         approximate: ``'none'`` (erf) or ``'tanh'`` (uses the ``gelu_tanh`` table).
         bits: bits per element kept for backward, 1..8.
 
+    Where torch's own backward is not ``grad_output * level``, the gradient is torch's
+    (rules derived once from torch; :mod:`fewbit.ops._nonfinite`):
+
+    - NaN and +-inf inputs get torch's gradient at that element (NaN for GELU at NaN, so a
+      diverging run is not hidden). Their positions are recorded in the forward: nothing
+      on CPU when all inputs are finite, ``8 * (1 + 1024)`` bytes per call on CUDA and
+      under ``torch.compile``; past 1024 such elements in one call the whole gradient of
+      that call is NaN.
+    - Exact (stepwise) tables select 0 where torch does, so e.g. :func:`relu` gives
+      torch's gradient bit for bit also for NaN or infinite ``grad_output``.
+    - Double backward (gradient penalty, ``create_graph=True`` then differentiating,
+      nested ``torch.func.grad``): exact for stepwise functions (``f''`` is 0 there as in
+      torch); for a fitted table it raises ``RuntimeError``, since the ``f''(x)`` term
+      cannot be formed from b-bit codes and would silently be 0. ``torch.func.grad``,
+      ``vjp``, ``vmap`` and ``jacrev`` of the first derivative work.
+
     Returns:
         Tensor of shape ``(*)`` and the dtype of ``input``; its gradient has the input's
         dtype. Kept for backward: ``ceil(numel * bits / 8)`` bytes of codes plus the
@@ -625,6 +647,10 @@ def gelu(input: torch.Tensor, approximate: str = "none", *, bits: int = 3) -> to
         TypeError: if ``input`` is not a floating-point tensor.
         ValueError: for ``approximate`` not in ``{'none', 'tanh'}`` or ``bits`` not an
             integer in 1..8.
+        RuntimeError: when differentiating this gradient again (fitted table, above);
+            for ``inplace=True`` (the functions that take it), when torch refuses the
+            in-place write (a leaf that requires grad, e.g. a ``Parameter``, or a view of
+            one), raised before anything is written, with torch's message.
     """
     if approximate not in ("none", "tanh"):
         raise ValueError(f"approximate must be 'none' or 'tanh', got {approximate!r}")
@@ -708,9 +734,11 @@ def relu(input: torch.Tensor, inplace: bool = False, *, bits: int = 1) -> torch.
     """Few-bit :func:`torch.nn.functional.relu`: exact gradient from a 1-bit code.
 
     ``bits`` is accepted for symmetry (validated, 1..8); the exact 1-bit table is used for
-    every value, so backward keeps ``ceil(numel / 8)`` bytes and equals torch's gradient.
-    The other stepwise functions below follow the same contract; shapes, dtypes and
-    errors as in :func:`gelu`.
+    every value, so backward keeps ``ceil(numel / 8)`` bytes and equals torch's gradient
+    bit for bit, also at NaN/+-inf inputs and for NaN/inf ``grad_output`` (one exception:
+    torch's Hardsigmoid multiplies float64 gradients by the float32 ``1/6``, fewbit by
+    the float64 one). Double backward is exact. The other stepwise functions below follow
+    the same contract; shapes, dtypes and errors as in :func:`gelu`.
     """
     return _registry(input, "relu", {}, bits, inplace, lambda: F.relu(input, inplace=inplace))
 

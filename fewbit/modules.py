@@ -60,7 +60,10 @@ class GELU(_FewBit, nn.GELU):
     """Few-bit :class:`torch.nn.GELU` (Novikov et al., "Few-bit Backward", ICML 2023, eq. 1-2).
 
     Forward equals ``nn.GELU`` bit for bit; backward is ``grad_output * values[code(x)]``
-    (:func:`fewbit.functional.gelu`). The other modules here follow the same contract.
+    (:func:`fewbit.functional.gelu`), torch's gradient at NaN/+-inf inputs, and raises
+    ``RuntimeError`` if differentiated again (fitted table; stepwise modules support double
+    backward exactly). The other modules here follow the same contract; ``inplace=True``
+    on a ``Parameter`` raises before writing, as torch's modules do.
 
     Args:
         approximate: ``'none'`` or ``'tanh'``.

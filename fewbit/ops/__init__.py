@@ -5,17 +5,23 @@ Memory Footprint Reduction", ICML 2023 (docs/method.md §1, §2, §6).
 
 Layers (Liger-Kernel / bitsandbytes / torchao style):
 
-- ``torch.ops.fewbit.encode`` / ``torch.ops.fewbit.decode_mul``: ``torch.library`` custom
-  ops with fake kernels and one kernel per backend (CPU: numba, CUDA: Triton, other
-  devices: the pure-torch reference); see :mod:`fewbit.ops._ops`.
-- :func:`pointwise`: the autograd op (exact torch forward, packed codes saved).
-- :func:`encode_reference` / :func:`decode_mul_reference`: the pure-torch definitions
-  every backend matches bit for bit.
+- ``torch.ops.fewbit.encode`` / ``encode_nonfinite`` / ``decode_mul``: ``torch.library``
+  custom ops with fake kernels, vmap rules and one kernel per backend (CPU: numba, CUDA:
+  Triton, other devices: the pure-torch reference); see :mod:`fewbit.ops._ops`.
+- :func:`pointwise`: the autograd op (exact torch forward, packed codes saved; torch's
+  gradient at NaN/+-inf inputs and torch's select for exact tables; double backward,
+  ``torch.func`` grad/vjp/vmap).
+- :func:`encode_reference` / :func:`decode_mul_reference` /
+  :func:`nonfinite_record_reference` / :func:`patch_reference`: the pure-torch
+  definitions every backend matches bit for bit (:mod:`fewbit.ops._nonfinite` for the
+  non-finite inputs).
 
 Importing this package imports neither numba nor triton (they load on the first CPU /
 CUDA kernel call) and does not initialise CUDA.
 """
 
+from fewbit.ops._nonfinite import CAPACITY as NONFINITE_CAPACITY
+from fewbit.ops._nonfinite import GradRules, derive_grad_rules, nonfinite_record_reference, patch_reference
 from fewbit.ops._pointwise import decode_mul, encode, pointwise, table_tensors
 from fewbit.ops._reference import (
     compute_dtype,
@@ -31,9 +37,15 @@ __all__ = [
     "encode",
     "decode_mul",
     "table_tensors",
+    # torch's own backward rules (non-finite inputs, selects)
+    "GradRules",
+    "derive_grad_rules",
+    "NONFINITE_CAPACITY",
     # pure-torch references
     "encode_reference",
     "decode_mul_reference",
+    "nonfinite_record_reference",
+    "patch_reference",
     "round_down_to_float32",
     "compute_dtype",
 ]

@@ -43,17 +43,23 @@ def _set_threads() -> None:
         numba.set_num_threads(want)
 
 
-def encode_cpu(x: torch.Tensor, borders: torch.Tensor, codes: torch.Tensor, bits: int) -> torch.Tensor:
+def encode_cpu(
+    x: torch.Tensor, borders: torch.Tensor, codes: torch.Tensor, bits: int, *, count_nonfinite: bool = False
+) -> tuple[torch.Tensor, int]:
     """Packed codes; same contract as ``fewbit::encode`` with ``borders`` already in the
     compare dtype (float64 for float64 ``x``, else float32 rounded down).
 
     float16 is upcast to float32 with torch first (exact; numba has no float16);
     bfloat16 is read as its int16 bit pattern and widened in the kernel.
+
+    Returns:
+        ``(packed, count)``: ``count`` is the number of NaN and +-inf elements of ``x``
+        if ``count_nonfinite``, else 0.
     """
     n = x.numel()
     out = torch.empty(((n * bits + 7) // 8,), dtype=torch.uint8)
     if n == 0:
-        return out
+        return out, 0
     x = x.detach().reshape(-1).contiguous()
     if x.dtype == torch.bfloat16:
         xa = x.view(torch.int16).numpy()
@@ -64,12 +70,15 @@ def encode_cpu(x: torch.Tensor, borders: torch.Tensor, codes: torch.Tensor, bits
     b = borders.detach().contiguous().numpy()
     c = codes.detach().to(torch.int64).contiguous().numpy()
     _set_threads()
-    _cpu_kernels.encode(xa, b, c, out.numpy(), bits)
-    return out
+    count = _cpu_kernels.encode(xa, b, c, out.numpy(), bits, count_nonfinite)
+    return out, int(count)
 
 
-def decode_mul_cpu(grad: torch.Tensor, packed: torch.Tensor, values: torch.Tensor, bits: int) -> torch.Tensor:
-    """``grad * values[code]``; same contract and rounding as ``fewbit::decode_mul``.
+def decode_mul_cpu(
+    grad: torch.Tensor, packed: torch.Tensor, values: torch.Tensor, bits: int, select_zero: bool = False
+) -> torch.Tensor:
+    """``grad * values[code]`` (+0 where the level is 0 with ``select_zero``); same
+    contract and rounding as ``fewbit::decode_mul`` without a non-finite record.
 
     float16 grads are upcast to float32 with torch, multiplied, and rounded back with
     torch (one round-to-nearest-even); bfloat16 is handled in the kernel.
@@ -92,7 +101,7 @@ def decode_mul_cpu(grad: torch.Tensor, packed: torch.Tensor, values: torch.Tenso
     else:
         ga, oa = g.numpy(), out.numpy().reshape(-1)
     _set_threads()
-    _cpu_kernels.decode_mul(ga, p, v, oa, bits)
+    _cpu_kernels.decode_mul(ga, p, v, oa, bits, select_zero)
     if dtype == torch.float16:
         out.copy_(tmp.view(grad.shape))
     return out

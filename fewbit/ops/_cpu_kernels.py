@@ -14,8 +14,12 @@ slices starting at 0, no fastmath (it would break NaN comparisons), chunks of
   (a branch-free binary search per element measured 5x slower even at 255 borders);
 - pack: 8 codes -> one 64-bit little-endian word -> its low ``bits`` bytes (docs/method.md §6);
 - decode: the inverse unpack, then ``grad * values[code]`` (a select tree on the code
-  bits for bits <= 4, which vectorises without gathers); bfloat16 in and out through
-  int16 bit patterns (exact widening; round-to-nearest-even narrowing, NaN -> 0x7FC0).
+  bits for bits <= 4, which vectorises without gathers), and +0 where the level is 0 for
+  tables whose zero levels torch selects; bfloat16 in and out through int16 bit
+  patterns (exact widening; round-to-nearest-even narrowing, NaN -> 0x7FC0);
+- non-finite inputs: encode counts them per chunk (``v - v != 0``) when asked; the
+  rare path that lists them and patches the gradient is pure torch
+  (:mod:`fewbit.ops._nonfinite`).
 """
 
 import numpy as np
@@ -186,11 +190,24 @@ def _pack_tail(cb, os_, bits):
         os_[t] = np.uint8((w >> np.uint64(8 * t)) & np.uint64(255))
 
 
+@njit(inline="always")
+def _count_nonfinite(xf):
+    """Number of NaN and +-inf in ``xf``: ``v - v`` is 0 exactly for finite ``v``
+    (vectorises: one subtract, one compare, one add per element)."""
+    c = 0
+    for i in range(xf.shape[0]):
+        v = xf[i]
+        c += 0 if (v - v) == 0 else 1
+    return c
+
+
 @njit(parallel=True, error_model="numpy", cache=True, nogil=True)
-def encode(x, borders, codes, out, bits):
+def encode(x, borders, codes, out, bits, count_nonfinite):
     """Packed codes of ``x`` (1-D, float32/float64 or bf16 bits as int16) into ``out``.
 
     ``borders``: ``(nb,)`` in the compare dtype; ``codes``: ``(nb + 1,)`` int64.
+    Returns the number of non-finite elements of ``x`` if ``count_nonfinite``, else 0
+    (counted per chunk while the chunk is in cache; fewbit.ops._nonfinite).
     """
     n = x.shape[0]
     nfull = n // 8 * 8
@@ -203,6 +220,7 @@ def encode(x, borders, codes, out, bits):
         dp[j] = np.int32(codes[j + 1] - codes[j])
     c0 = np.int32(codes[0])
     nchunks = (nfull + _CHUNK - 1) // _CHUNK
+    total = 0
     for ch in prange(nchunks):
         e0 = ch * _CHUNK
         e1 = min(e0 + _CHUNK, nfull)
@@ -223,11 +241,14 @@ def encode(x, borders, codes, out, bits):
         else:
             _codes_linear(xf, borders, codes, cb)
         _pack_dispatch(cb, out[e0 // 8 * bits:e1 // 8 * bits], bits)
+        total += _count_nonfinite(xf) if count_nonfinite else 0
     if nfull < n:
         xf = _widen(x[nfull:n])
         cb = np.empty(n - nfull, np.uint8)
         _codes_linear(xf, borders, codes, cb)  # < 8 elements
         _pack_tail(cb, out[nfull // 8 * bits:], bits)
+        total += _count_nonfinite(xf) if count_nonfinite else 0
+    return total
 
 
 @njit(inline="always")
@@ -281,17 +302,24 @@ def _pack_dispatch(cb, os_, bits):
         _pack(cb, os_, 8)
 
 
+@njit(inline="always")
+def _times(g, val, zsel):
+    """``g * val``, or +0 where ``zsel`` and ``val == 0`` (torch's select)."""
+    p = g * val
+    return abs(val) if (zsel and val == 0) else p  # abs(val) is +0 of val's type
+
+
 @njit(error_model="numpy", cache=True, nogil=True)
-def _mul_lut(gf, cb, values, prod, bits):
-    """``prod = gf * values[cb]``; for bits <= 4 a select tree on the code bits (no
-    gather: ~1.5x faster here), else an indexed load."""
+def _mul_lut(gf, cb, values, prod, bits, zsel):
+    """``prod = gf * values[cb]`` (+0 where the level is 0 if ``zsel``); for bits <= 4 a
+    select tree on the code bits (no gather: ~1.5x faster here), else an indexed load."""
     m = gf.shape[0]
     if bits == 1:
         v0 = values[0]; v1 = values[1]
         for i1 in range(m):
             cc1 = cb[i1]
             val1 = v1 if (cc1 >> np.uint8(0)) & np.uint8(1) else v0
-            prod[i1] = gf[i1] * val1
+            prod[i1] = _times(gf[i1], val1, zsel)
     elif bits == 2:
         v0 = values[0]; v1 = values[1]; v2 = values[2]; v3 = values[3]
         for i2 in range(m):
@@ -299,7 +327,7 @@ def _mul_lut(gf, cb, values, prod, bits):
             s2_0_0 = v1 if (cc2 >> np.uint8(0)) & np.uint8(1) else v0
             s2_0_1 = v3 if (cc2 >> np.uint8(0)) & np.uint8(1) else v2
             val2 = s2_0_1 if (cc2 >> np.uint8(1)) & np.uint8(1) else s2_0_0
-            prod[i2] = gf[i2] * val2
+            prod[i2] = _times(gf[i2], val2, zsel)
     elif bits == 3:
         v0 = values[0]; v1 = values[1]; v2 = values[2]; v3 = values[3]; v4 = values[4]; v5 = values[5]; v6 = values[6]; v7 = values[7]
         for i3 in range(m):
@@ -311,7 +339,7 @@ def _mul_lut(gf, cb, values, prod, bits):
             s3_1_0 = s3_0_1 if (cc3 >> np.uint8(1)) & np.uint8(1) else s3_0_0
             s3_1_1 = s3_0_3 if (cc3 >> np.uint8(1)) & np.uint8(1) else s3_0_2
             val3 = s3_1_1 if (cc3 >> np.uint8(2)) & np.uint8(1) else s3_1_0
-            prod[i3] = gf[i3] * val3
+            prod[i3] = _times(gf[i3], val3, zsel)
     elif bits == 4:
         v0 = values[0]; v1 = values[1]; v2 = values[2]; v3 = values[3]
         v4 = values[4]; v5 = values[5]; v6 = values[6]; v7 = values[7]
@@ -334,16 +362,16 @@ def _mul_lut(gf, cb, values, prod, bits):
             s4_2_0 = s4_1_1 if (cc4 >> np.uint8(2)) & np.uint8(1) else s4_1_0
             s4_2_1 = s4_1_3 if (cc4 >> np.uint8(2)) & np.uint8(1) else s4_1_2
             val4 = s4_2_1 if (cc4 >> np.uint8(3)) & np.uint8(1) else s4_2_0
-            prod[i4] = gf[i4] * val4
+            prod[i4] = _times(gf[i4], val4, zsel)
     else:
         for ig in range(m):
-            prod[ig] = gf[ig] * values[cb[ig]]
+            prod[ig] = _times(gf[ig], values[cb[ig]], zsel)
 
 
 @njit(parallel=True, error_model="numpy", cache=True, nogil=True)
-def decode_mul(g, packed, values, out, bits):
+def decode_mul(g, packed, values, out, bits, select_zero):
     """``out = g * values[code]`` (1-D; float32/float64, or bf16 bits as uint16 with
-    float32 values)."""
+    float32 values); with ``select_zero``, +0 where the level is 0."""
     n = g.shape[0]
     mask = np.uint64((1 << bits) - 1)
     nchunks = (n + _CHUNK - 1) // _CHUNK
@@ -364,5 +392,5 @@ def decode_mul(g, packed, values, out, bits):
         gf = _widen(g[e0:e1])
         os_ = out[e0:e1]
         prod = _prod_buf(os_)
-        _mul_lut(gf, cb, values, prod, bits)
+        _mul_lut(gf, cb, values, prod, bits, select_zero)
         _store(os_, prod)

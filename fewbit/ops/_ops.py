@@ -7,8 +7,19 @@
     (then rounded down per call). Interval index = number of borders ``b`` with
     ``not (x <= b)``; this equals ``searchsorted(borders_f64, x.double())`` exactly.
 
-``fewbit::decode_mul(Tensor grad, Tensor packed, Tensor values, int bits) -> Tensor``
-    ``grad * values[code]`` with the rounding of :mod:`fewbit.ops._reference`.
+``fewbit::encode_nonfinite(Tensor x, Tensor borders, Tensor codes, int bits, int classes,
+int capacity) -> (Tensor, Tensor)``
+    The packed codes and the record of the non-finite elements of ``x`` of the classes in
+    the mask ``classes`` (``(1 + capacity,)`` int64, :mod:`fewbit.ops._nonfinite`),
+    found in the same pass over ``x``.
+
+``fewbit::decode_mul(Tensor grad, Tensor packed, Tensor values, int bits,
+Tensor? nonfinite=None, Tensor? patch=None, bool select_zero=False) -> Tensor``
+    ``grad * values[code]`` with the rounding of :mod:`fewbit.ops._reference`; +0 where
+    the level is 0 with ``select_zero``; recorded non-finite inputs patched to torch's
+    gradient (the whole result NaN past the record's capacity). It is linear in ``grad``;
+    :class:`fewbit.ops._pointwise.DecodeMul` is its differentiable form (an autograd
+    Function with ``setup_context``, so it also works under ``torch.func``).
 
 Backends (bitsandbytes / torchao pattern): ``cpu`` (numba, :mod:`fewbit.ops._cpu`),
 ``cuda`` (Triton, :mod:`fewbit.ops._triton`), ``Meta`` through the fake kernels, and the
@@ -20,13 +31,16 @@ from __future__ import annotations
 
 import torch
 
+from typing import Optional
+
+from fewbit.ops._nonfinite import nonfinite_record_reference, patch_reference
 from fewbit.ops._reference import (
     compute_dtype,
     decode_mul_reference,
     round_down_to_float32,
 )
 
-__all__ = ["encode_op", "decode_mul_op"]
+__all__ = ["encode_op", "encode_nonfinite_op", "decode_mul_op"]
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -48,7 +62,14 @@ def _check_encode(x, borders, codes, bits):
         raise TypeError(f"codes must be an integer tensor, got {codes.dtype}")
 
 
-def _check_decode(grad, packed, values, bits):
+def _check_nonfinite_args(classes, capacity):
+    if not 0 <= classes <= 7:
+        raise ValueError(f"classes must be a class mask in 0..7, got {classes}")
+    if capacity < 0:
+        raise ValueError(f"capacity must be >= 0, got {capacity}")
+
+
+def _check_decode(grad, packed, values, bits, nonfinite=None, patch=None):
     if grad.dtype not in _FLOATS:
         raise TypeError(f"grad_output must be float16, bfloat16, float32 or float64, got {grad.dtype}")
     if not 1 <= bits <= 8:
@@ -60,6 +81,13 @@ def _check_decode(grad, packed, values, bits):
         raise ValueError(f"packed holds {packed.numel()} bytes, {need} needed for {grad.numel()} codes of {bits} bits")
     if values.dim() != 1 or values.numel() != (1 << bits) or not values.is_floating_point():
         raise ValueError(f"values must be 1-D floating with 2**bits = {1 << bits} entries, got {tuple(values.shape)} {values.dtype}")
+    if (nonfinite is None) != (patch is None):
+        raise ValueError("nonfinite and patch must be given together")
+    if nonfinite is not None:
+        if nonfinite.dtype != torch.int64 or nonfinite.dim() != 1 or nonfinite.numel() < 1:
+            raise ValueError(f"nonfinite must be a 1-D int64 record of >= 1 entries, got {tuple(nonfinite.shape)} {nonfinite.dtype}")
+        if not patch.is_floating_point() or patch.numel() != 24:
+            raise ValueError(f"patch must be floating with 24 entries, got {tuple(patch.shape)} {patch.dtype}")
 
 
 def _cmp_borders(x: torch.Tensor, borders: torch.Tensor) -> torch.Tensor:
@@ -96,7 +124,7 @@ def _(x, borders, codes, bits):
     _check_encode(x, borders, codes, bits)
     from fewbit.ops import _cpu
 
-    return _cpu.encode_cpu(x, _cmp_borders(x, borders), codes, bits)
+    return _cpu.encode_cpu(x, _cmp_borders(x, borders), codes, bits)[0]
 
 
 @encode_op.register_kernel("cuda")
@@ -107,30 +135,153 @@ def _(x, borders, codes, bits):
     return _triton.encode_triton(x, _cmp_borders(x, borders), codes, bits)
 
 
+@torch.library.custom_op("fewbit::encode_nonfinite", mutates_args=())
+def encode_nonfinite_op(
+    x: torch.Tensor, borders: torch.Tensor, codes: torch.Tensor, bits: int, classes: int, capacity: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Default (reference) kernel of ``fewbit::encode_nonfinite``."""
+    _check_encode(x, borders, codes, bits)
+    _check_nonfinite_args(classes, capacity)
+    return _encode_reference_path(x, borders, codes, bits), nonfinite_record_reference(x, classes, capacity)
+
+
+@encode_nonfinite_op.register_fake
+def _(x, borders, codes, bits, classes, capacity):
+    _check_encode(x, borders, codes, bits)
+    _check_nonfinite_args(classes, capacity)
+    packed = x.new_empty(((x.numel() * bits + 7) // 8,), dtype=torch.uint8)
+    return packed, x.new_empty((1 + capacity,), dtype=torch.int64)
+
+
+@encode_nonfinite_op.register_kernel("cpu")
+def _(x, borders, codes, bits, classes, capacity):
+    _check_encode(x, borders, codes, bits)
+    _check_nonfinite_args(classes, capacity)
+    from fewbit.ops import _cpu
+
+    packed, count = _cpu.encode_cpu(x, _cmp_borders(x, borders), codes, bits, count_nonfinite=classes != 0)
+    if count == 0:  # the kernel counted every NaN and inf: nothing to list
+        return packed, torch.zeros(1 + capacity, dtype=torch.int64)
+    return packed, nonfinite_record_reference(x, classes, capacity)  # rare path: list them
+
+
+@encode_nonfinite_op.register_kernel("cuda")
+def _(x, borders, codes, bits, classes, capacity):
+    _check_encode(x, borders, codes, bits)
+    _check_nonfinite_args(classes, capacity)
+    from fewbit.ops import _triton
+
+    return _triton.encode_nonfinite_triton(x, _cmp_borders(x, borders), codes, bits, classes, capacity)
+
+
 @torch.library.custom_op("fewbit::decode_mul", mutates_args=())
-def decode_mul_op(grad: torch.Tensor, packed: torch.Tensor, values: torch.Tensor, bits: int) -> torch.Tensor:
+def decode_mul_op(
+    grad: torch.Tensor,
+    packed: torch.Tensor,
+    values: torch.Tensor,
+    bits: int,
+    nonfinite: Optional[torch.Tensor] = None,
+    patch: Optional[torch.Tensor] = None,
+    select_zero: bool = False,
+) -> torch.Tensor:
     """Default (reference) kernel of ``fewbit::decode_mul``; CPU and CUDA register their own."""
-    _check_decode(grad, packed, values, bits)
-    return decode_mul_reference(grad, packed, values, bits)
+    _check_decode(grad, packed, values, bits, nonfinite, patch)
+    return decode_mul_reference(grad, packed, values, bits, select_zero=select_zero, nonfinite=nonfinite, patch=patch)
 
 
 @decode_mul_op.register_fake
-def _(grad, packed, values, bits):
-    _check_decode(grad, packed, values, bits)
+def _(grad, packed, values, bits, nonfinite=None, patch=None, select_zero=False):
+    _check_decode(grad, packed, values, bits, nonfinite, patch)
     return grad.new_empty(grad.shape)  # new_empty is contiguous
 
 
 @decode_mul_op.register_kernel("cpu")
-def _(grad, packed, values, bits):
-    _check_decode(grad, packed, values, bits)
+def _(grad, packed, values, bits, nonfinite=None, patch=None, select_zero=False):
+    _check_decode(grad, packed, values, bits, nonfinite, patch)
     from fewbit.ops import _cpu
 
-    return _cpu.decode_mul_cpu(grad, packed, values, bits)
+    out = _cpu.decode_mul_cpu(grad, packed, values, bits, select_zero)
+    if nonfinite is not None and int(nonfinite[0]) != 0:  # rare path, pure torch
+        out = patch_reference(out, grad, nonfinite, patch)
+    return out
 
 
 @decode_mul_op.register_kernel("cuda")
-def _(grad, packed, values, bits):
-    _check_decode(grad, packed, values, bits)
+def _(grad, packed, values, bits, nonfinite=None, patch=None, select_zero=False):
+    _check_decode(grad, packed, values, bits, nonfinite, patch)
     from fewbit.ops import _triton
 
-    return _triton.decode_mul_triton(grad, packed, values.to(compute_dtype(grad.dtype)), bits)
+    cdt = compute_dtype(grad.dtype)
+    return _triton.decode_mul_triton(
+        grad, packed, values.to(cdt), bits,
+        nonfinite=nonfinite, patch=None if patch is None else patch.to(cdt), select_zero=select_zero,
+    )
+
+
+# --------------------------------------------------------------------------- vmap
+# torch.func.vmap (e.g. per-sample gradients, vmap(grad(f)), jacrev): each sample has
+# its own packed stream (and record), exactly what the op gives for that sample alone.
+# Without a record the batch runs as one call (samples padded to whole bytes); with a
+# record, one call per sample.
+
+
+def _unsupported_batched(in_dims, names):
+    for d, name in zip(in_dims, names):
+        if d is not None:
+            raise NotImplementedError(f"fewbit: vmap over {name} is not supported (tables are shared)")
+
+
+def _batched(t, d, batch):
+    """``t`` with its batch dimension first (expanded when it is not batched)."""
+    return t.movedim(d, 0) if d is not None else t.unsqueeze(0).expand(batch, *t.shape)
+
+
+@torch.library.register_vmap("fewbit::encode")
+def _encode_vmap(info, in_dims, x, borders, codes, bits):
+    _unsupported_batched(in_dims[1:3], ("borders", "codes"))
+    xb = x.movedim(in_dims[0], 0).reshape(info.batch_size, -1)
+    m = xb.shape[1]
+    nbytes = (m * bits + 7) // 8
+    m8 = (m + 7) // 8 * 8
+    if m8 != m:
+        xb = torch.nn.functional.pad(xb, (0, m8 - m))
+    out = torch.ops.fewbit.encode(xb, borders, codes, bits).reshape(info.batch_size, -1)[:, :nbytes]
+    rem = (m * bits) % 8
+    if rem:  # the stream of one sample ends mid-byte: its padding bits are 0
+        out = torch.cat([out[:, :-1], out[:, -1:] & ((1 << rem) - 1)], dim=1)
+    return out.contiguous(), 0
+
+
+@torch.library.register_vmap("fewbit::encode_nonfinite")
+def _encode_nonfinite_vmap(info, in_dims, x, borders, codes, bits, classes, capacity):
+    _unsupported_batched(in_dims[1:3], ("borders", "codes"))
+    xb = x.movedim(in_dims[0], 0)
+    outs = [torch.ops.fewbit.encode_nonfinite(xb[i], borders, codes, bits, classes, capacity)
+            for i in range(info.batch_size)]
+    return (torch.stack([o[0] for o in outs]), torch.stack([o[1] for o in outs])), (0, 0)
+
+
+@torch.library.register_vmap("fewbit::decode_mul")
+def _decode_mul_vmap(info, in_dims, grad, packed, values, bits, nonfinite=None, patch=None, select_zero=False):
+    in_dims = tuple(in_dims) + (None,) * (7 - len(in_dims))  # optional arguments left out
+    _unsupported_batched((in_dims[2], in_dims[5]), ("values", "patch"))
+    batch = info.batch_size
+    g = _batched(grad, in_dims[0], batch)
+    shape = g.shape[1:]
+    g = g.reshape(batch, -1)
+    p = _batched(packed, in_dims[1], batch)
+    if nonfinite is not None:
+        rec = _batched(nonfinite, in_dims[4], batch)
+        out = torch.stack([
+            torch.ops.fewbit.decode_mul(g[i], p[i], values, bits, rec[i], patch, select_zero) for i in range(batch)
+        ])
+        return out.reshape(batch, *shape), 0
+    m = g.shape[1]
+    m8 = (m + 7) // 8 * 8
+    nbytes = (m * bits + 7) // 8
+    p = p[:, :nbytes]
+    if m8 != m:  # pad every sample to whole bytes (codes 0 for padding, dropped after)
+        g = torch.nn.functional.pad(g, (0, m8 - m))
+        p = torch.nn.functional.pad(p, (0, m8 * bits // 8 - nbytes))
+    out = torch.ops.fewbit.decode_mul(g.reshape(-1), p.reshape(-1), values, bits, None, None, select_zero)
+    return out.reshape(batch, m8)[:, :m].reshape(batch, *shape), 0

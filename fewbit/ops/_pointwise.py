@@ -14,10 +14,11 @@ import torch
 
 from fewbit.activations import ACTIVATIONS, ALIASES, canonical_params, get_activation, import_callable
 from fewbit.ops import _ops  # noqa: F401  (registers fewbit::encode / fewbit::decode_mul)
+from fewbit.ops._nonfinite import CAPACITY, derive_grad_rules, nonfinite_record_reference
 from fewbit.ops._reference import compute_dtype, round_down_to_float32
 from fewbit.table import Table
 
-__all__ = ["pointwise", "encode", "decode_mul", "table_tensors"]
+__all__ = ["pointwise", "encode", "decode_mul", "table_tensors", "DecodeMul"]
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -60,20 +61,20 @@ def table_tensors(
     return hit
 
 
-def _resolve_fn(fn: str) -> tuple[Callable[..., torch.Tensor], object]:
-    """``(callable, Activation or None)`` for a registry name or ``"package.module:callable"``."""
-    hit = _fn_cache.get(fn)
-    if hit is not None:
-        return hit
+def _lookup_fn(fn: str) -> tuple[Callable[..., torch.Tensor], object]:
     if not isinstance(fn, str):
         raise TypeError(f"fn must be a registry name or a 'package.module:callable' string, got {type(fn).__name__}")
     if ":" in fn:
-        obj = import_callable(fn)  # ValueError naming fn
-        hit = (obj, None)
-    else:
-        act = get_activation(fn)  # ValueError for unknown names
-        hit = (act.torch_fn, act)
-    _fn_cache[fn] = hit
+        return import_callable(fn), None  # ValueError naming fn
+    act = get_activation(fn)  # ValueError for unknown names
+    return act.torch_fn, act
+
+
+def _resolve_fn(fn: str) -> tuple[Callable[..., torch.Tensor], object]:
+    """``(callable, Activation or None)`` for a registry name or ``"package.module:callable"``."""
+    hit = _fn_cache.get(fn)
+    if hit is None:
+        hit = _fn_cache[fn] = _lookup_fn(fn)
     return hit
 
 
@@ -104,26 +105,213 @@ def _check_table(table: Table, act, full_params: Mapping[str, float]) -> None:
             )
 
 
-class _FewBitPointwise(torch.autograd.Function):
-    """Autograd of :func:`pointwise`: saves only the packed codes and the shared values."""
+_patch_ids: dict[tuple, int] = {}  # patch rows -> small int (rows hold NaN: bad dict keys)
+_patch_rows: list[tuple[float, ...]] = []
+_patch_cache: dict[tuple, torch.Tensor] = {}
+_prepared: dict[tuple, tuple[bool, int, int]] = {}
+
+
+def _patch_tensor(patch_id: int, device: torch.device, cdt: torch.dtype) -> torch.Tensor:
+    """The shared device tensor of a patch (fewbit.ops._nonfinite), cached like the values."""
+    key = (patch_id, device, cdt)
+    hit = _patch_cache.get(key)
+    if hit is None:
+        with _lock:
+            hit = _patch_cache.get(key)
+            if hit is None:
+                hit = torch.tensor(_patch_rows[patch_id], dtype=torch.float64).to(cdt).to(device)
+                _patch_cache[key] = hit
+    return hit
+
+
+def _prepare(fn: str, params: tuple, table: Table, dtype: torch.dtype, device: torch.device) -> tuple:
+    """``(select_zero, classes, patch_id, what)`` of torch's backward rules for this
+    setting (:func:`fewbit.ops._nonfinite.derive_grad_rules`), cached; ``what`` names a
+    fitted table in the double-backward error (``None`` for an exact table).
+
+    It also fills the tensor caches of this setting (table tensors, patch), so the calls
+    that follow only read them: under ``torch.compile`` this function runs once while
+    tracing (a constant), and the traced code then meets no cache miss (whose lock would
+    break the graph).
+    """
+    key = (fn, params, table.bits, table.borders, table.codes, table.values, table.weight, dtype, device)
+    hit = _prepared.get(key)
+    if hit is not None:
+        return hit
+    torch_fn, _ = _lookup_fn(fn)  # not _resolve_fn: its cache is read by traced code first
+    rules = derive_grad_rules(torch_fn, dict(params), table, dtype, device)
+    values = table_tensors(table, device, dtype)[2]
+    with _lock:
+        pid = _patch_ids.setdefault(rules.patch, len(_patch_rows))
+        if pid == len(_patch_rows):
+            _patch_rows.append(rules.patch)
+    if rules.classes:
+        _patch_tensor(pid, values.device, values.dtype)
+    what = None if table.weight == "exact" else f"{fn} ({table.bits}-bit fitted table)"
+    hit = (rules.select_zero, rules.classes, pid, what)
+    with _lock:
+        _prepared[key] = hit
+    return hit
+
+
+# What torch.compiler.assume_constant_result(_prepare) does, without importing
+# torch._dynamo (seconds) at ``import fewbit``.
+_prepare._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
+def _transforms_active() -> bool:
+    """Whether a torch.func transform (grad, vmap, ...) is running; True if unknown."""
+    active = getattr(torch._C, "_are_functorch_transforms_active", None)
+    return True if active is None else bool(active())
+
+
+class DecodeMul(torch.autograd.Function):
+    """``fewbit::decode_mul`` as a differentiable function of ``grad_output``.
+
+    The op is linear in ``grad_output`` and diagonal, so its derivative applied to
+    ``grad_grad`` is the op itself applied to ``grad_grad``; nothing flows to the codes,
+    values or record. Used by the pointwise backward when a graph of the backward is
+    built (``create_graph=True``, ``torch.func``); written with ``setup_context`` so that
+    ``torch.func`` transforms accept it.
+    """
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx, x, borders, codes, values, bits, fn, params, inplace):
-        packed = torch.ops.fewbit.encode(x, borders, codes, bits)  # from the exact x, first
-        y = fn(x, **params)
-        if inplace:
-            x.copy_(y)
-            ctx.mark_dirty(x)
-            y = x
+    def forward(grad, packed, values, bits, nonfinite, patch, select_zero):
+        return torch.ops.fewbit.decode_mul(grad, packed, values, bits, nonfinite, patch, select_zero)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, packed, values, bits, nonfinite, patch, select_zero = inputs
+        ctx.save_for_backward(packed, values, nonfinite, patch)
+        ctx.bits, ctx.select_zero = bits, select_zero
+
+    @staticmethod
+    def backward(ctx, grad_grad):
+        packed, values, nonfinite, patch = ctx.saved_tensors
+        gg = DecodeMul.apply(grad_grad, packed, values, ctx.bits, nonfinite, patch, ctx.select_zero)
+        return gg, None, None, None, None, None, None
+
+
+class _NoSecondDerivative(torch.autograd.Function):
+    """Identity on a few-bit gradient of a fitted table; differentiating it raises.
+
+    ``d/dx (grad * q(x))`` needs ``f''(x)``, which b-bit codes of a fitted table cannot
+    give (``q`` is piecewise constant; its derivative is 0 where torch's ``f''`` is not),
+    so a double backward through it would silently drop that term.
+    """
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(grad_input, anchor, what):
+        # anchor: an empty tensor computed from the activation's input x, so that this
+        # node lies on every path from the gradient back to x (and to grad_output)
+        return grad_input.view_as(grad_input)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.what = inputs[2]
+
+    @staticmethod
+    def backward(ctx, _):
+        raise RuntimeError(
+            f"fewbit: double backward through {ctx.what} is not supported: its gradient comes from a "
+            "fitted few-bit table, and the second-derivative term f''(x) cannot be formed from the saved "
+            "b-bit codes (it would silently be 0). Use torch's own activation where a gradient of a "
+            "gradient is needed (gradient penalty, Hessian products); stepwise activations (ReLU family, "
+            "exact tables) support it exactly."
+        )
+
+
+def _forward(x, borders, codes, values, patch, bits, fn, params, inplace, classes, capacity, select_zero, what,
+             anchor):
+    """``(y, packed, record)``: codes (and the non-finite record) from the exact ``x``,
+    before any in-place write; then ``y = fn(x)``."""
+    record = None
+    if classes == 0:
+        packed = torch.ops.fewbit.encode(x, borders, codes, bits)
+    elif capacity >= 0:  # fixed capacity: count unknown on the host (CUDA, compile)
+        packed, record = torch.ops.fewbit.encode_nonfinite(x, borders, codes, bits, classes, capacity)
+    else:  # CPU eager: counted in the encode pass; listed (pure torch) only if any
+        packed, record = torch.ops.fewbit.encode_nonfinite(x, borders, codes, bits, classes, 0)
+        count = record.item()  # capacity 0: the record is just the count
+        if count == 0:
+            record = None
+        elif count <= CAPACITY:
+            record = nonfinite_record_reference(x, classes, count)
+    y = fn(x, **params)
+    if inplace:
+        x.copy_(y)
+        y = x
+    return y, packed, record
+
+
+def _save(ctx, inputs, packed, record) -> None:
+    x, _, _, values, patch, bits, _, _, inplace, _, _, select_zero, what, anchor = inputs
+    if inplace:
+        ctx.mark_dirty(x)
+    if record is None:
         ctx.save_for_backward(packed, values)
-        ctx.bits = bits
+    else:
+        ctx.save_for_backward(packed, values, record, patch)
+    ctx.bits, ctx.select_zero, ctx.what = bits, select_zero, what
+    # An attribute, not a saved tensor: it holds no data (0 elements) and no reference
+    # back to this node; saving it would count as a saved activation.
+    ctx.anchor = anchor
+
+
+def _backward(ctx, grad_output):
+    saved = ctx.saved_tensors
+    packed, values = saved[0], saved[1]
+    record, patch = (saved[2], saved[3]) if len(saved) > 2 else (None, None)
+    if torch.is_grad_enabled():  # a graph of the backward is being built
+        grad_input = DecodeMul.apply(grad_output, packed, values, ctx.bits, record, patch, ctx.select_zero)
+        if ctx.what is not None:
+            grad_input = _NoSecondDerivative.apply(grad_input, ctx.anchor, ctx.what)
+        return grad_input
+    return torch.ops.fewbit.decode_mul(grad_output, packed, values, ctx.bits, record, patch, ctx.select_zero)
+
+
+class _FewBitPointwise(torch.autograd.Function):
+    """Autograd of :func:`pointwise` for ``torch.func`` (``setup_context`` style; the
+    codes and record are outputs so that ``setup_context`` can save them): saves only the
+    packed codes and the shared values (plus, when the input had NaN or inf of a recorded
+    class, their record and the shared patch; fewbit.ops._nonfinite)."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(*args):
+        return _forward(*args)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, packed, record = output
+        ctx.mark_non_differentiable(*(t for t in (packed, record) if t is not None))
+        _save(ctx, inputs, packed, record)
+
+    @staticmethod
+    def backward(ctx, grad_output, _packed, _record):
+        return (_backward(ctx, grad_output),) + (None,) * 13
+
+
+class _FewBitPointwiseEager(torch.autograd.Function):
+    """The same in the ``forward(ctx, ...)`` style, used when no ``torch.func`` transform
+    is active: it returns only ``y`` (fewer outputs for autograd to wrap), and ``apply``
+    of a ``setup_context`` Function binds its arguments with ``inspect.signature`` on
+    every call; together tens of microseconds per call."""
+
+    @staticmethod
+    def forward(ctx, *args):
+        y, packed, record = _forward(*args)
+        _save(ctx, args, packed, record)
         return y
 
     @staticmethod
     def backward(ctx, grad_output):
-        packed, values = ctx.saved_tensors
-        grad_input = torch.ops.fewbit.decode_mul(grad_output, packed, values, ctx.bits)
-        return grad_input, None, None, None, None, None, None, None
+        return (_backward(ctx, grad_output),) + (None,) * 13
 
 
 def pointwise(
@@ -143,6 +331,26 @@ def pointwise(
     Backward returns ``grad_output * values[code]`` rounded as documented in
     :mod:`fewbit.ops._reference` (fp16/bf16 grads multiply in float32).
 
+    Where torch's own backward differs from ``grad * level`` the gradient is torch's
+    (rules derived once from torch per function, parameters, table, dtype and device;
+    :mod:`fewbit.ops._nonfinite`):
+
+    - NaN and +-inf inputs get torch's gradient at NaN/+-inf (e.g. NaN for GELU). Their
+      positions are recorded at encode time; that costs nothing when all inputs are
+      finite on CPU, and ``8 * (1 + 1024)`` bytes per call on CUDA and under
+      ``torch.compile`` (no host sync). Past 1024 such elements in one call the whole
+      gradient of that call is NaN (CPU and CUDA alike).
+    - Exact (stepwise) tables give +0 where the level is 0 (torch's select), so their
+      gradient equals torch's bit for bit also for NaN or infinite ``grad_output``.
+
+    Double backward (``create_graph=True``, gradient penalties, ``torch.func.grad`` of
+    ``torch.func.grad``): the backward is linear in ``grad_output`` and differentiable in
+    it. The term ``grad * f''(x)`` is 0 for the piecewise-constant ``q``: exact for exact
+    (stepwise) tables, where torch's ``f''`` is 0 too, so those support it exactly. For a
+    fitted table that term cannot be formed from b-bit codes: differentiating its
+    gradient raises ``RuntimeError`` (computing the gradient with ``create_graph=True``
+    or under ``torch.func.grad`` / ``torch.func.vjp`` works).
+
     Args:
         input: any shape (0-d and empty allowed), float16/bfloat16/float32/float64, any
             layout and device with a backend (CPU: numba, CUDA: Triton).
@@ -152,6 +360,9 @@ def pointwise(
         params: the activation's parameters (registry defaults filled in).
         inplace: write ``y`` into ``input`` and return it (codes are computed first), as
             torch's ``inplace=True`` activations; autograd tracks it (``mark_dirty``).
+            torch's in-place checks run before anything is written: a leaf that requires
+            grad (a ``Parameter``) or a view of one raises ``RuntimeError`` and is left
+            untouched.
 
     Returns:
         ``y`` of ``input``'s shape and dtype (``input`` itself when ``inplace``).
@@ -161,6 +372,8 @@ def pointwise(
             not a string.
         ValueError: for an unknown ``fn``, bad ``params``, or a table made for another
             function or other parameters.
+        RuntimeError: for ``inplace=True`` on a tensor torch refuses to modify in place
+            (before writing), and when differentiating the gradient of a fitted table.
     """
     _require_float(input, "input")
     torch_fn, act = _resolve_fn(fn)
@@ -171,8 +384,31 @@ def pointwise(
         if inplace:
             return input.copy_(y)
         return y
+    compiling = torch.compiler.is_compiling()
+    if inplace and not compiling:
+        # torch's own in-place checks (leaf that requires grad, view of one, views that
+        # cannot be rebased), run by a self-copy that writes nothing: raise before the
+        # input is touched, with torch's message.
+        input.copy_(input)
+    select_zero, classes, patch_id, what = _prepare(fn, tuple(full.items()), table, input.dtype, input.device)
     borders, codes, values = table_tensors(table, input.device, input.dtype)
-    return _FewBitPointwise.apply(input, borders, codes, values, table.bits, torch_fn, full, inplace)
+    patch = _patch_tensor(patch_id, values.device, values.dtype) if classes else None
+    # CPU eager: the count is on the host for free, record exactly; else a fixed capacity
+    # (CUDA: no host sync; torch.compile and torch.func: no data-dependent Python).
+    transforms = _transforms_active()
+    host_count = input.device.type == "cpu" and not compiling and not transforms
+    capacity = -1 if host_count else CAPACITY
+    anchor = None
+    if what is not None:
+        # Double backward must raise for a fitted table (no f'' from codes). An empty
+        # copy of a slice of x carries x's autograd history into the backward (no data,
+        # nothing of x saved), so the guard is on the path to x; one small op per call.
+        anchor = torch.narrow_copy(input.reshape(-1) if input.dim() == 0 else input, 0, 0, 0)
+    args = (input, borders, codes, values, patch, table.bits, torch_fn, full, inplace, classes, capacity,
+            select_zero, what, anchor)
+    if transforms:
+        return _FewBitPointwise.apply(*args)[0]
+    return _FewBitPointwiseEager.apply(*args)
 
 
 def encode(input: torch.Tensor, table: Table) -> torch.Tensor:

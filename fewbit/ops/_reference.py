@@ -109,12 +109,19 @@ def decode_mul_reference(
     packed: torch.Tensor,
     values: torch.Tensor | Sequence[float],
     bits: int,
+    *,
+    select_zero: bool = False,
+    nonfinite: torch.Tensor | None = None,
+    patch: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reference backward: unpack codes and return ``grad_output * values[code]``.
 
     Rounding is defined in this module's docstring: float64 grads multiply by float64
     values; every other dtype multiplies in float32 by float32 values and rounds once to
-    its own dtype.
+    its own dtype. With ``select_zero``, codes whose level is 0 give +0 whatever
+    ``grad_output`` is (torch's select for stepwise functions); with a ``nonfinite``
+    record and its ``patch`` the recorded elements get torch's gradient
+    (:func:`fewbit.ops._nonfinite.patch_reference`; all NaN past the record's capacity).
 
     Args:
         grad_output: any shape, floating dtype; element ``j`` (C order) uses code ``j``.
@@ -122,6 +129,9 @@ def decode_mul_reference(
         values: ``(2**bits,)`` derivative levels (any float dtype; rounded to nearest
             float32/float64 as above).
         bits: bits per element, 1..8.
+        select_zero: give +0 where the level is 0 (a select, not ``grad * 0.0``).
+        nonfinite: ``(1 + C,)`` int64 record of the non-finite inputs, or ``None``.
+        patch: ``(24,)`` patch rows for ``nonfinite`` (required with it).
 
     Returns:
         Contiguous tensor of ``grad_output``'s shape and dtype.
@@ -141,4 +151,15 @@ def decode_mul_reference(
         raise ValueError(f"packed holds {packed.numel()} bytes, {need} needed for {n} codes of {bits} bits")
     code = unpack_reference(packed.reshape(-1), bits, n)
     g = grad_output.reshape(-1).to(cdt)
-    return (g * v[code]).to(grad_output.dtype).reshape(grad_output.shape).contiguous()
+    level = v[code]
+    prod = g * level
+    if select_zero:
+        prod = torch.where(level == 0, torch.zeros_like(prod), prod)
+    out = prod.to(grad_output.dtype).reshape(grad_output.shape).contiguous()
+    if nonfinite is not None:
+        from fewbit.ops._nonfinite import patch_reference
+
+        if patch is None:
+            raise ValueError("patch is required with a nonfinite record")
+        out = patch_reference(out, grad_output, nonfinite, patch)
+    return out

@@ -10,6 +10,12 @@ index correctly. The kernels also run on CPU tensors under ``TRITON_INTERPRET=1`
 
 Bit-exactness with the CPU kernels: comparisons are exact (no arithmetic on x); the
 backward is one multiply (no FMA possible) followed by a round-to-nearest-even cast.
+
+Non-finite inputs (fewbit.ops._nonfinite): the encoder appends them to a fixed-capacity
+record with one atomic add per program that found any (``_record_nonfinite``, callable
+from any kernel that has ``x`` loaded); the decoder's programs read the record's count
+and patch the listed elements of their own range after their main store. Neither syncs
+with the host.
 """
 
 # No ``from __future__ import annotations``: the interpreter of triton 3.0/3.1 recognises
@@ -27,7 +33,46 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         f"importing it failed: {exc}"
     ) from exc
 
-__all__ = ["encode_triton", "decode_mul_triton", "default_block"]
+__all__ = ["encode_triton", "encode_nonfinite_triton", "decode_mul_triton", "default_block"]
+
+
+@triton.jit
+def _widen(v, IS_F64: tl.constexpr):
+    """``v`` in the compute dtype (float64 for float64, else float32), exactly. bfloat16
+    is widened by its bits: the interpreter's bfloat16 cast flushes subnormals."""
+    if IS_F64:
+        w = v.to(tl.float64)
+    elif v.dtype == tl.bfloat16:
+        w = (v.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    else:
+        w = v.to(tl.float32)
+    return w
+
+
+@triton.jit
+def _record_nonfinite(xc, idx, valid, rec_ptr, cap, CLASSES: tl.constexpr, NUMEL: tl.constexpr):
+    """Append the non-finite elements of a tile to the record (fewbit.ops._nonfinite).
+
+    ``xc``/``idx``/``valid``: a tile of inputs (any float dtype), their flat int64
+    indices and the in-range mask, ``NUMEL`` elements in all. Elements whose class is in
+    the mask ``CLASSES`` are compacted (exclusive prefix sum) behind one atomic add on
+    ``rec_ptr[0]`` per program that found any; entries ``index << 2 | class`` go to
+    ``rec_ptr[1 + pos]`` for ``pos < cap``, the count goes on past ``cap``. Kept separate
+    so that any kernel that has ``x`` loaded (a fused forward) can call it.
+    """
+    isn = xc != xc
+    pinf = xc == float("inf")
+    ninf = xc == float("-inf")
+    bit = tl.where(isn, 1, tl.where(pinf, 2, tl.where(ninf, 4, 0)))
+    keep = (valid & ((bit & CLASSES) != 0)).to(tl.int32)
+    flat = tl.reshape(keep, [NUMEL])
+    cnt = tl.sum(flat, axis=0)
+    if cnt > 0:
+        base = tl.atomic_add(rec_ptr, cnt.to(tl.int64))
+        pos = base + (tl.cumsum(flat, axis=0) - flat).to(tl.int64)
+        cls = tl.where(isn, 0, tl.where(pinf, 1, 2)).to(tl.int64)
+        ent = (tl.reshape(idx, [NUMEL]) << 2) | tl.reshape(cls, [NUMEL])
+        tl.store(rec_ptr + 1 + pos, ent, mask=(flat != 0) & (pos < cap))
 
 
 @triton.jit
@@ -36,22 +81,23 @@ def _encode_kernel(
     borders_ptr,
     codes_ptr,
     out_ptr,
+    rec_ptr,
     n,
+    cap,
     NB: tl.constexpr,
     BITS: tl.constexpr,
     BLOCK: tl.constexpr,
     IS_F64: tl.constexpr,
+    CLASSES: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     grp = pid * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
     k = tl.arange(0, 8)
     idx = grp[:, None] * 8 + k[None, :].to(tl.int64)
     valid = idx < n
-    x = tl.load(x_ptr + idx, mask=valid, other=0.0)
-    if IS_F64:
-        xc = x.to(tl.float64)
-    else:
-        xc = x.to(tl.float32)  # exact for fp16 / bf16 / fp32
+    xc = _widen(tl.load(x_ptr + idx, mask=valid, other=0.0), IS_F64)  # exact
+    if CLASSES != 0:
+        _record_nonfinite(xc, idx, valid, rec_ptr, cap, CLASSES, BLOCK * 8)
     prev = tl.load(codes_ptr).to(tl.int32)
     code = tl.zeros([BLOCK, 8], dtype=tl.int32) + prev
     for j in range(NB):
@@ -71,16 +117,66 @@ def _encode_kernel(
 
 
 @triton.jit
+def _store_rounded(out_ptr, offs, prod, mask, OUT_BF16: tl.constexpr):
+    if OUT_BF16:
+        # Round to nearest even by hand (the interpreter's cast truncates); NaN -> 0x7FC0.
+        u = prod.to(tl.uint32, bitcast=True)
+        r = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+        r = tl.where((u & 0x7FFFFFFF) > 0x7F800000, 0x7FC0, r)
+        res = r.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        res = prod.to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + offs, res, mask=mask)
+
+
+@triton.jit
+def _patch_nonfinite(
+    g_ptr, out_ptr, rec_ptr, patch_ptr, cnt, lo, hi,
+    IS_F64: tl.constexpr, OUT_BF16: tl.constexpr, PB: tl.constexpr,
+):
+    """Give the recorded elements in ``[lo, hi)`` torch's gradient (the patch rows of
+    fewbit.ops._nonfinite), ``PB`` record entries at a time."""
+    for s in tl.range(0, cnt, PB):
+        j = s + tl.arange(0, PB).to(tl.int64)
+        m = j < cnt
+        e = tl.load(rec_ptr + 1 + j, mask=m, other=0)
+        i = e >> 2
+        own = m & (i >= lo) & (i < hi)
+        row = patch_ptr + (e & 3) * 8
+        g = _widen(tl.load(g_ptr + i, mask=own, other=0.0), IS_F64)
+        if IS_F64:
+            neg = g.to(tl.int64, bitcast=True) < 0
+        else:
+            neg = g.to(tl.int32, bitcast=True) < 0
+        mode = tl.load(row, mask=own, other=0.0)
+        d = tl.load(row + 1, mask=own, other=0.0)
+        d2 = tl.load(row + 7, mask=own, other=1.0)
+        r = tl.where(mode != 0, d, (g * d) * d2)
+        r = tl.where(g == 0, tl.where(neg, tl.load(row + 6, mask=own, other=0.0),
+                                      tl.load(row + 5, mask=own, other=0.0)), r)
+        r = tl.where(g == float("-inf"), tl.load(row + 4, mask=own, other=0.0), r)
+        r = tl.where(g == float("inf"), tl.load(row + 3, mask=own, other=0.0), r)
+        r = tl.where(g != g, tl.load(row + 2, mask=own, other=0.0), r)
+        _store_rounded(out_ptr, i, r, own, OUT_BF16)
+
+
+@triton.jit
 def _decode_mul_kernel(
     g_ptr,
     packed_ptr,
     values_ptr,
     out_ptr,
+    rec_ptr,
+    patch_ptr,
     n,
+    cap,
     BITS: tl.constexpr,
     BLOCK: tl.constexpr,
     IS_F64: tl.constexpr,
     OUT_BF16: tl.constexpr,
+    HAS_REC: tl.constexpr,
+    SELECT_ZERO: tl.constexpr,
+    PB: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     grp = pid * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
@@ -94,20 +190,19 @@ def _decode_mul_kernel(
     idx = grp[:, None] * 8 + t[None, :].to(tl.int64)
     valid = idx < n
     v = tl.load(values_ptr + code, mask=valid, other=0.0)
-    g = tl.load(g_ptr + idx, mask=valid, other=0.0)
-    if IS_F64:
-        prod = g.to(tl.float64) * v
-    else:
-        prod = g.to(tl.float32) * v
-    if OUT_BF16:
-        # Round to nearest even by hand (the interpreter's cast truncates); NaN -> 0x7FC0.
-        u = prod.to(tl.uint32, bitcast=True)
-        r = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
-        r = tl.where((u & 0x7FFFFFFF) > 0x7F800000, 0x7FC0, r)
-        res = r.to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    else:
-        res = prod.to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + idx, res, mask=valid)
+    prod = _widen(tl.load(g_ptr + idx, mask=valid, other=0.0), IS_F64) * v
+    if SELECT_ZERO:
+        prod = tl.where(v == 0, 0.0, prod)
+    if HAS_REC:
+        cnt = tl.load(rec_ptr)  # normally 0: one scalar load per program
+        prod = tl.where(cnt > cap, float("nan"), prod)  # past capacity: all NaN
+    _store_rounded(out_ptr, idx, prod, valid, OUT_BF16)
+    if HAS_REC:
+        if (cnt > 0) & (cnt <= cap):
+            tl.debug_barrier()  # the patch overwrites elements this program just stored
+            lo = pid * BLOCK * 8
+            _patch_nonfinite(g_ptr, out_ptr, rec_ptr, patch_ptr, cnt, lo, tl.minimum(lo + BLOCK * 8, n),
+                             IS_F64, OUT_BF16, PB)
 
 
 def default_block() -> int:
@@ -120,10 +215,25 @@ def encode_triton(
 ) -> torch.Tensor:
     """Launch the encoder. ``borders`` in compare dtype (float64 for float64 ``x``, else
     float32 rounded down); returns ``(ceil(numel * bits / 8),)`` uint8 on ``x.device``."""
+    return _encode(x, borders, codes, bits, 0, 0, block)[0]
+
+
+def encode_nonfinite_triton(
+    x: torch.Tensor, borders: torch.Tensor, codes: torch.Tensor, bits: int, classes: int, capacity: int,
+    *, block: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The encoder that also records the non-finite elements of the classes in the mask
+    ``classes`` (fewbit.ops._nonfinite): returns ``(packed, record)``, record
+    ``(1 + capacity,)`` int64, entries in an unspecified order. No host sync."""
+    return _encode(x, borders, codes, bits, classes, capacity, block)
+
+
+def _encode(x, borders, codes, bits, classes, capacity, block):
     n = x.numel()
     out = torch.empty(((n * bits + 7) // 8,), dtype=torch.uint8, device=x.device)
+    record = torch.zeros((1 + capacity,), dtype=torch.int64, device=x.device) if classes else None
     if n == 0:
-        return out
+        return out, record
     block = block or default_block()
     x = x.detach().reshape(-1).contiguous()
     b = borders.detach().to(x.device).contiguous()
@@ -133,17 +243,22 @@ def encode_triton(
     c = codes.detach().to(device=x.device, dtype=torch.int32).contiguous()
     grid = (triton.cdiv(triton.cdiv(n, 8), block),)
     _encode_kernel[grid](
-        x, b, c, out, n,
-        NB=nb, BITS=bits, BLOCK=block, IS_F64=x.dtype == torch.float64,
+        x, b, c, out, record if record is not None else out, n, capacity,
+        NB=nb, BITS=bits, BLOCK=block, IS_F64=x.dtype == torch.float64, CLASSES=classes,
     )
-    return out
+    return out, record
 
 
 def decode_mul_triton(
-    grad: torch.Tensor, packed: torch.Tensor, values: torch.Tensor, bits: int, *, block: int | None = None
+    grad: torch.Tensor, packed: torch.Tensor, values: torch.Tensor, bits: int, *,
+    nonfinite: torch.Tensor | None = None, patch: torch.Tensor | None = None, select_zero: bool = False,
+    block: int | None = None,
 ) -> torch.Tensor:
-    """Launch the decode-multiply; ``values`` already in compute dtype (float64 for float64
-    grads, else float32). Returns a contiguous tensor of ``grad``'s shape and dtype."""
+    """Launch the decode-multiply; ``values`` (and ``patch``) already in compute dtype
+    (float64 for float64 grads, else float32). With a ``nonfinite`` record every program
+    reads its count (normally 0) and patches the recorded elements in its own range; past
+    the record's capacity the whole result is NaN (decided on the device). Returns a
+    contiguous tensor of ``grad``'s shape and dtype."""
     n = grad.numel()
     out = torch.empty(grad.shape, dtype=grad.dtype, device=grad.device)
     if n == 0:
@@ -152,9 +267,13 @@ def decode_mul_triton(
     g = grad.detach().reshape(-1).contiguous()
     p = packed.detach().reshape(-1).contiguous()
     v = values.detach().to(grad.device).contiguous()
+    has_rec = nonfinite is not None
+    rec = nonfinite.detach().to(grad.device).contiguous() if has_rec else p
+    pt = patch.detach().to(device=grad.device, dtype=v.dtype).contiguous() if has_rec else v
     grid = (triton.cdiv(triton.cdiv(n, 8), block),)
     _decode_mul_kernel[grid](
-        g, p, v, out, n, BITS=bits, BLOCK=block,
+        g, p, v, out, rec, pt, n, rec.numel() - 1 if has_rec else 0, BITS=bits, BLOCK=block,
         IS_F64=grad.dtype == torch.float64, OUT_BF16=grad.dtype == torch.bfloat16,
+        HAS_REC=has_rec, SELECT_ZERO=bool(select_zero), PB=256,
     )
     return out
