@@ -281,6 +281,7 @@ def memory(model_name, seq_len, batch, bits, saved_bits, group_size, layers, hid
         res = fm.compare(_CopyFactory(lambda: model_cls(cfg), dev, bar, stages), inputs, bits=bits,
                          saved_bits=saved_bits, group_size=group_size)
         bar.update(1)
+        bar.refresh()  # update() redraws only after tqdm's mininterval: show the last step
     except (MemoryError, torch.OutOfMemoryError) as exc:
         bar.close()
         _fail(f"out of memory while measuring {key} (batch {batch}, {seq} tokens): "
