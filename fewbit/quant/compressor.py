@@ -240,13 +240,29 @@ class ActivationCompressor:
     def __enter__(self) -> "ActivationCompressor":
         ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         ctx.__enter__()
+        if not self._stack:
+            # Outermost entry: reroute fused attention to a backward that recomputes from
+            # the quantized q, k, v (fewbit.quant.attention; docs/compression.md §1).
+            mode = _attention_mode(self)
+            try:
+                mode.__enter__()
+            except BaseException:
+                ctx.__exit__(None, None, None)
+                raise
+            self._mode = mode
         self._stack.append(ctx)
         return self
 
     def __exit__(self, *exc) -> None:
         if not self._stack:
             raise RuntimeError("ActivationCompressor.__exit__ without a matching __enter__")
-        self._stack.pop().__exit__(*exc)
+        ctx = self._stack.pop()
+        try:
+            if not self._stack:
+                mode, self._mode = self._mode, None
+                mode.__exit__(*exc)
+        finally:
+            ctx.__exit__(*exc)
 
     @property
     def active(self) -> bool:
@@ -356,3 +372,10 @@ def compress_activations(
         bits, group_size=group_size, min_numel=min_numel, stochastic=stochastic,
         stats_dtype=stats_dtype, generator=generator,
     )
+
+
+def _attention_mode(comp: ActivationCompressor):
+    """The TorchFunctionMode an active compressor pushes (fewbit.quant.attention)."""
+    from fewbit.quant.attention import AttentionMode
+
+    return AttentionMode(comp)
