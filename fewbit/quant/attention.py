@@ -319,6 +319,10 @@ class AttentionMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if torch.compiler.is_compiling():
+            # Dynamo traces this mode: stay out of its way. A compiled graph saves its own
+            # (detached) tensors, which the compressor keeps exact: consistent, uncompressed.
+            return func(*args, **kwargs)
         if func is _SDPA and not getattr(_STATE, "bypass", False) and torch.is_grad_enabled():
             bound = _bind(args, kwargs)
             if bound is not None:
