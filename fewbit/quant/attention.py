@@ -35,6 +35,7 @@ with nothing to compress go to torch's SDPA unchanged.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from typing import Any
 
@@ -42,11 +43,13 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["scaled_dot_product_attention"]
+__all__ = ["scaled_dot_product_attention", "AttentionMode", "QK_BITS"]
 
 _SDPA = F.scaled_dot_product_attention
 _MHA_FORWARD = F.multi_head_attention_forward
-# torch >= 2.13 (torch.overrides.redispatch_function); earlier releases expose the primitive.
+# torch.overrides.redispatch_function, or the private primitive behind it in releases that do
+# not export it. Without either, the SDPA call inside F.multi_head_attention_forward is not
+# rerouted (it stays torch's, with the inconsistency of docs/compression.md §1).
 _redispatch = getattr(torch.overrides, "redispatch_function", None)
 if _redispatch is None and hasattr(torch._C, "_skip_one_hop_torch_function"):
     _redispatch = torch._C._skip_one_hop_torch_function
@@ -87,6 +90,24 @@ def _set_rng_state(device: torch.device, state: torch.Tensor) -> None:
         torch.get_device_module(device.type).set_rng_state(state, device)
 
 
+def _sdpa_backends():
+    """The SDPA backends enabled now (``torch.nn.attention.sdpa_kernel``), or None."""
+    try:
+        from torch.nn.attention import _cur_sdpa_kernel_backends
+    except ImportError:  # pragma: no cover - private helper moved
+        return None
+    return _cur_sdpa_kernel_backends()
+
+
+def _backends_as(backends):
+    """``sdpa_kernel(backends)``: the recomputation uses the kernels forward was allowed."""
+    if not backends or backends == _sdpa_backends():
+        return contextlib.nullcontext()
+    from torch.nn.attention import sdpa_kernel
+
+    return sdpa_kernel(backends)
+
+
 def _leaf(t: torch.Tensor | None, requires_grad: bool) -> torch.Tensor | None:
     if t is None:
         return None
@@ -104,6 +125,7 @@ class _RecomputedSDPA(torch.autograd.Function):
         ctx.dropout_p, ctx.is_causal, ctx.scale, ctx.enable_gqa = dropout_p, is_causal, scale, enable_gqa
         ctx.rng = (q.device, _rng_state(q.device)) if dropout_p > 0 else None
         ctx.mask_is_tensor = isinstance(attn_mask, torch.Tensor)
+        ctx.backends = _sdpa_backends()
         mask = attn_mask.detach() if ctx.mask_is_tensor else None
         # Run SDPA with grad mode and requires_grad as the caller had them: torch picks its
         # kernel from them (e.g. flash vs. memory-efficient on some GPUs), so the output is
@@ -125,7 +147,7 @@ class _RecomputedSDPA(torch.autograd.Function):
         qs, ks, vs, mask = ctx.saved_tensors
         need = ctx.needs_input_grad
         mask_grad = ctx.mask_is_tensor and need[6] and mask.is_floating_point()
-        with torch.enable_grad(), _no_saved_tensor_hooks(), _Bypass():
+        with torch.enable_grad(), _no_saved_tensor_hooks(), _Bypass(), _backends_as(ctx.backends):
             q, k, v = _leaf(qs, need[3]), _leaf(ks, need[4]), _leaf(vs, need[5])
             m = _leaf(mask, True) if mask_grad else mask
             if ctx.rng is not None:

@@ -127,6 +127,25 @@ def test_dropout_leaves_rng_stream_as_torch_does():
     assert torch.equal(after[0], after[1])
 
 
+def test_backward_recomputes_with_the_backends_forward_was_allowed(monkeypatch):
+    """Inside ``sdpa_kernel([MATH])``, the recomputation in backward also runs on MATH."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    seen = []
+    orig = fa._SDPA
+
+    def spy(*args, **kwargs):
+        seen.append(fa._sdpa_backends())
+        return orig(*args, **kwargs)
+
+    monkeypatch.setattr(fa, "_SDPA", spy)
+    q, k, v = _qkv()
+    with sdpa_kernel([SDPBackend.MATH]):
+        out = fsdpa(q, k, v)
+    out.sum().backward()
+    assert seen == [[SDPBackend.MATH]] * 2
+
+
 def test_errors_are_torchs():
     q, k, v = _qkv()
     with pytest.raises(RuntimeError) as ref:
