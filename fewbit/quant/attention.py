@@ -3,11 +3,8 @@
 ``F.scaled_dot_product_attention`` (flash, memory-efficient and cuDNN kernels on CUDA, the
 flash kernel on CPU) saves ``q, k, v``, its output and the exact row logsumexp ``lse``;
 backward rebuilds the attention matrix as ``P = exp(q kᵀ · scale - lse)``. When a
-saved-tensor compressor hands back dequantized ``q̂, k̂`` but the exact ``lse``, the rows of
-``P`` no longer sum to one and the error is exponentiated: on a causal attention (batch 4,
-4 heads, 128 tokens, head dim 32) the gradient of ``Wq/Wk/Wv`` had a per-draw relative
-error of 2.7 at 4 bits and overflowed at 2 bits, against 0.31 for eager attention with the
-same compressor, and a GPT-2 trained with ``saved_bits=4`` diverged.
+saved-tensor compressor hands back dequantized ``q̂, k̂`` (and ``out``) but the exact
+``lse``, the rows of ``P`` no longer sum to one and the error is exponentiated.
 
 :func:`scaled_dot_product_attention` is torch's function with another backward. Forward
 runs torch's SDPA on the caller's tensors, unchanged (same kernel, same dropout draws, the
@@ -15,13 +12,41 @@ same output bit for bit) and saves only ``q, k, v`` (through the active saved-te
 so a compressor quantizes them), the ``attn_mask`` as it is (never quantized: it may hold
 -inf or the dtype's min), and, when ``dropout_p > 0``, the generator state before the call.
 Backward dequantizes ``q̂, k̂, v̂``, replays the generator, recomputes SDPA from them under
-``enable_grad`` and differentiates that: ``out``, ``lse`` and ``P`` are all functions of
-``q̂, k̂, v̂``, so backward is the exact gradient of a genuine attention (rows sum to one,
-no overflow at any bit width). Nothing ``T x T`` is kept between forward and backward (the
-recomputation uses the same fused kernel, O(T) memory), and less is kept than by torch's
-SDPA (no output, no logsumexp). The price is one extra SDPA forward in backward.
+``enable_grad`` (same enabled backends) and differentiates that: ``out``, ``lse`` and ``P``
+are all functions of ``q̂, k̂, v̂``, so backward is the exact gradient of a genuine attention
+(rows sum to one, no overflow at any bit width). Nothing ``T x T`` is kept between forward
+and backward (the recomputation uses the same fused kernel, O(T) memory), and no output or
+logsumexp is kept. The price is one extra SDPA forward in backward.
 
-DESIGN_TABLE_PLACEHOLDER
+Design options, measured with ``python scripts/bench_attention_noise.py --draws 32 --gain
+2`` (one causal attention: batch 4, 4 heads, 128 tokens, head dim 32, q/k/v entries of std
+2, fp32, CPU; mean over 32 draws of ``|g - g_exact| / |g_exact|`` for the stacked ``Wq, Wk,
+Wv`` gradient -- the input gradient's is within 1 % of it, 5 % for torch SDPA at 2 bits;
+only what the attention itself saves is compressed):
+
+==========================================  =======  =======  =======  ========
+saved by the attention                       1 bit    2 bits   4 bits   8 bits
+==========================================  =======  =======  =======  ========
+eager: q, k, P, v at b bits                  13.5     1.63     0.311    0.0256
+torch SDPA: q, k, v, out at b, lse exact     nan      6.8e8    2.68     0.0652
+torch SDPA, q and k at 8 bits                7.82     2.27     0.456    0.0652
+recompute, q, k, v at b bits                 3.83     1.59     0.546    0.0353
+recompute, q, k at 8 bits, v at b (chosen)   2.45     0.712    0.146    0.0084
+==========================================  =======  =======  =======  ========
+
+(At ``--gain 1``, 4 bits: 0.211, 0.328, 0.167, 0.241, 0.112.) Recomputing removes the
+inconsistency, but with q and k at b bits the logits ``q̂ k̂ᵀ`` carry the error of both
+factors, times the other's magnitude, into the softmax: noisier than eager attention, which
+quantizes P itself. With q and k at 8 bits the recomputed P is nearly exact and the noise
+comes from v alone: below eager at every width (2-2.5x at 2-4 bits). Under an 8-bit
+compressor, q and k at 8 bits would still be noisier than eager (0.035 vs 0.026), so they
+are kept exact (0.0084). Giving the tensors that feed an exponential more bits follows
+GACT's per-tensor allocation by sensitivity (Liu et al., ICML 2022). Memory per token and
+layer (``D`` model width, ``H`` heads, ``T`` tokens; plus the group stats): eager keeps
+``(3 D + H T) b`` bits, this function ``16 D + D b`` for b < 8. The GPT-2 of
+``scripts/train_lm.py`` (D = 256, H = 4, T = 256) at 4 bits: 7168 vs 5120 bits. The bias
+(backward is nonlinear in ``q̂, k̂``) is second order in the quantization step: see
+tests/quant/test_gradient_statistics.py.
 
 Interception: while an :class:`~fewbit.quant.ActivationCompressor` is active (inside a
 module converted by ``fewbit.convert_``, or a ``with fewbit.compress_activations(...)``

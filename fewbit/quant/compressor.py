@@ -238,11 +238,14 @@ class ActivationCompressor:
 
     # context manager -------------------------------------------------------------------
     def __enter__(self) -> "ActivationCompressor":
+        """Install the saved-tensor hooks; the outermost entry also pushes
+        :class:`fewbit.quant.attention.AttentionMode`, which reroutes
+        ``F.scaled_dot_product_attention`` to a backward that recomputes from the saved q,
+        k, v (torch's fused kernels rebuild softmax from an exact logsumexp that quantized
+        q, k no longer match; docs/compression.md §1)."""
         ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         ctx.__enter__()
         if not self._stack:
-            # Outermost entry: reroute fused attention to a backward that recomputes from
-            # the quantized q, k, v (fewbit.quant.attention; docs/compression.md §1).
             mode = _attention_mode(self)
             try:
                 mode.__enter__()
