@@ -252,15 +252,34 @@ class ActivationCompressor:
 
     # context manager -------------------------------------------------------------------
     def __enter__(self) -> "ActivationCompressor":
+        """Install the saved-tensor hooks; the outermost entry also pushes
+        :class:`fewbit.quant.attention.AttentionMode`, which reroutes
+        ``F.scaled_dot_product_attention`` to a backward that recomputes from the saved q,
+        k, v (torch's fused kernels rebuild softmax from an exact logsumexp that quantized
+        q, k no longer match; docs/compression.md §1)."""
         ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         ctx.__enter__()
+        if not self._stack:
+            mode = _attention_mode(self)
+            try:
+                mode.__enter__()
+            except BaseException:
+                ctx.__exit__(None, None, None)
+                raise
+            self._mode = mode
         self._stack.append(ctx)
         return self
 
     def __exit__(self, *exc) -> None:
         if not self._stack:
             raise RuntimeError("ActivationCompressor.__exit__ without a matching __enter__")
-        self._stack.pop().__exit__(*exc)
+        ctx = self._stack.pop()
+        try:
+            if not self._stack:
+                mode, self._mode = self._mode, None
+                mode.__exit__(*exc)
+        finally:
+            ctx.__exit__(*exc)
 
     @property
     def active(self) -> bool:
@@ -371,3 +390,10 @@ def compress_activations(
         bits, group_size=group_size, min_numel=min_numel, stochastic=stochastic,
         stats_dtype=stats_dtype, generator=generator,
     )
+
+
+def _attention_mode(comp: ActivationCompressor):
+    """The TorchFunctionMode an active compressor pushes (fewbit.quant.attention)."""
+    from fewbit.quant.attention import AttentionMode
+
+    return AttentionMode(comp)
