@@ -244,7 +244,8 @@ def test_multihead_attention(monkeypatch, need_weights):
         return out, g
 
     out_ref, g_ref = step()
-    comp = ActivationCompressor(8, min_numel=0)
+    # own generator: the compressor's seeds must not shift the CPU dropout stream
+    comp = ActivationCompressor(8, min_numel=0, generator=torch.Generator().manual_seed(1))
     out, g = step(comp)
     assert count.n == (0 if need_weights else 1)
     assert torch.equal(out, out_ref)
@@ -283,7 +284,9 @@ def test_hf_models(monkeypatch, family, impl):
     """Converted HF models: forward unchanged bit for bit, SDPA rerouted (one call per
     layer) with impl="sdpa" only, gradients close to exact at 8 bits."""
     count = _Count(monkeypatch)
-    model = _hf_model(family, impl, dropout=0.1)
+    # no dropout: the compressor draws its noise seeds from torch's default CPU generator
+    # (documented), which shifts CPU dropout masks against the uncompressed run
+    model = _hf_model(family, impl, dropout=0.0)
     model.train()
     ids = torch.randint(0, 128, (4, 64), generator=torch.Generator().manual_seed(1))
     mask = torch.ones(4, 64, dtype=torch.long)
