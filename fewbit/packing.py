@@ -11,20 +11,9 @@ from __future__ import annotations
 
 import torch
 
+from fewbit._checks import check_bits as _check_bits, packed_nbytes
+
 __all__ = ["packed_nbytes", "pack_reference", "unpack_reference"]
-
-
-def _check_bits(bits: int) -> None:
-    if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 8:
-        raise ValueError(f"bits must be an integer in 1..8, got {bits!r}")
-
-
-def packed_nbytes(numel: int, bits: int) -> int:
-    """Bytes of the packed stream: ``ceil(numel * bits / 8)``."""
-    _check_bits(bits)
-    if numel < 0:
-        raise ValueError(f"numel must be >= 0, got {numel}")
-    return (numel * bits + 7) // 8
 
 
 def pack_reference(codes: torch.Tensor, bits: int) -> torch.Tensor:

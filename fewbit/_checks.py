@@ -1,0 +1,90 @@
+"""Argument checks shared by every public entry point (one home for each rule).
+
+Each check raises ``ValueError`` (a bad value) or ``TypeError`` (a wrong kind of object)
+whose message names the argument, the allowed range and the value given, and returns the
+value normalised (a plain ``int``, a ``torch.dtype``). Nothing here imports numba, triton
+or the rest of fewbit, so any module may import it.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any, Iterable
+
+import torch
+
+__all__ = [
+    "FLOAT_DTYPES",
+    "TABLE_BITS",
+    "check_bits",
+    "check_float_tensor",
+    "check_positive_int",
+    "is_int",
+    "packed_nbytes",
+]
+
+#: Floating-point dtypes the kernels accept (inputs, gradients, compressed tensors).
+FLOAT_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+#: Bit widths of a few-bit table (2**bits levels, codes packed ``bits`` per element).
+TABLE_BITS: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8)
+
+
+def is_int(value: Any) -> bool:
+    """True for a Python or NumPy integer, False for ``bool`` (which Python counts as int)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def check_bits(bits: Any, name: str = "bits", allowed: Iterable[int] = TABLE_BITS) -> int:
+    """``bits`` as a plain ``int`` if it is an integer in ``allowed``.
+
+    Args:
+        bits: the value given.
+        name: the argument's name in the message (``"bits"``, ``"saved_bits"``, ...).
+        allowed: the admitted widths; a contiguous range is written ``lo..hi``.
+
+    Raises:
+        ValueError: ``bits`` is not an integer (``bool`` included) or not in ``allowed``.
+    """
+    allowed = tuple(allowed)
+    contiguous = list(allowed) == list(range(allowed[0], allowed[-1] + 1))
+    what = f"an integer in {allowed[0]}..{allowed[-1]}" if contiguous else f"one of {allowed}"
+    if not is_int(bits) or int(bits) not in allowed:
+        raise ValueError(f"{name} must be {what}, got {bits!r}")
+    return int(bits)
+
+
+def check_positive_int(value: Any, name: str, minimum: int = 1) -> int:
+    """``value`` as a plain ``int`` if it is an integer ``>= minimum``; else ``ValueError``."""
+    if not is_int(value) or int(value) < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def check_float_tensor(tensor: Any, name: str = "input") -> torch.Tensor:
+    """``tensor`` if it is a ``torch.Tensor`` of a dtype in :data:`FLOAT_DTYPES`.
+
+    Raises:
+        TypeError: not a tensor, or not of a floating-point dtype in :data:`FLOAT_DTYPES`.
+    """
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dtype not in FLOAT_DTYPES:
+        names = ", ".join(str(d).replace("torch.", "") for d in FLOAT_DTYPES)
+        raise TypeError(f"{name} must be a floating-point tensor ({names}), got dtype {tensor.dtype}")
+    return tensor
+
+
+def packed_nbytes(numel: int, bits: int) -> int:
+    """Bytes of ``numel`` codes of ``bits`` bits in the packed stream: ``ceil(numel * bits / 8)``.
+
+    The layout itself (little-endian bit stream, element ``i`` at bit ``i * bits``) is defined
+    in :mod:`fewbit.packing`.
+
+    Raises:
+        ValueError: ``bits`` not in 1..8 or ``numel`` negative.
+    """
+    check_bits(bits)
+    if not is_int(numel) or numel < 0:
+        raise ValueError(f"numel must be an integer >= 0, got {numel!r}")
+    return (int(numel) * bits + 7) // 8
