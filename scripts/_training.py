@@ -30,6 +30,7 @@ import csv
 import math
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -40,6 +41,21 @@ VARIANTS = ("vanilla", "fewbit1", "fewbit2", "fewbit3", "fewbit4", "actnn2", "fe
 CSV_FIELDS = ("step", "train_loss", "val_loss", "accuracy", "step_time_s", "peak_saved_bytes")
 
 StepContext = Callable[[], contextlib.AbstractContextManager]
+
+
+@dataclass(frozen=True)
+class Task:
+    """What a script trains on: its data and its loss (the model comes separately).
+
+    Attributes:
+        next_batch: ``() -> (inputs, targets)``, the next training batch, on the device.
+        forward_loss: ``(model, inputs, targets) -> loss``, a scalar tensor.
+        evaluate: ``(model) -> (val_loss, accuracy)``, called in eval mode without grad.
+    """
+
+    next_batch: Callable[[], tuple[torch.Tensor, torch.Tensor]]
+    forward_loss: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+    evaluate: Callable[[nn.Module], tuple[float, float]]
 
 
 # ---------------------------------------------------------------------------------------
@@ -154,9 +170,7 @@ def write_csv(path: Path, rows: list[dict]) -> None:
 def train_loop(
     model: nn.Module,
     step_ctx: StepContext,
-    next_batch: Callable[[], tuple[torch.Tensor, torch.Tensor]],
-    forward_loss: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor],
-    evaluate: Callable[[nn.Module], tuple[float, float]],
+    task: Task,
     *,
     steps: int,
     lr: float,
@@ -168,7 +182,7 @@ def train_loop(
     """AdamW training with exact saved-bytes counting; returns the CSV rows.
 
     A row every ``eval_every`` steps and after the last one: the mean training loss and
-    step time since the previous row, ``evaluate(model)``'s ``(val_loss, accuracy)`` (in
+    step time since the previous row, ``task.evaluate(model)``'s ``(val_loss, accuracy)`` (in
     eval mode, without grad) and the largest number of bytes one step saved for backward
     (``fewbit.memory.SavedTensorRecorder``). ``progress``: the description of a tqdm bar,
     or ``None`` for none.
@@ -191,11 +205,11 @@ def train_loop(
         model.train()
         for g in opt.param_groups:
             g["lr"] = lr_at(step - 1, steps, lr, warmup)
-        x, y = next_batch()
+        x, y = task.next_batch()
         t0 = time.perf_counter()
         rec.reset()
         with step_ctx(), rec:
-            loss = forward_loss(model, x, y)
+            loss = task.forward_loss(model, x, y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -210,7 +224,7 @@ def train_loop(
         if step % eval_every == 0 or step == steps:
             model.eval()
             with torch.no_grad():
-                val_loss, acc = evaluate(model)
+                val_loss, acc = task.evaluate(model)
             rows.append({
                 "step": step,
                 "train_loss": f"{sum(losses) / len(losses):.6f}",
@@ -230,23 +244,17 @@ def train_variant(
     variant: str,
     seed: int,
     build_model: Callable[[], nn.Module],
-    next_batch: Callable[[], tuple[torch.Tensor, torch.Tensor]],
-    forward_loss: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor],
-    evaluate: Callable[[nn.Module], tuple[float, float]],
+    task: Task,
     *,
-    steps: int,
-    lr: float,
-    warmup: int,
-    eval_every: int,
     device: str = "cpu",
     progress: bool = False,
+    **loop: Any,
 ) -> list[dict]:
-    """Train one (variant, seed): :func:`prepare_model`, then :func:`train_loop` (progress
-    bar titled ``"<kind> <variant> seed <seed>"``); return the CSV rows."""
+    """Train one (variant, seed): :func:`prepare_model`, then :func:`train_loop` with the
+    keyword arguments ``loop`` (``steps``, ``lr``, ``warmup``, ``eval_every``) and a progress
+    bar titled ``"<kind> <variant> seed <seed>"`` if ``progress``; return the CSV rows."""
     model, step_ctx = prepare_model(variant, seed, build_model, device)
-    return train_loop(model, step_ctx, next_batch, forward_loss, evaluate, steps=steps, lr=lr,
-                      warmup=warmup, eval_every=eval_every,
-                      progress=f"{kind} {variant} seed {seed}" if progress else None)
+    return train_loop(model, step_ctx, task, progress=f"{kind} {variant} seed {seed}" if progress else None, **loop)
 
 
 # ---------------------------------------------------------------------------------------

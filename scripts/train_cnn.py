@@ -46,6 +46,8 @@ def build_cnn(width: int = 32, image: int = 16) -> nn.Module:
     )
 
 
+# Keyword arguments spelled out (alike in train_cnn.py and train_lm.py, deliberately): each
+# script's defaults; the options they share are forwarded by _training.loop_options.
 def run_cnn(
     variant: str,
     seed: int,
@@ -81,9 +83,9 @@ def run_cnn(
         loss = float(nn.functional.cross_entropy(logits, yva))
         return loss, float((logits.argmax(-1) == yva).float().mean())
 
-    return _training.train_variant("cnn", variant, seed, lambda: build_cnn(width), next_batch, forward_loss,
-                                   evaluate, steps=steps, lr=lr, warmup=warmup, eval_every=eval_every,
-                                   device=device, progress=progress)
+    task = _training.Task(next_batch, forward_loss, evaluate)
+    return _training.train_variant("cnn", variant, seed, lambda: build_cnn(width), task, device=device,
+                                   progress=progress, steps=steps, lr=lr, warmup=warmup, eval_every=eval_every)
 
 
 def main(argv: Iterable[str] | None = None) -> int:

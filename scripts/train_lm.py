@@ -57,6 +57,8 @@ def lm_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
 
 
+# Keyword arguments spelled out (alike in train_cnn.py and train_lm.py, deliberately): each
+# script's defaults; the options they share are forwarded by _training.loop_options.
 def run_lm(
     variant: str,
     seed: int,
@@ -96,13 +98,15 @@ def run_lm(
             n += y.numel()
         return tot / n, correct / n
 
-    return _training.train_variant("lm", variant, seed, lambda: build_lm(n_layer, n_embd, n_head, seq_len),
-                                   next_batch, lm_loss, evaluate, steps=steps, lr=lr, warmup=warmup,
-                                   eval_every=eval_every, device=device, progress=progress)
+    task = _training.Task(next_batch, lm_loss, evaluate)
+    return _training.train_variant("lm", variant, seed, lambda: build_lm(n_layer, n_embd, n_head, seq_len), task,
+                                   device=device, progress=progress, steps=steps, lr=lr, warmup=warmup,
+                                   eval_every=eval_every)
 
 
 def main(argv: Iterable[str] | None = None) -> int:
     p = _training.build_parser(__doc__)
+    # this script's own options (argparse declarations, alike in shape to other scripts')
     p.add_argument("--seq-len", type=positive_int, default=128)
     p.add_argument("--layers", type=positive_int, default=2)
     p.add_argument("--width", type=positive_int, default=128)
