@@ -138,8 +138,9 @@ def time_steps(
     x, y = x.to(dev), y.to(dev)
     runs = {}
     for variant in variants:
-        model, _ = _training.prepare_model(variant, seed, lambda: train_lm.build_lm(
-            sizes["n_layer"], sizes["n_embd"], sizes["n_head"], sizes["seq_len"]), dev)
+        torch.manual_seed(seed)
+        model = train_lm.build_lm(sizes["n_layer"], sizes["n_embd"], sizes["n_head"], sizes["seq_len"]).to(dev)
+        train_lm.apply_variant(model, variant)  # looked up on train_lm (tests/test_first_use.py spies on it)
         model.train()
         runs[variant] = (model, torch.optim.AdamW(model.parameters(), lr=lr))
 

@@ -34,7 +34,9 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _data  # noqa: E402
 import _training  # noqa: E402
-from _training import VARIANTS, check_variant, positive_int  # noqa: E402,F401  (VARIANTS: re-exported)
+# VARIANTS, apply_variant and write_csv are also used as train_lm.<name> (tests, main_job.py,
+# notebooks/memory.ipynb).
+from _training import VARIANTS, apply_variant, check_variant, positive_int, write_csv  # noqa: E402,F401
 
 
 def build_lm(n_layer: int, n_embd: int, n_head: int, seq_len: int) -> nn.Module:
