@@ -84,17 +84,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from fewbit import modules as fm
+from fewbit._checks import check_bits, check_positive_int
 from fewbit.activations import ACTIVATIONS, get_activation
 
 __all__ = ["Config", "ConversionSummary", "convert_", "LAYER_KINDS", "layer_kind"]
 
 #: Kinds of layers whose saved tensors :func:`convert_` can compress.
 LAYER_KINDS: tuple[str, ...] = ("linear", "conv", "norm", "attention")
-_SAVED_BITS = (1, 2, 4, 8)
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 @dataclass(frozen=True)
@@ -127,16 +123,14 @@ class Config:
     stochastic: bool = True
 
     def __post_init__(self) -> None:
-        b = self.activation_bits
-        if b is not None and (not _is_int(b) or not 1 <= b <= 8):
-            raise ValueError(f"activation_bits must be an integer in 1..8 or None, got {b!r}")
-        s = self.saved_bits
-        if s is not None and (not _is_int(s) or s not in _SAVED_BITS):
-            raise ValueError(f"saved_bits must be one of {_SAVED_BITS} or None, got {s!r}")
-        if not _is_int(self.group_size) or self.group_size < 1:
-            raise ValueError(f"group_size must be an integer >= 1, got {self.group_size!r}")
-        if not _is_int(self.min_numel) or self.min_numel < 0:
-            raise ValueError(f"min_numel must be an integer >= 0, got {self.min_numel!r}")
+        if self.activation_bits is not None:
+            object.__setattr__(self, "activation_bits", check_bits(self.activation_bits, "activation_bits"))
+        if self.saved_bits is not None:
+            from fewbit.quant import SUPPORTED_BITS  # here: importing fewbit.convert stays quantizer-free
+
+            object.__setattr__(self, "saved_bits", check_bits(self.saved_bits, "saved_bits", SUPPORTED_BITS))
+        object.__setattr__(self, "group_size", check_positive_int(self.group_size, "group_size"))
+        object.__setattr__(self, "min_numel", check_positive_int(self.min_numel, "min_numel", minimum=0))
         if not isinstance(self.stochastic, bool):
             raise ValueError(f"stochastic must be True or False, got {self.stochastic!r}")
         layers = self.layers
@@ -379,6 +373,82 @@ def _graph_activation_calls(gm: nn.Module) -> list[tuple[str, str]]:
     return found
 
 
+#: ``selected(module, fqn) -> bool``: whether ``filter_fn`` lets :func:`convert_` touch a module.
+_Selected = Callable[[nn.Module, str], bool]
+
+
+def _replacement(m: nn.Module, model: nn.Module, factory: _Factory, bits: int) -> nn.Module | str:
+    """The fewbit module that replaces activation ``m``, or why ``m`` stays as it is."""
+    if m is model:
+        return "the root module cannot be replaced in place"
+    if "forward" in vars(m):
+        return "its forward was replaced on the instance"
+    return factory(m, bits)
+
+
+def _replace_activations(model: nn.Module, bits: int, selected: _Selected, summary: ConversionSummary) -> None:
+    """Phase 1 of :func:`convert_`: replace the activation modules of ``model`` in place.
+
+    Fills ``summary.replaced``, ``.changed`` (fewbit modules already there, given ``bits``)
+    and ``.unsupported`` (activations left as they were, with the reason). A module shared
+    by several parents is replaced in every parent slot, so it stays shared.
+    """
+    factories = _torch_factories()
+    hf_factories, hf_unsupported = _hf_factories()
+    factories.update(hf_factories)
+    unsupported = _TORCH_UNSUPPORTED + hf_unsupported
+    fx = sys.modules.get("torch.fx")
+    graph_module = getattr(fx, "GraphModule", ()) if fx is not None else ()
+    new_for: dict[int, nn.Module] = {}
+    scripted: list[str] = []  # fqn prefixes of TorchScript submodules
+    for fqn, m in list(model.named_modules()):
+        if any(fqn.startswith(p) for p in scripted):
+            continue
+        if isinstance(m, torch.jit.ScriptModule):
+            scripted.append(fqn + ".")
+            if selected(m, fqn):
+                summary.unsupported[fqn] = (
+                    f"{getattr(m, 'original_name', type(m).__name__)} (TorchScript: compiled, nothing in "
+                    "it can be replaced; convert the eager module)"
+                )
+            continue
+        if graph_module and isinstance(m, graph_module) and selected(m, fqn):
+            for node, target in _graph_activation_calls(m):
+                summary.unsupported[f"{fqn}.{node}" if fqn else node] = (
+                    f"{target} (a function call in a torch.fx graph, not a module; convert the eager "
+                    "model before torch.export / symbolic_trace)"
+                )
+        if isinstance(m, (fm._FewBit, fm.FewBitActivation)):
+            if selected(m, fqn):
+                before = repr(m)
+                why = _set_bits(m, bits)
+                if why is not None:
+                    summary.unsupported[fqn] = f"{type(m).__name__} ({why})"
+                elif repr(m) != before:
+                    summary.changed[fqn] = (before, repr(m))
+            continue
+        factory = factories.get(type(m))
+        if factory is None:
+            if isinstance(m, unsupported) and selected(m, fqn):
+                summary.unsupported[fqn] = type(m).__name__
+            continue
+        if not selected(m, fqn):
+            continue
+        new = _replacement(m, model, factory, bits)
+        if isinstance(new, str):
+            summary.unsupported[fqn] = f"{type(m).__name__} ({new})"
+            continue
+        new.train(m.training)
+        new_for[id(m)] = new
+        summary.replaced[fqn] = (type(m).__name__, repr(new))
+    if not new_for:
+        return
+    for parent in model.modules():
+        for name, child in list(parent._modules.items()):
+            if child is not None and id(child) in new_for:
+                parent._modules[name] = new_for[id(child)]
+
+
 # --------------------------------------------------------------------------- layer kinds
 
 
@@ -487,6 +557,49 @@ def _remove_compression_hooks(module: nn.Module) -> None:
             module._forward_hooks_always_called.pop(k, None)
 
 
+def _install_compression_hooks(
+    model: nn.Module, config: Config, selected: _Selected, summary: ConversionSummary
+) -> None:
+    """Phase 2 of :func:`convert_`: remove the hooks of an earlier conversion, then, if
+    ``config.saved_bits`` is set, run every selected module of a kind in ``config.layers``
+    (:data:`LAYER_KINDS`) inside one shared compressor. Fills ``summary.compressed`` and
+    ``summary.compressor``."""
+    named = list(model.named_modules())
+    for _, m in named:
+        _remove_compression_hooks(m)
+    if config.saved_bits is None:
+        return
+    shared = _SharedCompressor(config)
+    summary.compressor = shared.compressor
+    for fqn, m in named:
+        kind = layer_kind(m)
+        if kind is None or kind not in config.layers or not selected(m, fqn):
+            continue
+        m.register_forward_pre_hook(_EnterHook(shared))
+        m.register_forward_hook(_ExitHook(shared), always_call=True)
+        summary.compressed[fqn] = kind
+
+
+def _check_arguments(model: Any, config: Any, bits: Any, filter_fn: Any) -> Config:
+    """Validate :func:`convert_`'s arguments; return the :class:`Config` to apply."""
+    if not isinstance(model, nn.Module):
+        hint = ""
+        if type(model).__name__ == "ExportedProgram":
+            hint = " (a torch.export program is not a module: convert the eager model before exporting)"
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}{hint}")
+    if isinstance(model, torch.jit.ScriptModule):
+        raise _script_module_error(model)
+    if config is not None and bits is not None:
+        raise ValueError(f"pass either config or bits, not both (got bits={bits!r} and a config)")
+    if config is None:
+        config = Config() if bits is None else Config(activation_bits=bits)
+    elif not isinstance(config, Config):
+        raise TypeError(f"config must be a fewbit.Config, got {type(config).__name__}")
+    if filter_fn is not None and not callable(filter_fn):
+        raise TypeError(f"filter_fn must be callable(module, fqn) -> bool or None, got {type(filter_fn).__name__}")
+    return config
+
+
 # --------------------------------------------------------------------------- convert_
 
 
@@ -535,103 +648,13 @@ def convert_(
         >>> summary = fewbit.convert_(model, fewbit.Config(activation_bits=3, saved_bits=4))
         >>> print(summary)
     """
-    if not isinstance(model, nn.Module):
-        hint = ""
-        if type(model).__name__ == "ExportedProgram":
-            hint = " (a torch.export program is not a module: convert the eager model before exporting)"
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}{hint}")
-    if isinstance(model, torch.jit.ScriptModule):
-        raise _script_module_error(model)
-    if config is not None and bits is not None:
-        raise ValueError(f"pass either config or bits, not both (got bits={bits!r} and a config)")
-    if config is None:
-        config = Config() if bits is None else Config(activation_bits=bits)
-    elif not isinstance(config, Config):
-        raise TypeError(f"config must be a fewbit.Config, got {type(config).__name__}")
-    if filter_fn is not None and not callable(filter_fn):
-        raise TypeError(f"filter_fn must be callable(module, fqn) -> bool or None, got {type(filter_fn).__name__}")
+    config = _check_arguments(model, config, bits, filter_fn)
 
     def selected(m: nn.Module, fqn: str) -> bool:
         return filter_fn is None or bool(filter_fn(m, fqn))
 
     summary = ConversionSummary(model=model, config=config)
-    named = list(model.named_modules())
-
-    # 1. activations -------------------------------------------------------------------
     if config.activation_bits is not None:
-        factories = _torch_factories()
-        hf_factories, hf_unsupported = _hf_factories()
-        factories.update(hf_factories)
-        unsupported = _TORCH_UNSUPPORTED + hf_unsupported
-        fx = sys.modules.get("torch.fx")
-        graph_module = getattr(fx, "GraphModule", ()) if fx is not None else ()
-        new_for: dict[int, nn.Module] = {}
-        scripted: list[str] = []  # fqn prefixes of TorchScript submodules
-        for fqn, m in named:
-            if any(fqn.startswith(p) for p in scripted):
-                continue
-            if isinstance(m, torch.jit.ScriptModule):
-                scripted.append(fqn + ".")
-                if selected(m, fqn):
-                    summary.unsupported[fqn] = (
-                        f"{getattr(m, 'original_name', type(m).__name__)} (TorchScript: compiled, nothing in "
-                        "it can be replaced; convert the eager module)"
-                    )
-                continue
-            if graph_module and isinstance(m, graph_module) and selected(m, fqn):
-                for node, target in _graph_activation_calls(m):
-                    summary.unsupported[f"{fqn}.{node}" if fqn else node] = (
-                        f"{target} (a function call in a torch.fx graph, not a module; convert the eager "
-                        "model before torch.export / symbolic_trace)"
-                    )
-            if isinstance(m, (fm._FewBit, fm.FewBitActivation)):
-                if selected(m, fqn):
-                    before = repr(m)
-                    why = _set_bits(m, config.activation_bits)
-                    if why is not None:
-                        summary.unsupported[fqn] = f"{type(m).__name__} ({why})"
-                    elif repr(m) != before:
-                        summary.changed[fqn] = (before, repr(m))
-                continue
-            factory = factories.get(type(m))
-            if factory is None:
-                if isinstance(m, unsupported) and selected(m, fqn):
-                    summary.unsupported[fqn] = type(m).__name__
-                continue
-            if not selected(m, fqn):
-                continue
-            if m is model:
-                summary.unsupported[fqn] = f"{type(m).__name__} (the root module cannot be replaced in place)"
-                continue
-            if "forward" in vars(m):
-                summary.unsupported[fqn] = f"{type(m).__name__} (its forward was replaced on the instance)"
-                continue
-            new = factory(m, config.activation_bits)
-            if isinstance(new, str):
-                summary.unsupported[fqn] = f"{type(m).__name__} ({new})"
-                continue
-            new.train(m.training)
-            new_for[id(m)] = new
-            summary.replaced[fqn] = (type(m).__name__, repr(new))
-        if new_for:
-            # Every parent slot, so a module shared by several parents stays shared.
-            for parent in model.modules():
-                for name, child in list(parent._modules.items()):
-                    if child is not None and id(child) in new_for:
-                        parent._modules[name] = new_for[id(child)]
-            named = list(model.named_modules())
-
-    # 2. saved-tensor compression ------------------------------------------------------
-    for _, m in named:
-        _remove_compression_hooks(m)
-    if config.saved_bits is not None:
-        shared = _SharedCompressor(config)
-        summary.compressor = shared.compressor
-        for fqn, m in named:
-            kind = layer_kind(m)
-            if kind is None or kind not in config.layers or not selected(m, fqn):
-                continue
-            m.register_forward_pre_hook(_EnterHook(shared))
-            m.register_forward_hook(_ExitHook(shared), always_call=True)
-            summary.compressed[fqn] = kind
+        _replace_activations(model, config.activation_bits, selected, summary)
+    _install_compression_hooks(model, config, selected, summary)
     return summary

@@ -39,6 +39,8 @@ from typing import Any, Callable, Iterable, Mapping
 import torch
 from torch import nn
 
+from fewbit._checks import check_bits, check_positive_int
+
 __all__ = [
     "CATEGORIES",
     "Report",
@@ -428,13 +430,6 @@ def saved_tensor_report(
     )
 
 
-def _check_bits(name: str, value: Any, allowed: Iterable[int]) -> int:
-    allowed = tuple(allowed)
-    if isinstance(value, bool) or not isinstance(value, int) or value not in allowed:
-        raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
-    return value
-
-
 def compare(
     model_factory: Callable[[], nn.Module],
     inputs: Any,
@@ -478,10 +473,11 @@ def compare(
         ValueError: for bits outside 1..8, saved_bits outside {1, 2, 4, 8}, group_size < 1 or
             an unknown variant.
     """
-    _check_bits("bits", bits, range(1, 9))
-    _check_bits("saved_bits", saved_bits, (1, 2, 4, 8))
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
-        raise ValueError(f"group_size must be an integer >= 1, got {group_size!r}")
+    from fewbit.quant import SUPPORTED_BITS  # here: importing fewbit.memory stays quantizer-free
+
+    bits = check_bits(bits, "bits")
+    saved_bits = check_bits(saved_bits, "saved_bits", SUPPORTED_BITS)
+    group_size = check_positive_int(group_size, "group_size")
     variants = tuple(variants)
     for v in variants:
         if v not in VARIANTS:

@@ -235,10 +235,13 @@ def memory(model_name, seq_len, batch, bits, saved_bits, group_size, layers, hid
     key = model_name.lower()
     if key not in MODELS:
         _fail(f"unknown model {model_name!r}; supported: {', '.join(MODELS)}")
-    if not 1 <= bits <= 8:
-        _fail(f"--bits must be in 1..8, got {bits}")
-    if saved_bits not in (1, 2, 4, 8):
-        _fail(f"--saved-bits must be one of 1, 2, 4, 8, got {saved_bits}")
+    from fewbit._checks import TABLE_BITS  # imports torch
+    from fewbit.quant import SUPPORTED_BITS
+
+    if bits not in TABLE_BITS:
+        _fail(f"--bits must be in {TABLE_BITS[0]}..{TABLE_BITS[-1]}, got {bits}")
+    if saved_bits not in SUPPORTED_BITS:
+        _fail(f"--saved-bits must be one of {', '.join(map(str, SUPPORTED_BITS))}, got {saved_bits}")
 
     import torch
 

@@ -32,6 +32,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _data  # noqa: E402
+import _training  # noqa: E402
 import summarize_runs  # noqa: E402
 import train_lm  # noqa: E402
 
@@ -139,7 +140,7 @@ def time_steps(
     for variant in variants:
         torch.manual_seed(seed)
         model = train_lm.build_lm(sizes["n_layer"], sizes["n_embd"], sizes["n_head"], sizes["seq_len"]).to(dev)
-        train_lm.apply_variant(model, variant)
+        train_lm.apply_variant(model, variant)  # looked up on train_lm (tests/test_first_use.py spies on it)
         model.train()
         runs[variant] = (model, torch.optim.AdamW(model.parameters(), lr=lr))
 
@@ -148,8 +149,7 @@ def time_steps(
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         t0 = time.perf_counter()
-        logits = model(input_ids=x).logits
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
+        loss = train_lm.lm_loss(model, x, y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -209,7 +209,7 @@ def main(argv: Iterable[str] | None = None) -> int:
     results = {}
     for variant in ("vanilla", "fewbit3"):
         rows = train_lm.run_lm(variant, args.seed, data=data, device=args.device, progress=True, **sizes)
-        train_lm.write_csv(args.out / f"lm_{variant}_seed{args.seed}.csv", rows)
+        _training.write_csv(args.out / f"lm_{variant}_seed{args.seed}.csv", rows)
         results[variant] = rows
 
     # step time: interleaved and warmed up (the training loop above also counts saved bytes

@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Train a small CNN (GELU, SiLU and ReLU activations) on scikit-learn's digits.
 
-The variants are those of ``train_lm.py`` (vanilla, fewbit1..4, actnn2, fewbit3+quant4).
+The variants and the training loop are those of ``train_lm.py`` (``scripts/_training.py``:
+vanilla, fewbit1..4, actnn2, fewbit3+quant4).
 The digits images (1797 8x8 greyscale, shipped with scikit-learn, nothing downloaded) are
 upsampled to 16x16 so the conv layers have some spatial extent; split: fixed permutation,
 20 % validation.
@@ -26,7 +27,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _data  # noqa: E402
-from train_lm import VARIANTS, apply_variant, build_parser, check_variant, train_loop, write_csv  # noqa: E402
+import _training  # noqa: E402
 
 
 def build_cnn(width: int = 32, image: int = 16) -> nn.Module:
@@ -45,6 +46,8 @@ def build_cnn(width: int = 32, image: int = 16) -> nn.Module:
     )
 
 
+# Keyword arguments spelled out (alike in train_cnn.py and train_lm.py, deliberately): each
+# script's defaults; the options they share are forwarded by _training.loop_options.
 def run_cnn(
     variant: str,
     seed: int,
@@ -60,15 +63,12 @@ def run_cnn(
     n_train: int | None = None,
 ) -> list[dict]:
     """Train one (variant, seed); return the CSV rows."""
-    check_variant(variant)
+    _training.check_variant(variant)
     dev = torch.device(device)
     xtr, ytr, xva, yva = _data.load_digits()
     if n_train is not None:
         xtr, ytr = xtr[:n_train], ytr[:n_train]
     xtr, ytr, xva, yva = xtr.to(dev), ytr.to(dev), xva.to(dev), yva.to(dev)
-    torch.manual_seed(seed)
-    model = build_cnn(width).to(dev)
-    step_ctx = apply_variant(model, variant)
     gen = torch.Generator().manual_seed(seed)
 
     def next_batch():
@@ -83,38 +83,21 @@ def run_cnn(
         loss = float(nn.functional.cross_entropy(logits, yva))
         return loss, float((logits.argmax(-1) == yva).float().mean())
 
-    return train_loop(model, step_ctx, next_batch, forward_loss, evaluate, steps=steps, lr=lr,
-                      warmup=warmup, eval_every=eval_every,
-                      progress=f"cnn {variant} seed {seed}" if progress else None)
+    task = _training.Task(next_batch, forward_loss, evaluate)
+    return _training.train_variant("cnn", variant, seed, lambda: build_cnn(width), task, device=device,
+                                   progress=progress, steps=steps, lr=lr, warmup=warmup, eval_every=eval_every)
 
 
 def main(argv: Iterable[str] | None = None) -> int:
-    p = build_parser(__doc__)
-    p.set_defaults(steps=150, batch_size=64, eval_every=15)
+    p = _training.build_parser(__doc__)
+    p.set_defaults(steps=150, batch_size=64, eval_every=15, n_train=None)
     p.add_argument("--width", type=int, default=32, help="channels of the first conv")
     args = p.parse_args(argv)
     if args.width < 1:
         p.error(f"--width must be >= 1, got {args.width}")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    n_train = None
-    if args.quick:
-        args.steps, args.batch_size, args.width, args.eval_every, args.warmup = 6, 16, 4, 3, 2
-        n_train = 256
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        p.error("--device cuda given but CUDA is not available")
-    for variant in args.variants:
-        for seed in args.seeds:
-            rows = run_cnn(variant, seed, steps=args.steps, batch_size=args.batch_size, width=args.width,
-                           lr=args.lr, warmup=args.warmup, eval_every=args.eval_every,
-                           device=args.device, progress=args.progress, n_train=n_train)
-            path = args.out / f"cnn_{variant}_seed{seed}.csv"
-            write_csv(path, rows)
-            last = rows[-1]
-            print(f"{variant:>15} seed {seed}: val_loss {float(last['val_loss']):.4f} "
-                  f"acc {float(last['accuracy']):.4f} step {float(last['step_time_s']) * 1e3:.1f} ms "
-                  f"saved {int(last['peak_saved_bytes']) / 2**20:.3f} MiB -> {path}", flush=True)
-    return 0
+    _training.setup(p, args, quick=dict(steps=6, batch_size=16, width=4, eval_every=3, warmup=2, n_train=256))
+    return _training.run_all(args, "cnn", lambda variant, seed: run_cnn(
+        variant, seed, width=args.width, n_train=args.n_train, **_training.loop_options(args)), mib_digits=3)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,7 @@
-"""Shared test fixtures: devices to parametrise over, seeded RNG."""
+"""Shared test fixtures: devices to parametrise over, seeded RNG, an empty user table cache.
+
+Helpers (reference gradients, toy tables) live in ``tests/helpers.py``.
+"""
 
 import pytest
 import torch
@@ -26,3 +29,18 @@ def device(request):
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture
+def fewbit_env(monkeypatch, tmp_path):
+    """An empty user cache per test: tables come from fewbit.tables (shipped) or are
+    written by the test; the user's own cache is never read or written.
+
+    A module uses it for all its tests with ``pytestmark = pytest.mark.usefixtures("fewbit_env")``.
+    """
+    from fewbit import functional as FF
+
+    monkeypatch.setenv("FEWBIT_CACHE_DIR", str(tmp_path / "cache"))
+    FF.clear_table_cache()
+    yield
+    FF.clear_table_cache()

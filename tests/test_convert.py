@@ -29,12 +29,7 @@ needs_transformers = pytest.mark.skipif(
 )
 
 
-@pytest.fixture(autouse=True)
-def env(monkeypatch, tmp_path):
-    monkeypatch.setenv("FEWBIT_CACHE_DIR", str(tmp_path / "cache"))
-    FF.clear_table_cache()
-    yield
-    FF.clear_table_cache()
+pytestmark = pytest.mark.usefixtures("fewbit_env")  # tests/conftest.py: an empty user cache per test
 
 
 # ----------------------------------------------------------------------------- measuring

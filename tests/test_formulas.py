@@ -13,12 +13,7 @@ from fewbit.activations import FORMULAS
 from fewbit.ops import decode_mul_reference, encode_reference
 
 
-@pytest.fixture(autouse=True)
-def fewbit_env(monkeypatch, tmp_path):
-    monkeypatch.setenv("FEWBIT_CACHE_DIR", str(tmp_path / "cache"))
-    FF.clear_table_cache()
-    yield
-    FF.clear_table_cache()
+pytestmark = pytest.mark.usefixtures("fewbit_env")  # tests/conftest.py: an empty user cache per test
 
 
 def _bits(t: torch.Tensor) -> list:

@@ -1,8 +1,6 @@
 """Tests of fewbit.functional: forward bitwise equal to torch, backward equal to the
 pure-torch reference ``grad * values[searchsorted(borders, x)]``, exact gradients for
 stepwise functions, table resolution (exact / shipped / cache / fit) and validation.
-
-The helpers at the top are also imported by test_modules.py and test_convert.py.
 """
 
 from __future__ import annotations
@@ -19,40 +17,7 @@ import fewbit
 from fewbit import functional as FF
 from fewbit.activations import ACTIVATIONS, canonical_params, get_activation
 from fewbit.table import Table, TableFormatError, table_filename, write_tables
-
-# ----------------------------------------------------------------------------- helpers
-
-
-def reference_codes(x: torch.Tensor, table: Table) -> torch.Tensor:
-    borders = torch.tensor(table.borders, dtype=torch.float64)
-    codes = torch.tensor(table.codes, dtype=torch.int64)
-    idx = torch.searchsorted(borders, x.detach().double().reshape(-1).cpu(), right=False)
-    return codes[idx].reshape(x.shape)
-
-
-def reference_grad(grad: torch.Tensor, x: torch.Tensor, table: Table) -> torch.Tensor:
-    cdt = torch.float64 if grad.dtype == torch.float64 else torch.float32
-    values = torch.tensor(table.values, dtype=torch.float64).to(cdt)
-    code = reference_codes(x, table).to(grad.device)
-    return (grad.to(cdt) * values.to(grad.device)[code]).to(grad.dtype)
-
-
-def toy_table(name: str, bits: int, params=None, lo: float = -6.0, hi: float = 6.0) -> Table:
-    """Equal-width intervals on [lo, hi]; each level is the mean of torch's derivative."""
-    act = get_activation(name)
-    full = canonical_params(act, params)
-    m = 1 << bits
-    borders = torch.linspace(lo, hi, m + 1, dtype=torch.float64)[1:-1]
-    edges = [-10.0, *borders.tolist(), 10.0]
-    values = []
-    for a, b in zip(edges[:-1], edges[1:]):
-        t = torch.linspace(a, b, 257, dtype=torch.float64, requires_grad=True)
-        act.torch_fn(t, **full).sum().backward()
-        values.append(float(t.grad.mean()))
-    nd = {k: v for k, v in full.items() if v != act.defaults[k]}
-    return Table(name=act.name, bits=bits, borders=borders.tolist(), codes=list(range(m)),
-                 values=values, params=nd, weight="uniform", provenance={"test": "toy"})
-
+from helpers import reference_grad, toy_table
 
 # ----------------------------------------------------------------------------- fixtures
 
@@ -60,14 +25,7 @@ SMOOTH = sorted(n for n, a in ACTIVATIONS.items() if not a.stepwise)
 STEPWISE = sorted(n for n, a in ACTIVATIONS.items() if a.stepwise)
 
 
-@pytest.fixture(autouse=True)
-def fewbit_env(monkeypatch, tmp_path):
-    """An empty user cache per test: tables come from fewbit.tables (shipped) or are
-    written by the test; the user's own cache is never read or written."""
-    monkeypatch.setenv("FEWBIT_CACHE_DIR", str(tmp_path / "cache"))
-    FF.clear_table_cache()
-    yield
-    FF.clear_table_cache()
+pytestmark = pytest.mark.usefixtures("fewbit_env")  # tests/conftest.py: an empty user cache per test
 
 
 def _quick_gelu_torch(x):

@@ -14,7 +14,7 @@ from torch import nn
 import fewbit
 from fewbit import functional as FF
 from fewbit import modules as fm
-from test_functional import reference_grad, toy_table
+from helpers import reference_grad, toy_table
 
 # (fewbit module, torch module, ctor kwargs, table name, table params)
 CASES = [
@@ -43,12 +43,7 @@ CASES = [
 ]
 
 
-@pytest.fixture(autouse=True)
-def env(monkeypatch, tmp_path):
-    monkeypatch.setenv("FEWBIT_CACHE_DIR", str(tmp_path / "cache"))
-    FF.clear_table_cache()
-    yield
-    FF.clear_table_cache()
+pytestmark = pytest.mark.usefixtures("fewbit_env")  # tests/conftest.py: an empty user cache per test
 
 
 def _id(c):

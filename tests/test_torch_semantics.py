@@ -23,7 +23,8 @@ import fewbit.modules as fm
 from fewbit import functional as FF
 from fewbit.activations import ACTIVATIONS, canonical_params
 from fewbit.table import Table
-from test_functional import fewbit_env  # noqa: F401  (autouse: an empty user cache per test)
+
+pytestmark = pytest.mark.usefixtures("fewbit_env")  # tests/conftest.py: an empty user cache per test
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 NONFINITE = [math.nan, math.inf, -math.inf]

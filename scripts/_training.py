@@ -1,0 +1,330 @@
+"""The training loop shared by ``train_lm.py`` and ``train_cnn.py`` (and ``main_job.py``).
+
+Each script keeps its model, its data and its defaults; everything else lives here:
+
+- the variants (``--variants``) and how a model is converted for one
+  (:func:`apply_variant`):
+
+  - ``vanilla``: torch/transformers as is;
+  - ``fewbit1`` .. ``fewbit4``: activations replaced by fewbit b-bit backward
+    (``fewbit.convert_``; Novikov et al., "Few-bit Backward", ICML 2023);
+  - ``actnn2``: the paper's ActNN baseline: only the activation functions' saved inputs
+    are group-quantized to 2 bits (``fewbit.compress_activations`` inside each activation);
+  - ``fewbit3+quant4``: fewbit 3-bit activations and every other saved tensor quantized
+    to 4 bits (docs/method.md §7);
+
+- seeding and building a model for a (variant, seed) (:func:`prepare_model`);
+- the AdamW loop with warm-up + cosine learning rate, exact saved-bytes counting, the
+  evaluation cadence, the CSV rows and the progress bar (:func:`train_loop`,
+  :func:`train_variant`);
+- the common command-line options (:func:`build_parser`, :func:`setup`) and the loop over
+  variants and seeds that writes ``OUT/<kind>_<variant>_seed<seed>.csv`` (:func:`run_all`)
+  with the columns :data:`CSV_FIELDS`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+VARIANTS = ("vanilla", "fewbit1", "fewbit2", "fewbit3", "fewbit4", "actnn2", "fewbit3+quant4")
+CSV_FIELDS = ("step", "train_loss", "val_loss", "accuracy", "step_time_s", "peak_saved_bytes")
+
+StepContext = Callable[[], contextlib.AbstractContextManager]
+
+
+@dataclass(frozen=True)
+class Task:
+    """What a script trains on: its data and its loss (the model comes separately).
+
+    Attributes:
+        next_batch: ``() -> (inputs, targets)``, the next training batch, on the device.
+        forward_loss: ``(model, inputs, targets) -> loss``, a scalar tensor.
+        evaluate: ``(model) -> (val_loss, accuracy)``, called in eval mode without grad.
+    """
+
+    next_batch: Callable[[], tuple[torch.Tensor, torch.Tensor]]
+    forward_loss: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+    evaluate: Callable[[nn.Module], tuple[float, float]]
+
+
+# ---------------------------------------------------------------------------------------
+# Variants
+# ---------------------------------------------------------------------------------------
+
+class QuantizedSavedActivation(nn.Module):
+    """Run an activation module with its saved tensors group-quantized (ActNN baseline).
+
+    Only tensors saved inside ``inner`` go through ``fewbit.compress_activations(bits)``.
+    """
+
+    def __init__(self, inner: nn.Module, bits: int = 2, group_size: int = 256) -> None:
+        super().__init__()
+        self.inner, self.bits, self.group_size = inner, bits, group_size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import fewbit
+        from fewbit.memory import resume_recording
+
+        with fewbit.compress_activations(self.bits, group_size=self.group_size, min_numel=0):
+            with resume_recording():
+                return self.inner(x)
+
+    def extra_repr(self) -> str:
+        return f"bits={self.bits}, group_size={self.group_size}"
+
+
+def _replace_activations(model: nn.Module, make: Callable[[nn.Module], nn.Module]) -> int:
+    from fewbit.memory import is_activation_module
+
+    targets = [(name, m) for name, m in model.named_modules() if name and is_activation_module(m)]
+    for name, m in targets:
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, attr, make(m))
+    return len(targets)
+
+
+def check_variant(variant: str) -> str:
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {', '.join(VARIANTS)}; got {variant!r}")
+    return variant
+
+
+def apply_variant(model: nn.Module, variant: str) -> StepContext:
+    """Convert ``model`` in place for ``variant``; return a factory of the per-step context.
+
+    ``fewbitB``: ``fewbit.convert_(model, Config(activation_bits=B))``; ``fewbit3+quant4``:
+    ``Config(activation_bits=3, saved_bits=4)`` (linear/conv/norm/attention saved tensors
+    group-quantized); ``actnn2``: activation modules wrapped in
+    :class:`QuantizedSavedActivation` (2 bits). The returned context (entered around each
+    forward) is currently a no-op for every variant.
+
+    Raises:
+        ValueError: for an unknown variant.
+        RuntimeError: if a fewbit variant finds no activation to convert.
+    """
+    check_variant(variant)
+    null = contextlib.nullcontext
+    if variant == "vanilla":
+        return null
+    if variant == "actnn2":
+        n = _replace_activations(model, lambda m: QuantizedSavedActivation(m, bits=2))
+        if n == 0:
+            raise RuntimeError("actnn2: the model has no activation module")
+        return null
+    import fewbit
+
+    bits = int(variant[len("fewbit")])
+    saved_bits = 4 if variant.endswith("+quant4") else None
+    summary = fewbit.convert_(model, fewbit.Config(activation_bits=bits, saved_bits=saved_bits))
+    if not summary.replaced:
+        raise RuntimeError(f"{variant}: fewbit.convert_ replaced no activation")
+    return null
+
+
+def prepare_model(
+    variant: str, seed: int, build_model: Callable[[], nn.Module], device: str | torch.device = "cpu"
+) -> tuple[nn.Module, StepContext]:
+    """Seed torch's generator with ``seed``, build the model on ``device`` and convert it
+    for ``variant``; return the model and its per-step context (see :func:`apply_variant`)."""
+    check_variant(variant)
+    torch.manual_seed(seed)
+    model = build_model().to(torch.device(device))
+    return model, apply_variant(model, variant)
+
+
+# ---------------------------------------------------------------------------------------
+# Loop
+# ---------------------------------------------------------------------------------------
+
+def lr_at(step: int, total: int, lr: float, warmup: int) -> float:
+    """Linear warm-up then cosine decay to 10 % of ``lr``."""
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    t = (step - warmup) / max(1, total - warmup)
+    return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
+
+
+def write_csv(path: Path, rows: list[dict]) -> None:
+    """Write rows atomically (temporary file, then rename)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=CSV_FIELDS)
+        w.writeheader()
+        w.writerows(rows)
+    os.replace(tmp, path)
+
+
+def train_loop(
+    model: nn.Module,
+    step_ctx: StepContext,
+    task: Task,
+    *,
+    steps: int,
+    lr: float,
+    warmup: int,
+    eval_every: int,
+    weight_decay: float = 0.01,
+    progress: str | None = None,
+) -> list[dict]:
+    """AdamW training with exact saved-bytes counting; returns the CSV rows.
+
+    A row every ``eval_every`` steps and after the last one: the mean training loss and
+    step time since the previous row, ``task.evaluate(model)``'s ``(val_loss, accuracy)`` (in
+    eval mode, without grad) and the largest number of bytes one step saved for backward
+    (``fewbit.memory.SavedTensorRecorder``). ``progress``: the description of a tqdm bar,
+    or ``None`` for none.
+
+    Raises:
+        FloatingPointError: if a training loss is not finite.
+    """
+    from fewbit.memory import SavedTensorRecorder
+
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+    rows: list[dict] = []
+    losses, times, peak = [], [], 0
+    rec = SavedTensorRecorder(model)
+    bar = None
+    if progress is not None:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=steps, desc=progress, leave=True, dynamic_ncols=True)
+    for step in range(1, steps + 1):
+        model.train()
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step - 1, steps, lr, warmup)
+        x, y = task.next_batch()
+        t0 = time.perf_counter()
+        rec.reset()
+        with step_ctx(), rec:
+            loss = task.forward_loss(model, x, y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        times.append(time.perf_counter() - t0)
+        losses.append(float(loss.detach()))
+        peak = max(peak, rec.saved_bytes)
+        if not math.isfinite(losses[-1]):
+            raise FloatingPointError(f"training diverged at step {step} (loss {losses[-1]})")
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{losses[-1]:.3f}")
+        if step % eval_every == 0 or step == steps:
+            model.eval()
+            with torch.no_grad():
+                val_loss, acc = task.evaluate(model)
+            rows.append({
+                "step": step,
+                "train_loss": f"{sum(losses) / len(losses):.6f}",
+                "val_loss": f"{val_loss:.6f}",
+                "accuracy": f"{acc:.6f}",
+                "step_time_s": f"{sum(times) / len(times):.6f}",
+                "peak_saved_bytes": peak,
+            })
+            losses, times, peak = [], [], 0
+    if bar is not None:
+        bar.close()
+    return rows
+
+
+def train_variant(
+    kind: str,
+    variant: str,
+    seed: int,
+    build_model: Callable[[], nn.Module],
+    task: Task,
+    *,
+    device: str = "cpu",
+    progress: bool = False,
+    **loop: Any,
+) -> list[dict]:
+    """Train one (variant, seed): :func:`prepare_model`, then :func:`train_loop` with the
+    keyword arguments ``loop`` (``steps``, ``lr``, ``warmup``, ``eval_every``) and a progress
+    bar titled ``"<kind> <variant> seed <seed>"`` if ``progress``; return the CSV rows."""
+    model, step_ctx = prepare_model(variant, seed, build_model, device)
+    return train_loop(model, step_ctx, task, progress=f"{kind} {variant} seed {seed}" if progress else None, **loop)
+
+
+# ---------------------------------------------------------------------------------------
+# Command line
+# ---------------------------------------------------------------------------------------
+
+def _positive(kind):
+    def parse(s):
+        v = kind(s)
+        if v <= 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {s}")
+        return v
+    return parse
+
+
+positive_int, positive_float = _positive(int), _positive(float)
+
+
+def build_parser(description: str) -> argparse.ArgumentParser:
+    """The options every training script takes (the first paragraph of ``description`` is
+    the help text); a script adds its own and changes defaults with ``set_defaults``."""
+    p = argparse.ArgumentParser(description=description.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS, metavar="VARIANT",
+                   help=f"variants to train, of: {' '.join(VARIANTS)}")
+    p.add_argument("--seeds", nargs="+", type=int, default=[0])
+    p.add_argument("--steps", type=positive_int, default=200)
+    p.add_argument("--batch-size", type=positive_int, default=8)
+    p.add_argument("--lr", type=positive_float, default=3e-3)
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--eval-every", type=positive_int, default=25)
+    p.add_argument("--device", default="cpu", help="torch device, e.g. cuda")
+    p.add_argument("--out", type=Path, default=Path("results"), help="directory for the CSVs")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch default)")
+    p.add_argument("--quick", action="store_true", help="tiny sizes for tests (seconds)")
+    p.add_argument("--progress", action="store_true", help="tqdm progress bar per run")
+    return p
+
+
+def setup(p: argparse.ArgumentParser, args: argparse.Namespace, quick: dict[str, Any]) -> None:
+    """After the script's own checks of ``args``: set torch's CPU threads, apply the
+    ``quick`` sizes if ``--quick`` was given, and stop (``p.error``) if ``--device cuda``
+    is given without CUDA."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.quick:
+        for name, value in quick.items():
+            setattr(args, name, value)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        p.error("--device cuda given but CUDA is not available")
+
+
+def loop_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The options of :func:`build_parser` that every ``run_<kind>`` function takes."""
+    return dict(steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup=args.warmup,
+                eval_every=args.eval_every, device=args.device, progress=args.progress)
+
+
+def run_all(
+    args: argparse.Namespace, kind: str, run: Callable[[str, int], list[dict]], *, mib_digits: int = 2
+) -> int:
+    """Train every ``--variants`` x ``--seeds`` with ``run(variant, seed)``, write each run's
+    rows to ``OUT/<kind>_<variant>_seed<seed>.csv`` and print its last row; return 0."""
+    for variant in args.variants:
+        for seed in args.seeds:
+            rows = run(variant, seed)
+            path = args.out / f"{kind}_{variant}_seed{seed}.csv"
+            write_csv(path, rows)
+            last = rows[-1]
+            print(f"{variant:>15} seed {seed}: val_loss {float(last['val_loss']):.4f} "
+                  f"acc {float(last['accuracy']):.4f} step {float(last['step_time_s']) * 1e3:.1f} ms "
+                  f"saved {int(last['peak_saved_bytes']) / 2**20:.{mib_digits}f} MiB -> {path}", flush=True)
+    return 0

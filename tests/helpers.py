@@ -1,0 +1,52 @@
+"""Helpers shared by test modules (import them with ``from helpers import ...``; pytest puts
+``tests/`` on ``sys.path`` because ``tests/conftest.py`` lives there).
+
+- :func:`reference_codes`, :func:`reference_grad`: the pure-torch few-bit backward,
+  ``grad * values[codes[searchsorted(borders, x)]]`` (docs/method.md §1), computed on the
+  CPU in float64 lookups, independent of fewbit's kernels;
+- :func:`toy_table`: a small valid :class:`fewbit.table.Table` without the solver.
+
+Fixtures shared by several modules live in ``tests/conftest.py``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fewbit.activations import canonical_params, get_activation
+from fewbit.table import Table
+
+__all__ = ["reference_codes", "reference_grad", "toy_table"]
+
+
+def reference_codes(x: torch.Tensor, table: Table) -> torch.Tensor:
+    """The table's code of every element of ``x`` (int64, shape of ``x``, on the CPU)."""
+    borders = torch.tensor(table.borders, dtype=torch.float64)
+    codes = torch.tensor(table.codes, dtype=torch.int64)
+    idx = torch.searchsorted(borders, x.detach().double().reshape(-1).cpu(), right=False)
+    return codes[idx].reshape(x.shape)
+
+
+def reference_grad(grad: torch.Tensor, x: torch.Tensor, table: Table) -> torch.Tensor:
+    """``grad * values[code(x)]`` in float32 (float64 for float64 ``grad``), cast to ``grad``'s dtype."""
+    cdt = torch.float64 if grad.dtype == torch.float64 else torch.float32
+    values = torch.tensor(table.values, dtype=torch.float64).to(cdt)
+    code = reference_codes(x, table).to(grad.device)
+    return (grad.to(cdt) * values.to(grad.device)[code]).to(grad.dtype)
+
+
+def toy_table(name: str, bits: int, params=None, lo: float = -6.0, hi: float = 6.0) -> Table:
+    """Equal-width intervals on [lo, hi]; each level is the mean of torch's derivative."""
+    act = get_activation(name)
+    full = canonical_params(act, params)
+    m = 1 << bits
+    borders = torch.linspace(lo, hi, m + 1, dtype=torch.float64)[1:-1]
+    edges = [-10.0, *borders.tolist(), 10.0]
+    values = []
+    for a, b in zip(edges[:-1], edges[1:]):
+        t = torch.linspace(a, b, 257, dtype=torch.float64, requires_grad=True)
+        act.torch_fn(t, **full).sum().backward()
+        values.append(float(t.grad.mean()))
+    nd = {k: v for k, v in full.items() if v != act.defaults[k]}
+    return Table(name=act.name, bits=bits, borders=borders.tolist(), codes=list(range(m)),
+                 values=values, params=nd, weight="uniform", provenance={"test": "toy"})
