@@ -173,7 +173,8 @@ def main(argv: Iterable[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path("results"), help="output directory")
     p.add_argument("--steps", type=int, default=600, help="training steps per run")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="torch device: cuda when one is present, else cpu")
     p.add_argument("--quick", action="store_true", help="tiny sizes (seconds), for tests")
     args = p.parse_args(argv)
     if args.steps < 1:

@@ -113,3 +113,16 @@ def test_main_job_times_steps_interleaved_after_warm_up(monkeypatch):
     assert all(t > 0 for ts in times.values() for t in ts)
     v, f = "vanilla", "fewbit3"
     assert order == [v, v, f, f] + [v, f, f, v, v, f, f, v]  # warm-up, then ABBA
+
+
+def test_main_job_uses_cuda_when_present(monkeypatch, capsys):
+    """The main job's default device is CUDA when one is present (issue: it trained on the CPU
+    of a GPU machine), the CPU otherwise; --help states the default."""
+    import pytest
+    import torch
+
+    for present, device in ((True, "cuda"), (False, "cpu")):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda present=present: present)
+        with pytest.raises(SystemExit):
+            main_job.main(["--help"])
+        assert f"(default: {device})" in " ".join(capsys.readouterr().out.split())
