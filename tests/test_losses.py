@@ -412,8 +412,8 @@ def test_patch_causal_lm_refuses_transformed_logits():
     class Scaled(transformers.GPT2LMHeadModel):
         def forward(self, input_ids=None, labels=None, **kwargs):
             logits = self.lm_head(self.transformer(input_ids).last_hidden_state) * 2.0
-            return transformers.modeling_outputs.CausalLMOutput(
-                loss=self.loss_function(logits, labels, self.config.vocab_size), logits=logits)
+            loss = None if labels is None else self.loss_function(logits, labels, self.config.vocab_size)
+            return transformers.modeling_outputs.CausalLMOutput(loss=loss, logits=logits)
 
     model = Scaled(_gpt2().config)
     ids = torch.randint(0, 97, (1, 8))
