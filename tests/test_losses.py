@@ -422,3 +422,23 @@ def test_patch_causal_lm_refuses_transformed_logits():
     with pytest.raises(RuntimeError, match="did not get the output of its lm_head"):
         model(input_ids=ids, labels=ids)
     model(input_ids=ids)  # without labels the model is untouched
+
+
+@pytest.mark.slow
+def test_benchmark_script_runs_at_tiny_sizes():
+    """scripts/bench_linear_cross_entropy.py (README, docs/compression.md §5) at tiny sizes."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run(
+        [sys.executable, "scripts/bench_linear_cross_entropy.py", "--hidden", "16", "--vocab", "50",
+         "--tokens", "8", "21", "--chunk-size", "5", "--repeats", "1", "--threads", "1", "--skip-gpt2"],
+        cwd=root, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line.split() for line in proc.stdout.splitlines() if line.split()[:1] in (["8"], ["21"])]
+    assert [r[1] for r in rows] == ["torch", "recompute", "grad_in_forward"] * 2
+    bad = subprocess.run([sys.executable, "scripts/bench_linear_cross_entropy.py", "--tokens", "0"],
+                         cwd=root, capture_output=True, text=True, timeout=600)
+    assert bad.returncode == 2 and "--tokens and --chunk-size must be >= 1" in bad.stderr
