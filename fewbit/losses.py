@@ -1,9 +1,8 @@
 """Exact fused linear + cross-entropy for language-model heads (docs/compression.md §5).
 
 ``F.cross_entropy(F.linear(input, weight, bias), target)`` materialises the ``(N, V)``
-logits and autograd keeps them, and their log-softmax, for backward: for GPT-2 (vocabulary
-V = 50257) that is 2 x 4 x V bytes per token, 98 MiB of the 429 MiB a 256-token example
-saves. :func:`linear_cross_entropy` computes the same loss and the same gradients, exactly
+logits and autograd keeps their log-softmax for backward: for GPT-2 (vocabulary V = 50257)
+4 x V bytes per token in float32, 49 MiB for a 256-token example. :func:`linear_cross_entropy` computes the same loss and the same gradients, exactly
 (no approximation), a chunk of tokens at a time, so that at most ``chunk_size x V`` logits
 exist at once and nothing of size ``N x V`` is saved for backward. The idea is that of
 Liger-Kernel's fused linear cross-entropy (Hsu et al., "Liger Kernel: Efficient Triton
@@ -56,8 +55,8 @@ def linear_cross_entropy_reference(
 
     ``F.cross_entropy(F.linear(input, weight, bias).float(), target, ...)`` for float16 /
     bfloat16 inputs (the logits upcast as torch's autocast and Hugging Face's
-    ``ForCausalLMLoss`` do), without the upcast otherwise. Saves the ``(N, V)`` logits and
-    their log-softmax for backward.
+    ``ForCausalLMLoss`` do), without the upcast otherwise. Saves the ``(N, V)`` float32
+    log-softmax for backward.
     """
     logits = F.linear(input, weight, bias)
     if logits.dtype in _HALF:
@@ -284,16 +283,16 @@ def linear_cross_entropy(
 
     Memory kept for backward (N tokens, H features, V classes, b bytes per element):
 
-    - torch (unfused): the logits and their log-softmax, 2·N·V·4 bytes (float32 logits),
-      plus ``input`` (N·H·b);
+    - torch (unfused): the log-softmax, N·V·4 bytes (float32, also for float16/bfloat16
+      logits upcast for the loss), plus ``input`` (N·H·b);
     - ``grad_in_forward=False`` (default, the Cut Cross-Entropy way): ``input`` (N·H·b, a
       view of the caller's tensor, often saved by the layer before anyway), ``target``
       (8·N) and ``weight``/``bias`` (parameters, held anyway); backward recomputes each
       chunk's logits: one extra N·V·H matmul;
     - ``grad_in_forward=True`` (the Liger-Kernel way): the gradients, computed in forward
       for an incoming gradient of 1 and scaled in backward: grad input (N·H·b), grad weight
-      (V·H·b) and grad bias (V·b) where they are needed; no extra matmul. Smaller than
-      torch's only when N > H·b/8 tokens (384 for GPT-2 in float32).
+      (V·H·b) and grad bias (V·b) where they are needed; no extra matmul. In float32 smaller
+      than torch's only when N > H tokens (768 for GPT-2).
 
     At most ``chunk_size`` x V logits (and their gradient, in place) exist at once.
 
@@ -406,8 +405,8 @@ def patch_causal_lm_(model: nn.Module, *, chunk_size: int | None = None, grad_in
     tokens, or the sum divided by ``num_items_in_batch`` when the Trainer passes it. The
     output's ``logits`` is then None (with ``return_dict=False`` it is left out of the tuple,
     as None fields are). Without ``labels`` the model computes and returns its logits as
-    before. The saved ``(tokens, vocab)`` logits and log-softmax disappear from the memory
-    kept for backward (docs/compression.md §5).
+    before. The saved ``(tokens, vocab)`` log-softmax disappears from the memory kept
+    for backward (docs/compression.md §5).
 
     transformers has no hook between the hidden states and the ``lm_head``, so the head's
     ``forward`` is replaced on the instance (the module, its weight and the weight tying are
