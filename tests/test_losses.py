@@ -250,6 +250,7 @@ def test_autocast_casts_like_linear():
         torch.testing.assert_close(a, r, rtol=2e-2, atol=2e-3)
 
 
+@pytest.mark.slow
 def test_torch_compile():
     x, w, b, t = _data(torch.float32)
     x, w, b = (a.float().requires_grad_() for a in (x, w, b))
@@ -264,12 +265,24 @@ def test_torch_compile():
         torch.testing.assert_close(a, r)
 
 
-def test_default_chunk_size():
+def test_default_chunk_size(monkeypatch):
+    """chunk_size=None: DEFAULT_CHUNK_LOGITS // V tokens per chunk (at least 1)."""
+    import fewbit.losses as losses
+
     assert DEFAULT_CHUNK_LOGITS == 2**24
-    x, w, b, t = _data(n=40, v=2**20 + 1, h=2)  # default chunk: 15 tokens
+    used = []
+    real = losses._chunks
+    monkeypatch.setattr(losses, "_chunks", lambda n, c: (used.append(c), real(n, c))[1])
+    monkeypatch.setattr(losses, "DEFAULT_CHUNK_LOGITS", 5 * V + 3)
+    x, w, b, t = _data()
     x.requires_grad_()
-    mine = linear_cross_entropy(x, w, t, b)
-    torch.testing.assert_close(mine, linear_cross_entropy_reference(x, w, t, b), rtol=1e-12, atol=1e-12)
+    loss = linear_cross_entropy(x, w, t, b)
+    loss.backward()
+    assert used == [5, 5]  # forward and the recomputing backward
+    torch.testing.assert_close(loss, linear_cross_entropy_reference(x, w, t, b), rtol=1e-12, atol=1e-12)
+    monkeypatch.setattr(losses, "DEFAULT_CHUNK_LOGITS", V - 1)
+    linear_cross_entropy(x, w, t, b)
+    assert used[-1] == 1
 
 
 def test_exported():
