@@ -21,6 +21,7 @@ Example:
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import os
 import platform
 import statistics
@@ -45,7 +46,10 @@ def _machine(device: torch.device) -> str:
     except (OSError, StopIteration):
         pass
     gpu = f", {torch.cuda.get_device_name(device)}" if device.type == "cuda" else ""
-    triton = getattr(sys.modules.get("triton"), "__version__", "-")
+    try:
+        triton = importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        triton = "-"
     return (f"machine: {cpu}, {os.cpu_count()} cpus, torch threads {torch.get_num_threads()}{gpu}\n"
             f"python {platform.python_version()}, torch {torch.__version__}, triton {triton}, "
             f"fewbit {fewbit.__version__}")
