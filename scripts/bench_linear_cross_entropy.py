@@ -21,16 +21,12 @@ Example:
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
-import os
-import platform
 import statistics
 import sys
 import time
 
 import torch
 
-import fewbit
 from fewbit.losses import linear_cross_entropy, linear_cross_entropy_reference, patch_causal_lm_
 from fewbit.memory import SavedTensorRecorder, compare
 
@@ -39,20 +35,10 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def _machine(device: torch.device) -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    gpu = f", {torch.cuda.get_device_name(device)}" if device.type == "cuda" else ""
-    try:
-        triton = importlib.metadata.version("triton")
-    except importlib.metadata.PackageNotFoundError:
-        triton = "-"
-    return (f"machine: {cpu}, {os.cpu_count()} cpus, torch threads {torch.get_num_threads()}{gpu}\n"
-            f"python {platform.python_version()}, torch {torch.__version__}, triton {triton}, "
-            f"fewbit {fewbit.__version__}")
+    """The machine and the versions (bench_quant's line), and the GPU's name on CUDA."""
+    from bench_quant import _versions  # scripts/ is sys.path[0] when this script runs
+
+    return _versions() + (f"\nGPU: {torch.cuda.get_device_name(device)}" if device.type == "cuda" else "")
 
 
 def _variants(chunk_size):
