@@ -346,8 +346,15 @@ def linear_cross_entropy(
     x = input.reshape(-1, h)
     t = target.reshape(-1)
     with torch.autocast(device_type, enabled=False):
-        loss = _LinearCrossEntropy.apply(x, weight, bias, t, int(ignore_index), reduction,
-                                         float(label_smoothing), int(chunk_size), grad_in_forward)
+        if torch.is_grad_enabled() and any(a is not None and a.requires_grad for a in (x, weight, bias)):
+            loss = _LinearCrossEntropy.apply(x, weight, bias, t, int(ignore_index), reduction,
+                                             float(label_smoothing), int(chunk_size), grad_in_forward)
+        else:  # evaluation: the loss only (autograd would still ask the Function for gradients)
+            rows, *_ = _run_chunks(x, weight, bias, t, ignore_index=int(ignore_index),
+                                   label_smoothing=float(label_smoothing), chunk_size=int(chunk_size),
+                                   row_scale=None, need=(False, False, False))
+            count = (t != ignore_index).sum().to(rows.dtype)
+            loss = _reduce(rows, count, reduction)
     return loss.reshape(target.shape) if reduction == "none" else loss
 
 

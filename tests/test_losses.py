@@ -155,12 +155,20 @@ def test_partial_requires_grad(grad_in_forward, frozen):
             assert mine.grad is None
 
 
-def test_no_grad_mode_saves_nothing():
+@pytest.mark.parametrize("grad_in_forward", [False, True])
+def test_no_grad_mode_computes_no_gradient(grad_in_forward, monkeypatch):
+    """Under torch.no_grad (evaluation) only the loss is computed: no gradient, no graph."""
+    import fewbit.losses as losses
+
+    with_grads = []
+    real = losses._run_chunks
+    monkeypatch.setattr(losses, "_run_chunks",
+                        lambda *a, **k: (with_grads.append(k["row_scale"] is not None), real(*a, **k))[1])
     x, w, b, t = _data()
     x.requires_grad_()
     with torch.no_grad():
-        loss = linear_cross_entropy(x, w, t, b, chunk_size=9)
-    assert loss.grad_fn is None
+        loss = linear_cross_entropy(x, w, t, b, chunk_size=9, grad_in_forward=grad_in_forward)
+    assert loss.grad_fn is None and with_grads == [False]
     torch.testing.assert_close(loss, linear_cross_entropy_reference(x, w, t, b).detach())
 
 
