@@ -174,10 +174,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
         need = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2])
         acc = torch.float32 if x.dtype in _HALF else x.dtype
         count = (target != ignore_index).sum().to(acc)
-        ctx.reduction, ctx.grad_in_forward = reduction, grad_in_forward
+        ctx.reduction, ctx.grad_in_forward = reduction, grad_in_forward and any(need)
         ctx.ignore_index, ctx.label_smoothing, ctx.chunk_size = ignore_index, label_smoothing, chunk_size
-        ctx.has_bias = bias is not None
-        if grad_in_forward and any(need):
+        if ctx.grad_in_forward:
             # Liger-Kernel's way: the gradients for an incoming gradient of 1, scaled in backward.
             scale = _row_scale(torch.ones((), dtype=acc, device=x.device), count, reduction, x.shape[0])
             loss, gi, gw, gb = _run_chunks(x, weight, bias, target, ignore_index=ignore_index,
@@ -197,7 +196,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         if torch.is_grad_enabled():
             raise RuntimeError(
                 "fewbit.linear_cross_entropy does not support double backward (create_graph=True); "
-                "use fewbit.linear_cross_entropy_reference for higher-order gradients")
+                "use fewbit.losses.linear_cross_entropy_reference for higher-order gradients")
         need = ctx.needs_input_grad[:3]
         if ctx.grad_in_forward:
             gi, gw, gb = ctx.saved_tensors
