@@ -39,6 +39,9 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "compress_activations": ("fewbit.quant", "compress_activations"),
     # Memory report
     "memory": ("fewbit.memory", None),
+    # Fused linear + cross-entropy for language-model heads
+    "losses": ("fewbit.losses", None),
+    "linear_cross_entropy": ("fewbit.losses", "linear_cross_entropy"),
 }
 
 __all__ = [
@@ -53,6 +56,8 @@ __all__ = [
     "quant", "compress_activations",
     # reporting
     "memory",
+    # losses
+    "losses", "linear_cross_entropy",
 ]
 
 

@@ -1,0 +1,546 @@
+"""Exact fused linear + cross-entropy for language-model heads (docs/compression.md §5).
+
+``F.cross_entropy(F.linear(input, weight, bias), target)`` materialises the ``(N, V)``
+logits and autograd keeps their log-softmax for backward: for GPT-2 (vocabulary V = 50257)
+4 x V bytes per token in float32, 49 MiB for a 256-token example. :func:`linear_cross_entropy` computes the same loss and the same gradients, exactly
+(no approximation), a chunk of tokens at a time, so that at most ``chunk_size x V`` logits
+exist at once and nothing of size ``N x V`` is saved for backward. The idea is that of
+Liger-Kernel's fused linear cross-entropy (Hsu et al., "Liger Kernel: Efficient Triton
+Kernels for LLM Training", arXiv:2410.10989, 2024) and of Cut Cross-Entropy (Wijmans et
+al., "Cut Your Losses in Large-Vocabulary Language Models", ICLR 2025); the code is ours.
+
+:func:`patch_causal_lm_` makes a Hugging Face ``*ForCausalLM`` model compute its loss this
+way when ``labels`` are passed.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fewbit._checks import check_float_tensor, check_positive_int, is_int
+
+__all__ = [
+    "linear_cross_entropy",
+    "linear_cross_entropy_reference",
+    "patch_causal_lm_",
+    "unpatch_causal_lm_",
+    "DEFAULT_CHUNK_LOGITS",
+]
+
+#: Logits per chunk when ``chunk_size`` is None: ``chunk_size = max(1, 2**24 // V)`` tokens,
+#: i.e. 64 MiB of float32 logits at a time (333 tokens for GPT-2's V = 50257).
+DEFAULT_CHUNK_LOGITS = 2**24
+
+_REDUCTIONS = ("none", "mean", "sum")
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def linear_cross_entropy_reference(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+) -> torch.Tensor:
+    """The unfused computation that :func:`linear_cross_entropy` reproduces (tests, benchmarks).
+
+    ``F.cross_entropy(F.linear(input, weight, bias).float(), target, ...)`` for float16 /
+    bfloat16 inputs (the logits upcast as torch's autocast and Hugging Face's
+    ``ForCausalLMLoss`` do), without the upcast otherwise. Saves the ``(N, V)`` float32
+    log-softmax for backward.
+    """
+    logits = F.linear(input, weight, bias)
+    if logits.dtype in _HALF:
+        logits = logits.float()
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=ignore_index,
+                           reduction=reduction, label_smoothing=label_smoothing).reshape(
+                               target.shape if reduction == "none" else ())
+
+
+def _chunks(n: int, chunk_size: int):
+    for start in range(0, n, chunk_size):
+        yield start, min(start + chunk_size, n)
+
+
+def _chunk_loss(logits: torch.Tensor, target: torch.Tensor, valid: torch.Tensor, ignore_index: int,
+                label_smoothing: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-row loss, logsumexp and safe target of one chunk of accumulation-dtype logits.
+
+    loss_i = lse_i - (1 - eps) z_{i, t_i} - (eps / V) sum_c z_{i, c}, which is torch's
+    ``(1 - eps) * nll + eps / V * sum_c (-log p_c)`` (0 on ignored rows).
+    """
+    lse = torch.logsumexp(logits, dim=-1)
+    safe = torch.where(valid, target, 0)
+    z_t = logits.gather(-1, safe.unsqueeze(-1)).squeeze(-1)
+    if label_smoothing:
+        loss = lse - (1.0 - label_smoothing) * z_t - (label_smoothing / logits.shape[-1]) * logits.sum(-1)
+    else:
+        loss = lse - z_t
+    return torch.where(valid, loss, 0.0), lse, safe
+
+
+def _run_chunks(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    target: torch.Tensor,
+    *,
+    ignore_index: int,
+    label_smoothing: float,
+    chunk_size: int,
+    row_scale: torch.Tensor | None,
+    need: tuple[bool, bool, bool],
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """Loss per row and, where ``need`` says so, the gradients, one chunk of rows at a time.
+
+    ``x`` (N, H), ``weight`` (V, H), ``bias`` (V,) or None, ``target`` (N,) int64.
+    ``row_scale`` (N,) in the accumulation dtype multiplies each row's gradient of the loss
+    wrt its logits, d loss_i / d z_i = softmax(z_i) - (1 - eps) onehot(t_i) - eps / V; it is
+    None when no gradient is wanted. ``need`` = (grad input, grad weight, grad bias).
+
+    Returns ``(loss (N,), grad_input (N, H) | None, grad_weight (V, H) | None,
+    grad_bias (V,) | None)``; the loss in the accumulation dtype (float32 for half inputs),
+    the gradients in the dtypes of ``x``, ``weight``, ``bias``.
+    """
+    n, v = x.shape[0], weight.shape[0]
+    acc = torch.float32 if x.dtype in _HALF else x.dtype
+    loss = torch.empty(n, dtype=acc, device=x.device)
+    want = row_scale is not None
+    grad_input = torch.empty_like(x) if want and need[0] else None
+    grad_weight = torch.zeros(weight.shape, dtype=acc, device=x.device) if want and need[1] else None
+    grad_bias = torch.zeros(v, dtype=acc, device=x.device) if want and need[2] and bias is not None else None
+    for start, stop in _chunks(n, chunk_size):
+        xc, tc = x[start:stop], target[start:stop]
+        valid = tc != ignore_index
+        logits = F.linear(xc, weight, bias).to(acc)  # the logits of F.linear, then upcast
+        loss_c, lse, safe = _chunk_loss(logits, tc, valid, ignore_index, label_smoothing)
+        loss[start:stop] = loss_c
+        if not want:
+            continue
+        # softmax - (1 - eps) onehot - eps / V, in place of the logits chunk.
+        g = logits.sub_(lse.unsqueeze(-1)).exp_()
+        g.scatter_add_(-1, safe.unsqueeze(-1), g.new_full((stop - start, 1), -(1.0 - label_smoothing)))
+        if label_smoothing:
+            g.sub_(label_smoothing / v)
+        g.mul_(torch.where(valid, row_scale[start:stop], 0.0).unsqueeze(-1))
+        if grad_bias is not None:
+            grad_bias += g.sum(0)
+        gm = g.to(x.dtype)  # the gradient of the logits as F.linear's backward gets it
+        if grad_input is not None:
+            grad_input[start:stop] = gm @ weight
+        if grad_weight is not None:
+            if gm.dtype == acc:
+                grad_weight.addmm_(gm.t(), xc)
+            else:  # float16/bfloat16 product, accumulated over the chunks in float32
+                grad_weight += (gm.t() @ xc).to(acc)
+    return (
+        loss,
+        grad_input,
+        None if grad_weight is None else grad_weight.to(weight.dtype),
+        None if grad_bias is None else grad_bias.to(bias.dtype),
+    )
+
+
+def _reduce(loss: torch.Tensor, count: torch.Tensor, reduction: str) -> torch.Tensor:
+    if reduction == "none":
+        return loss
+    total = loss.sum()
+    return total / count if reduction == "mean" else total
+
+
+def _row_scale(grad_output: torch.Tensor, count: torch.Tensor, reduction: str, n: int) -> torch.Tensor:
+    """d out / d loss_i for every row, times the incoming gradient ((N,), accumulation dtype)."""
+    if reduction == "none":
+        return grad_output.reshape(n)
+    scale = grad_output / count if reduction == "mean" else grad_output
+    return scale.reshape(1).expand(n)
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """Autograd of the fused loss; see :func:`linear_cross_entropy` for what is saved."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, target, ignore_index, reduction, label_smoothing, chunk_size,
+                grad_in_forward):
+        need = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2])
+        acc = torch.float32 if x.dtype in _HALF else x.dtype
+        count = (target != ignore_index).sum().to(acc)
+        ctx.reduction, ctx.grad_in_forward = reduction, grad_in_forward and any(need)
+        ctx.ignore_index, ctx.label_smoothing, ctx.chunk_size = ignore_index, label_smoothing, chunk_size
+        if ctx.grad_in_forward:
+            # Liger-Kernel's way: the gradients for an incoming gradient of 1, scaled in backward.
+            scale = _row_scale(torch.ones((), dtype=acc, device=x.device), count, reduction, x.shape[0])
+            loss, gi, gw, gb = _run_chunks(x, weight, bias, target, ignore_index=ignore_index,
+                                           label_smoothing=label_smoothing, chunk_size=chunk_size,
+                                           row_scale=scale, need=need)
+            ctx.save_for_backward(gi, gw, gb)
+        else:
+            # Cut Cross-Entropy's way: keep the inputs, recompute each chunk's logits in backward.
+            loss, *_ = _run_chunks(x, weight, bias, target, ignore_index=ignore_index,
+                                   label_smoothing=label_smoothing, chunk_size=chunk_size, row_scale=None,
+                                   need=need)
+            ctx.save_for_backward(x, weight, bias, target, count)
+        return _reduce(loss, count, reduction)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                "fewbit.linear_cross_entropy does not support double backward (create_graph=True); "
+                "use fewbit.losses.linear_cross_entropy_reference for higher-order gradients")
+        need = ctx.needs_input_grad[:3]
+        if ctx.grad_in_forward:
+            gi, gw, gb = ctx.saved_tensors
+            out = [None if g is None or not nd else g * grad_output.to(g.dtype) for g, nd in zip((gi, gw, gb), need)]
+        else:
+            x, weight, bias, target, count = ctx.saved_tensors
+            scale = _row_scale(grad_output.to(count.dtype), count, ctx.reduction, x.shape[0])
+            _, gi, gw, gb = _run_chunks(x, weight, bias, target, ignore_index=ctx.ignore_index,
+                                        label_smoothing=ctx.label_smoothing, chunk_size=ctx.chunk_size,
+                                        row_scale=scale, need=need)
+            out = [gi, gw, gb]
+        return (*out, None, None, None, None, None, None)
+
+
+def _check_args(input, weight, target, bias, ignore_index, reduction, label_smoothing, chunk_size,
+                grad_in_forward) -> None:
+    check_float_tensor(input, "input")
+    check_float_tensor(weight, "weight")
+    if input.dim() < 1:
+        raise ValueError(f"input must have shape (..., H) with at least 1 dimension, got shape {tuple(input.shape)}")
+    if weight.dim() != 2 or weight.shape[1] != input.shape[-1]:
+        raise ValueError(f"weight must have shape (V, H) with H = input.shape[-1] = {input.shape[-1]}, "
+                         f"got shape {tuple(weight.shape)}")
+    if weight.shape[0] < 1:
+        raise ValueError(f"weight must have V >= 1 rows (classes), got shape {tuple(weight.shape)}")
+    if weight.dtype != input.dtype:
+        raise ValueError(f"weight must have the dtype of input ({input.dtype}), got {weight.dtype}")
+    if bias is not None:
+        check_float_tensor(bias, "bias")
+        if bias.shape != (weight.shape[0],) or bias.dtype != input.dtype:
+            raise ValueError(f"bias must have shape (V,) = ({weight.shape[0]},) and dtype {input.dtype}, "
+                             f"got shape {tuple(bias.shape)} and dtype {bias.dtype}")
+    if not isinstance(target, torch.Tensor) or target.dtype != torch.int64:
+        what = f"dtype {target.dtype}" if isinstance(target, torch.Tensor) else type(target).__name__
+        raise ValueError(f"target must be an int64 tensor of class indices, got {what}")
+    if target.shape != input.shape[:-1]:
+        raise ValueError(f"target must have shape input.shape[:-1] = {tuple(input.shape[:-1])}, "
+                         f"got {tuple(target.shape)}")
+    if not is_int(ignore_index):
+        raise ValueError(f"ignore_index must be an integer, got {ignore_index!r}")
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+    if (isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float))
+            or not 0.0 <= label_smoothing <= 1.0):
+        raise ValueError(f"label_smoothing must be a float in [0.0, 1.0], got {label_smoothing!r}")
+    if chunk_size is not None:
+        check_positive_int(chunk_size, "chunk_size")
+    if not isinstance(grad_in_forward, bool):
+        raise ValueError(f"grad_in_forward must be True or False, got {grad_in_forward!r}")
+    if grad_in_forward and reduction == "none":
+        raise ValueError("grad_in_forward=True needs reduction 'mean' or 'sum' (the per-token incoming "
+                         "gradient of reduction='none' is known only in backward), got reduction='none'")
+    v = weight.shape[0]
+    bad = (target != ignore_index) & ((target < 0) | (target >= v))
+    if bad.any():
+        raise ValueError(f"target must be in [0, {v - 1}] or ignore_index ({ignore_index}), "
+                         f"got {int(target[bad].reshape(-1)[0])}")
+
+
+def linear_cross_entropy(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    chunk_size: int | None = None,
+    grad_in_forward: bool = False,
+) -> torch.Tensor:
+    """``F.cross_entropy(F.linear(input, weight, bias), target)`` without materialising the logits.
+
+    Exact: the loss and the gradients are those of the unfused computation up to
+    floating-point summation order (docs/compression.md §5). The tokens are processed
+    ``chunk_size`` at a time; per chunk the logits z = x Wᵀ + b are computed in ``input``'s
+    dtype (as ``F.linear`` does), upcast to float32 for float16/bfloat16 (as torch's
+    autocast does for ``cross_entropy``), and reduced to the logsumexp and the loss. The
+    gradient wrt the logits of row i is ``s_i (softmax(z_i) - (1 - eps) onehot(t_i) - eps / V)``
+    (s_i: 1/n for ``"mean"`` over the n non-ignored rows, 1 for ``"sum"``, the incoming
+    gradient for ``"none"``; 0 for ignored rows), so grad input = G W, grad weight = Gᵀ x,
+    grad bias = Σ_i G_i, accumulated chunk by chunk.
+
+    Memory kept for backward (N tokens, H features, V classes, b bytes per element):
+
+    - torch (unfused): the log-softmax, N·V·4 bytes (float32, also for float16/bfloat16
+      logits upcast for the loss), plus ``input`` (N·H·b);
+    - ``grad_in_forward=False`` (default, the Cut Cross-Entropy way): ``input`` (N·H·b, a
+      view of the caller's tensor, often saved by the layer before anyway), ``target``
+      (8·N) and ``weight``/``bias`` (parameters, held anyway); backward recomputes each
+      chunk's logits: one extra N·V·H matmul;
+    - ``grad_in_forward=True`` (the Liger-Kernel way): the gradients, computed in forward
+      for an incoming gradient of 1 and scaled in backward: grad input (N·H·b), grad weight
+      (V·H·b) and grad bias (V·b) where they are needed; no extra matmul. In float32 smaller
+      than torch's only when N > H tokens (768 for GPT-2).
+
+    At most ``chunk_size`` x V logits (and their gradient, in place) exist at once.
+
+    Args:
+        input: (..., H) floating tensor (float16, bfloat16, float32, float64).
+        weight: (V, H), ``input``'s dtype.
+        target: ``input.shape[:-1]``, int64 class indices in [0, V) or ``ignore_index``.
+        bias: (V,) or None, ``input``'s dtype.
+        ignore_index: target value that contributes neither loss nor gradient; ``"mean"``
+            averages over the other tokens (all ignored: NaN, as torch).
+        reduction: ``"mean"``, ``"sum"`` or ``"none"`` (loss of shape ``target.shape``,
+            0 at ignored tokens).
+        label_smoothing: eps in [0, 1]: torch's ``(1 - eps) * nll + eps * mean_c(-log p_c)``.
+        chunk_size: tokens per chunk (>= 1); None: ``max(1, 2**24 // V)``
+            (:data:`DEFAULT_CHUNK_LOGITS` logits per chunk).
+        grad_in_forward: compute the gradients in forward (see above); needs ``reduction``
+            ``"mean"`` or ``"sum"``.
+
+    Returns:
+        The loss: a scalar, or ``target.shape`` for ``"none"``; float32 for float16/bfloat16
+        inputs, else ``input``'s dtype.
+
+    Raises:
+        TypeError: ``input``, ``weight`` or ``bias`` is not a floating tensor.
+        ValueError: a shape, dtype or value out of range (the message names the argument),
+            including target values outside [0, V) other than ``ignore_index``.
+        RuntimeError: in a double backward (``create_graph=True``).
+
+    Under ``torch.autocast``, ``input``, ``weight`` and ``bias`` are cast to the autocast
+    dtype first, as ``F.linear`` would be.
+
+    Example:
+        >>> import torch, fewbit
+        >>> x = torch.randn(6, 16, requires_grad=True); w = torch.randn(100, 16, requires_grad=True)
+        >>> t = torch.tensor([3, 7, -100, 0, 99, 5])
+        >>> loss = fewbit.linear_cross_entropy(x, w, t, chunk_size=4)
+        >>> ref = torch.nn.functional.cross_entropy(x @ w.T, t)
+        >>> bool(torch.allclose(loss, ref))
+        True
+    """
+    device_type = input.device.type if isinstance(input, torch.Tensor) else "cpu"
+    if torch.is_autocast_enabled(device_type) and isinstance(input, torch.Tensor):
+        dtype = torch.get_autocast_dtype(device_type)
+        input, weight = input.to(dtype), weight.to(dtype) if isinstance(weight, torch.Tensor) else weight
+        bias = bias.to(dtype) if isinstance(bias, torch.Tensor) else bias
+    _check_args(input, weight, target, bias, ignore_index, reduction, label_smoothing, chunk_size,
+                grad_in_forward)
+    v, h = weight.shape
+    if chunk_size is None:
+        chunk_size = max(1, DEFAULT_CHUNK_LOGITS // v)
+    x = input.reshape(-1, h)
+    t = target.reshape(-1)
+    with torch.autocast(device_type, enabled=False):
+        if torch.is_grad_enabled() and any(a is not None and a.requires_grad for a in (x, weight, bias)):
+            loss = _LinearCrossEntropy.apply(x, weight, bias, t, int(ignore_index), reduction,
+                                             float(label_smoothing), int(chunk_size), grad_in_forward)
+        else:  # evaluation: the loss only (autograd would still ask the Function for gradients)
+            rows, *_ = _run_chunks(x, weight, bias, t, ignore_index=int(ignore_index),
+                                   label_smoothing=float(label_smoothing), chunk_size=int(chunk_size),
+                                   row_scale=None, need=(False, False, False))
+            count = (t != ignore_index).sum().to(rows.dtype)
+            loss = _reduce(rows, count, reduction)
+    return loss.reshape(target.shape) if reduction == "none" else loss
+
+
+# ---------------------------------------------------------------------------------------
+# Hugging Face *ForCausalLM models
+# ---------------------------------------------------------------------------------------
+
+_PATCH_ATTR = "_fewbit_fused_cross_entropy"
+
+
+@dataclass
+class _Patch:
+    head: nn.Linear
+    chunk_size: int | None
+    grad_in_forward: bool
+    fallback: Any  # the model's loss function before patching
+    had_loss_function: bool
+    previous_loss_function: Any
+    handles: list = field(default_factory=list)
+    active: list = field(default_factory=list)  # per running forward: labels given?
+    hidden: torch.Tensor | None = None  # what lm_head returned instead of the logits
+
+
+def _causal_lm_fused_loss(patch: _Patch, hidden: torch.Tensor, labels: torch.Tensor, vocab_size: int,
+                          num_items_in_batch: Any = None, ignore_index: int = -100,
+                          shift_labels: torch.Tensor | None = None) -> torch.Tensor:
+    """Hugging Face's ``ForCausalLMLoss`` on the hidden states (same shift, mean and sum)."""
+    weight, bias = patch.head.weight, patch.head.bias
+    if weight.shape[0] != vocab_size:
+        raise ValueError(f"vocab_size ({vocab_size}) must equal the rows of the output embedding "
+                         f"weight ({weight.shape[0]})")
+    if shift_labels is None:
+        labels = F.pad(labels, (0, 1), value=ignore_index)
+        shift_labels = labels[..., 1:]
+    reduction = "sum" if num_items_in_batch is not None else "mean"
+    loss = linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), weight,
+                                shift_labels.reshape(-1).to(hidden.device), bias,
+                                ignore_index=ignore_index, reduction=reduction, chunk_size=patch.chunk_size,
+                                grad_in_forward=patch.grad_in_forward)
+    if reduction == "sum":
+        if torch.is_tensor(num_items_in_batch):
+            num_items_in_batch = num_items_in_batch.to(loss.device)
+        loss = loss / num_items_in_batch
+    return loss
+
+
+def patch_causal_lm_(model: nn.Module, *, chunk_size: int | None = None, grad_in_forward: bool = False) -> nn.Module:
+    """Make a Hugging Face ``*ForCausalLM`` model compute its loss with :func:`linear_cross_entropy`.
+
+    In place. When ``labels`` are passed to ``model(...)``, the output embedding
+    (``model.get_output_embeddings()``, the ``lm_head``) returns its input instead of the
+    logits, and the model's ``loss_function`` (transformers' documented setter) computes
+    Hugging Face's causal-LM loss from it with the fused, chunked loss: labels shifted by one
+    (or ``shift_labels`` if given), ``ignore_index`` (-100) ignored, the mean over the other
+    tokens, or the sum divided by ``num_items_in_batch`` when the Trainer passes it. The
+    output's ``logits`` is then None (with ``return_dict=False`` it is left out of the tuple,
+    as None fields are). Without ``labels`` the model computes and returns its logits as
+    before. The saved ``(tokens, vocab)`` log-softmax disappears from the memory kept
+    for backward (docs/compression.md §5).
+
+    transformers has no hook between the hidden states and the ``lm_head``, so the head's
+    ``forward`` is replaced on the instance (the module, its weight and the weight tying are
+    unchanged); :func:`unpatch_causal_lm_` restores it. Models that transform the logits
+    between the head and the loss (Gemma 2's ``final_logit_softcapping``, Cohere's
+    ``logit_scale``) are refused: the fused loss would be wrong for them.
+
+    Args:
+        model: a transformers ``PreTrainedModel`` whose forward computes
+            ``self.loss_function(logits, labels, vocab_size, **kwargs)`` from
+            ``self.lm_head(hidden_states)`` (GPT-2, Llama, Mistral, Qwen2, ...).
+        chunk_size: tokens per chunk, as in :func:`linear_cross_entropy`.
+        grad_in_forward: as in :func:`linear_cross_entropy`.
+
+    Returns:
+        ``model``.
+
+    Raises:
+        ValueError: ``model`` is not such a model, is already patched, or transforms its
+            logits; ``chunk_size`` or ``grad_in_forward`` is invalid.
+        RuntimeError: at a forward with labels, if the model's loss function was given
+            something other than the head's output.
+
+    Example:
+        >>> import torch, transformers, fewbit
+        >>> cfg = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50, n_positions=16)
+        >>> model = fewbit.losses.patch_causal_lm_(transformers.GPT2LMHeadModel(cfg))
+        >>> out = model(torch.randint(0, 50, (2, 8)), labels=torch.randint(0, 50, (2, 8)))
+        >>> out.logits is None, out.loss.shape
+        (True, torch.Size([]))
+    """
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model must be a transformers *ForCausalLM model, got {type(model).__name__}")
+    if hasattr(model, _PATCH_ATTR):
+        raise ValueError(f"model ({type(model).__name__}) is already patched; call unpatch_causal_lm_ first")
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    if not isinstance(head, nn.Linear) or not hasattr(model, "loss_function") or not hasattr(model, "config"):
+        raise ValueError(f"model must be a transformers *ForCausalLM model with a Linear output embedding "
+                         f"and a loss_function, got {type(model).__name__}")
+    config = model.config
+    for name in ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale"):
+        value = getattr(config, name, None)
+        if value not in (None, 1, 1.0):
+            raise ValueError(f"model ({type(model).__name__}) transforms its logits before the loss "
+                             f"(config.{name} = {value!r}); the fused loss would not match it")
+    if chunk_size is not None:
+        check_positive_int(chunk_size, "chunk_size")
+    if not isinstance(grad_in_forward, bool):
+        raise ValueError(f"grad_in_forward must be True or False, got {grad_in_forward!r}")
+    try:
+        signature = inspect.signature(type(model).forward)
+    except (TypeError, ValueError):
+        signature = None
+    if signature is None or "labels" not in signature.parameters:
+        raise ValueError(f"model ({type(model).__name__}).forward takes no 'labels' argument")
+
+    had = "_loss_function" in vars(model)
+    patch = _Patch(head=head, chunk_size=chunk_size, grad_in_forward=grad_in_forward,
+                   fallback=model.loss_function, had_loss_function=had,
+                   previous_loss_function=vars(model).get("_loss_function"))
+    head_forward = type(head).forward
+
+    def forward(hidden_states: torch.Tensor) -> torch.Tensor:
+        if patch.active and patch.active[-1]:
+            patch.hidden = hidden_states
+            return hidden_states
+        return head_forward(head, hidden_states)
+
+    def loss_function(logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100,
+                      shift_labels=None, **kwargs):
+        if patch.active and patch.active[-1]:
+            if logits is None or logits is not patch.hidden:
+                raise RuntimeError(
+                    f"{type(model).__name__}'s loss function did not get the output of its lm_head "
+                    "unchanged, so the fused cross-entropy cannot compute it; call "
+                    "fewbit.losses.unpatch_causal_lm_(model)")
+            return _causal_lm_fused_loss(patch, logits, labels, vocab_size, num_items_in_batch,
+                                         ignore_index, shift_labels)
+        return patch.fallback(logits, labels, vocab_size, num_items_in_batch=num_items_in_batch,
+                              ignore_index=ignore_index, shift_labels=shift_labels, **kwargs)
+
+    def pre_hook(module, args, kwargs):
+        try:
+            labels = signature.bind_partial(module, *args, **kwargs).arguments.get("labels")
+        except TypeError:
+            labels = kwargs.get("labels")
+        patch.active.append(labels is not None)
+
+    def post_hook(module, args, kwargs, output):
+        if not patch.active:
+            return None
+        active = patch.active.pop()
+        hidden, patch.hidden = patch.hidden, None
+        if not active or hidden is None:
+            return None
+        if isinstance(output, tuple):
+            return tuple(o for o in output if o is not hidden)
+        if getattr(output, "logits", None) is hidden:
+            return type(output)(**{k: v for k, v in output.items() if k != "logits"})
+        return None
+
+    head.forward = forward
+    model.loss_function = loss_function
+    patch.handles = [
+        model.register_forward_pre_hook(pre_hook, with_kwargs=True),
+        model.register_forward_hook(post_hook, with_kwargs=True, always_call=True),
+    ]
+    setattr(model, _PATCH_ATTR, patch)
+    return model
+
+
+def unpatch_causal_lm_(model: nn.Module) -> nn.Module:
+    """Undo :func:`patch_causal_lm_` in place: the head's forward, the loss function, the hooks.
+
+    Raises:
+        ValueError: ``model`` was not patched.
+    """
+    patch = getattr(model, _PATCH_ATTR, None)
+    if patch is None:
+        raise ValueError(f"model ({type(model).__name__}) is not patched by fewbit.losses.patch_causal_lm_")
+    for handle in patch.handles:
+        handle.remove()
+    if "forward" in vars(patch.head):
+        del patch.head.forward
+    if patch.had_loss_function:
+        model._loss_function = patch.previous_loss_function
+    else:
+        del model._loss_function
+    delattr(model, _PATCH_ATTR)
+    return model

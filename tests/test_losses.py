@@ -1,0 +1,465 @@
+"""fewbit.losses: the fused linear + cross-entropy against F.cross_entropy(F.linear(...)).
+
+Tolerances by dtype: float64 and float32 against the same-dtype torch computation
+(float64 to 1e-12, float32 to 1e-5 relative to the largest value compared); float16 and
+bfloat16 against the float64 truth, with an error at most twice torch's own same-dtype
+error plus one epsilon of the dtype times the largest value (flash-attention's rule).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fewbit
+from fewbit.losses import (
+    DEFAULT_CHUNK_LOGITS,
+    linear_cross_entropy,
+    linear_cross_entropy_reference,
+    patch_causal_lm_,
+    unpatch_causal_lm_,
+)
+
+N, H, V = 37, 24, 101  # N not a multiple of the chunk sizes below but of none; V odd
+CLOSE = {torch.float64: 1e-12, torch.float32: 1e-5}
+
+
+def _data(dtype=torch.float64, n=N, h=H, v=V, bias=True, ignored=(2, 5, 30), shape=None):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(n, h, generator=g, dtype=torch.float64)
+    w = torch.randn(v, h, generator=g, dtype=torch.float64) * 0.3
+    b = torch.randn(v, generator=g, dtype=torch.float64) if bias else None
+    t = torch.randint(0, v, (n,), generator=g)
+    for i in ignored:
+        if i < n:
+            t[i] = -100
+    if shape is not None:
+        x, t = x.reshape(*shape, h), t.reshape(shape)
+    return x, w, b, t
+
+
+def _run(fn, x, w, b, t, dtype, grad_output=None):
+    """Loss and gradients (input, weight, bias) of ``fn(x, w, t, b)`` in ``dtype``, as float64."""
+    leaves = [None if a is None else a.detach().to(dtype).clone().requires_grad_() for a in (x, w, b)]
+    loss = fn(leaves[0], leaves[1], t, leaves[2])
+    go = torch.ones_like(loss) if grad_output is None else grad_output.to(loss.dtype)
+    loss.backward(go)
+    return [loss.detach().double()] + [None if a is None else a.grad.double() for a in leaves]
+
+
+def _assert_close(mine, ref, dtype, what=("loss", "grad input", "grad weight", "grad bias")):
+    for name, m, r in zip(what, mine, ref):
+        if r is None:
+            assert m is None, name
+            continue
+        scale = max(r.abs().max().item(), 1e-30) if r.numel() else 1.0
+        err = (m - r).abs().max().item() if r.numel() else 0.0
+        assert err <= CLOSE[dtype] * scale, f"{name}: max error {err:.3g} > {CLOSE[dtype]:.0e} x {scale:.3g}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("reduction, grad_in_forward",  # "none" with grad_in_forward: test_bad_arguments
+                         [("mean", False), ("sum", False), ("none", False), ("mean", True), ("sum", True)])
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
+@pytest.mark.parametrize("chunk_size", [1, 8, 37, 64, None])
+def test_matches_torch(dtype, reduction, label_smoothing, grad_in_forward, chunk_size):
+    x, w, b, t = _data()
+    go = torch.randn(N, generator=torch.Generator().manual_seed(2)) if reduction == "none" else torch.tensor(1.7)
+    kw = dict(reduction=reduction, label_smoothing=label_smoothing)
+    mine = _run(lambda *a: linear_cross_entropy(*a, chunk_size=chunk_size, grad_in_forward=grad_in_forward, **kw),
+                x, w, b, t, dtype, go)
+    ref = _run(lambda *a: linear_cross_entropy_reference(*a, **kw), x, w, b, t, dtype, go)
+    _assert_close(mine, ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("grad_in_forward", [False, True])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_half_precision(dtype, grad_in_forward, reduction):
+    """Error to the float64 truth <= 2 x torch's same-dtype error + eps(dtype) x max |truth|."""
+    x, w, b, t = _data()
+    kw = dict(reduction=reduction, label_smoothing=0.05)
+    truth = _run(lambda *a: linear_cross_entropy_reference(*a, **kw), x, w, b, t, torch.float64)
+    mine = _run(lambda *a: linear_cross_entropy(*a, chunk_size=10, grad_in_forward=grad_in_forward, **kw),
+                x, w, b, t, dtype)
+    torch_half = _run(lambda *a: linear_cross_entropy_reference(*a, **kw), x, w, b, t, dtype)
+    eps = torch.finfo(dtype).eps
+    for name, m, h, r in zip(("loss", "grad input", "grad weight", "grad bias"), mine, torch_half, truth):
+        err, torch_err = (m - r).abs().max().item(), (h - r).abs().max().item()
+        bound = 2 * torch_err + eps * r.abs().max().item()
+        assert err <= bound, f"{name}: error {err:.3g} > 2 x {torch_err:.3g} + eps x max"
+
+
+def test_loss_dtype_and_shape():
+    x, w, b, t = _data(shape=(4, 9), n=36)
+    for dtype, expected in ((torch.bfloat16, torch.float32), (torch.float16, torch.float32),
+                            (torch.float32, torch.float32), (torch.float64, torch.float64)):
+        loss = linear_cross_entropy(x.to(dtype), w.to(dtype), t, b.to(dtype), reduction="none")
+        assert loss.dtype == expected and loss.shape == (4, 9)
+        assert (loss[t == -100] == 0).all()
+    assert linear_cross_entropy(x, w, t, b).shape == ()
+
+
+def test_unbatched_and_nd_input():
+    x, w, b, t = _data(shape=(3, 12), n=36)
+    for reduction in ("mean", "none"):
+        ref = F.cross_entropy(F.linear(x, w, b).permute(0, 2, 1), t, reduction=reduction)
+        torch.testing.assert_close(linear_cross_entropy(x, w, t, b, reduction=reduction, chunk_size=5), ref)
+    one = linear_cross_entropy(x[0, 0], w, t[0, 0], b, reduction="none")
+    torch.testing.assert_close(one, F.cross_entropy(F.linear(x[0, 0], w, b), t[0, 0], reduction="none"))
+
+
+def test_non_contiguous_input():
+    x, w, b, t = _data(n=36)
+    xt = x.reshape(6, 6, H).transpose(0, 1)  # a non-contiguous view
+    tt = t.reshape(6, 6).t()
+    mine = _run(lambda *a: linear_cross_entropy(*a, chunk_size=7), xt, w, b, tt, torch.float64)
+    ref = _run(linear_cross_entropy_reference, xt, w, b, tt, torch.float64)
+    _assert_close(mine, ref, torch.float64)
+
+
+@pytest.mark.parametrize("grad_in_forward", [False, True])
+def test_all_ignored_and_empty(grad_in_forward):
+    x, w, b, t = _data(n=5, ignored=range(5))
+    for reduction in ("mean", "sum"):
+        mine = _run(lambda *a: linear_cross_entropy(*a, reduction=reduction, grad_in_forward=grad_in_forward),
+                    x, w, b, t, torch.float64)
+        ref = _run(lambda *a: linear_cross_entropy_reference(*a, reduction=reduction), x, w, b, t, torch.float64)
+        for m, r in zip(mine, ref):
+            torch.testing.assert_close(m, r, equal_nan=True, rtol=0, atol=0)
+        assert mine[0].isnan().item() == (reduction == "mean")
+    x, w, b, t = _data(n=0)
+    for reduction in ("mean", "sum", "none"):
+        ref = linear_cross_entropy_reference(x, w, t, b, reduction=reduction)
+        got = linear_cross_entropy(x, w, t, b, reduction=reduction)
+        torch.testing.assert_close(got, ref, equal_nan=True)
+
+
+@pytest.mark.parametrize("grad_in_forward", [False, True])
+@pytest.mark.parametrize("frozen", ["input", "weight", "bias", "weight+bias", "no bias"])
+def test_partial_requires_grad(grad_in_forward, frozen):
+    x, w, b, t = _data()
+    x, w = x.clone().requires_grad_("input" not in frozen), w.clone().requires_grad_("weight" not in frozen)
+    b = None if frozen == "no bias" else b.clone().requires_grad_("bias" not in frozen)
+    linear_cross_entropy(x, w, t, b, chunk_size=9, grad_in_forward=grad_in_forward).backward()
+    xr, wr = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    br = None if b is None else b.detach().clone().requires_grad_()
+    linear_cross_entropy_reference(xr, wr, t, br).backward()
+    for mine, ref in ((x, xr), (w, wr), (b, br)):
+        if mine is None:
+            continue
+        if mine.requires_grad:
+            torch.testing.assert_close(mine.grad, ref.grad, rtol=1e-12, atol=1e-12)
+        else:
+            assert mine.grad is None
+
+
+@pytest.mark.parametrize("grad_in_forward", [False, True])
+def test_no_grad_mode_computes_no_gradient(grad_in_forward, monkeypatch):
+    """Under torch.no_grad (evaluation) only the loss is computed: no gradient, no graph."""
+    import fewbit.losses as losses
+
+    with_grads = []
+    real = losses._run_chunks
+    monkeypatch.setattr(losses, "_run_chunks",
+                        lambda *a, **k: (with_grads.append(k["row_scale"] is not None), real(*a, **k))[1])
+    x, w, b, t = _data()
+    x.requires_grad_()
+    with torch.no_grad():
+        loss = linear_cross_entropy(x, w, t, b, chunk_size=9, grad_in_forward=grad_in_forward)
+    assert loss.grad_fn is None and with_grads == [False]
+    torch.testing.assert_close(loss, linear_cross_entropy_reference(x, w, t, b).detach())
+
+
+def _saved_bytes(fn) -> tuple[int, int]:
+    """(total bytes, largest numel) of the tensors saved for backward by ``fn()``, by storage."""
+    seen, largest = {}, 0
+
+    def pack(t):
+        nonlocal largest
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        largest = max(largest, t.numel())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = fn()
+    loss.backward()
+    return sum(seen.values()), largest
+
+
+def test_saved_tensors_no_logits():
+    """Nothing of size N x V is saved; the bytes are those stated in the docstring."""
+    n, h, v = 64, 16, 1000
+    x, w, b, t = _data(torch.float32, n=n, h=h, v=v)
+    x, w, b = (a.float().requires_grad_() for a in (x, w, b))
+    ref_bytes, ref_largest = _saved_bytes(lambda: linear_cross_entropy_reference(x, w, t, b))
+    assert ref_largest == n * v and ref_bytes >= n * v * 4  # the log-softmax (float32: also the logits)
+    params = w.untyped_storage().nbytes() + b.untyped_storage().nbytes()
+    rec_bytes, rec_largest = _saved_bytes(lambda: linear_cross_entropy(x, w, t, b, chunk_size=16))
+    assert rec_largest < n * v
+    assert rec_bytes == params + n * h * 4 + n * 8 + 4  # input, target, the token count
+    fwd_bytes, fwd_largest = _saved_bytes(lambda: linear_cross_entropy(x, w, t, b, chunk_size=16,
+                                                                       grad_in_forward=True))
+    assert fwd_largest < n * v
+    assert fwd_bytes == n * h * 4 + v * h * 4 + v * 4  # grad input, grad weight, grad bias
+
+
+def test_double_backward_raises():
+    x, w, b, t = _data()
+    x.requires_grad_()
+    loss = linear_cross_entropy(x, w, t, b)
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(loss, x, create_graph=True)
+
+
+@pytest.mark.parametrize(
+    "change, exc, match",
+    [
+        (dict(input=torch.zeros(3, 5, dtype=torch.int64)), TypeError, "input must be a floating"),
+        (dict(weight=torch.zeros(V, H + 1)), ValueError, r"weight must have shape \(V, H\) with H = input"),
+        (dict(weight=torch.zeros(V, H, dtype=torch.float32)), ValueError, "weight must have the dtype of input"),
+        (dict(bias=torch.zeros(V + 1, dtype=torch.float64)), ValueError, r"bias must have shape \(V,\)"),
+        (dict(target=torch.zeros(N, dtype=torch.int32)), ValueError, "target must be an int64 tensor"),
+        (dict(target=torch.zeros(N, V)), ValueError, "target must be an int64 tensor"),
+        (dict(target=torch.zeros(N + 1, dtype=torch.int64)), ValueError, r"target must have shape input.shape\[:-1\]"),
+        (dict(target=torch.full((N,), V)), ValueError, rf"target must be in \[0, {V - 1}\] or ignore_index .*got {V}"),
+        (dict(target=torch.full((N,), -1)), ValueError, r"target must be in .*got -1"),
+        (dict(reduction="avg"), ValueError, "reduction must be one of"),
+        (dict(label_smoothing=1.5), ValueError, r"label_smoothing must be a float in \[0.0, 1.0\], got 1.5"),
+        (dict(label_smoothing=-0.1), ValueError, "label_smoothing must be"),
+        (dict(chunk_size=0), ValueError, "chunk_size must be an integer >= 1, got 0"),
+        (dict(chunk_size=2.0), ValueError, "chunk_size must be an integer >= 1, got 2.0"),
+        (dict(ignore_index=1.5), ValueError, "ignore_index must be an integer"),
+        (dict(grad_in_forward=1), ValueError, "grad_in_forward must be True or False"),
+        (dict(grad_in_forward=True, reduction="none"), ValueError, "grad_in_forward=True needs reduction"),
+    ],
+)
+def test_bad_arguments(change, exc, match):
+    x, w, b, t = _data()
+    args = dict(input=x, weight=w, target=t, bias=b)
+    args.update(change)
+    with pytest.raises(exc, match=match):
+        linear_cross_entropy(**args)
+
+
+def test_autocast_casts_like_linear():
+    x, w, b, t = _data(torch.float32)
+    x, w, b = (a.float().requires_grad_() for a in (x, w, b))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        mine = linear_cross_entropy(x, w, t, b, chunk_size=10)
+        ref = F.cross_entropy(F.linear(x, w, b), t)
+    assert mine.dtype == ref.dtype == torch.float32
+    gm = torch.autograd.grad(mine, (x, w, b))
+    gr = torch.autograd.grad(ref, (x, w, b))
+    torch.testing.assert_close(mine, ref, rtol=1e-5, atol=1e-5)
+    for a, r in zip(gm, gr):
+        assert a.dtype == r.dtype == torch.float32
+        torch.testing.assert_close(a, r, rtol=2e-2, atol=2e-3)
+
+
+@pytest.mark.slow
+def test_torch_compile():
+    x, w, b, t = _data(torch.float32)
+    x, w, b = (a.float().requires_grad_() for a in (x, w, b))
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda *a: linear_cross_entropy(*a, chunk_size=10), backend="aot_eager")
+    loss = compiled(x, w, t, b)
+    grads = torch.autograd.grad(loss, (x, w, b))
+    ref = linear_cross_entropy_reference(x, w, t, b)
+    ref_grads = torch.autograd.grad(ref, (x, w, b))
+    torch.testing.assert_close(loss, ref)
+    for a, r in zip(grads, ref_grads):
+        torch.testing.assert_close(a, r)
+
+
+def test_default_chunk_size(monkeypatch):
+    """chunk_size=None: DEFAULT_CHUNK_LOGITS // V tokens per chunk (at least 1)."""
+    import fewbit.losses as losses
+
+    assert DEFAULT_CHUNK_LOGITS == 2**24
+    used = []
+    real = losses._chunks
+    monkeypatch.setattr(losses, "_chunks", lambda n, c: (used.append(c), real(n, c))[1])
+    monkeypatch.setattr(losses, "DEFAULT_CHUNK_LOGITS", 5 * V + 3)
+    x, w, b, t = _data()
+    x.requires_grad_()
+    loss = linear_cross_entropy(x, w, t, b)
+    loss.backward()
+    assert used == [5, 5]  # forward and the recomputing backward
+    torch.testing.assert_close(loss, linear_cross_entropy_reference(x, w, t, b), rtol=1e-12, atol=1e-12)
+    monkeypatch.setattr(losses, "DEFAULT_CHUNK_LOGITS", V - 1)
+    linear_cross_entropy(x, w, t, b)
+    assert used[-1] == 1
+
+
+def test_exported():
+    assert fewbit.linear_cross_entropy is linear_cross_entropy
+    assert "linear_cross_entropy" in fewbit.__all__
+
+
+@pytest.mark.parametrize("grad_in_forward", [False, True])
+def test_tiny_lm_training_matches_unfused(grad_in_forward):
+    """20 Adam steps of a tiny LM: the loss curve equals the unfused one (float32)."""
+
+    def train(fused: bool) -> list[float]:
+        torch.manual_seed(0)
+        emb, mlp = torch.nn.Embedding(50, 16), torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(),
+                                                                    torch.nn.Linear(32, 16))
+        head = torch.nn.Linear(16, 50)
+        params = [*emb.parameters(), *mlp.parameters(), *head.parameters()]
+        opt = torch.optim.Adam(params, lr=1e-2)
+        data = torch.randint(0, 50, (8, 17), generator=torch.Generator().manual_seed(3))
+        losses = []
+        for _ in range(20):
+            h = mlp(emb(data[:, :-1]))
+            target = data[:, 1:]
+            if fused:
+                loss = linear_cross_entropy(h, head.weight, target, head.bias, chunk_size=24,
+                                            grad_in_forward=grad_in_forward)
+            else:
+                loss = F.cross_entropy(head(h).reshape(-1, 50), target.reshape(-1))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        return losses
+
+    fused, unfused = train(True), train(False)
+    assert unfused[-1] < unfused[0] - 0.3  # it learns
+    torch.testing.assert_close(torch.tensor(fused), torch.tensor(unfused), rtol=1e-4, atol=1e-4)
+
+
+# --------------------------------------------------------------------------------------
+# Hugging Face models
+# --------------------------------------------------------------------------------------
+
+transformers = pytest.importorskip("transformers")
+
+
+def _gpt2():
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=97, n_positions=32,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def _llama():
+    cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=97, max_position_embeddings=32,
+                                   bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def _step(model, **inputs):
+    model.zero_grad()
+    out = model(**inputs)
+    out.loss.backward()
+    return out, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("factory", [_gpt2, _llama], ids=["gpt2", "llama"])
+@pytest.mark.parametrize("kwargs", [{}, {"num_items_in_batch": 11}], ids=["mean", "num_items_in_batch"])
+def test_patch_causal_lm_matches_unpatched(factory, kwargs):
+    torch.manual_seed(0)
+    model = factory()
+    ids = torch.randint(0, 97, (2, 10))
+    labels = ids.clone()
+    labels[0, :3] = -100
+    ref, ref_grads = _step(model, input_ids=ids, labels=labels, **kwargs)
+    assert patch_causal_lm_(model, chunk_size=7) is model
+    out, grads = _step(model, input_ids=ids, labels=labels, **kwargs)
+    assert out.logits is None
+    torch.testing.assert_close(out.loss, ref.loss, rtol=1e-6, atol=1e-6)
+    assert grads.keys() == ref_grads.keys()
+    for name in grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-5, atol=1e-6, msg=name)
+    # tuples leave the logits out, as transformers leaves out None fields
+    tup = model(input_ids=ids, labels=labels, return_dict=False, **kwargs)
+    torch.testing.assert_close(tup[0], ref.loss, rtol=1e-6, atol=1e-6)
+    assert all(t.shape != ref.logits.shape for t in tup if isinstance(t, torch.Tensor))
+    # without labels: the logits, as before
+    torch.testing.assert_close(model(input_ids=ids).logits, ref.logits)
+    unpatch_causal_lm_(model)
+    again, _ = _step(model, input_ids=ids, labels=labels, **kwargs)
+    torch.testing.assert_close(again.logits, ref.logits)
+    assert "forward" not in vars(model.lm_head) and "_loss_function" not in vars(model)
+
+
+def test_patch_causal_lm_shift_labels_and_ignore_index():
+    torch.manual_seed(0)
+    model = _gpt2()
+    ids = torch.randint(0, 97, (2, 10))
+    shift = torch.randint(0, 97, (2, 10))
+    shift[1, 4:] = 7
+    ref, ref_grads = _step(model, input_ids=ids, labels=ids, shift_labels=shift, ignore_index=7)
+    patch_causal_lm_(model)
+    out, grads = _step(model, input_ids=ids, labels=ids, shift_labels=shift, ignore_index=7)
+    torch.testing.assert_close(out.loss, ref.loss, rtol=1e-6, atol=1e-6)
+    for name in grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_patch_causal_lm_saves_no_logits():
+    torch.manual_seed(0)
+    model = _gpt2()
+    inputs = {"input_ids": torch.randint(0, 97, (2, 16)), "labels": torch.randint(0, 97, (2, 16))}
+    before = fewbit.memory.saved_tensor_report(model, inputs)
+    patch_causal_lm_(model)
+    after = fewbit.memory.saved_tensor_report(model, inputs)
+    logits_bytes = 2 * 16 * 97 * 4
+    # the (tokens, vocab) log-softmax is gone; the head's input (tokens, 32) stays
+    assert before.saved_bytes - after.saved_bytes == logits_bytes
+    assert after.by_module[""] < 2 * 16 * 32 * 4 + 2 * 16 * 8 + 8
+    assert after.loss == pytest.approx(before.loss, rel=1e-6)
+
+
+def test_patch_causal_lm_refusals():
+    with pytest.raises(ValueError, match="must be a transformers"):
+        patch_causal_lm_(torch.nn.Linear(3, 3))
+    model = patch_causal_lm_(_gpt2())
+    with pytest.raises(ValueError, match="already patched"):
+        patch_causal_lm_(model)
+    with pytest.raises(ValueError, match="not patched"):
+        unpatch_causal_lm_(_gpt2())
+    capped = _gpt2()
+    capped.config.final_logit_softcapping = 30.0
+    with pytest.raises(ValueError, match="final_logit_softcapping"):
+        patch_causal_lm_(capped)
+    with pytest.raises(ValueError, match="chunk_size must be an integer >= 1"):
+        patch_causal_lm_(_gpt2(), chunk_size=0)
+
+
+def test_patch_causal_lm_refuses_transformed_logits():
+    class Scaled(transformers.GPT2LMHeadModel):
+        def forward(self, input_ids=None, labels=None, **kwargs):
+            logits = self.lm_head(self.transformer(input_ids).last_hidden_state) * 2.0
+            loss = None if labels is None else self.loss_function(logits, labels, self.config.vocab_size)
+            return transformers.modeling_outputs.CausalLMOutput(loss=loss, logits=logits)
+
+    model = Scaled(_gpt2().config)
+    ids = torch.randint(0, 97, (1, 8))
+    model(input_ids=ids, labels=ids)  # unpatched: fine
+    patch_causal_lm_(model)
+    with pytest.raises(RuntimeError, match="did not get the output of its lm_head"):
+        model(input_ids=ids, labels=ids)
+    model(input_ids=ids)  # without labels the model is untouched
+
+
+@pytest.mark.slow
+def test_benchmark_script_runs_at_tiny_sizes():
+    """scripts/bench_linear_cross_entropy.py (README, docs/compression.md §5) at tiny sizes."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run(
+        [sys.executable, "scripts/bench_linear_cross_entropy.py", "--hidden", "16", "--vocab", "50",
+         "--tokens", "8", "21", "--chunk-size", "5", "--repeats", "1", "--threads", "1", "--skip-gpt2"],
+        cwd=root, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line.split() for line in proc.stdout.splitlines() if line.split()[:1] in (["8"], ["21"])]
+    assert [r[1] for r in rows] == ["torch", "recompute", "grad_in_forward"] * 2
+    bad = subprocess.run([sys.executable, "scripts/bench_linear_cross_entropy.py", "--tokens", "0"],
+                         cwd=root, capture_output=True, text=True, timeout=600)
+    assert bad.returncode == 2 and "--tokens and --chunk-size must be >= 1" in bad.stderr
