@@ -246,7 +246,7 @@ def test_bits_validation(bad):
 
 
 def test_bits_message_names_value():
-    with pytest.raises(ValueError, match=r"bits must be in 1\.\.8, got 9"):
+    with pytest.raises(ValueError, match=r"bits must be an integer in 1\.\.8, got 9"):
         FF.silu(torch.randn(3), bits=9)
 
 
