@@ -39,7 +39,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import click
 
 from fewbit import __version__
-from fewbit._checks import check_bits
+from fewbit._checks import check_bits, is_int
 from fewbit.memory_cli import memory
 from fewbit.table import Table, TableFormatError, atomic_output
 
@@ -114,7 +114,7 @@ class _BitsType(click.ParamType):
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> tuple[int, ...]:
         if isinstance(value, tuple):
             return value
-        if isinstance(value, int) and not isinstance(value, bool):
+        if is_int(value):
             parts: list[Any] = [value]
         else:
             parts = [p.strip() for p in str(value).split(",") if p.strip()]

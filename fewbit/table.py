@@ -58,7 +58,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
-from fewbit._checks import check_bits
+from fewbit._checks import check_bits, is_int
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -120,7 +120,7 @@ def _reals(name: str, seq: Any) -> tuple[float, ...]:
 def _integers(name: str, seq: Any) -> tuple[int, ...]:
     out = []
     for i, x in enumerate(_sequence(name, seq)):
-        if isinstance(x, bool) or not isinstance(x, numbers.Integral):
+        if not is_int(x):
             raise ValueError(f"{name}[{i}] must be an integer, got {_short(x)}")
         out.append(int(x))
     return tuple(out)
@@ -434,7 +434,7 @@ def _parse_doc(doc: Any) -> dict[int, Table]:
     if not isinstance(doc, dict):
         raise _Reject(f"the top level must be an object, got {_json_type(doc)}")
     version = doc.get("schema_version")
-    if isinstance(version, bool) or not isinstance(version, int) or version != SCHEMA_VERSION:
+    if not is_int(version) or version != SCHEMA_VERSION:
         raise _Reject(f"schema_version must be {SCHEMA_VERSION}, got {_short(version)}")
     _check_keys("", doc, _TOP_REQUIRED, _TOP_OPTIONAL)
     name = _expect("name", doc["name"], str)

@@ -11,8 +11,6 @@ import dataclasses
 import math
 from typing import Callable, Iterable, Mapping
 
-import numpy as np
-
 from fewbit import activations as _acts
 from fewbit._checks import check_bits, is_int
 from fewbit.table import Table, mirrored_code_map
