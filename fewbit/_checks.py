@@ -85,7 +85,7 @@ def check_float_tensor(tensor: Any, name: str = "input") -> torch.Tensor:
 
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
-    float_dtypes = __getattr__("FLOAT_DTYPES")
+    float_dtypes = globals().get("FLOAT_DTYPES") or __getattr__("FLOAT_DTYPES")
     if tensor.dtype not in float_dtypes:
         names = ", ".join(str(d).replace("torch.", "") for d in float_dtypes)
         raise TypeError(f"{name} must be a floating-point tensor ({names}), got dtype {tensor.dtype}")

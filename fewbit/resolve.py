@@ -44,6 +44,7 @@ from fewbit.activations import (
     canonical_params,
     exact_table,
     get_activation,
+    get_formula,
     import_callable,
     non_default_params,
     table_activation,
@@ -157,7 +158,7 @@ def resolve_fn(fn: FnLike) -> ResolvedFn:
         if base is act:
             return ResolvedFn(act.name, act, act.torch_fn)
         # A Hugging Face formula: its own forward (bit for bit), the tables of ``base``.
-        return ResolvedFn(base.name, base, act.torch_fn, f"{act.torch_fn.__module__}:{act.torch_fn.__name__}")
+        return ResolvedFn(base.name, base, act.torch_fn, get_formula(act.name).spec)
     if callable(fn):
         name = f"{getattr(fn, '__module__', None)}:{getattr(fn, '__qualname__', None)}"
         try:

@@ -252,8 +252,9 @@ class Table:
         reference is :func:`fewbit.ops.encode_reference`).
 
         Args:
-            x: a number or array-like of any shape (a CPU tensor that needs no grad, too),
-                converted to float64. NaN lands in the last interval, -inf in the first.
+            x: a number or array-like of any shape, converted to float64 (a CPU tensor
+                that needs no grad works; convert bfloat16 first). NaN lands in the last
+                interval, -inf in the first.
 
         Returns:
             ``numpy.ndarray`` of int64 of the shape of ``x``.
