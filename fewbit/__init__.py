@@ -19,7 +19,7 @@ _MODULE_CLASSES = [
     "GELU", "SiLU", "SELU", "ELU", "CELU", "Mish", "Softplus", "Sigmoid", "Tanh",
     "LogSigmoid", "Softsign", "Tanhshrink", "Hardswish", "QuickGELU", "ReLU", "LeakyReLU",
     "ReLU6", "Hardtanh", "Threshold", "Hardshrink", "Softshrink", "Hardsigmoid",
-    "FewBitActivation",
+    "FormulaActivation", "FewBitActivation",
 ]
 
 # name -> (module, attribute or None for the module itself)

@@ -3,15 +3,18 @@
 Each check raises ``ValueError`` (a bad value) or ``TypeError`` (a wrong kind of object)
 whose message names the argument, the allowed range and the value given, and returns the
 value normalised (a plain ``int``, a ``torch.dtype``). Nothing here imports numba, triton
-or the rest of fewbit, so any module may import it.
+or the rest of fewbit, so any module may import it; torch is imported on first use of
+:data:`FLOAT_DTYPES` or :func:`check_float_tensor`, so that the torch-free modules
+(:mod:`fewbit.table`, the command line's ``--help`` and ``list``) stay torch-free.
 """
 
 from __future__ import annotations
 
 import numbers
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "FLOAT_DTYPES",
@@ -23,8 +26,19 @@ __all__ = [
     "packed_nbytes",
 ]
 
-#: Floating-point dtypes the kernels accept (inputs, gradients, compressed tensors).
-FLOAT_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+#: Floating-point dtypes the kernels accept (inputs, gradients, compressed tensors):
+#: ``(torch.float16, torch.bfloat16, torch.float32, torch.float64)``, built by
+#: :func:`__getattr__` on first use (PEP 562), so importing this module does not import torch.
+FLOAT_DTYPES: tuple[torch.dtype, ...]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "FLOAT_DTYPES":
+        import torch
+
+        value = globals()["FLOAT_DTYPES"] = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 #: Bit widths of a few-bit table (2**bits levels, codes packed ``bits`` per element).
 TABLE_BITS: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8)
@@ -67,10 +81,13 @@ def check_float_tensor(tensor: Any, name: str = "input") -> torch.Tensor:
     Raises:
         TypeError: not a tensor, or not of a floating-point dtype in :data:`FLOAT_DTYPES`.
     """
+    import torch
+
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
-    if tensor.dtype not in FLOAT_DTYPES:
-        names = ", ".join(str(d).replace("torch.", "") for d in FLOAT_DTYPES)
+    float_dtypes = globals().get("FLOAT_DTYPES") or __getattr__("FLOAT_DTYPES")
+    if tensor.dtype not in float_dtypes:
+        names = ", ".join(str(d).replace("torch.", "") for d in float_dtypes)
         raise TypeError(f"{name} must be a floating-point tensor ({names}), got dtype {tensor.dtype}")
     return tensor
 

@@ -10,7 +10,8 @@ of Novikov et al., ICML 2023, docs/method.md §2), and, for stepwise derivatives
 that compute one of these functions with other roundings: a formula has no tables of its
 own; it names the registry entry whose tables it uses (``Formula.table``), so backward
 shares that entry's shipped tables while forward computes the formula bit for bit
-(:class:`fewbit.modules.FormulaActivation`).
+(:class:`fewbit.modules.FormulaActivation`). :func:`get_activation` knows formula names
+too, so ``fewbit.functional.activation(x, "gelu_new")`` and ``fewbit plot gelu_new`` work.
 
 This module needs only torch and the standard library.
 """
@@ -34,6 +35,7 @@ __all__ = [
     "ACTIVATIONS",
     "ALIASES",
     "get_activation",
+    "table_activation",
     "Formula",
     "FORMULAS",
     "get_formula",
@@ -112,6 +114,8 @@ class Activation:
         exact: for stepwise derivatives, ``params -> (borders, codes, values)`` of the
             exact 1-bit table; ``None`` for smooth functions, which need a fitted table.
         module: the torch.nn module it replaces (``"GELU"``), or ``None``.
+        table: for a Hugging Face formula (:data:`FORMULAS`), the registry entry whose
+            tables it uses (``"gelu_tanh"``); ``None`` for a registry entry (its own).
     """
 
     name: str
@@ -120,6 +124,7 @@ class Activation:
     even: bool = False
     exact: Callable[[Mapping[str, float]], tuple] | None = None
     module: str | None = None
+    table: str | None = None
 
     @property
     def stepwise(self) -> bool:
@@ -136,6 +141,8 @@ def _quick_gelu(x: torch.Tensor) -> torch.Tensor:
     return x * torch.sigmoid(1.702 * x)
 
 
+# torch_fn is called as ``torch_fn(input, **params)`` with the parameters in torch's names,
+# so torch's own functions serve where their keyword names are the parameters'.
 ACTIVATIONS: dict[str, Activation] = {
     a.name: a
     for a in [
@@ -143,15 +150,10 @@ ACTIVATIONS: dict[str, Activation] = {
         Activation("gelu_tanh", lambda x: F.gelu(x, approximate="tanh"), module="GELU"),
         Activation("silu", F.silu, module="SiLU"),
         Activation("selu", F.selu, module="SELU"),
-        Activation("elu", lambda x, alpha: F.elu(x, alpha), {"alpha": 1.0}, module="ELU"),
-        Activation("celu", lambda x, alpha: F.celu(x, alpha), {"alpha": 1.0}, module="CELU"),
+        Activation("elu", F.elu, {"alpha": 1.0}, module="ELU"),
+        Activation("celu", F.celu, {"alpha": 1.0}, module="CELU"),
         Activation("mish", F.mish, module="Mish"),
-        Activation(
-            "softplus",
-            lambda x, beta, threshold: F.softplus(x, beta, threshold),
-            {"beta": 1.0, "threshold": 20.0},
-            module="Softplus",
-        ),
+        Activation("softplus", F.softplus, {"beta": 1.0, "threshold": 20.0}, module="Softplus"),
         Activation("sigmoid", torch.sigmoid, even=True, module="Sigmoid"),
         Activation("tanh", torch.tanh, even=True, module="Tanh"),
         Activation("logsigmoid", F.logsigmoid, module="LogSigmoid"),
@@ -161,51 +163,22 @@ ACTIVATIONS: dict[str, Activation] = {
         Activation("quick_gelu", _quick_gelu, module=None),
         # Stepwise derivatives: exact 1-bit tables, no fitting (docs/method.md §2).
         Activation("relu", F.relu, exact=_relu_exact, module="ReLU"),
-        Activation(
-            "leaky_relu",
-            lambda x, negative_slope: F.leaky_relu(x, negative_slope),
-            {"negative_slope": 0.01},
-            exact=_leaky_relu_exact,
-            module="LeakyReLU",
-        ),
+        Activation("leaky_relu", F.leaky_relu, {"negative_slope": 0.01}, exact=_leaky_relu_exact, module="LeakyReLU"),
         Activation("relu6", F.relu6, exact=_relu6_exact, module="ReLU6"),
-        Activation(
-            "hardtanh",
-            lambda x, min_val, max_val: F.hardtanh(x, min_val, max_val),
-            {"min_val": -1.0, "max_val": 1.0},
-            exact=_hardtanh_exact,
-            module="Hardtanh",
-        ),
-        Activation(
-            "threshold",
-            lambda x, threshold, value: F.threshold(x, threshold, value),
-            {"threshold": 0.0, "value": 0.0},
-            exact=_threshold_exact,
-            module="Threshold",
-        ),
-        Activation(
-            "hardshrink",
-            lambda x, lambd: F.hardshrink(x, lambd),
-            {"lambd": 0.5},
-            exact=_shrink_exact,
-            module="Hardshrink",
-        ),
-        Activation(
-            "softshrink",
-            lambda x, lambd: F.softshrink(x, lambd),
-            {"lambd": 0.5},
-            exact=_shrink_exact,
-            module="Softshrink",
-        ),
+        Activation("hardtanh", F.hardtanh, {"min_val": -1.0, "max_val": 1.0}, exact=_hardtanh_exact, module="Hardtanh"),
+        Activation("threshold", F.threshold, {"threshold": 0.0, "value": 0.0}, exact=_threshold_exact,
+                   module="Threshold"),
+        Activation("hardshrink", F.hardshrink, {"lambd": 0.5}, exact=_shrink_exact, module="Hardshrink"),
+        Activation("softshrink", F.softshrink, {"lambd": 0.5}, exact=_shrink_exact, module="Softshrink"),
         Activation("hardsigmoid", F.hardsigmoid, exact=_hardsigmoid_exact, module="Hardsigmoid"),
     ]
 }
 
 #: Other names accepted for registry entries. An alias is the same function with the same
-#: tables; forward is the entry's torch function. ``"gelu_new"`` names ``gelu_tanh`` here (the
-#: tanh approximation, computed by ``F.gelu(approximate='tanh')``); Hugging Face's own
-#: ``gelu_new`` Python formula, bit for bit, is :data:`FORMULAS` ``["gelu_new"]``.
-ALIASES: dict[str, str] = {"swish": "silu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
+#: tables; forward is the entry's torch function (``gelu_pytorch_tanh`` is Hugging Face's
+#: name for ``F.gelu(approximate='tanh')``). Hugging Face's ``gelu_new`` is not an alias but
+#: a formula (:data:`FORMULAS`): it computes the same function with other roundings.
+ALIASES: dict[str, str] = {"swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
 
 # --------------------------------------------------------------------------- formulas
@@ -283,6 +256,12 @@ class Formula:
         """``"fewbit.activations:<function>"``: the formula as a ``"module:callable"`` name."""
         return f"{__name__}:{self.torch_fn.__name__}"
 
+    @property
+    def activation(self) -> Activation:
+        """The formula as an :class:`Activation` (what :func:`get_activation` returns for
+        its name): forward ``torch_fn``, no parameters, the tables of ``table``."""
+        return Activation(self.name, self.torch_fn, even=ACTIVATIONS[self.table].even, table=self.table)
+
 
 #: Hugging Face formulas by their ``ACT2FN`` name; backward uses the tables of ``table``.
 FORMULAS: dict[str, Formula] = {
@@ -331,8 +310,15 @@ def import_callable(spec: str) -> Callable[..., torch.Tensor]:
     return obj
 
 
+_FORMULA_ACTIVATIONS: dict[str, Activation] = {name: f.activation for name, f in FORMULAS.items()}
+
+
 def get_activation(name: str) -> Activation:
-    """Look up an activation by name or alias.
+    """Look up an activation by registry name, alias, or Hugging Face formula name.
+
+    A formula (``"gelu_new"``, ``"gelu_fast"``, ...; :data:`FORMULAS`) comes back as an
+    :class:`Activation` whose ``torch_fn`` is the formula and whose ``table`` names the
+    registry entry whose tables it uses (:func:`table_activation`).
 
     Raises:
         ValueError: for an unknown name, suggesting close matches.
@@ -340,10 +326,26 @@ def get_activation(name: str) -> Activation:
     key = ALIASES.get(name, name)
     if key in ACTIVATIONS:
         return ACTIVATIONS[key]
-    known = sorted(ACTIVATIONS) + sorted(ALIASES)
+    if key in _FORMULA_ACTIVATIONS:
+        return _FORMULA_ACTIVATIONS[key]
+    known = sorted(ACTIVATIONS) + sorted(ALIASES) + sorted(FORMULAS)
     close = difflib.get_close_matches(name, known, n=3)
     hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
-    raise ValueError(f"unknown activation {name!r}{hint} (known: {', '.join(sorted(ACTIVATIONS))})")
+    raise ValueError(
+        f"unknown activation {name!r}{hint} (known: {', '.join(sorted(ACTIVATIONS))}; "
+        f"Hugging Face formulas: {', '.join(sorted(FORMULAS))})"
+    )
+
+
+def table_activation(name: str) -> Activation:
+    """The registry entry whose tables ``name`` uses: the entry itself (or an alias's),
+    or for a Hugging Face formula the entry it computes (``"gelu_fast"`` -> ``gelu_tanh``).
+
+    Raises:
+        ValueError: for an unknown name, as :func:`get_activation`.
+    """
+    act = get_activation(name)
+    return ACTIVATIONS[act.table] if act.table is not None else act
 
 
 def merge_params(name: str, defaults: Mapping[str, float], params: Mapping[str, float] | None) -> dict[str, float]:

@@ -39,6 +39,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import click
 
 from fewbit import __version__
+from fewbit._checks import check_bits, is_int
 from fewbit.memory_cli import memory
 from fewbit.table import Table, TableFormatError, atomic_output
 
@@ -113,7 +114,7 @@ class _BitsType(click.ParamType):
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> tuple[int, ...]:
         if isinstance(value, tuple):
             return value
-        if isinstance(value, int) and not isinstance(value, bool):
+        if is_int(value):
             parts: list[Any] = [value]
         else:
             parts = [p.strip() for p in str(value).split(",") if p.strip()]
@@ -125,9 +126,10 @@ class _BitsType(click.ParamType):
                 b = int(p)
             except (TypeError, ValueError):
                 self.fail(f"bits must be integers in 1..8, got {p!r}", param, ctx)
-            if not 1 <= b <= 8:
-                self.fail(f"bits must be in 1..8, got {b}", param, ctx)
-            out.append(b)
+            try:
+                out.append(check_bits(b))
+            except ValueError as exc:
+                self.fail(str(exc), param, ctx)
         return tuple(out)
 
 
@@ -248,15 +250,18 @@ def _is_user_function(name: str) -> bool:
 def _resolve(name: str, params: Mapping[str, float]) -> tuple[str, dict[str, float], Any]:
     """Canonical name, non-default params and the runtime Activation (None for user functions).
 
+    A Hugging Face formula name (``gelu_new``, ``gelu_fast``, ...) stands for the registry
+    function whose tables it uses (its forward does not matter here: only tables and f').
+
     Raises:
         click.ClickException: unknown name (with close matches) or bad parameters.
     """
     if _is_user_function(name):
         return name, dict(params), None
-    from fewbit.activations import get_activation, non_default_params
+    from fewbit.activations import non_default_params, table_activation
 
     with _LibraryErrors():
-        act = get_activation(name)
+        act = table_activation(name)
         nd = non_default_params(act, params)
     return act.name, nd, act
 
@@ -271,18 +276,19 @@ def _full_params(act: Any, params: Mapping[str, float]) -> dict[str, float]:
 
 def _find_tables(name: str, params: Mapping[str, float], bits: Iterable[int]) -> dict[int, tuple[Table, str]]:
     """``{bits: (table, source)}`` for the widths that exist, found as the runtime finds them
-    (exact table of a stepwise derivative, shipped table, user cache: fewbit.functional),
-    never fitted. ``source`` is ``"exact"``, ``"fewbit.tables/<file>"`` or a cache path.
+    (:func:`fewbit.resolve.find_table`: exact table of a stepwise derivative, shipped table,
+    user cache), never fitted. ``source`` is ``"exact"``, ``"fewbit.tables/<file>"`` or a
+    cache path.
 
     Raises:
         click.ClickException: an unreadable shipped or cached file, or a bad name/params.
     """
-    from fewbit.functional import _find_table
+    from fewbit.resolve import find_table
 
     out = {}
     with _LibraryErrors():
         for b in bits:
-            table, source = _find_table(name, b, params)
+            table, source = find_table(name, b, params)
             if table is not None:
                 out[b] = (table, source)
     return out
@@ -309,7 +315,7 @@ def _bits_args(bits: Sequence[int] | None) -> list[str]:
 
 def _nothing_found(name: str, params: Mapping[str, float], bits: Sequence[int]) -> str:
     """Where the tables were looked for, for an error message."""
-    from fewbit.functional import cache_dir
+    from fewbit.resolve import cache_dir
 
     where = "no shipped table and no" if not _is_user_function(name) else "no"
     return (
@@ -761,14 +767,6 @@ def plot_cmd(name, bits, params, table_path, xlim, output, force) -> None:
     click.echo(f"wrote {path}" + (f" ({note[2:]})" if note else ""))
 
 
-def _evaluate_table(table: Table, x):
-    """q(x) = values[codes[searchsorted(borders, x, side='left')]] (docs/method.md §2)."""
-    import numpy as np
-
-    idx = np.searchsorted(np.asarray(table.borders, dtype=np.float64), x, side="left")
-    return np.asarray(table.values, dtype=np.float64)[np.asarray(table.codes, dtype=np.int64)[idx]]
-
-
 def _plot(name: str, act: Any, params: Mapping[str, float], tables: Mapping[int, Table],
           xlim: tuple[float, float] | None, path: Path) -> None:
     import numpy as np
@@ -796,7 +794,7 @@ def _plot(name: str, act: Any, params: Mapping[str, float], tables: Mapping[int,
     ax_top.plot(x, dfx, color="black", lw=2.4, label="f'(x) (exact)", zorder=3)
     floor = 1e-12
     for color, (b, table) in zip(colors, sorted(tables.items())):
-        q = _evaluate_table(table, x)
+        q = table.evaluate(x)
         err = table.error
         label = f"{b} bit{'s' if b > 1 else ''}: error {_fmt_error(err)}"
         # q is constant on (b_{i-1}, b_i] (searchsorted side="left") and x holds the borders,
@@ -813,7 +811,7 @@ def _plot(name: str, act: Any, params: Mapping[str, float], tables: Mapping[int,
     ax_err.set_ylabel("|f'(x) − q(x)|  (log scale)")
     ax_err.set_xlabel("x")
     ax_err.grid(True, which="major", alpha=0.3)
-    finite = np.abs(dfx[:, None] - np.stack([_evaluate_table(t, x) for t in tables.values()], 1))
+    finite = np.abs(dfx[:, None] - np.stack([t.evaluate(x) for t in tables.values()], 1))
     top = float(finite.max()) if finite.size else 1.0
     ax_err.set_ylim(max(top * 1e-5, floor), top * 2 if top > 0 else 1.0)
     ax_err.set_xlim(lo, hi)

@@ -22,8 +22,9 @@ import torch
 from torch import nn
 
 from fewbit import functional as FF
+from fewbit._checks import check_bits
 from fewbit.activations import get_formula
-from fewbit.functional import _check_bits
+from fewbit.resolve import resolve_fn, table_argument
 from fewbit.table import Table
 
 __all__ = [
@@ -46,11 +47,65 @@ class _FewBit:
     bits: int
 
     def _init_bits(self, bits: int) -> None:
-        self.bits = _check_bits(bits)
+        self.bits = check_bits(bits)
 
     def extra_repr(self) -> str:
         base = super().extra_repr()  # type: ignore[misc]
         return f"{base}, bits={self.bits}" if base else f"bits={self.bits}"
+
+
+# The modules whose torch twin takes no argument, only ``inplace``, or ``alpha`` and
+# ``inplace`` differ only in the function they call: these bases hold their constructor and
+# forward, and each class names its function (``_fn``). The class statements below then
+# repeat one three-line shape on purpose: each module is a real class (isinstance of its
+# torch twin, pickling by name, IDE completion, its own docstring), not made by a factory.
+# The modules with other parameters spell out their constructor and forward.
+
+
+class _NoArgs(_FewBit):
+    """Base of modules whose torch twin takes no argument: ``__init__(*, bits=3)``."""
+
+    _fn: Callable[..., torch.Tensor]
+
+    def __init__(self, *, bits: int = 3) -> None:
+        super().__init__()
+        self._init_bits(bits)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return self._fn(input, bits=self.bits)
+
+
+class _InplaceOnly(_FewBit):
+    """Base of modules whose torch twin takes only ``inplace``: ``__init__(inplace=False, *, bits=3)``."""
+
+    _fn: Callable[..., torch.Tensor]
+
+    def __init__(self, inplace: bool = False, *, bits: int = 3) -> None:
+        super().__init__(inplace)
+        self._init_bits(bits)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return self._fn(input, self.inplace, bits=self.bits)
+
+
+class _AlphaInplace(_FewBit):
+    """Base of modules whose torch twin takes ``alpha`` and ``inplace`` (ELU, CELU)."""
+
+    _fn: Callable[..., torch.Tensor]
+
+    def __init__(self, alpha: float = 1.0, inplace: bool = False, *, bits: int = 3) -> None:
+        super().__init__(alpha, inplace)
+        self._init_bits(bits)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return self._fn(input, self.alpha, self.inplace, bits=self.bits)
+
+
+class _InplaceOnlyExact(_InplaceOnly):
+    """:class:`_InplaceOnly` for stepwise functions: ``bits`` defaults to 1 (exact)."""
+
+    def __init__(self, inplace: bool = False, *, bits: int = 1) -> None:
+        super().__init__(inplace, bits=bits)
 
 
 # --------------------------------------------------------------------------- smooth
@@ -88,59 +143,34 @@ class GELU(_FewBit, nn.GELU):
         return FF.gelu(input, self.approximate, bits=self.bits)
 
 
-class SiLU(_FewBit, nn.SiLU):
+class SiLU(_InplaceOnly, nn.SiLU):
     """Few-bit :class:`torch.nn.SiLU` (``bits`` default 3)."""
 
-    def __init__(self, inplace: bool = False, *, bits: int = 3) -> None:
-        super().__init__(inplace)
-        self._init_bits(bits)
-
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
-        return FF.silu(input, self.inplace, bits=self.bits)
+    _fn = staticmethod(FF.silu)
 
 
-class SELU(_FewBit, nn.SELU):
+class SELU(_InplaceOnly, nn.SELU):
     """Few-bit :class:`torch.nn.SELU` (``bits`` default 3)."""
 
-    def __init__(self, inplace: bool = False, *, bits: int = 3) -> None:
-        super().__init__(inplace)
-        self._init_bits(bits)
-
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
-        return FF.selu(input, self.inplace, bits=self.bits)
+    _fn = staticmethod(FF.selu)
 
 
-class ELU(_FewBit, nn.ELU):
+class ELU(_AlphaInplace, nn.ELU):
     """Few-bit :class:`torch.nn.ELU` (``bits`` default 3; non-default ``alpha``: own table)."""
 
-    def __init__(self, alpha: float = 1.0, inplace: bool = False, *, bits: int = 3) -> None:
-        super().__init__(alpha, inplace)
-        self._init_bits(bits)
-
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
-        return FF.elu(input, self.alpha, self.inplace, bits=self.bits)
+    _fn = staticmethod(FF.elu)
 
 
-class CELU(_FewBit, nn.CELU):
+class CELU(_AlphaInplace, nn.CELU):
     """Few-bit :class:`torch.nn.CELU` (``bits`` default 3; non-default ``alpha``: own table)."""
 
-    def __init__(self, alpha: float = 1.0, inplace: bool = False, *, bits: int = 3) -> None:
-        super().__init__(alpha, inplace)
-        self._init_bits(bits)
-
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
-        return FF.celu(input, self.alpha, self.inplace, bits=self.bits)
+    _fn = staticmethod(FF.celu)
 
 
-class Mish(_FewBit, nn.Mish):
+class Mish(_InplaceOnly, nn.Mish):
     """Few-bit :class:`torch.nn.Mish` (``bits`` default 3)."""
 
-    def __init__(self, inplace: bool = False, *, bits: int = 3) -> None:
-        super().__init__(inplace)
-        self._init_bits(bits)
-
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
-        return FF.mish(input, self.inplace, bits=self.bits)
+    _fn = staticmethod(FF.mish)
 
 
 class Softplus(_FewBit, nn.Softplus):
@@ -155,96 +185,56 @@ class Softplus(_FewBit, nn.Softplus):
         return FF.softplus(input, self.beta, self.threshold, bits=self.bits)
 
 
-class Sigmoid(_FewBit, nn.Sigmoid):
+class Sigmoid(_NoArgs, nn.Sigmoid):
     """Few-bit :class:`torch.nn.Sigmoid` (``bits`` default 3)."""
 
-    def __init__(self, *, bits: int = 3) -> None:
-        super().__init__()
-        self._init_bits(bits)
-
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
-        return FF.sigmoid(input, bits=self.bits)
+    _fn = staticmethod(FF.sigmoid)
 
 
-class Tanh(_FewBit, nn.Tanh):
+class Tanh(_NoArgs, nn.Tanh):
     """Few-bit :class:`torch.nn.Tanh` (``bits`` default 3)."""
 
-    def __init__(self, *, bits: int = 3) -> None:
-        super().__init__()
-        self._init_bits(bits)
-
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
-        return FF.tanh(input, bits=self.bits)
+    _fn = staticmethod(FF.tanh)
 
 
-class LogSigmoid(_FewBit, nn.LogSigmoid):
+class LogSigmoid(_NoArgs, nn.LogSigmoid):
     """Few-bit :class:`torch.nn.LogSigmoid` (``bits`` default 3)."""
 
-    def __init__(self, *, bits: int = 3) -> None:
-        super().__init__()
-        self._init_bits(bits)
-
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
-        return FF.logsigmoid(input, bits=self.bits)
+    _fn = staticmethod(FF.logsigmoid)
 
 
-class Softsign(_FewBit, nn.Softsign):
+class Softsign(_NoArgs, nn.Softsign):
     """Few-bit :class:`torch.nn.Softsign` (``bits`` default 3)."""
 
-    def __init__(self, *, bits: int = 3) -> None:
-        super().__init__()
-        self._init_bits(bits)
-
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
-        return FF.softsign(input, bits=self.bits)
+    _fn = staticmethod(FF.softsign)
 
 
-class Tanhshrink(_FewBit, nn.Tanhshrink):
+class Tanhshrink(_NoArgs, nn.Tanhshrink):
     """Few-bit :class:`torch.nn.Tanhshrink` (``bits`` default 3)."""
 
-    def __init__(self, *, bits: int = 3) -> None:
-        super().__init__()
-        self._init_bits(bits)
-
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
-        return FF.tanhshrink(input, bits=self.bits)
+    _fn = staticmethod(FF.tanhshrink)
 
 
-class Hardswish(_FewBit, nn.Hardswish):
+class Hardswish(_InplaceOnly, nn.Hardswish):
     """Few-bit :class:`torch.nn.Hardswish` (``bits`` default 3)."""
 
-    def __init__(self, inplace: bool = False, *, bits: int = 3) -> None:
-        super().__init__(inplace)
-        self._init_bits(bits)
-
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
-        return FF.hardswish(input, self.inplace, bits=self.bits)
+    _fn = staticmethod(FF.hardswish)
 
 
-class QuickGELU(_FewBit, nn.Module):
+class QuickGELU(_NoArgs, nn.Module):
     """Few-bit QuickGELU, ``x * sigmoid(1.702 * x)`` (no ``torch.nn`` twin; matches
     Hugging Face ``QuickGELUActivation``). ``bits`` default 3."""
 
-    def __init__(self, *, bits: int = 3) -> None:
-        super().__init__()
-        self._init_bits(bits)
-
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
-        return FF.quick_gelu(input, bits=self.bits)
+    _fn = staticmethod(FF.quick_gelu)
 
 
 # --------------------------------------------------------------------------- stepwise
 
 
-class ReLU(_FewBit, nn.ReLU):
+class ReLU(_InplaceOnlyExact, nn.ReLU):
     """Few-bit :class:`torch.nn.ReLU`: exact gradient from a 1-bit code."""
 
-    def __init__(self, inplace: bool = False, *, bits: int = 1) -> None:
-        super().__init__(inplace)
-        self._init_bits(bits)
-
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
-        return FF.relu(input, self.inplace, bits=self.bits)
+    _fn = staticmethod(FF.relu)
 
 
 class LeakyReLU(_FewBit, nn.LeakyReLU):
@@ -275,15 +265,10 @@ class Hardtanh(_FewBit, nn.Hardtanh):
         return FF.hardtanh(input, self.min_val, self.max_val, self.inplace, bits=self.bits)
 
 
-class ReLU6(_FewBit, nn.ReLU6):
+class ReLU6(_InplaceOnlyExact, nn.ReLU6):
     """Few-bit :class:`torch.nn.ReLU6`: exact gradient from a 1-bit code."""
 
-    def __init__(self, inplace: bool = False, *, bits: int = 1) -> None:
-        super().__init__(inplace)
-        self._init_bits(bits)
-
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
-        return FF.relu6(input, self.inplace, bits=self.bits)
+    _fn = staticmethod(FF.relu6)
 
 
 class Threshold(_FewBit, nn.Threshold):
@@ -319,15 +304,10 @@ class Softshrink(_FewBit, nn.Softshrink):
         return FF.softshrink(input, self.lambd, bits=self.bits)
 
 
-class Hardsigmoid(_FewBit, nn.Hardsigmoid):
+class Hardsigmoid(_InplaceOnlyExact, nn.Hardsigmoid):
     """Few-bit :class:`torch.nn.Hardsigmoid`: exact gradient from a 1-bit code."""
 
-    def __init__(self, inplace: bool = False, *, bits: int = 1) -> None:
-        super().__init__(inplace)
-        self._init_bits(bits)
-
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
-        return FF.hardsigmoid(input, self.inplace, bits=self.bits)
+    _fn = staticmethod(FF.hardsigmoid)
 
 
 # --------------------------------------------------------------------------- formulas
@@ -365,17 +345,9 @@ class FormulaActivation(_FewBit, nn.Module):
         self._init_bits(bits)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if not isinstance(input, torch.Tensor) or not input.is_floating_point():
-            got = input.dtype if isinstance(input, torch.Tensor) else type(input).__name__
-            raise TypeError(f"input must be a floating-point tensor, got {got}")
-        formula = get_formula(self.name)
-        if not (torch.is_grad_enabled() and input.requires_grad):
-            return formula.torch_fn(input)  # no table needed
-        from fewbit.ops import pointwise
-
-        # The formula goes to the op as a "module:callable" function, whose table is the
-        # caller's: here the registry table the formula shares (nothing fitted or copied).
-        return pointwise(input, FF.load_table(formula.table, self.bits), formula.spec)
+        # fewbit.functional.activation knows formula names: forward the formula, backward
+        # the shared registry table (nothing fitted or copied); no table without grad.
+        return FF.activation(input, self.name, bits=self.bits)
 
     def extra_repr(self) -> str:
         return f"{self.name!r}, bits={self.bits}"
@@ -412,13 +384,11 @@ class FewBitActivation(nn.Module):
     ) -> None:
         super().__init__()
         if bits is not None:
-            bits = _check_bits(bits)
-        resolved = FF._resolve_fn(fn)
+            bits = check_bits(bits)
+        resolved = resolve_fn(fn)
         full = resolved.full_params(params)
         if table is not None:
-            source = str(table) if FF._is_path(table) else "table"
-            table = FF.load_table(table, bits)
-            FF._check_table_matches(table, resolved.name, resolved.table_params(full), source)
+            table = table_argument(table, resolved, bits, full)
             bits = table.bits
         self.fn = fn
         self.table = table

@@ -9,7 +9,9 @@ A table for (function, parameters, bits) holds three arrays (docs/method.md §2;
 
 The interval index of ``x`` is the number of borders strictly less than ``x``
 (``torch.searchsorted(borders, x, right=False)``), so interval ``i`` is
-``(borders[i-1], borders[i]]``; ``code(x) = codes[i(x)]`` and ``q(x) = values[code(x)]``.
+``(borders[i-1], borders[i]]``; ``code(x) = codes[i(x)]`` and ``q(x) = values[code(x)]``
+(:meth:`Table.code`, :meth:`Table.evaluate`). A table fitted on ``[0, C]`` for an even
+derivative is stored mirrored (:func:`mirrored_code_map`), so the same lookup serves it.
 
 On disk a JSON file holds every bit width fitted for one function and parameter set::
 
@@ -37,7 +39,9 @@ levels must be finite in float32 (the kernels compute in it), and unknown or dup
 keys are refused, so a typo never silently falls back to a default. Any problem raises one
 :class:`TableFormatError` naming the file, the field and the value. Files are written
 atomically, with the permissions of an ordinary new file (``0o666`` minus the umask) or
-those of the file they replace. This module imports nothing beyond the standard library.
+those of the file they replace. This module imports nothing beyond the standard library
+and :mod:`fewbit._checks` (torch-free until a tensor is checked); numpy is imported by the
+evaluation methods only.
 """
 
 from __future__ import annotations
@@ -52,13 +56,16 @@ import stat
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any, Iterable, Iterator, Mapping, Sequence
+
+from fewbit._checks import check_bits, is_int
 
 __all__ = [
     "SCHEMA_VERSION",
     "MAX_FILE_SIZE",
     "Table",
     "TableFormatError",
+    "mirrored_code_map",
     "dumps_tables",
     "loads_tables",
     "read_tables",
@@ -83,12 +90,6 @@ _FLOAT32_OVERFLOW = 2.0**128 - 2.0**103
 
 class TableFormatError(ValueError):
     """A table file is missing, corrupt, or of another schema version."""
-
-
-def _check_bits(bits: Any, name: str = "bits") -> int:
-    if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 8:
-        raise ValueError(f"{name} must be an integer in 1..8, got {bits!r}")
-    return bits
 
 
 def _short(value: Any, limit: int = 60) -> str:
@@ -119,7 +120,7 @@ def _reals(name: str, seq: Any) -> tuple[float, ...]:
 def _integers(name: str, seq: Any) -> tuple[int, ...]:
     out = []
     for i, x in enumerate(_sequence(name, seq)):
-        if isinstance(x, bool) or not isinstance(x, numbers.Integral):
+        if not is_int(x):
             raise ValueError(f"{name}[{i}] must be an integer, got {_short(x)}")
         out.append(int(x))
     return tuple(out)
@@ -196,7 +197,7 @@ class Table:
             # (printable: a newline or a bidi override would garble or spoof messages)
             raise ValueError(f"name must be a non-empty string of printable characters (at most 256), "
                              f"got {_short(name)}")
-        _check_bits(self.bits)
+        object.__setattr__(self, "bits", check_bits(self.bits))
         b = _reals("borders", self.borders)
         c = _integers("codes", self.codes)
         v = _reals("values", self.values)
@@ -245,6 +246,38 @@ class Table:
         """Number of intervals ``m`` (``len(borders) + 1``)."""
         return len(self.borders) + 1
 
+    def code(self, x: Any) -> Any:
+        """``code(x) = codes[i(x)]``, ``i(x) = searchsorted(borders, x, side='left')``
+        (docs/method.md §2), in float64: the codes the kernels compute (their pure-torch
+        reference is :func:`fewbit.ops.encode_reference`).
+
+        Args:
+            x: a number or array-like of any shape, converted to float64 (a CPU tensor
+                that needs no grad works; convert bfloat16 first). NaN lands in the last
+                interval, -inf in the first.
+
+        Returns:
+            ``numpy.ndarray`` of int64 of the shape of ``x``.
+        """
+        import numpy as np
+
+        x = np.asarray(x, dtype=np.float64)
+        idx = np.searchsorted(np.asarray(self.borders, dtype=np.float64), x, side="left")
+        return np.asarray(self.codes, dtype=np.int64)[idx]
+
+    def evaluate(self, x: Any) -> Any:
+        """``q(x) = values[code(x)]``, the table's approximation of ``f'`` (docs/method.md §2).
+
+        Args:
+            x: as :meth:`code`.
+
+        Returns:
+            ``numpy.ndarray`` of float64 of the shape of ``x``.
+        """
+        import numpy as np
+
+        return np.asarray(self.values, dtype=np.float64)[self.code(x)]
+
     def to_dict(self) -> dict[str, Any]:
         """The per-bit-width JSON record (``borders``, ``codes``, ``values``, ``error``,
         and ``objective`` when known)."""
@@ -257,6 +290,24 @@ class Table:
         if self.objective is not None:
             out["objective"] = self.objective
         return out
+
+
+def mirrored_code_map(half_borders: Sequence[float]) -> tuple[list[float], list[int]]:
+    """Borders and codes of a table fitted on ``[0, C]`` for an even ``f'`` and mirrored
+    (docs/method.md §2; the parity argument of Novikov et al., ICML 2023).
+
+    ``K - 1`` increasing positive borders ``s_1 < ... < s_{K-1}`` of ``K`` pieces on
+    ``[0, C]`` give ``2K - 2`` borders ``-s_{K-1}, ..., -s_1, s_1, ..., s_{K-1}`` and
+    ``2K - 1`` intervals with codes ``K-1, ..., 1, 0, 1, ..., K-1``: the central interval
+    ``(-s_1, s_1]`` has code 0 and piece ``k`` of ``[0, C]`` shares its code ``k`` (and
+    its level ``values[k]``) with its mirror image.
+
+    Returns:
+        ``(borders, codes)``: ``2K - 2`` floats and ``2K - 1`` codes in ``[0, K)``.
+    """
+    half = [float(s) for s in half_borders]
+    k = len(half) + 1
+    return [-s for s in reversed(half)] + half, list(range(k - 1, 0, -1)) + list(range(k))
 
 
 def _params_key(params: Mapping[str, float] | None) -> str:
@@ -384,7 +435,7 @@ def _parse_doc(doc: Any) -> dict[int, Table]:
     if not isinstance(doc, dict):
         raise _Reject(f"the top level must be an object, got {_json_type(doc)}")
     version = doc.get("schema_version")
-    if isinstance(version, bool) or not isinstance(version, int) or version != SCHEMA_VERSION:
+    if not is_int(version) or version != SCHEMA_VERSION:
         raise _Reject(f"schema_version must be {SCHEMA_VERSION}, got {_short(version)}")
     _check_keys("", doc, _TOP_REQUIRED, _TOP_OPTIONAL)
     name = _expect("name", doc["name"], str)

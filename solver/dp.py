@@ -36,6 +36,8 @@ import threading
 import numpy as np
 from numba import njit, prange
 
+from fewbit._checks import check_positive_int
+
 __all__ = [
     "segment_cost",
     "dp_numba",
@@ -68,13 +70,12 @@ def _check(W, FW, F2, K):
     if W.ndim != 1 or W.shape != FW.shape or W.shape != F2.shape:
         raise ValueError(f"W, FW, F2 must be 1-d of equal length, got {W.shape}, {FW.shape}, {F2.shape}")
     n = W.size - 1
-    if isinstance(K, bool) or not isinstance(K, (int, np.integer)) or K < 1:
-        raise ValueError(f"K must be an integer >= 1, got {K!r}")
+    K = check_positive_int(K, "K")
     if n < K:
         raise ValueError(f"the grid has {n} cells, fewer than K={K} pieces")
     if not (np.all(np.isfinite(W)) and np.all(np.isfinite(FW)) and np.all(np.isfinite(F2))):
         raise ValueError("prefix integrals must be finite")
-    return W, FW, F2, int(K)
+    return W, FW, F2, K
 
 
 def segment_cost(W, FW, F2, j, i):

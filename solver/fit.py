@@ -11,10 +11,9 @@ import dataclasses
 import math
 from typing import Callable, Iterable, Mapping
 
-import numpy as np
-
 from fewbit import activations as _acts
-from fewbit.table import Table
+from fewbit._checks import check_bits, is_int
+from fewbit.table import Table, mirrored_code_map
 
 from . import registry as _registry
 from . import weights as _weights
@@ -25,12 +24,6 @@ __all__ = ["fit", "fit_many", "approximation_error", "DEFAULT_GRID", "DEFAULT_DO
 #: Default number of DP grid cells on the fitted interval (``[A, B]``, or ``[0, B]`` when mirrored).
 DEFAULT_GRID = 8000
 DEFAULT_DOMAIN = (-10.0, 10.0)
-
-
-def _check_bits(bits) -> int:
-    if isinstance(bits, bool) or not isinstance(bits, (int, np.integer)) or not 1 <= int(bits) <= 8:
-        raise ValueError(f"bits must be an integer in 1..8, got {bits!r}")
-    return int(bits)
 
 
 def _check_domain(domain) -> tuple[float, float]:
@@ -92,7 +85,7 @@ def _prepare(fn, bits_list, domain, weight, grid, symmetric, params):
     w = _weights.parse(weight)
     if grid is None:
         grid = DEFAULT_GRID
-    if isinstance(grid, bool) or not isinstance(grid, (int, np.integer)):
+    if not is_int(grid):
         raise ValueError(f"grid must be an integer number of cells, got {grid!r}")
     grid = int(grid)
     k_max = max(1 << b for b in bits_list)
@@ -117,6 +110,8 @@ def _prepare(fn, bits_list, domain, weight, grid, symmetric, params):
     return sf, full, (A, B), w, grid, sym
 
 
+# fit_many and fit spell out the same keyword arguments on purpose: they are the public
+# signatures (help(), IDE completion, docs); _fit takes them positionally. Keep them in step.
 def fit_many(
     fn: str,
     bits_list: Iterable[int],
@@ -148,9 +143,9 @@ def fit_many(
 
 def _fit(fn, bits_list, domain, weight, grid, symmetric, params, refine, progress, caller) -> dict[int, Table]:
     """:func:`fit_many`; ``caller`` ("fit" or "fit_many") names the call in the provenance."""
-    if isinstance(bits_list, (int, np.integer)):
+    if is_int(bits_list):
         bits_list = [bits_list]
-    bits_list = sorted({_check_bits(b) for b in bits_list})
+    bits_list = sorted({check_bits(b) for b in bits_list})
     if not bits_list:
         raise ValueError("bits_list must hold at least one bit width in 1..8, got none")
     sf, full, dom, w, grid, sym = _prepare(fn, bits_list, domain, weight, grid, symmetric, params)
@@ -193,13 +188,8 @@ def _fit(fn, bits_list, domain, weight, grid, symmetric, params, refine, progres
             s, y, loss = _refine(obj, s)
         else:
             y, loss = obj.levels_and_loss(s)
-        if sym:
-            # K pieces on [0, C] -> 2K - 1 intervals; the central one (-s_1, s_1] has code 0.
-            borders = np.r_[-s[::-1], s]
-            codes = list(range(K - 1, 0, -1)) + list(range(K))
-        else:
-            borders = s
-            codes = list(range(K))
+        # mirrored: K pieces on [0, C] -> 2K - 1 intervals sharing K codes
+        borders, codes = mirrored_code_map(s) if sym else (s.tolist(), list(range(K)))
         provenance = {
             "solver_version": __version__,
             "grid": grid,
@@ -211,14 +201,12 @@ def _fit(fn, bits_list, domain, weight, grid, symmetric, params, refine, progres
                 nondefault, refine,
             ),
         }
-        err = table_error(sf, full, borders, codes, y, dom)
-        out[bits] = Table(
+        table = Table(
             name=sf.name,
             bits=bits,
-            borders=borders.tolist(),
+            borders=borders,
             codes=codes,
             values=y.tolist(),
-            error=err,
             params=nondefault,
             domain=dom,
             weight=w.spec,
@@ -226,6 +214,7 @@ def _fit(fn, bits_list, domain, weight, grid, symmetric, params, refine, progres
             provenance=provenance,
             objective=max(float(loss), 0.0),
         )
+        out[bits] = dataclasses.replace(table, error=table_error(sf, full, table, dom))
         report(1 + n_chunks + len(out))
     return out
 
@@ -280,7 +269,7 @@ def fit(
             an unknown function or parameter, or a user function that cannot be loaded or
             has a non-finite derivative on the domain.
     """
-    bits = _check_bits(bits)
+    bits = check_bits(bits)
     return _fit(fn, [bits], domain, weight, grid, symmetric, params, refine, progress, "fit")[bits]
 
 
@@ -307,4 +296,4 @@ def approximation_error(table: Table, fn: str | None = None, *, domain: tuple[fl
     sf = _registry.get(table.name if fn is None else fn)
     full = sf.params(table.params)
     dom = _check_domain(table.domain if domain is None else domain)
-    return table_error(sf, full, table.borders, table.codes, table.values, dom)
+    return table_error(sf, full, table, dom)

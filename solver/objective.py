@@ -20,6 +20,8 @@ from typing import Mapping
 
 import numpy as np
 
+from fewbit.table import Table
+
 from . import weights as _weights
 from .registry import SolverFunction
 
@@ -264,17 +266,15 @@ class Objective:
         return (y[1:] - y[:-1]) * (2.0 * self.df(s) - y[:-1] - y[1:]) * self.density(s)
 
 
-def table_error(sf: SolverFunction, params: Mapping[str, float], borders, codes, values,
+def table_error(sf: SolverFunction, params: Mapping[str, float], table: Table,
                 domain: tuple[float, float]) -> float:
     """Method.md §3 error of a table: ``int_A^B (f'(x) - q(x))^2 dx`` with ``w = 1``.
 
-    ``q(x) = values[codes[searchsorted(borders, x, side='left')]]`` exactly as the runtime
-    looks codes up, so a table that is exact (stepwise functions) has error 0.
+    ``q`` is :meth:`fewbit.table.Table.evaluate`, the lookup the runtime does, so a table
+    that is exact (stepwise functions) has error 0.
     """
     A, B = float(domain[0]), float(domain[1])
-    b = np.asarray(borders, dtype=np.float64)
-    codes = np.asarray(codes, dtype=np.int64)
-    values = np.asarray(values, dtype=np.float64)
+    b = np.asarray(table.borders, dtype=np.float64)
     kinks = [k for k in sf.kinks_impl(dict(params)) if A < k < B]
     pts = np.r_[A, kinks, b[(b > A) & (b < B)], B]
     h = min(1.0 / FINE_CELLS_PER_UNIT, (B - A) / 64)
@@ -285,7 +285,7 @@ def table_error(sf: SolverFunction, params: Mapping[str, float], borders, codes,
     hh = np.diff(edges)
     x = edges[:-1, None] + hh[:, None] * _GL_X[None, :]
     gw = hh[:, None] * _GL_W[None, :]
-    q = values[codes[np.searchsorted(b, x, side="left")]]
+    q = table.evaluate(x)
     g = sf.df_impl(x, dict(params))
     if not np.all(np.isfinite(g)):
         raise ValueError(f"fn: the derivative of {sf.name} is not finite on the domain {domain}")

@@ -345,7 +345,8 @@ def names() -> list[str]:
 
 
 def _from_registry(name: str) -> SolverFunction:
-    act = _acts.get_activation(name)
+    # a Hugging Face formula name stands for the entry whose tables it shares
+    act = _acts.table_activation(name)
     f, df, kinks = _ANALYTIC[act.name]
     return SolverFunction(
         name=act.name,
@@ -421,6 +422,9 @@ def _load_user(spec: str) -> SolverFunction:
 
 def get(name_or_spec: str) -> SolverFunction:
     """The solver function for a registry name, an alias, or ``"package.module:callable"``.
+
+    A Hugging Face formula name (``"gelu_new"``, ``"gelu_fast"``, ...) gives the function
+    whose tables it shares (``gelu_tanh``): a formula has no tables of its own.
 
     Args:
         name_or_spec: ``"gelu"``, ``"swish"`` (alias), or a user spec such as

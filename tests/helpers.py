@@ -2,8 +2,8 @@
 ``tests/`` on ``sys.path`` because ``tests/conftest.py`` lives there).
 
 - :func:`reference_codes`, :func:`reference_grad`: the pure-torch few-bit backward,
-  ``grad * values[codes[searchsorted(borders, x)]]`` (docs/method.md §1), computed on the
-  CPU in float64 lookups, independent of fewbit's kernels;
+  ``grad * values[Table.code(x)]`` (docs/method.md §1), computed on the CPU with float64
+  lookups, independent of fewbit's kernels;
 - :func:`toy_table`: a small valid :class:`fewbit.table.Table` without the solver.
 
 Fixtures shared by several modules live in ``tests/conftest.py``.
@@ -20,11 +20,9 @@ __all__ = ["reference_codes", "reference_grad", "toy_table"]
 
 
 def reference_codes(x: torch.Tensor, table: Table) -> torch.Tensor:
-    """The table's code of every element of ``x`` (int64, shape of ``x``, on the CPU)."""
-    borders = torch.tensor(table.borders, dtype=torch.float64)
-    codes = torch.tensor(table.codes, dtype=torch.int64)
-    idx = torch.searchsorted(borders, x.detach().double().reshape(-1).cpu(), right=False)
-    return codes[idx].reshape(x.shape)
+    """The table's code of every element of ``x`` (int64, shape of ``x``, on the CPU): the
+    float64 definition of docs/method.md §2, :meth:`fewbit.table.Table.code`."""
+    return torch.from_numpy(table.code(x.detach().double().cpu()))
 
 
 def reference_grad(grad: torch.Tensor, x: torch.Tensor, table: Table) -> torch.Tensor:

@@ -258,6 +258,19 @@ def test_plot_shipped(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["gelu.png"]
 
 
+@pytest.mark.parametrize("name", ["gelu_new", "gelu_fast"])
+def test_plot_and_error_of_a_hugging_face_formula(tmp_path, name):
+    """A formula name stands for the function whose tables it uses (gelu_tanh)."""
+    out = tmp_path / "f.png"
+    r = run("plot", name, "--bits", "2", "3", "-o", out)
+    assert r.exit_code == 0, r.output
+    _png_checks(out)
+    r = run("error", name, "--bits", "2", "3", "--json")
+    assert r.exit_code == 0, r.output
+    shipped = load_shipped("gelu_tanh")
+    assert json.loads(r.stdout) == {name: {"2": shipped[2].error, "3": shipped[3].error}}
+
+
 def test_plot_fitted_table(tmp_path):
     tj = tmp_path / "t.json"
     assert run("fit", "silu", "--bits", "1", "2", "--grid", GRID, "-o", tj, "--no-progress").exit_code == 0

@@ -7,9 +7,10 @@ import pickle
 import pytest
 import torch
 
+import fewbit
 import fewbit.functional as FF
 from fewbit import modules as fm
-from fewbit.activations import FORMULAS
+from fewbit.activations import ACTIVATIONS, FORMULAS, get_activation, table_activation
 from fewbit.ops import decode_mul_reference, encode_reference
 
 
@@ -78,3 +79,38 @@ def test_module_contract():
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         m(x)
     assert sum(t.numel() * t.element_size() for t in saved) == 250 + 4 * 4
+
+
+@pytest.mark.parametrize("name", sorted(FORMULAS))
+def test_reachable_by_name(name):
+    """A formula name works wherever a function name does: get_activation, load_table,
+    functional.activation, FewBitActivation (forward the formula bit for bit, backward
+    the shared table), and it is exported like the other modules."""
+    f = FORMULAS[name]
+    act = get_activation(name)
+    assert act.name == name and act.torch_fn is f.torch_fn and act.table == f.table and not act.stepwise
+    assert table_activation(name) is ACTIVATIONS[f.table]
+    assert FF.load_table(name, 2) == FF.load_table(f.table, 2)
+    x = (torch.randn(257, dtype=torch.float64) * 4).float()
+    x[:3] = torch.tensor([float("nan"), float("inf"), -float("inf")])
+    for call in (lambda t: FF.activation(t, name, bits=2), fm.FewBitActivation(name, bits=2)):
+        xg = x.clone().requires_grad_(True)
+        y = call(xg)
+        assert _bits(y.detach()) == _bits(f.torch_fn(x))
+        g = torch.randn_like(x)
+        y.backward(g)
+        xm = x.clone().requires_grad_(True)
+        fm.FormulaActivation(name, bits=2)(xm).backward(g)
+        assert _bits(xg.grad) == _bits(xm.grad)
+    assert _bits(FF.activation(x, name)) == _bits(f.torch_fn(x))  # no grad: no table
+    assert fewbit.FormulaActivation is fm.FormulaActivation and "FormulaActivation" in fewbit.__all__
+
+
+def test_gelu_new_is_the_formula_not_torchs_kernel():
+    """``gelu_new`` used to be an alias of gelu_tanh, computed by torch's kernel, which
+    differs from Hugging Face's NewGELUActivation in about 1 % of float32 elements."""
+    x = torch.randn(100_000)
+    y = FF.activation(x, "gelu_new")
+    assert _bits(y) == _bits(FORMULAS["gelu_new"].torch_fn(x))
+    assert _bits(y) != _bits(torch.nn.functional.gelu(x, approximate="tanh"))
+    assert get_activation("gelu_pytorch_tanh") is ACTIVATIONS["gelu_tanh"]  # HF's name for torch's kernel

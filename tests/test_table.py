@@ -365,3 +365,51 @@ def test_rewritten_file_keeps_its_permissions(tmp_path):
     write_tables(path, [_table(3)])
     assert stat.S_IMODE(path.stat().st_mode) == 0o640
     assert sorted(read_tables(path)) == [3]
+
+
+# ----------------------------------------------------------------------------- evaluation
+
+
+def test_code_and_evaluate_follow_the_definition():
+    """code(x) = codes[number of borders < x], q(x) = values[code(x)] (docs/method.md §2):
+    a border belongs to the interval on its left, NaN to the last, -inf to the first."""
+    np = pytest.importorskip("numpy")
+    t = Table(name="gelu", bits=2, borders=[-1.0, 0.0, 2.5], codes=[3, 0, 2, 1], values=[0.5, -1.0, 2.0, 4.0])
+    x = np.array([[-np.inf, -1.0, np.nextafter(-1.0, 0.0)], [0.0, 1e-300, 2.5], [3.0, np.inf, np.nan]])
+    interval = np.array([[0, 0, 1], [1, 2, 2], [3, 3, 3]])
+    assert t.code(x).dtype == np.int64 and t.code(x).shape == x.shape
+    np.testing.assert_array_equal(t.code(x), np.array(t.codes)[interval])
+    np.testing.assert_array_equal(t.evaluate(x), np.array(t.values)[np.array(t.codes)[interval]])
+    assert t.evaluate(2.5) == 2.0 and t.evaluate([-5.0]).tolist() == [4.0]
+
+
+def test_mirrored_code_map():
+    from fewbit.table import mirrored_code_map
+
+    np = pytest.importorskip("numpy")
+    borders, codes = mirrored_code_map([0.5, 1.5, 3.0])
+    assert borders == [-3.0, -1.5, -0.5, 0.5, 1.5, 3.0] and codes == [3, 2, 1, 0, 1, 2, 3]
+    assert mirrored_code_map([]) == ([], [0])
+    t = Table(name="sigmoid", bits=2, borders=borders, codes=codes, values=[0.25, 0.2, 0.1, 0.01], symmetric=True)
+    x = np.random.default_rng(0).uniform(-5, 5, 1001)  # no border: q is even
+    np.testing.assert_array_equal(t.evaluate(x), t.evaluate(-x))
+    # piece k of [0, C] has level values[k]
+    np.testing.assert_array_equal(t.evaluate([0.2, 1.0, 2.0, 4.0]), [0.25, 0.2, 0.1, 0.01])
+
+
+def test_bits_may_be_a_numpy_integer():
+    np = pytest.importorskip("numpy")
+    t = _table(bits=np.int64(2))
+    assert t.bits == 2 and type(t.bits) is int
+
+
+def test_table_module_and_cli_do_not_import_torch():
+    """fewbit.table (and so `fewbit --help` and `fewbit list`) stays torch-free, although
+    it takes its bits check from fewbit._checks."""
+    import subprocess
+    import sys
+
+    code = ("import sys, fewbit.table, fewbit.cli; fewbit.table.Table('relu', 1, [0.0], [0, 1], [0.0, 1.0]); "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

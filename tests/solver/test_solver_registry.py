@@ -44,6 +44,8 @@ def test_names_cover_activations_and_aliases():
     assert registry.names() == ALL
     for alias, target in activations.ALIASES.items():
         assert registry.get(alias).name == target
+    for formula in activations.FORMULAS.values():  # the function whose tables it shares
+        assert registry.get(formula.name).name == formula.table
     for name in ALL:
         sf = registry.get(name)
         act = activations.get_activation(name)

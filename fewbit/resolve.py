@@ -1,0 +1,510 @@
+"""Which function and which table: the one place where an activation and its table are resolved.
+
+:mod:`fewbit.functional`, :mod:`fewbit.modules` and the command line (``fewbit plot`` /
+``fewbit error``) all come here. A function (``fn``) is a registry name or alias
+(:data:`fewbit.activations.ACTIVATIONS`), a Hugging Face formula name
+(:data:`fewbit.activations.FORMULAS`: its own forward, the tables of the entry it
+computes), or a user ``"module:callable"``. Its table is resolved in this order
+(docs/method.md §2):
+
+1. stepwise function: the exact 1-bit table (whatever ``bits`` asks for), its borders
+   from the parameters rounded as torch rounds them for the input's dtype;
+2. a table shipped in ``fewbit.tables`` for (name, non-default params, bits);
+3. the user cache ``$FEWBIT_CACHE_DIR/tables/`` (default
+   ``platformdirs.user_cache_dir("fewbit")/tables/``); a cache file that cannot be read
+   (corrupt, truncated, other schema version) is moved aside to ``<file>.corrupt``
+   (``.corrupt.1``, ... : one set aside earlier is never overwritten) and the table is
+   refitted (step 4, the warning names both files); a readable cache file whose table is
+   for other parameters raises ValueError (it is never reused);
+4. otherwise the table is fitted by :func:`fewbit.solver.fit` with :data:`FIT_OPTIONS`
+   (needs ``pip install "fewbit[solver]"``), written to the cache atomically, and a
+   :class:`TableFittedWarning` says so.
+
+:func:`load_table` does all four and keeps the result in memory, keyed by (name,
+non-default params, bits, border params), under one lock; :func:`find_table` does steps
+1-3 only (plus the tables fitted earlier in this process) and never fits nor moves a file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import math
+import os
+import threading
+import warnings
+from pathlib import Path
+from typing import Any, Callable, Mapping, Union
+
+import torch
+
+from fewbit._checks import check_bits
+from fewbit.activations import (
+    Activation,
+    canonical_params,
+    exact_table,
+    get_activation,
+    get_formula,
+    import_callable,
+    non_default_params,
+    table_activation,
+)
+from fewbit.table import Table, TableFormatError, load_shipped, read_tables, table_filename, write_tables
+
+__all__ = [
+    "load_table",
+    "find_table",
+    "table_argument",
+    "table_for",
+    "cache_dir",
+    "clear_table_cache",
+    "TableFittedWarning",
+    "FIT_OPTIONS",
+    "ResolvedFn",
+    "resolve_fn",
+    "check_table_matches",
+    "stepwise_params_for",
+]
+
+TableLike = Union[Table, str, os.PathLike]
+FnLike = Union[str, Callable[..., torch.Tensor]]
+
+#: Options passed to :func:`fewbit.solver.fit` when a table has to be fitted at run time.
+#: ``grid`` is the number of DP grid cells (docs/method.md §4); smaller is faster and coarser.
+FIT_OPTIONS: dict[str, Any] = {"domain": (-10.0, 10.0), "weight": "uniform", "grid": 4096}
+
+
+class TableFittedWarning(UserWarning):
+    """A table was not shipped nor cached, so it was fitted (once) and cached."""
+
+
+_TABLES: dict[tuple, Table] = {}
+_LOCK = threading.RLock()
+
+
+# --------------------------------------------------------------------------- functions
+
+
+class ResolvedFn:
+    """A resolved activation: a registry entry (or formula sharing one), or a user callable.
+
+    Attributes:
+        name: the name its tables are keyed by (canonical registry name, or the
+            ``"module:callable"`` of a user function).
+        act: the registry :class:`~fewbit.activations.Activation` whose tables it uses
+            (``None`` for a user function).
+        callable: its forward, ``callable(input, **params)``.
+        op_name: the ``fn`` given to :func:`fewbit.ops.pointwise`: ``name``, or for a
+            Hugging Face formula its ``"fewbit.activations:<formula>"`` (its forward is
+            not the registry entry's kernel).
+    """
+
+    __slots__ = ("name", "act", "callable", "op_name")
+
+    def __init__(self, name: str, act: Activation | None, fn: Callable[..., torch.Tensor],
+                 op_name: str | None = None):
+        self.name = name
+        self.act = act
+        self.callable = fn
+        self.op_name = op_name or name
+
+    @property
+    def default_bits(self) -> int:
+        """The function's default bits: 1 for stepwise derivatives (exact), 3 otherwise."""
+        return self.act.default_bits if self.act is not None else 3
+
+    def full_params(self, params: Mapping[str, float] | None) -> dict[str, float]:
+        """Every parameter, defaults filled in (``ValueError`` for unknown or non-finite ones)."""
+        if self.act is not None:
+            return canonical_params(self.act, params)
+        out = {}
+        for k, v in dict(params or {}).items():
+            v = float(v)
+            if not math.isfinite(v):
+                raise ValueError(f"parameter {k} of {self.name} must be finite, got {v}")
+            out[str(k)] = v
+        return out
+
+    def table_params(self, params: Mapping[str, float] | None) -> dict[str, float]:
+        """The parameters a table is keyed by (non-default ones for registry functions)."""
+        if self.act is not None:
+            return non_default_params(self.act, params)
+        return self.full_params(params)
+
+    def border_params(self, full: dict[str, float], dtype: torch.dtype | None) -> dict[str, float]:
+        """The parameters the borders of a stepwise function's exact table come from:
+        ``full`` rounded as torch rounds them for inputs of ``dtype`` (``None``: unrounded)."""
+        if dtype is None or self.act is None or not self.act.stepwise:
+            return full
+        return stepwise_params_for(self.name, full, dtype)
+
+    def __call__(self, input: torch.Tensor, params: Mapping[str, float]) -> torch.Tensor:
+        return self.callable(input, **params)
+
+
+def resolve_fn(fn: FnLike) -> ResolvedFn:
+    """Resolve a registry name, alias, formula name, ``"module:callable"`` or callable.
+
+    Raises:
+        ValueError: an unknown name (with close matches) or a spec that does not import.
+        TypeError: a callable that is not importable by its ``module:qualname`` (lambdas,
+            local functions), or an object that is neither a string nor a callable.
+    """
+    if isinstance(fn, str):
+        if ":" in fn:
+            return ResolvedFn(fn, None, import_callable(fn))
+        act = get_activation(fn)
+        base = table_activation(fn)
+        if base is act:
+            return ResolvedFn(act.name, act, act.torch_fn)
+        # A Hugging Face formula: its own forward (bit for bit), the tables of ``base``.
+        return ResolvedFn(base.name, base, act.torch_fn, get_formula(act.name).spec)
+    if callable(fn):
+        name = f"{getattr(fn, '__module__', None)}:{getattr(fn, '__qualname__', None)}"
+        try:
+            same = import_callable(name) is fn
+        except (ValueError, TypeError):
+            same = False
+        if not same:
+            raise TypeError(
+                f"fn {fn!r} is not importable as 'module:callable' (lambdas and local functions "
+                "are not); define it at module level or pass its 'module:callable' name"
+            )
+        return ResolvedFn(name, None, fn)
+    raise TypeError(f"fn must be a registry name, 'module:callable' or a callable, got {type(fn).__name__}")
+
+
+# Border parameters of stepwise functions, and the dtype torch compares them in for a
+# reduced-precision input (None: the input's own dtype). torch rounds the Python float
+# parameter before comparing, so the exact table must use the rounded value to give
+# torch's gradient bit for bit (e.g. float32 x == float32(0.3) is not above
+# threshold=0.3 in torch, although 0.30000001192 > 0.3 in float64).
+_STEPWISE_BORDER_PARAMS: dict[str, tuple[tuple[str, ...], torch.dtype | None]] = {
+    "threshold": (("threshold",), torch.float32),
+    "hardtanh": (("min_val", "max_val"), torch.float32),
+    "hardshrink": (("lambd",), None),
+    "softshrink": (("lambd",), None),
+}
+
+
+def stepwise_params_for(name: str, full: dict[str, float], dtype: torch.dtype) -> dict[str, float]:
+    """Round the border parameters of a stepwise function as torch does for ``dtype``."""
+    spec = _STEPWISE_BORDER_PARAMS.get(name)
+    if spec is None or dtype == torch.float64:
+        return full
+    keys, cmp_dtype = spec
+    cmp_dtype = cmp_dtype or dtype
+    out = dict(full)
+    for k in keys:
+        out[k] = float(torch.tensor(full[k], dtype=torch.float64).to(cmp_dtype).item())
+    return out
+
+
+# --------------------------------------------------------------------------- files
+
+
+def cache_dir() -> Path:
+    """Directory of the user table cache: ``$FEWBIT_CACHE_DIR/tables`` if the variable is
+    set, else ``platformdirs.user_cache_dir("fewbit")/tables``."""
+    root = os.environ.get("FEWBIT_CACHE_DIR")
+    if not root:
+        import platformdirs
+
+        root = platformdirs.user_cache_dir("fewbit")
+    return Path(root) / "tables"
+
+
+def clear_table_cache() -> None:
+    """Forget the tables loaded in memory (files on disk are kept)."""
+    with _LOCK:
+        _TABLES.clear()
+
+
+def _params_tuple(params: Mapping[str, float]) -> tuple:
+    return tuple(sorted((k, float(v)) for k, v in params.items()))
+
+
+def check_table_matches(table: Table, name: str, params: Mapping[str, float], source: str) -> None:
+    """``ValueError`` naming ``source`` unless ``table`` is for ``name`` and exactly ``params``
+    (non-default ones): a table is never reused for another function or other parameters."""
+    if table.name != name:
+        raise ValueError(f"{source}: table is for {table.name!r}, not {name!r}")
+    if _params_tuple(table.params) != _params_tuple(params):
+        raise ValueError(
+            f"{source}: table was fitted for params {dict(table.params)}, not {dict(params)}; "
+            "a table is never reused for other parameters"
+        )
+
+
+def _pick_bits(tables: Mapping[int, Table], bits: int | None, source: str) -> Table:
+    """The ``bits``-bit table of a file's ``{bits: Table}``; ``None``: its only one."""
+    if bits is None:
+        if len(tables) != 1:
+            raise ValueError(f"{source}: holds bits {sorted(tables)}; pass bits to choose one")
+        return next(iter(tables.values()))
+    if bits not in tables:
+        raise TableFormatError(f"{source}: holds no {bits}-bit table (it has bits {sorted(tables)})")
+    table = tables[bits]
+    if table.bits != bits:
+        raise TableFormatError(f"{source}: table under key {bits} has bits={table.bits}")
+    return table
+
+
+def _is_path(fn: Any) -> bool:
+    return isinstance(fn, os.PathLike) or (isinstance(fn, str) and fn.endswith(".json"))
+
+
+def _given_table(table: Any, bits: int | None, what: str) -> tuple[Table, str]:
+    """A :class:`Table` (checked against ``bits``) or a JSON file (any ``str`` or PathLike)
+    as ``(table, source)``; ``what`` names the argument in the TypeError."""
+    if isinstance(table, Table):
+        if bits is not None and table.bits != bits:
+            raise ValueError(f"bits={bits} does not match the table's bits={table.bits}")
+        return table, "table"
+    if isinstance(table, (str, os.PathLike)):
+        return _pick_bits(read_tables(table), bits, str(table)), str(table)
+    raise TypeError(f"{what} must be a fewbit.table.Table or a path to a JSON table file, got {type(table).__name__}")
+
+
+def table_argument(table: TableLike, fn: ResolvedFn, bits: int | None, full: Mapping[str, float]) -> Table:
+    """The ``table`` argument of :func:`fewbit.functional.activation` and
+    :class:`fewbit.modules.FewBitActivation`: a Table, or a JSON table file (``str`` or
+    PathLike, any suffix), which must be for ``fn`` and its parameters ``full``.
+
+    Raises:
+        TypeError: neither a Table nor a path.
+        ValueError: bits or function or parameters do not match; TableFormatError for a
+            file that is unreadable or holds no ``bits``-bit table (``None``: more than one).
+    """
+    tab, source = _given_table(table, bits, "table")
+    check_table_matches(tab, fn.name, fn.table_params(full), source)
+    return tab
+
+
+# --------------------------------------------------------------------------- resolution
+
+
+def _solver_missing(exc: ImportError) -> ImportError:
+    return ImportError(
+        f'fitting a few-bit table needs the solver dependencies (scipy, numba): '
+        f'pip install "fewbit[solver]" ({exc})'
+    )
+
+
+def _set_aside(path: Path, exc: Exception) -> str:
+    """Move an unreadable cache file to ``<name>.corrupt`` (``<name>.corrupt.1``, ... if
+    that exists: a file set aside earlier is never overwritten); return a note for the
+    warning."""
+    for i in range(1000):
+        aside = path.with_name(path.name + (".corrupt" if i == 0 else f".corrupt.{i}"))
+        try:
+            # a hard link never replaces an existing file (os.replace would)
+            os.link(path, aside, follow_symlinks=False)
+        except FileExistsError:
+            continue
+        except OSError as err:  # no hard links on this file system: check, then rename
+            if os.path.lexists(aside):
+                continue
+            try:
+                os.rename(path, aside)
+            except OSError as err2:
+                raise TableFormatError(
+                    f"{path}: unreadable cached table ({exc}) and it cannot be moved aside ({err2}); delete it"
+                ) from err
+            return f"; the unreadable cache file was moved to {aside} ({exc})"
+        try:
+            os.unlink(path)
+        except OSError as err:
+            raise TableFormatError(
+                f"{path}: unreadable cached table ({exc}); a copy is at {aside} but it cannot be "
+                f"removed ({err}); delete it"
+            ) from exc
+        return f"; the unreadable cache file was moved to {aside} ({exc})"
+    raise TableFormatError(
+        f"{path}: unreadable cached table ({exc}) and 1000 copies are set aside already; delete them"
+    )
+
+
+def _fit_and_cache(f: ResolvedFn, bits: int, params: dict[str, float], note: str = "") -> Table:
+    """Step 4: fit with :data:`FIT_OPTIONS`, add to the cache file, warn."""
+    try:
+        solver = importlib.import_module("fewbit.solver")
+    except ImportError as exc:
+        raise _solver_missing(exc) from exc
+    if not hasattr(solver, "fit"):
+        raise ImportError('fewbit.solver.fit is not available: pip install "fewbit[solver]"')
+    symmetric = bool(f.act.even) if f.act is not None else False
+    try:
+        table = solver.fit(
+            f.name,
+            bits,
+            domain=tuple(FIT_OPTIONS["domain"]),
+            weight=FIT_OPTIONS["weight"],
+            grid=int(FIT_OPTIONS["grid"]),
+            symmetric=symmetric,
+            params=params,
+        )
+    except ModuleNotFoundError as exc:
+        if exc.name and exc.name.split(".")[0] in {"scipy", "numba"}:
+            raise _solver_missing(exc) from exc
+        raise
+    check_table_matches(table, f.name, params, "fewbit.solver.fit")
+    if table.bits != bits:
+        raise RuntimeError(f"fewbit.solver.fit returned a {table.bits}-bit table for bits={bits}")
+    path = cache_dir() / table_filename(f.name, params)
+    where = f"cached at {path}"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        existing = read_tables(path) if path.exists() else {}
+        existing = {b: t for b, t in existing.items() if b != bits}
+        write_tables(path, [*existing.values(), table])
+    except (OSError, ValueError) as exc:  # ValueError: TableFormatError, or a file of other fit options
+        where = f"not cached ({exc})"
+    shown = ", ".join(f"{k}={v:g}" for k, v in params.items())
+    warnings.warn(
+        f"fewbit: fitted a {bits}-bit table for {f.name}({shown}) with grid={FIT_OPTIONS['grid']}; {where}{note}",
+        TableFittedWarning,
+        stacklevel=4,  # _fit_and_cache < table_for < load_table (or a functional wrapper) < its caller
+    )
+    return table
+
+
+def _lookup(f: ResolvedFn, bits: int, full: dict[str, float], nd: dict[str, float], bp: dict[str, float],
+            set_aside: bool) -> tuple[Table | None, str, str]:
+    """Steps 1-3 (exact, shipped, user cache), never fitting.
+
+    Returns ``(table or None, source, note)``: ``source`` says where the table came from
+    (``"exact"``, ``"fewbit.tables/<file>"`` or the cache file's path); ``note`` is set when
+    an unreadable cache file was moved aside (``set_aside``; otherwise TableFormatError).
+    """
+    if f.act is not None and f.act.stepwise:
+        # Exact at 1 bit: more bits could not make the gradient more exact.
+        table = exact_table(f.name, bp)
+        if bp != full:
+            table = dataclasses.replace(table, params=nd)
+        return table, "exact", ""
+    if f.act is not None:
+        shipped = load_shipped(f.name, nd)
+        if shipped and bits in shipped:
+            source = f"fewbit.tables/{table_filename(f.name, nd)}"
+            table = _pick_bits(shipped, bits, source)
+            check_table_matches(table, f.name, nd, source)
+            return table, source, ""
+    path = cache_dir() / table_filename(f.name, nd)
+    if not path.exists():
+        return None, "", ""
+    try:
+        cached = read_tables(path)
+    except TableFormatError as exc:
+        if not set_aside:
+            raise
+        # The cache is ours and can be rebuilt: set the unreadable file aside (never
+        # deleted) and refit; the warning says so.
+        return None, "", _set_aside(path, exc)
+    if bits not in cached:
+        return None, "", ""
+    table = _pick_bits(cached, bits, str(path))
+    check_table_matches(table, f.name, nd, str(path))
+    return table, str(path), ""
+
+
+def table_for(f: ResolvedFn, bits: int | None, full: dict[str, float], dtype: torch.dtype | None) -> Table:
+    """The table of a resolved function (steps 1-4), kept in memory.
+
+    Args:
+        f: from :func:`resolve_fn`.
+        bits: checked bits, or ``None`` for the function's default.
+        full: every parameter (:meth:`ResolvedFn.full_params`).
+        dtype: the input's dtype: a stepwise function's borders are its parameters
+            rounded as torch rounds them for that dtype (``None``: unrounded); the
+            table's ``params`` stay the requested ones.
+    """
+    bits = bits if bits is not None else f.default_bits
+    nd = f.table_params(full)
+    bp = f.border_params(full, dtype)
+    key = (f.name, _params_tuple(nd), bits, _params_tuple(bp))
+    table = _TABLES.get(key)
+    if table is not None:
+        return table
+    with _LOCK:
+        table = _TABLES.get(key)
+        if table is not None:
+            return table
+        table, _, note = _lookup(f, bits, full, nd, bp, set_aside=True)
+        if table is None:
+            table = _fit_and_cache(f, bits, nd, note)
+        _TABLES[key] = table
+        return table
+
+
+def find_table(fn: FnLike, bits: int | None = None,
+               params: Mapping[str, float] | None = None) -> tuple[Table | None, str]:
+    """The table :func:`load_table` would return, found the same way, but never fitted.
+
+    For the command line (``fewbit plot`` / ``fewbit error``), which must show the tables
+    the runtime uses and must not fit one silently.
+
+    Returns:
+        ``(table, source)``: ``source`` is ``"exact"``, ``"fewbit.tables/<file>"``, the path
+        of the user cache file, or ``"memory"`` (fitted earlier in this process, not
+        cached); ``(None, "")`` when :func:`load_table` would have to fit the table.
+
+    Raises:
+        ValueError: as :func:`load_table`.
+        TableFormatError: if a shipped or cached file is unreadable (the cached file is left
+            where it is; :func:`load_table` would move it aside and refit).
+    """
+    if bits is not None:
+        bits = check_bits(bits)
+    f = resolve_fn(fn)
+    if bits is None:
+        bits = f.default_bits
+    full = f.full_params(params)
+    nd = f.table_params(full)
+    table, source, _ = _lookup(f, bits, full, nd, full, set_aside=False)
+    if table is None:
+        table = _TABLES.get((f.name, _params_tuple(nd), bits, _params_tuple(full)))
+        source = "memory" if table is not None else ""
+    return table, source
+
+
+def load_table(fn: FnLike | TableLike, bits: int | None = None, params: Mapping[str, float] | None = None) -> Table:
+    """Resolve the few-bit table of an activation (steps 1-4 of :mod:`fewbit.resolve`).
+
+    Args:
+        fn: a registry name (``"gelu"``, ``"gelu_tanh"``, aliases such as ``"swish"``), a
+            Hugging Face formula name (``"gelu_new"``, ``"gelu_fast"``: the tables of the
+            function it computes), a ``"module:callable"`` string or module-level
+            (importable) callable for a user activation, a :class:`~fewbit.table.Table`
+            (returned as is), or a path to a JSON table file (``str`` ending in ``.json``
+            or ``os.PathLike``).
+        bits: bits per element, 1..8; ``None`` is the function's default (1 for stepwise
+            functions, 3 otherwise; for a Table, its own bits). For stepwise functions
+            the exact 1-bit table is returned for every ``bits``: its gradient is exact.
+        params: the function's parameters in torch's names (``{"alpha": 0.5}``); only the
+            non-default ones select the table. Ignored for a Table or a file.
+
+    Returns:
+        The :class:`~fewbit.table.Table`; its ``params`` equal the requested non-default
+        parameters (a table fitted for other parameters is never reused).
+
+    Raises:
+        ValueError: for bits outside 1..8, an unknown function or parameter, or a Table
+            whose bits differ from ``bits``.
+        TableFormatError: (a ValueError) if a JSON file is unreadable, of another schema,
+            or holds no table for ``bits``; the message names the file.
+        ImportError: if a table must be fitted and the solver dependencies are missing
+            (``pip install "fewbit[solver]"``).
+
+    Example:
+        >>> load_table("gelu", 3).bits
+        3
+        >>> load_table("relu", 4).bits   # exact at 1 bit
+        1
+    """
+    if bits is not None:
+        bits = check_bits(bits)
+    if isinstance(fn, Table) or _is_path(fn):
+        return _given_table(fn, bits, "fn")[0]
+    f = resolve_fn(fn)
+    return table_for(f, bits, f.full_params(params), None)
