@@ -94,12 +94,21 @@ class _Bypass:
 
 
 def _keep(t):
+    # detach(): a pack hook that returns the tensor itself closes a reference cycle when the
+    # op saves its own output (SDPA saves out and lse: out -> grad_fn -> out), which
+    # Python's gc cannot see, so every call's graph leaked (about 3 MiB a call at
+    # batch 8 x 4 heads x 128 tokens x 32). The detached alias shares storage and version
+    # counter: nothing is copied, and in-place changes are still detected.
+    return t.detach()
+
+
+def _same(t):
     return t
 
 
 def _no_saved_tensor_hooks():
-    """Identity saved-tensor hooks: what is saved inside is kept exact, whatever is active."""
-    return torch.autograd.graph.saved_tensors_hooks(_keep, _keep)
+    """Saved-tensor hooks that keep what is saved inside exact, whatever hooks are active."""
+    return torch.autograd.graph.saved_tensors_hooks(_keep, _same)
 
 
 def _rng_state(device: torch.device) -> torch.Tensor:
