@@ -46,6 +46,8 @@ def check_bits(bits: Any, name: str = "bits", allowed: Iterable[int] = TABLE_BIT
     Raises:
         ValueError: ``bits`` is not an integer (``bool`` included) or not in ``allowed``.
     """
+    if type(bits) is int and bits in allowed:  # the common case, cheap (kernels call this per call)
+        return bits
     allowed = tuple(allowed)
     contiguous = list(allowed) == list(range(allowed[0], allowed[-1] + 1))
     what = f"an integer in {allowed[0]}..{allowed[-1]}" if contiguous else f"one of {allowed}"
@@ -85,6 +87,9 @@ def packed_nbytes(numel: int, bits: int) -> int:
         ValueError: ``bits`` not in 1..8 or ``numel`` negative.
     """
     check_bits(bits)
-    if not is_int(numel) or numel < 0:
-        raise ValueError(f"numel must be an integer >= 0, got {numel!r}")
-    return (int(numel) * bits + 7) // 8
+    # a SymInt is a size in a fake kernel under torch.compile (>= 0 by construction)
+    if not (type(numel) is int and numel >= 0 or isinstance(numel, torch.SymInt)):
+        if not is_int(numel) or numel < 0:
+            raise ValueError(f"numel must be an integer >= 0, got {numel!r}")
+        numel = int(numel)
+    return (numel * bits + 7) // 8

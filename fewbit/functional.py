@@ -498,10 +498,11 @@ def load_table(fn: FnLike | TableLike, bits: int | None = None, params: Mapping[
 # --------------------------------------------------------------------------- core
 
 
-def _pointwise(input: torch.Tensor, table: Table, fn: Any, params: dict[str, float], inplace: bool) -> torch.Tensor:
-    from fewbit.ops import pointwise
+def _pointwise(input: torch.Tensor, table: Table, f: _Fn, params: dict[str, float], inplace: bool) -> torch.Tensor:
+    # input checked, f resolved, table matched here: fewbit.ops does none of it again
+    from fewbit.ops._pointwise import _apply
 
-    return pointwise(input, table, fn, params, inplace=inplace)
+    return _apply(input, table, f.name, f.callable, params, inplace)
 
 
 def _registry(
@@ -519,7 +520,7 @@ def _registry(
     if not _needs_grad(input):
         return torch_call()
     table = _load(f, bits, full, _border_params(f, full, input.dtype))
-    return _pointwise(input, table, f.name, full, inplace)
+    return _pointwise(input, table, f, full, inplace)
 
 
 def _border_params(f: _Fn, full: dict[str, float], dtype: torch.dtype) -> dict[str, float] | None:
@@ -604,7 +605,7 @@ def activation(
     else:
         tab, source = _table_arg(table, bits)
         _check_table_matches(tab, f.name, f.table_params(full), source)
-    return _pointwise(input, tab, f.name, full, inplace)
+    return _pointwise(input, tab, f, full, inplace)
 
 
 # --------------------------------------------------------------------------- smooth

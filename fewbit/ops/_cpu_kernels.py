@@ -385,7 +385,7 @@ def decode_mul(g, packed, values, out, bits, select_zero):
         _unpack_dispatch(ps, cb[:mfull], bits)
         if mfull < m:  # last, partial group of the whole stream
             w = np.uint64(0)
-            for t in range(((m - mfull) * bits + 7) // 8):
+            for t in range(((m - mfull) * bits + 7) // 8):  # packed_nbytes, inside the kernel
                 w |= np.uint64(ps[mfull // 8 * bits + t]) << np.uint64(8 * t)
             for k in range(m - mfull):
                 cb[mfull + k] = np.uint8((w >> np.uint64(k * bits)) & mask)

@@ -33,11 +33,9 @@ __all__ = [
     "round_down_to_float32",
 ]
 
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype in which a few-bit op compares and multiplies for inputs of ``dtype``.
+    """The dtype in which every fewbit kernel (few-bit ops and group quantizer) compares,
+    multiplies and divides for inputs of ``dtype``.
 
     ``float64`` stays ``float64``; ``float32``, ``float16`` and ``bfloat16`` use ``float32``
     (the upcast of fp16/bf16 to fp32 is exact).

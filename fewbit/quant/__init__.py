@@ -41,7 +41,9 @@ from dataclasses import dataclass
 
 import torch
 
+from fewbit._checks import check_bits, check_float_tensor, check_positive_int
 from fewbit.quant import _reference as _ref
+from fewbit.quant._reference import SUPPORTED_BITS
 from fewbit.quant.compressor import ActivationCompressor, CompressionStats, compress_activations
 
 __all__ = [
@@ -53,9 +55,7 @@ __all__ = [
     "ActivationCompressor", "CompressionStats", "compress_activations",
 ]
 
-SUPPORTED_BITS = (1, 2, 4, 8)
 SUPPORTED_STATS_DTYPES = (torch.bfloat16, torch.float32)
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 @dataclass(frozen=True, eq=False)
@@ -117,16 +117,15 @@ class QuantizedTensor:
 
 
 def _validate(x, bits, group_size, stats_dtype, generator) -> None:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-    if x.dtype not in _FLOAT_DTYPES:
-        raise TypeError(
-            f"x must be a floating-point tensor (float16, bfloat16, float32 or float64), got {x.dtype}"
-        )
-    if isinstance(bits, bool) or not isinstance(bits, int) or bits not in SUPPORTED_BITS:
-        raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {bits!r}")
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
-        raise ValueError(f"group_size must be an integer >= 1, got {group_size!r}")
+    check_float_tensor(x, "x")
+    _validate_options(bits, group_size, stats_dtype, generator)
+
+
+def _validate_options(bits, group_size, stats_dtype, generator) -> None:
+    """The checks :func:`quantize` and :class:`ActivationCompressor` share (ValueError /
+    TypeError naming the argument, the allowed values and the value given)."""
+    check_bits(bits, allowed=SUPPORTED_BITS)
+    check_positive_int(group_size, "group_size")
     if stats_dtype not in SUPPORTED_STATS_DTYPES:
         raise ValueError(
             f"stats_dtype must be torch.bfloat16 or torch.float32 (float16 cannot hold the "

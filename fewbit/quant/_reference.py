@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import torch
 
+from fewbit.ops._reference import compute_dtype  # one rule for every fewbit kernel
 from fewbit.packing import pack_reference, unpack_reference
 
 __all__ = [
@@ -52,16 +53,14 @@ __all__ = [
     "compute_dtype",
 ]
 
+#: Bits per element the group quantizer supports (whole codes per byte: 8, 4, 2 or 1).
+SUPPORTED_BITS = (1, 2, 4, 8)
+
 _MASK32 = 0xFFFFFFFF
 # lowbias32 (Chris Wellons' hash-prospector): x ^= x >> 16; x *= C1; x ^= x >> 15;
 # x *= C2; x ^= x >> 16, all mod 2**32.
 _C1 = 0x7FEB352D
 _C2 = 0x846CA68B
-
-
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype arithmetic is done in: float64 for float64 input, float32 otherwise."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
