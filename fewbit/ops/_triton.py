@@ -266,7 +266,7 @@ def _encode(x, borders, codes, bits, classes, capacity, block):
     c = codes.detach().to(device=x.device, dtype=torch.int32).contiguous()
     grid = (triton.cdiv(triton.cdiv(n, 8), block),)
     wrap_triton(_encode_kernel)[grid](
-        x, b, c, out, record if record is not None else out, n, capacity,
+        x, b, c, out, record if record is not None else c, n, capacity,  # c: never written (CLASSES == 0)
         NB=nb, BITS=bits, BLOCK=block, IS_F64=x.dtype == torch.float64, CLASSES=classes,
     )
     return out, record

@@ -40,7 +40,7 @@ def group_quantize(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Default kernel (devices without their own backend): the pure-torch reference."""
     _check_args(bits, group_size, x.dtype)
-    return ref.quantize_reference(x, bits, group_size, seed if stochastic else None, stats_dtype)
+    return ref.group_quantize_reference(x, bits, group_size, seed, stochastic, stats_dtype)
 
 
 @group_quantize.register_fake
@@ -67,7 +67,7 @@ def _(x, bits, group_size, seed, stochastic, stats_dtype):
 def _group_quantize_cuda(x, bits, group_size, seed, stochastic, stats_dtype):
     _check_args(bits, group_size, x.dtype)
     if x.dtype == torch.float64 or x.numel() == 0:
-        return ref.quantize_reference(x, bits, group_size, seed if stochastic else None, stats_dtype)
+        return ref.group_quantize_reference(x, bits, group_size, seed, stochastic, stats_dtype)
     from fewbit.quant import _triton  # noqa: F401  (registers fewbit::group_*_triton)
 
     return torch.ops.fewbit.group_quantize_triton(x, bits, group_size, seed, stochastic, stats_dtype)

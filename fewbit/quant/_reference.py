@@ -49,6 +49,7 @@ __all__ = [
     "group_stats_reference",
     "quantize_codes_reference",
     "quantize_reference",
+    "group_quantize_reference",
     "dequantize_reference",
     "compute_dtype",
 ]
@@ -210,6 +211,12 @@ def quantize_reference(
     mins, scales, _ = group_stats_reference(flat, bits, group_size, stats_dtype)
     q = quantize_codes_reference(flat, mins, scales, bits, group_size, seed)
     return pack_reference(q, bits), mins, scales
+
+
+def group_quantize_reference(x, bits, group_size, seed, stochastic, stats_dtype):
+    """:func:`quantize_reference` with the arguments of ``fewbit::group_quantize``
+    (``seed`` ignored unless ``stochastic``)."""
+    return quantize_reference(x, bits, group_size, seed if stochastic else None, stats_dtype)
 
 
 def dequantize_reference(

@@ -356,22 +356,15 @@ class ActivationCompressor:
         return packed
 
 
-def compress_activations(
-    bits: int = 4,
-    *,
-    group_size: int = 256,
-    min_numel: int = 4096,
-    stochastic: bool = True,
-    stats_dtype: torch.dtype = torch.bfloat16,
-    generator: torch.Generator | None = None,
-) -> ActivationCompressor:
+def compress_activations(bits: int = 4, **options) -> ActivationCompressor:
     """A fresh :class:`ActivationCompressor`, for ``with fewbit.compress_activations(4): ...``.
 
     Saved floating tensors of any shape and dtype are group-quantized to ``bits`` bits
     per element plus ``2 * 16 / group_size`` bits per element of bf16 stats (ActNN,
     Chen et al., ICML 2021; docs/method.md §7); unpacked copies have the saved shape and dtype.
 
-    Args: as :class:`ActivationCompressor` (bits one of 1, 2, 4, 8).
+    Args: as :class:`ActivationCompressor` (``bits`` one of 1, 2, 4, 8; the keyword-only
+    ``group_size``, ``min_numel``, ``stochastic``, ``stats_dtype``, ``generator``).
 
     Returns:
         A new compressor (its ``stats`` count bytes before/after inside its blocks).
@@ -379,12 +372,9 @@ def compress_activations(
     Raises:
         ValueError: for ``bits``, ``group_size``, ``min_numel`` or ``stats_dtype`` out of
             range, or a ``generator`` that is not on the CPU.
-        TypeError: for a ``generator`` that is not a ``torch.Generator``.
+        TypeError: for a ``generator`` that is not a ``torch.Generator``, or an unknown option.
     """
-    return ActivationCompressor(
-        bits, group_size=group_size, min_numel=min_numel, stochastic=stochastic,
-        stats_dtype=stats_dtype, generator=generator,
-    )
+    return ActivationCompressor(bits, **options)
 
 
 def _attention_mode(comp: ActivationCompressor):
