@@ -43,63 +43,72 @@ from fewbit.ops._reference import (
 
 __all__ = ["encode_op", "encode_nonfinite_op", "decode_mul_op"]
 
+# Argument checks of the ops, run by every kernel and by the fake kernels. A failed check goes
+# through torch._check_value (ValueError) / torch._check_type (TypeError), and so does a
+# condition on sizes that is a SymBool in a fake kernel under torch.compile (torch._check
+# records it instead of specialising; bitsandbytes ``_ops.py`` convention). A plain True
+# costs one comparison: these run on every call, and torch._check_* costs microseconds.
+
+
 def _check_encode(x, borders, codes, bits):
-    # torch._check_* (ValueError / TypeError), not ``if ...: raise``: these run in the fake
-    # kernels too, where sizes may be symbolic (bitsandbytes ``_ops.py`` convention).
-    torch._check_type(x.dtype in FLOAT_DTYPES, lambda: f"input must be float16, bfloat16, float32 or float64, got {x.dtype}")
+    if x.dtype not in FLOAT_DTYPES:
+        torch._check_type(False, lambda: f"input must be float16, bfloat16, float32 or float64, got {x.dtype}")
     _check_op_bits(bits)
-    torch._check_value(
-        borders.dim() == 1 and borders.dtype in (torch.float32, torch.float64),
-        lambda: f"borders must be 1-D float32 or float64, got {tuple(borders.shape)} {borders.dtype}",
-    )
-    torch._check_value(
-        x.dtype != torch.float64 or borders.dtype == torch.float64,
-        lambda: "borders must be float64 for float64 input (float32 borders are inexact)",
-    )
-    torch._check_value(
-        codes.dim() == 1 and codes.numel() == borders.numel() + 1,
-        lambda: f"codes must be 1-D with len(borders) + 1 = {borders.numel() + 1} entries, got {tuple(codes.shape)}",
-    )
-    torch._check_type(
-        not (codes.is_floating_point() or codes.is_complex() or codes.dtype == torch.bool),
-        lambda: f"codes must be an integer tensor, got {codes.dtype}",
-    )
+    if borders.dim() != 1 or borders.dtype not in (torch.float32, torch.float64):
+        torch._check_value(
+            False, lambda: f"borders must be 1-D float32 or float64, got {tuple(borders.shape)} {borders.dtype}"
+        )
+    if x.dtype == torch.float64 and borders.dtype != torch.float64:
+        torch._check_value(False, lambda: "borders must be float64 for float64 input (float32 borders are inexact)")
+    ok = codes.dim() == 1 and codes.numel() == borders.numel() + 1
+    if ok is not True:
+        torch._check_value(ok, lambda: (
+            f"codes must be 1-D with len(borders) + 1 = {borders.numel() + 1} entries, got {tuple(codes.shape)}"
+        ))
+    if codes.is_floating_point() or codes.is_complex() or codes.dtype == torch.bool:
+        torch._check_type(False, lambda: f"codes must be an integer tensor, got {codes.dtype}")
 
 
 def _check_op_bits(bits):
-    torch._check_value(bits in TABLE_BITS, lambda: f"bits must be in 1..8, got {bits}")
+    if bits not in TABLE_BITS:
+        torch._check_value(False, lambda: f"bits must be in 1..8, got {bits}")
 
 
 def _check_nonfinite_args(classes, capacity):
-    torch._check_value(0 <= classes <= 7, lambda: f"classes must be a class mask in 0..7, got {classes}")
-    torch._check_value(capacity >= 0, lambda: f"capacity must be >= 0, got {capacity}")
+    if not 0 <= classes <= 7:
+        torch._check_value(False, lambda: f"classes must be a class mask in 0..7, got {classes}")
+    if capacity < 0:
+        torch._check_value(False, lambda: f"capacity must be >= 0, got {capacity}")
 
 
 def _check_decode(grad, packed, values, bits, nonfinite=None, patch=None):
-    torch._check_type(
-        grad.dtype in FLOAT_DTYPES, lambda: f"grad_output must be float16, bfloat16, float32 or float64, got {grad.dtype}"
-    )
+    if grad.dtype not in FLOAT_DTYPES:
+        torch._check_type(False, lambda: f"grad_output must be float16, bfloat16, float32 or float64, got {grad.dtype}")
     _check_op_bits(bits)
-    torch._check_type(packed.dtype == torch.uint8, lambda: f"packed must be uint8, got {packed.dtype}")
+    if packed.dtype != torch.uint8:
+        torch._check_type(False, lambda: f"packed must be uint8, got {packed.dtype}")
     need = packed_nbytes(grad.numel(), bits)
-    torch._check_value(
-        packed.numel() >= need,
-        lambda: f"packed holds {packed.numel()} bytes, {need} needed for {grad.numel()} codes of {bits} bits",
-    )
-    torch._check_value(
-        values.dim() == 1 and values.numel() == (1 << bits) and values.is_floating_point(),
-        lambda: f"values must be 1-D floating with 2**bits = {1 << bits} entries, got {tuple(values.shape)} {values.dtype}",
-    )
-    torch._check_value((nonfinite is None) == (patch is None), lambda: "nonfinite and patch must be given together")
+    ok = packed.numel() >= need
+    if ok is not True:
+        torch._check_value(ok, lambda: (
+            f"packed holds {packed.numel()} bytes, {need} needed for {grad.numel()} codes of {bits} bits"
+        ))
+    ok = values.dim() == 1 and values.numel() == (1 << bits) and values.is_floating_point()
+    if ok is not True:
+        torch._check_value(ok, lambda: (
+            f"values must be 1-D floating with 2**bits = {1 << bits} entries, got {tuple(values.shape)} {values.dtype}"
+        ))
+    if (nonfinite is None) != (patch is None):
+        torch._check_value(False, lambda: "nonfinite and patch must be given together")
     if nonfinite is not None:
-        torch._check_value(
-            nonfinite.dtype == torch.int64 and nonfinite.dim() == 1 and nonfinite.numel() >= 1,
-            lambda: f"nonfinite must be a 1-D int64 record of >= 1 entries, got {tuple(nonfinite.shape)} {nonfinite.dtype}",
-        )
-        torch._check_value(
-            patch.is_floating_point() and patch.numel() == 24,
-            lambda: f"patch must be floating with 24 entries, got {tuple(patch.shape)} {patch.dtype}",
-        )
+        ok = nonfinite.dtype == torch.int64 and nonfinite.dim() == 1 and nonfinite.numel() >= 1
+        if ok is not True:
+            torch._check_value(ok, lambda: (
+                f"nonfinite must be a 1-D int64 record of >= 1 entries, got {tuple(nonfinite.shape)} {nonfinite.dtype}"
+            ))
+        ok = patch.is_floating_point() and patch.numel() == 24
+        if ok is not True:
+            torch._check_value(ok, lambda: f"patch must be floating with 24 entries, got {tuple(patch.shape)} {patch.dtype}")
 
 
 def _cmp_borders(x: torch.Tensor, borders: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ both op families (docs/kernels.md):
 - any other device: the pure-torch reference (:mod:`fewbit.quant._reference`).
 
 User arguments are validated by the public functions of :mod:`fewbit.quant`; the ops check
-theirs with ``torch._check_*`` (also in the fake kernels, where sizes may be symbolic).
+theirs through ``torch._check_*``, also in the fake kernels (as :mod:`fewbit.ops._ops`).
 Importing this module does not import numba or triton.
 """
 
@@ -28,9 +28,13 @@ from fewbit.quant import _reference as ref
 __all__ = ["group_quantize", "group_dequantize"]
 
 def _check_args(bits: int, group_size: int, dtype: torch.dtype) -> None:
-    torch._check_value(bits in ref.SUPPORTED_BITS, lambda: f"bits must be one of {ref.SUPPORTED_BITS}, got {bits}")
-    torch._check_value(group_size >= 1, lambda: f"group_size must be >= 1, got {group_size}")
-    torch._check_type(dtype in FLOAT_DTYPES, lambda: f"dtype must be a floating-point dtype, got {dtype}")
+    # as fewbit.ops._ops: a failed check raises through torch._check_value / torch._check_type
+    if bits not in ref.SUPPORTED_BITS:
+        torch._check_value(False, lambda: f"bits must be one of {ref.SUPPORTED_BITS}, got {bits}")
+    if group_size < 1:
+        torch._check_value(False, lambda: f"group_size must be >= 1, got {group_size}")
+    if dtype not in FLOAT_DTYPES:
+        torch._check_type(False, lambda: f"dtype must be a floating-point dtype, got {dtype}")
 
 
 @torch.library.custom_op("fewbit::group_quantize", mutates_args=())
