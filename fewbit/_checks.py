@@ -32,12 +32,15 @@ __all__ = [
 FLOAT_DTYPES: tuple[torch.dtype, ...]
 
 
+def _float_dtypes() -> tuple[torch.dtype, ...]:
+    import torch
+
+    return (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
 def __getattr__(name: str) -> Any:
     if name == "FLOAT_DTYPES":
-        import torch
-
-        value = globals()["FLOAT_DTYPES"] = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-        return value
+        return _float_dtypes()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 #: Bit widths of a few-bit table (2**bits levels, codes packed ``bits`` per element).
@@ -60,6 +63,8 @@ def check_bits(bits: Any, name: str = "bits", allowed: Iterable[int] = TABLE_BIT
     Raises:
         ValueError: ``bits`` is not an integer (``bool`` included) or not in ``allowed``.
     """
+    if type(bits) is int and bits in allowed:  # the common case, cheap (kernels call this per call)
+        return bits
     allowed = tuple(allowed)
     contiguous = list(allowed) == list(range(allowed[0], allowed[-1] + 1))
     what = f"an integer in {allowed[0]}..{allowed[-1]}" if contiguous else f"one of {allowed}"
@@ -85,7 +90,7 @@ def check_float_tensor(tensor: Any, name: str = "input") -> torch.Tensor:
 
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
-    float_dtypes = globals().get("FLOAT_DTYPES") or __getattr__("FLOAT_DTYPES")
+    float_dtypes = _float_dtypes()  # no globals(): torch.compile traces this
     if tensor.dtype not in float_dtypes:
         names = ", ".join(str(d).replace("torch.", "") for d in float_dtypes)
         raise TypeError(f"{name} must be a floating-point tensor ({names}), got dtype {tensor.dtype}")
@@ -102,6 +107,12 @@ def packed_nbytes(numel: int, bits: int) -> int:
         ValueError: ``bits`` not in 1..8 or ``numel`` negative.
     """
     check_bits(bits)
-    if not is_int(numel) or numel < 0:
-        raise ValueError(f"numel must be an integer >= 0, got {numel!r}")
-    return (int(numel) * bits + 7) // 8
+    # a SymInt is a size in a fake kernel under torch.compile (>= 0 by construction)
+    if not (type(numel) is int and numel >= 0):
+        import torch  # not reached for a plain int: fewbit.table stays torch-free
+
+        if not isinstance(numel, torch.SymInt):
+            if not is_int(numel) or numel < 0:
+                raise ValueError(f"numel must be an integer >= 0, got {numel!r}")
+            numel = int(numel)
+    return (numel * bits + 7) // 8

@@ -35,6 +35,7 @@ from fewbit.resolve import (  # noqa: F401  (re-exported: public names, and priv
     FIT_OPTIONS,
     _TABLES,
     FnLike,
+    ResolvedFn,
     TableFittedWarning,
     TableLike,
     cache_dir,
@@ -91,10 +92,11 @@ def _needs_grad(input: torch.Tensor) -> bool:
 # --------------------------------------------------------------------------- core
 
 
-def _pointwise(input: torch.Tensor, table: Table, fn: Any, params: dict[str, float], inplace: bool) -> torch.Tensor:
-    from fewbit.ops import pointwise
+def _pointwise(input: torch.Tensor, table: Table, f: ResolvedFn, params: dict[str, float], inplace: bool) -> torch.Tensor:
+    # input checked, f resolved, table matched here: fewbit.ops does none of it again
+    from fewbit.ops._pointwise import _apply
 
-    return pointwise(input, table, fn, params, inplace=inplace)
+    return _apply(input, table, f.op_name, f.callable, params, inplace)
 
 
 def _registry(
@@ -112,7 +114,7 @@ def _registry(
     if not _needs_grad(input):
         return torch_call()
     table = table_for(f, bits, full, input.dtype)
-    return _pointwise(input, table, f.op_name, full, inplace)
+    return _pointwise(input, table, f, full, inplace)
 
 
 def activation(
@@ -175,7 +177,7 @@ def activation(
         tab = table_for(f, bits, full, input.dtype)
     else:
         tab = table_argument(table, f, bits, full)
-    return _pointwise(input, tab, f.op_name, full, inplace)
+    return _pointwise(input, tab, f, full, inplace)
 
 
 # --------------------------------------------------------------------------- smooth

@@ -32,6 +32,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 if "NUMBA_THREADING_LAYER" not in os.environ:
     numba.config.THREADING_LAYER_PRIORITY = ["omp", "tbb", "workqueue"]
 
+from fewbit._checks import packed_nbytes  # noqa: E402
 from fewbit.ops import _cpu_kernels  # noqa: E402
 
 __all__ = ["encode_cpu", "decode_mul_cpu"]
@@ -57,7 +58,7 @@ def encode_cpu(
         if ``count_nonfinite``, else 0.
     """
     n = x.numel()
-    out = torch.empty(((n * bits + 7) // 8,), dtype=torch.uint8)
+    out = torch.empty((packed_nbytes(n, bits),), dtype=torch.uint8)
     if n == 0:
         return out, 0
     x = x.detach().reshape(-1).contiguous()

@@ -96,6 +96,8 @@ def _store_ov(os_, prod):
     return impl
 
 
+# _codes_u1 / _u3 / _u7 / _u15 repeat one line per border on purpose: borders held as
+# scalars (registers) let LLVM vectorise the loop; a loop over a borders array does not.
 @njit(error_model="numpy", cache=True, nogil=True)
 def _codes_u1(xf, cb, c0, b0, d0):
     """Codes for up to 1 borders (padded with +inf / 0), unrolled (vectorises)."""
@@ -263,6 +265,41 @@ def _unpack_full(ps, cb, bits):
 
 
 @njit(inline="always")
+def _unpack_tail(ps, cb, bits):
+    """The last ``m < 8`` codes ``cb`` from the ``ceil(m * bits / 8)`` bytes ``ps`` (inverse of
+    :func:`_pack_tail`)."""
+    mask = np.uint64((1 << bits) - 1)
+    w = np.uint64(0)
+    for t in range((cb.shape[0] * bits + 7) // 8):  # packed_nbytes, inside the kernel
+        w |= np.uint64(ps[t]) << np.uint64(8 * t)
+    for k in range(cb.shape[0]):
+        cb[k] = np.uint8((w >> np.uint64(k * bits)) & mask)
+
+
+@njit(inline="always")
+def pack_codes(cb, os_, bits):
+    """Pack the uint8 codes ``cb`` (any length ``m``) into the ``ceil(m * bits / 8)`` bytes
+    ``os_``: the stream of docs/method.md §6, equal to :func:`fewbit.packing.pack_reference`.
+    The one numba packer of fewbit (few-bit ops and group quantizer)."""
+    mfull = cb.shape[0] // 8 * 8
+    _pack_dispatch(cb[:mfull], os_[:mfull // 8 * bits], bits)
+    if mfull < cb.shape[0]:
+        _pack_tail(cb[mfull:], os_[mfull // 8 * bits:], bits)
+
+
+@njit(inline="always")
+def unpack_codes(ps, cb, bits):
+    """Inverse of :func:`pack_codes` (:func:`fewbit.packing.unpack_reference`): the
+    ``cb.shape[0]`` codes from the bytes ``ps``."""
+    mfull = cb.shape[0] // 8 * 8
+    _unpack_dispatch(ps, cb[:mfull], bits)
+    if mfull < cb.shape[0]:
+        _unpack_tail(ps[mfull // 8 * bits:], cb[mfull:], bits)
+
+
+# The two dispatchers below repeat one call per bit width on purpose: a literal ``bits``
+# lets numba unroll the inner loops of _pack / _unpack_full (a runtime width does not).
+@njit(inline="always")
 def _unpack_dispatch(ps, cb, bits):
     if bits == 1:
         _unpack_full(ps, cb, 1)
@@ -309,6 +346,10 @@ def _times(g, val, zsel):
     return abs(val) if (zsel and val == 0) else p  # abs(val) is +0 of val's type
 
 
+# _mul_lut spells out a select tree per bit width (numba cannot unroll one from a loop):
+# v{i} = values[i]; s{b}_{l}_{j} = node j of level l of the tree for b bits, chosen by code
+# bit l; val{b} = the root. Loop variables carry the width (i{b}, cc{b}) so that numba types
+# each branch's variables apart.
 @njit(error_model="numpy", cache=True, nogil=True)
 def _mul_lut(gf, cb, values, prod, bits, zsel):
     """``prod = gf * values[cb]`` (+0 where the level is 0 if ``zsel``); for bits <= 4 a
@@ -373,22 +414,13 @@ def decode_mul(g, packed, values, out, bits, select_zero):
     """``out = g * values[code]`` (1-D; float32/float64, or bf16 bits as uint16 with
     float32 values); with ``select_zero``, +0 where the level is 0."""
     n = g.shape[0]
-    mask = np.uint64((1 << bits) - 1)
     nchunks = (n + _CHUNK - 1) // _CHUNK
     for ch in prange(nchunks):
         e0 = ch * _CHUNK
         e1 = min(e0 + _CHUNK, n)
         m = e1 - e0
-        ps = packed[e0 // 8 * bits:]
-        cb = np.empty((m + 7) // 8 * 8, np.uint8)
-        mfull = m // 8 * 8
-        _unpack_dispatch(ps, cb[:mfull], bits)
-        if mfull < m:  # last, partial group of the whole stream
-            w = np.uint64(0)
-            for t in range(((m - mfull) * bits + 7) // 8):
-                w |= np.uint64(ps[mfull // 8 * bits + t]) << np.uint64(8 * t)
-            for k in range(m - mfull):
-                cb[mfull + k] = np.uint8((w >> np.uint64(k * bits)) & mask)
+        cb = np.empty(m, np.uint8)
+        unpack_codes(packed[e0 // 8 * bits:], cb, bits)  # a partial group only in the last chunk
         gf = _widen(g[e0:e1])
         os_ = out[e0:e1]
         prod = _prod_buf(os_)

@@ -33,6 +33,7 @@ import torch
 
 from typing import Optional
 
+from fewbit._checks import FLOAT_DTYPES, TABLE_BITS, packed_nbytes
 from fewbit.ops._nonfinite import nonfinite_record_reference, patch_reference
 from fewbit.ops._reference import (
     compute_dtype,
@@ -42,52 +43,72 @@ from fewbit.ops._reference import (
 
 __all__ = ["encode_op", "encode_nonfinite_op", "decode_mul_op"]
 
-_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# Argument checks of the ops, run by every kernel and by the fake kernels. A failed check goes
+# through torch._check_value (ValueError) / torch._check_type (TypeError), and so does a
+# condition on sizes that is a SymBool in a fake kernel under torch.compile (torch._check
+# records it instead of specialising; bitsandbytes ``_ops.py`` convention). A plain True
+# costs one comparison: these run on every call, and torch._check_* costs microseconds.
 
 
 def _check_encode(x, borders, codes, bits):
-    if x.dtype not in _FLOATS:
-        raise TypeError(f"input must be float16, bfloat16, float32 or float64, got {x.dtype}")
-    if not 1 <= bits <= 8:
-        raise ValueError(f"bits must be in 1..8, got {bits}")
+    if x.dtype not in FLOAT_DTYPES:
+        torch._check_type(False, lambda: f"input must be float16, bfloat16, float32 or float64, got {x.dtype}")
+    _check_op_bits(bits)
     if borders.dim() != 1 or borders.dtype not in (torch.float32, torch.float64):
-        raise ValueError(f"borders must be 1-D float32 or float64, got {tuple(borders.shape)} {borders.dtype}")
-    if x.dtype == torch.float64 and borders.dtype != torch.float64:
-        raise ValueError("borders must be float64 for float64 input (float32 borders are inexact)")
-    if codes.dim() != 1 or codes.numel() != borders.numel() + 1:
-        raise ValueError(
-            f"codes must be 1-D with len(borders) + 1 = {borders.numel() + 1} entries, got {tuple(codes.shape)}"
+        torch._check_value(
+            False, lambda: f"borders must be 1-D float32 or float64, got {tuple(borders.shape)} {borders.dtype}"
         )
+    if x.dtype == torch.float64 and borders.dtype != torch.float64:
+        torch._check_value(False, lambda: "borders must be float64 for float64 input (float32 borders are inexact)")
+    ok = codes.dim() == 1 and codes.numel() == borders.numel() + 1
+    if ok is not True:
+        torch._check_value(ok, lambda: (
+            f"codes must be 1-D with len(borders) + 1 = {borders.numel() + 1} entries, got {tuple(codes.shape)}"
+        ))
     if codes.is_floating_point() or codes.is_complex() or codes.dtype == torch.bool:
-        raise TypeError(f"codes must be an integer tensor, got {codes.dtype}")
+        torch._check_type(False, lambda: f"codes must be an integer tensor, got {codes.dtype}")
+
+
+def _check_op_bits(bits):
+    if bits not in TABLE_BITS:
+        torch._check_value(False, lambda: f"bits must be in 1..8, got {bits}")
 
 
 def _check_nonfinite_args(classes, capacity):
     if not 0 <= classes <= 7:
-        raise ValueError(f"classes must be a class mask in 0..7, got {classes}")
+        torch._check_value(False, lambda: f"classes must be a class mask in 0..7, got {classes}")
     if capacity < 0:
-        raise ValueError(f"capacity must be >= 0, got {capacity}")
+        torch._check_value(False, lambda: f"capacity must be >= 0, got {capacity}")
 
 
 def _check_decode(grad, packed, values, bits, nonfinite=None, patch=None):
-    if grad.dtype not in _FLOATS:
-        raise TypeError(f"grad_output must be float16, bfloat16, float32 or float64, got {grad.dtype}")
-    if not 1 <= bits <= 8:
-        raise ValueError(f"bits must be in 1..8, got {bits}")
+    if grad.dtype not in FLOAT_DTYPES:
+        torch._check_type(False, lambda: f"grad_output must be float16, bfloat16, float32 or float64, got {grad.dtype}")
+    _check_op_bits(bits)
     if packed.dtype != torch.uint8:
-        raise TypeError(f"packed must be uint8, got {packed.dtype}")
-    need = (grad.numel() * bits + 7) // 8
-    if packed.numel() < need:
-        raise ValueError(f"packed holds {packed.numel()} bytes, {need} needed for {grad.numel()} codes of {bits} bits")
-    if values.dim() != 1 or values.numel() != (1 << bits) or not values.is_floating_point():
-        raise ValueError(f"values must be 1-D floating with 2**bits = {1 << bits} entries, got {tuple(values.shape)} {values.dtype}")
+        torch._check_type(False, lambda: f"packed must be uint8, got {packed.dtype}")
+    need = packed_nbytes(grad.numel(), bits)
+    ok = packed.numel() >= need
+    if ok is not True:
+        torch._check_value(ok, lambda: (
+            f"packed holds {packed.numel()} bytes, {need} needed for {grad.numel()} codes of {bits} bits"
+        ))
+    ok = values.dim() == 1 and values.numel() == (1 << bits) and values.is_floating_point()
+    if ok is not True:
+        torch._check_value(ok, lambda: (
+            f"values must be 1-D floating with 2**bits = {1 << bits} entries, got {tuple(values.shape)} {values.dtype}"
+        ))
     if (nonfinite is None) != (patch is None):
-        raise ValueError("nonfinite and patch must be given together")
+        torch._check_value(False, lambda: "nonfinite and patch must be given together")
     if nonfinite is not None:
-        if nonfinite.dtype != torch.int64 or nonfinite.dim() != 1 or nonfinite.numel() < 1:
-            raise ValueError(f"nonfinite must be a 1-D int64 record of >= 1 entries, got {tuple(nonfinite.shape)} {nonfinite.dtype}")
-        if not patch.is_floating_point() or patch.numel() != 24:
-            raise ValueError(f"patch must be floating with 24 entries, got {tuple(patch.shape)} {patch.dtype}")
+        ok = nonfinite.dtype == torch.int64 and nonfinite.dim() == 1 and nonfinite.numel() >= 1
+        if ok is not True:
+            torch._check_value(ok, lambda: (
+                f"nonfinite must be a 1-D int64 record of >= 1 entries, got {tuple(nonfinite.shape)} {nonfinite.dtype}"
+            ))
+        ok = patch.is_floating_point() and patch.numel() == 24
+        if ok is not True:
+            torch._check_value(ok, lambda: f"patch must be floating with 24 entries, got {tuple(patch.shape)} {patch.dtype}")
 
 
 def _cmp_borders(x: torch.Tensor, borders: torch.Tensor) -> torch.Tensor:
@@ -116,7 +137,7 @@ def encode_op(x: torch.Tensor, borders: torch.Tensor, codes: torch.Tensor, bits:
 @encode_op.register_fake
 def _(x, borders, codes, bits):
     _check_encode(x, borders, codes, bits)
-    return x.new_empty(((x.numel() * bits + 7) // 8,), dtype=torch.uint8)
+    return x.new_empty((packed_nbytes(x.numel(), bits),), dtype=torch.uint8)
 
 
 @encode_op.register_kernel("cpu")
@@ -128,11 +149,11 @@ def _(x, borders, codes, bits):
 
 
 @encode_op.register_kernel("cuda")
-def _(x, borders, codes, bits):
+def _encode_cuda(x, borders, codes, bits):
     _check_encode(x, borders, codes, bits)
-    from fewbit.ops import _triton
+    from fewbit.ops import _triton  # noqa: F401  (registers fewbit::*_triton)
 
-    return _triton.encode_triton(x, _cmp_borders(x, borders), codes, bits)
+    return torch.ops.fewbit.encode_triton(x, _cmp_borders(x, borders), codes, bits)
 
 
 @torch.library.custom_op("fewbit::encode_nonfinite", mutates_args=())
@@ -149,7 +170,7 @@ def encode_nonfinite_op(
 def _(x, borders, codes, bits, classes, capacity):
     _check_encode(x, borders, codes, bits)
     _check_nonfinite_args(classes, capacity)
-    packed = x.new_empty(((x.numel() * bits + 7) // 8,), dtype=torch.uint8)
+    packed = x.new_empty((packed_nbytes(x.numel(), bits),), dtype=torch.uint8)
     return packed, x.new_empty((1 + capacity,), dtype=torch.int64)
 
 
@@ -166,12 +187,12 @@ def _(x, borders, codes, bits, classes, capacity):
 
 
 @encode_nonfinite_op.register_kernel("cuda")
-def _(x, borders, codes, bits, classes, capacity):
+def _encode_nonfinite_cuda(x, borders, codes, bits, classes, capacity):
     _check_encode(x, borders, codes, bits)
     _check_nonfinite_args(classes, capacity)
-    from fewbit.ops import _triton
+    from fewbit.ops import _triton  # noqa: F401  (registers fewbit::*_triton)
 
-    return _triton.encode_nonfinite_triton(x, _cmp_borders(x, borders), codes, bits, classes, capacity)
+    return torch.ops.fewbit.encode_nonfinite_triton(x, _cmp_borders(x, borders), codes, bits, classes, capacity)
 
 
 @torch.library.custom_op("fewbit::decode_mul", mutates_args=())
@@ -207,15 +228,48 @@ def _(grad, packed, values, bits, nonfinite=None, patch=None, select_zero=False)
 
 
 @decode_mul_op.register_kernel("cuda")
-def _(grad, packed, values, bits, nonfinite=None, patch=None, select_zero=False):
+def _decode_mul_cuda(grad, packed, values, bits, nonfinite=None, patch=None, select_zero=False):
     _check_decode(grad, packed, values, bits, nonfinite, patch)
-    from fewbit.ops import _triton
+    from fewbit.ops import _triton  # noqa: F401  (registers fewbit::*_triton)
 
     cdt = compute_dtype(grad.dtype)
-    return _triton.decode_mul_triton(
-        grad, packed, values.to(cdt), bits,
-        nonfinite=nonfinite, patch=None if patch is None else patch.to(cdt), select_zero=select_zero,
+    return torch.ops.fewbit.decode_mul_triton(
+        grad, packed, values.to(cdt), bits, nonfinite, None if patch is None else patch.to(cdt), select_zero
     )
+
+
+# --------------------------------------------------------------------------- compile
+#: Device types whose kernels are Triton ops that torch.compile traces into (tests add "cpu"
+#: under TRITON_INTERPRET=1 to check the decomposition without a GPU).
+TRITON_DEVICE_TYPES = {"cuda"}
+
+
+def trace_into_triton(op, kernel) -> None:
+    """Let torch.compile see the Triton kernels behind the custom op ``op``.
+
+    A ``custom_op`` is opaque to torch.compile. While AOTAutograd traces (under
+    ``FunctionalTensorMode``), inputs on a device in :data:`TRITON_DEVICE_TYPES` are traced
+    through ``kernel`` (the op's ``cuda`` kernel), which calls ``torch.library.triton_op``s
+    that decompose into their ``wrap_triton`` launches, as ``triton_op`` itself does
+    (torch/_library/triton.py); other devices keep the opaque op (numba cannot be traced),
+    and so does ``torch.export`` (a serialisable graph, as for ``triton_op``).
+    """
+    from torch._subclasses.functional_tensor import FunctionalTensorMode
+
+    def rule(mode, func, types, args, kwargs):
+        from torch.export._trace import custom_triton_ops_decomposition_disabled
+
+        if args[0].device.type not in TRITON_DEVICE_TYPES or custom_triton_ops_decomposition_disabled():
+            return mode.__torch_dispatch__(func, types, args, kwargs)
+        with mode:
+            return kernel(*args, **kwargs)
+
+    op.register_torch_dispatch(FunctionalTensorMode, rule)
+
+
+trace_into_triton(encode_op, _encode_cuda)
+trace_into_triton(encode_nonfinite_op, _encode_nonfinite_cuda)
+trace_into_triton(decode_mul_op, _decode_mul_cuda)
 
 
 # --------------------------------------------------------------------------- vmap
@@ -241,7 +295,7 @@ def _encode_vmap(info, in_dims, x, borders, codes, bits):
     _unsupported_batched(in_dims[1:3], ("borders", "codes"))
     xb = x.movedim(in_dims[0], 0).reshape(info.batch_size, -1)
     m = xb.shape[1]
-    nbytes = (m * bits + 7) // 8
+    nbytes = packed_nbytes(m, bits)
     m8 = (m + 7) // 8 * 8
     if m8 != m:
         xb = torch.nn.functional.pad(xb, (0, m8 - m))
@@ -278,7 +332,7 @@ def _decode_mul_vmap(info, in_dims, grad, packed, values, bits, nonfinite=None, 
         return out.reshape(batch, *shape), 0
     m = g.shape[1]
     m8 = (m + 7) // 8 * 8
-    nbytes = (m * bits + 7) // 8
+    nbytes = packed_nbytes(m, bits)
     p = p[:, :nbytes]
     if m8 != m:  # pad every sample to whole bytes (codes 0 for padding, dropped after)
         g = torch.nn.functional.pad(g, (0, m8 - m))

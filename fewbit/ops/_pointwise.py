@@ -12,6 +12,7 @@ from typing import Callable, Mapping
 
 import torch
 
+from fewbit._checks import check_float_tensor
 from fewbit.activations import ACTIVATIONS, ALIASES, canonical_params, get_activation, import_callable
 from fewbit.ops import _ops  # noqa: F401  (registers fewbit::encode / fewbit::decode_mul)
 from fewbit.ops._nonfinite import CAPACITY, derive_grad_rules, nonfinite_record_reference
@@ -19,8 +20,6 @@ from fewbit.ops._reference import compute_dtype, round_down_to_float32
 from fewbit.table import Table
 
 __all__ = ["pointwise", "encode", "decode_mul", "table_tensors", "DecodeMul"]
-
-_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 _lock = threading.Lock()
 _table_cache: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
@@ -76,13 +75,6 @@ def _resolve_fn(fn: str) -> tuple[Callable[..., torch.Tensor], object]:
     if hit is None:
         hit = _fn_cache[fn] = _lookup_fn(fn)
     return hit
-
-
-def _require_float(t, name: str) -> None:
-    """TypeError naming ``name`` unless ``t`` is a float16/bfloat16/float32/float64 tensor."""
-    if not isinstance(t, torch.Tensor) or t.dtype not in _FLOATS:
-        got = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
-        raise TypeError(f"{name} must be a float16, bfloat16, float32 or float64 tensor, got {got}")
 
 
 def _require_table(table) -> None:
@@ -375,10 +367,20 @@ def pointwise(
         RuntimeError: for ``inplace=True`` on a tensor torch refuses to modify in place
             (before writing), and when differentiating the gradient of a fitted table.
     """
-    _require_float(input, "input")
+    check_float_tensor(input, "input")
     torch_fn, act = _resolve_fn(fn)
     full = canonical_params(act, params) if act is not None else dict(params or {})
     _check_table(table, act, full)
+    return _apply(input, table, fn, torch_fn, full, inplace)
+
+
+def _apply(
+    input: torch.Tensor, table: Table, fn: str, torch_fn: Callable[..., torch.Tensor], full: dict, inplace: bool
+) -> torch.Tensor:
+    """:func:`pointwise` with its arguments already checked and resolved: ``torch_fn`` is
+    what ``fn`` names and ``full`` its parameters with defaults filled in, ``table``
+    matches them. :mod:`fewbit.functional` calls this after its own checks, so that a
+    call checks its input and resolves its function once."""
     if not (torch.is_grad_enabled() and input.requires_grad):
         y = torch_fn(input, **full)
         if inplace:
@@ -425,7 +427,7 @@ def encode(input: torch.Tensor, table: Table) -> torch.Tensor:
     Raises:
         TypeError: for a non-floating ``input`` or a non-Table ``table``.
     """
-    _require_float(input, "input")
+    check_float_tensor(input, "input")
     _require_table(table)
     borders, codes, _ = table_tensors(table, input.device, input.dtype)
     return torch.ops.fewbit.encode(input.detach(), borders, codes, table.bits)
@@ -447,7 +449,7 @@ def decode_mul(grad_output: torch.Tensor, packed: torch.Tensor, table: Table) ->
         TypeError: for a non-floating ``grad_output``, non-uint8 ``packed`` or non-Table.
         ValueError: if ``packed`` is too short.
     """
-    _require_float(grad_output, "grad_output")
+    check_float_tensor(grad_output, "grad_output")
     _require_table(table)
     _, _, values = table_tensors(table, grad_output.device, grad_output.dtype)
     return torch.ops.fewbit.decode_mul(grad_output, packed, values, table.bits)

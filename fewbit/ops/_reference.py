@@ -24,6 +24,7 @@ from typing import Sequence
 
 import torch
 
+from fewbit._checks import check_float_tensor
 from fewbit.packing import pack_reference, packed_nbytes, unpack_reference
 
 __all__ = [
@@ -33,11 +34,9 @@ __all__ = [
     "round_down_to_float32",
 ]
 
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype in which a few-bit op compares and multiplies for inputs of ``dtype``.
+    """The dtype in which every fewbit kernel (few-bit ops and group quantizer) compares,
+    multiplies and divides for inputs of ``dtype``.
 
     ``float64`` stays ``float64``; ``float32``, ``float16`` and ``bfloat16`` use ``float32``
     (the upcast of fp16/bf16 to fp32 is exact).
@@ -96,8 +95,7 @@ def encode_reference(
     Returns:
         ``(ceil(numel * bits / 8),)`` uint8 on ``input.device``.
     """
-    if not input.is_floating_point():
-        raise TypeError(f"input must be a floating-point tensor, got {input.dtype}")
+    check_float_tensor(input, "input")
     b, c = _as_borders_codes(borders, codes, input.device)
     x = input.detach().reshape(-1).to(torch.float64)
     idx = torch.searchsorted(b, x, right=False)
@@ -136,8 +134,7 @@ def decode_mul_reference(
     Returns:
         Contiguous tensor of ``grad_output``'s shape and dtype.
     """
-    if not grad_output.is_floating_point():
-        raise TypeError(f"grad_output must be a floating-point tensor, got {grad_output.dtype}")
+    check_float_tensor(grad_output, "grad_output")
     cdt = compute_dtype(grad_output.dtype)
     if isinstance(values, torch.Tensor):
         v = values.to(device=grad_output.device, dtype=cdt)

@@ -21,8 +21,12 @@ with the host.
 # No ``from __future__ import annotations``: the interpreter of triton 3.0/3.1 recognises
 # ``tl.constexpr`` parameters only from evaluated annotations, not from strings.
 import os
+from typing import Optional
 
 import torch
+from torch.library import triton_op, wrap_triton
+
+from fewbit._checks import packed_nbytes
 
 try:
     import triton
@@ -47,6 +51,40 @@ def _widen(v, IS_F64: tl.constexpr):
     else:
         w = v.to(tl.float32)
     return w
+
+
+@triton.jit
+def _groups(BLOCK: tl.constexpr):
+    """This program's ``BLOCK`` groups of 8 elements: the group indices ``(BLOCK,)`` and the
+    flat element indices ``(BLOCK, 8)``, int64 (tensors of 2**31 elements or more)."""
+    grp = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    return grp, grp[:, None] * 8 + tl.arange(0, 8)[None, :].to(tl.int64)
+
+
+@triton.jit
+def _pack_store(code, grp, out_ptr, n, BITS: tl.constexpr):
+    """Store the codes ``(BLOCK, 8)`` (0 past ``n``) of the groups ``grp`` in the stream of
+    docs/method.md §6 (:func:`fewbit.packing.pack_reference`): the 8 codes of a group
+    summed into one 64-bit word at bit offsets ``k * BITS`` (disjoint fields: the sum is
+    an OR), and its low ``BITS`` bytes stored. Shared by every Triton encoder in fewbit."""
+    k = tl.arange(0, 8)
+    word = tl.sum(code.to(tl.uint64) << (k * BITS).to(tl.uint64)[None, :], axis=1)
+    byte = ((word[:, None] >> (k * 8).to(tl.uint64)[None, :]) & 0xFF).to(tl.uint8)
+    bidx = grp[:, None] * BITS + k[None, :].to(tl.int64)
+    nbytes = (n * BITS + 7) // 8  # fewbit.packing.packed_nbytes, inside the kernel
+    tl.store(out_ptr + bidx, byte, mask=(k[None, :] < BITS) & (bidx < nbytes))
+
+
+@triton.jit
+def _load_unpack(packed_ptr, grp, n, BITS: tl.constexpr):
+    """The codes ``(BLOCK, 8)`` int32 of the groups ``grp``: the inverse of :func:`_pack_store`
+    (:func:`fewbit.packing.unpack_reference`); bytes past the stream read as 0."""
+    k = tl.arange(0, 8)
+    bidx = grp[:, None] * BITS + k[None, :].to(tl.int64)
+    nbytes = (n * BITS + 7) // 8  # fewbit.packing.packed_nbytes, inside the kernel
+    byte = tl.load(packed_ptr + bidx, mask=(k[None, :] < BITS) & (bidx < nbytes), other=0)
+    word = tl.sum(byte.to(tl.uint64) << (k * 8).to(tl.uint64)[None, :], axis=1)
+    return ((word[:, None] >> (k * BITS).to(tl.uint64)[None, :]) & ((1 << BITS) - 1)).to(tl.int32)
 
 
 @triton.jit
@@ -90,10 +128,7 @@ def _encode_kernel(
     IS_F64: tl.constexpr,
     CLASSES: tl.constexpr,
 ):
-    pid = tl.program_id(0).to(tl.int64)
-    grp = pid * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-    k = tl.arange(0, 8)
-    idx = grp[:, None] * 8 + k[None, :].to(tl.int64)
+    grp, idx = _groups(BLOCK)
     valid = idx < n
     xc = _widen(tl.load(x_ptr + idx, mask=valid, other=0.0), IS_F64)  # exact
     if CLASSES != 0:
@@ -106,14 +141,7 @@ def _encode_kernel(
         # not (x <= b): NaN counts as above every border (last interval, as searchsorted)
         code += tl.where(xc <= b, 0, nxt - prev)
         prev = nxt
-    code = tl.where(valid, code, 0)
-    shifts = (k * BITS).to(tl.uint64)
-    word = tl.sum(code.to(tl.uint64) << shifts[None, :], axis=1)
-    t = tl.arange(0, 8)
-    byte = ((word[:, None] >> (t * 8).to(tl.uint64)[None, :]) & 0xFF).to(tl.uint8)
-    bidx = grp[:, None] * BITS + t[None, :].to(tl.int64)
-    nbytes = (n * BITS + 7) // 8
-    tl.store(out_ptr + bidx, byte, mask=(t[None, :] < BITS) & (bidx < nbytes))
+    _pack_store(tl.where(valid, code, 0), grp, out_ptr, n, BITS)
 
 
 @triton.jit
@@ -178,16 +206,8 @@ def _decode_mul_kernel(
     SELECT_ZERO: tl.constexpr,
     PB: tl.constexpr,
 ):
-    pid = tl.program_id(0).to(tl.int64)
-    grp = pid * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-    t = tl.arange(0, 8)
-    bidx = grp[:, None] * BITS + t[None, :].to(tl.int64)
-    nbytes = (n * BITS + 7) // 8
-    byte = tl.load(packed_ptr + bidx, mask=(t[None, :] < BITS) & (bidx < nbytes), other=0)
-    word = tl.sum(byte.to(tl.uint64) << (t * 8).to(tl.uint64)[None, :], axis=1)
-    mask = (1 << BITS) - 1
-    code = ((word[:, None] >> (t * BITS).to(tl.uint64)[None, :]) & mask).to(tl.int32)
-    idx = grp[:, None] * 8 + t[None, :].to(tl.int64)
+    grp, idx = _groups(BLOCK)
+    code = _load_unpack(packed_ptr, grp, n, BITS)
     valid = idx < n
     v = tl.load(values_ptr + code, mask=valid, other=0.0)
     prod = _widen(tl.load(g_ptr + idx, mask=valid, other=0.0), IS_F64) * v
@@ -200,7 +220,7 @@ def _decode_mul_kernel(
     if HAS_REC:
         if (cnt > 0) & (cnt <= cap):
             tl.debug_barrier()  # the patch overwrites elements this program just stored
-            lo = pid * BLOCK * 8
+            lo = tl.program_id(0).to(tl.int64) * BLOCK * 8
             _patch_nonfinite(g_ptr, out_ptr, rec_ptr, patch_ptr, cnt, lo, tl.minimum(lo + BLOCK * 8, n),
                              IS_F64, OUT_BF16, PB)
 
@@ -225,12 +245,15 @@ def encode_nonfinite_triton(
     """The encoder that also records the non-finite elements of the classes in the mask
     ``classes`` (fewbit.ops._nonfinite): returns ``(packed, record)``, record
     ``(1 + capacity,)`` int64, entries in an unspecified order. No host sync."""
-    return _encode(x, borders, codes, bits, classes, capacity, block)
+    packed, record = _encode(x, borders, codes, bits, classes, capacity, block)
+    if record is None:  # classes == 0: nothing to record
+        record = torch.zeros((1 + capacity,), dtype=torch.int64, device=x.device)
+    return packed, record
 
 
 def _encode(x, borders, codes, bits, classes, capacity, block):
     n = x.numel()
-    out = torch.empty(((n * bits + 7) // 8,), dtype=torch.uint8, device=x.device)
+    out = torch.empty((packed_nbytes(n, bits),), dtype=torch.uint8, device=x.device)
     record = torch.zeros((1 + capacity,), dtype=torch.int64, device=x.device) if classes else None
     if n == 0:
         return out, record
@@ -242,8 +265,8 @@ def _encode(x, borders, codes, bits, classes, capacity, block):
         b = torch.full((1,), float("inf"), dtype=b.dtype, device=x.device)
     c = codes.detach().to(device=x.device, dtype=torch.int32).contiguous()
     grid = (triton.cdiv(triton.cdiv(n, 8), block),)
-    _encode_kernel[grid](
-        x, b, c, out, record if record is not None else out, n, capacity,
+    wrap_triton(_encode_kernel)[grid](
+        x, b, c, out, record if record is not None else c, n, capacity,  # c: never written (CLASSES == 0)
         NB=nb, BITS=bits, BLOCK=block, IS_F64=x.dtype == torch.float64, CLASSES=classes,
     )
     return out, record
@@ -271,9 +294,35 @@ def decode_mul_triton(
     rec = nonfinite.detach().to(grad.device).contiguous() if has_rec else p
     pt = patch.detach().to(device=grad.device, dtype=v.dtype).contiguous() if has_rec else v
     grid = (triton.cdiv(triton.cdiv(n, 8), block),)
-    _decode_mul_kernel[grid](
+    wrap_triton(_decode_mul_kernel)[grid](
         g, p, v, out, rec, pt, n, rec.numel() - 1 if has_rec else 0, BITS=bits, BLOCK=block,
         IS_F64=grad.dtype == torch.float64, OUT_BF16=grad.dtype == torch.bfloat16,
         HAS_REC=has_rec, SELECT_ZERO=bool(select_zero), PB=256,
     )
     return out
+
+
+# --------------------------------------------------------------------------- ops
+# torch.library.triton_op: torch.compile traces into these (the kernels are launched through
+# wrap_triton) instead of treating them as opaque calls (torchao mx_formats/kernels.py).
+# The ``cuda`` kernels of fewbit::encode / encode_nonfinite / decode_mul call them.
+
+
+@triton_op("fewbit::encode_triton", mutates_args=())
+def _encode_op(x: torch.Tensor, borders: torch.Tensor, codes: torch.Tensor, bits: int) -> torch.Tensor:
+    return encode_triton(x, borders, codes, bits)
+
+
+@triton_op("fewbit::encode_nonfinite_triton", mutates_args=())
+def _encode_nonfinite_op(
+    x: torch.Tensor, borders: torch.Tensor, codes: torch.Tensor, bits: int, classes: int, capacity: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return encode_nonfinite_triton(x, borders, codes, bits, classes, capacity)
+
+
+@triton_op("fewbit::decode_mul_triton", mutates_args=())
+def _decode_mul_op(
+    grad: torch.Tensor, packed: torch.Tensor, values: torch.Tensor, bits: int,
+    nonfinite: Optional[torch.Tensor], patch: Optional[torch.Tensor], select_zero: bool,
+) -> torch.Tensor:
+    return decode_mul_triton(grad, packed, values, bits, nonfinite=nonfinite, patch=patch, select_zero=select_zero)

@@ -41,7 +41,9 @@ from dataclasses import dataclass
 
 import torch
 
+from fewbit._checks import check_bits, check_float_tensor, check_positive_int
 from fewbit.quant import _reference as _ref
+from fewbit.quant._reference import SUPPORTED_BITS
 from fewbit.quant.compressor import ActivationCompressor, CompressionStats, compress_activations
 
 __all__ = [
@@ -53,9 +55,7 @@ __all__ = [
     "ActivationCompressor", "CompressionStats", "compress_activations",
 ]
 
-SUPPORTED_BITS = (1, 2, 4, 8)
 SUPPORTED_STATS_DTYPES = (torch.bfloat16, torch.float32)
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 @dataclass(frozen=True, eq=False)
@@ -117,16 +117,15 @@ class QuantizedTensor:
 
 
 def _validate(x, bits, group_size, stats_dtype, generator) -> None:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-    if x.dtype not in _FLOAT_DTYPES:
-        raise TypeError(
-            f"x must be a floating-point tensor (float16, bfloat16, float32 or float64), got {x.dtype}"
-        )
-    if isinstance(bits, bool) or not isinstance(bits, int) or bits not in SUPPORTED_BITS:
-        raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {bits!r}")
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
-        raise ValueError(f"group_size must be an integer >= 1, got {group_size!r}")
+    check_float_tensor(x, "x")
+    _validate_options(bits, group_size, stats_dtype, generator)
+
+
+def _validate_options(bits, group_size, stats_dtype, generator) -> None:
+    """The checks :func:`quantize` and :class:`ActivationCompressor` share (ValueError /
+    TypeError naming the argument, the allowed values and the value given)."""
+    check_bits(bits, allowed=SUPPORTED_BITS)
+    check_positive_int(group_size, "group_size")
     if stats_dtype not in SUPPORTED_STATS_DTYPES:
         raise ValueError(
             f"stats_dtype must be torch.bfloat16 or torch.float32 (float16 cannot hold the "
@@ -188,12 +187,16 @@ def quantize(
         ValueError: ``bits`` not in {1, 2, 4, 8}, ``group_size < 1``, unsupported
             ``stats_dtype``, ``generator`` not on the CPU.
     """
+    return _quantize(x, bits, group_size, stochastic, stats_dtype, generator, torch.ops.fewbit.group_quantize)
+
+
+def _quantize(x, bits, group_size, stochastic, stats_dtype, generator, kernel) -> QuantizedTensor:
+    """:func:`quantize` with the op given: ``kernel(flat, bits, group_size, seed, stochastic,
+    stats_dtype) -> (packed, mins, scales)`` (``fewbit::group_quantize`` or the reference)."""
     _validate(x, bits, group_size, stats_dtype, generator)
     seed = _draw_seed(generator) if stochastic else 0
     flat = x.detach().reshape(-1).contiguous()
-    packed, mins, scales = torch.ops.fewbit.group_quantize(
-        flat, bits, group_size, seed, bool(stochastic), stats_dtype
-    )
+    packed, mins, scales = kernel(flat, bits, group_size, seed, bool(stochastic), stats_dtype)
     return QuantizedTensor(packed, mins, scales, x.shape, x.dtype, bits, group_size)
 
 
@@ -203,14 +206,19 @@ def dequantize(qt: QuantizedTensor) -> torch.Tensor:
     Raises:
         TypeError: ``qt`` is not a :class:`QuantizedTensor`.
     """
+    return _dequantize(qt, torch.ops.fewbit.group_dequantize)
+
+
+def _dequantize(qt: QuantizedTensor, kernel) -> torch.Tensor:
+    """:func:`dequantize` with the op given (``fewbit::group_dequantize`` or the reference)."""
     if not isinstance(qt, QuantizedTensor):
         raise TypeError(f"qt must be a fewbit.quant.QuantizedTensor, got {type(qt).__name__}")
-    out = torch.ops.fewbit.group_dequantize(
-        qt.packed, qt.mins, qt.scales, qt.bits, qt.group_size, qt.numel, qt.dtype
-    )
+    out = kernel(qt.packed, qt.mins, qt.scales, qt.bits, qt.group_size, qt.numel, qt.dtype)
     return out.reshape(qt.shape)
 
 
+# quantize_reference repeats the signature of quantize on purpose: it is called exactly as
+# quantize is (tests, benchmarks), with the pure-torch kernel.
 def quantize_reference(
     x: torch.Tensor,
     bits: int,
@@ -221,21 +229,12 @@ def quantize_reference(
     generator: torch.Generator | None = None,
 ) -> QuantizedTensor:
     """Pure-torch definition of :func:`quantize` (same arguments, same result bit for bit)."""
-    _validate(x, bits, group_size, stats_dtype, generator)
-    seed = _draw_seed(generator) if stochastic else None
-    flat = x.detach().reshape(-1)
-    packed, mins, scales = _ref.quantize_reference(flat, bits, group_size, seed, stats_dtype)
-    return QuantizedTensor(packed, mins, scales, x.shape, x.dtype, bits, group_size)
+    return _quantize(x, bits, group_size, stochastic, stats_dtype, generator, _ref.group_quantize_reference)
 
 
 def dequantize_reference(qt: QuantizedTensor) -> torch.Tensor:
     """Pure-torch definition of :func:`dequantize`."""
-    if not isinstance(qt, QuantizedTensor):
-        raise TypeError(f"qt must be a fewbit.quant.QuantizedTensor, got {type(qt).__name__}")
-    out = _ref.dequantize_reference(
-        qt.packed, qt.mins, qt.scales, qt.bits, qt.group_size, qt.numel, qt.dtype
-    )
-    return out.reshape(qt.shape)
+    return _dequantize(qt, _ref.dequantize_reference)
 
 
 # Register the torch.library ops (no numba/triton import happens here).

@@ -5,25 +5,21 @@ stored stats and the packed codes are bit-identical to the reference for both ro
 modes (the noise is the same counter-based hash). Per chunk of groups (about 16K
 elements, one prange iteration): the stats of each group from its min/max (computed before
 by torch's vectorised amin/amax), the codes of each group into a scratch buffer (branch-free
-loops that LLVM vectorises), then whole bytes packed (docs/method.md §6); the stream layout equals
-the 64-bit-word packing of docs/kernels.md. Arithmetic is in the dtype of ``x`` (float32 or
-float64); no fastmath, so no FMA
-contraction: ``(x - m) * s + u`` is rounded twice as in torch.
+loops that LLVM vectorises), then packed by the few-bit ops' packer
+(:func:`fewbit.ops._cpu_kernels.pack_codes`, the docs/method.md §6 stream; a chunk starts on
+a byte boundary). Arithmetic is in the dtype of ``x`` (float32 or float64); no fastmath, so
+no FMA contraction: ``(x - m) * s + u`` is rounded twice as in torch.
 """
 
 from __future__ import annotations
 
 import math
 
-import numba
 import numpy as np
 from numba import njit, prange
 
-if numba.config.THREADING_LAYER == "default":  # docs/kernels.md: omp beats workqueue here
-    try:
-        numba.config.THREADING_LAYER = "omp"
-    except Exception:  # pragma: no cover - layer already fixed by another import
-        pass
+from fewbit.ops import _cpu as _  # noqa: F401  (numba imported, its threading layer chosen)
+from fewbit.ops._cpu_kernels import pack_codes, unpack_codes  # the one numba packer
 
 _MASK32 = np.uint64(0xFFFFFFFF)
 
@@ -131,8 +127,7 @@ def quantize_kernel(x, lo_arr, hi_arr, bits, group_size, chunk_groups, seed, sto
         e0 = g0 * G
         e1 = min(g1 * G, n)
         L = e1 - e0
-        L8 = (L + 7) // 8 * 8
-        sc = np.zeros(L8, np.uint8)
+        sc = np.zeros(L, np.uint8)
         for g in range(g0, g1):
             a = g * G
             b = min(a + G, n)
@@ -152,54 +147,8 @@ def quantize_kernel(x, lo_arr, hi_arr, bits, group_size, chunk_groups, seed, sto
                     t = (xs[i] - m) * s
                     qf = np.floor(t + half)
                     cs[i] = np.uint8(min(max(qf, zero), levels))
-        _pack_chunk(sc, L, bits, out_packed[e0 * bits // 8:(e0 * bits // 8) + (L * bits + 7) // 8])
-
-
-@njit(inline="always", cache=True)
-def _pack_chunk(sc, L, bits, out):
-    """Pack the codes ``sc`` (zero-padded to a multiple of 8) into ``out`` (docs/method.md §6)."""
-    nb = out.shape[0]
-    if bits == 8:
-        for j in range(nb):
-            out[j] = sc[j]
-    elif bits == 4:
-        for j in range(nb):
-            out[j] = sc[2 * j] | (sc[2 * j + 1] << 4)
-    elif bits == 2:
-        for j in range(nb):
-            out[j] = sc[4 * j] | (sc[4 * j + 1] << 2) | (sc[4 * j + 2] << 4) | (sc[4 * j + 3] << 6)
-    else:
-        for j in range(nb):
-            v = sc[8 * j]
-            for k in range(1, 8):
-                v |= sc[8 * j + k] << k
-            out[j] = v
-
-
-@njit(inline="always", cache=True)
-def _unpack_chunk(p, bits, sc):
-    """Inverse of :func:`_pack_chunk`: ``sc`` (length a multiple of 8) from the bytes ``p``."""
-    nb = p.shape[0]
-    if bits == 8:
-        for j in range(nb):
-            sc[j] = p[j]
-    elif bits == 4:
-        for j in range(nb):
-            v = p[j]
-            sc[2 * j] = v & 15
-            sc[2 * j + 1] = v >> 4
-    elif bits == 2:
-        for j in range(nb):
-            v = p[j]
-            sc[4 * j] = v & 3
-            sc[4 * j + 1] = (v >> 2) & 3
-            sc[4 * j + 2] = (v >> 4) & 3
-            sc[4 * j + 3] = v >> 6
-    else:
-        for j in range(nb):
-            v = p[j]
-            for k in range(8):
-                sc[8 * j + k] = (v >> k) & 1
+        o0 = e0 * bits // 8  # chunks hold whole bytes of codes (chunk_groups)
+        pack_codes(sc, out_packed[o0:o0 + (L * bits + 7) // 8], bits)  # packed_nbytes, inside the kernel
 
 
 @njit(parallel=True, error_model="numpy", cache=True)
@@ -215,9 +164,8 @@ def dequantize_kernel(packed, m_arr, s_arr, bits, group_size, chunk_groups, out)
         e0 = g0 * G
         e1 = min(g1 * G, n)
         L = e1 - e0
-        sc = np.zeros((L + 7) // 8 * 8, np.uint8)
-        o0 = e0 * bits // 8
-        _unpack_chunk(packed[o0:o0 + (L * bits + 7) // 8], bits, sc)
+        sc = np.empty(L, np.uint8)
+        unpack_codes(packed[e0 * bits // 8:], sc, bits)  # chunks hold whole bytes of codes
         for g in range(g0, g1):
             a = g * G
             b = min(a + G, n)

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import torch
 
+from fewbit.ops._reference import compute_dtype  # one rule for every fewbit kernel
 from fewbit.packing import pack_reference, unpack_reference
 
 __all__ = [
@@ -48,20 +49,19 @@ __all__ = [
     "group_stats_reference",
     "quantize_codes_reference",
     "quantize_reference",
+    "group_quantize_reference",
     "dequantize_reference",
     "compute_dtype",
 ]
+
+#: Bits per element the group quantizer supports (whole codes per byte: 8, 4, 2 or 1).
+SUPPORTED_BITS = (1, 2, 4, 8)
 
 _MASK32 = 0xFFFFFFFF
 # lowbias32 (Chris Wellons' hash-prospector): x ^= x >> 16; x *= C1; x ^= x >> 15;
 # x *= C2; x ^= x >> 16, all mod 2**32.
 _C1 = 0x7FEB352D
 _C2 = 0x846CA68B
-
-
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype arithmetic is done in: float64 for float64 input, float32 otherwise."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
@@ -211,6 +211,12 @@ def quantize_reference(
     mins, scales, _ = group_stats_reference(flat, bits, group_size, stats_dtype)
     q = quantize_codes_reference(flat, mins, scales, bits, group_size, seed)
     return pack_reference(q, bits), mins, scales
+
+
+def group_quantize_reference(x, bits, group_size, seed, stochastic, stats_dtype):
+    """:func:`quantize_reference` with the arguments of ``fewbit::group_quantize``
+    (``seed`` ignored unless ``stochastic``)."""
+    return quantize_reference(x, bits, group_size, seed if stochastic else None, stats_dtype)
 
 
 def dequantize_reference(

@@ -10,6 +10,12 @@ correctly rounded on NVIDIA GPUs) and on launching with ``enable_fp_fusion=False
 :func:`fewbit.quant._reference.uniform_noise`, computed here in uint32 arithmetic (native
 on GPUs; the reference emulates it in int64).
 
+The launchers are registered as ``fewbit::group_quantize_triton`` /
+``fewbit::group_dequantize_triton`` with ``torch.library.triton_op`` and launch through
+``torch.library.wrap_triton``, so ``torch.compile`` sees the kernels themselves (torchao
+``mx_formats/kernels.py`` does the same); the ``cuda`` kernels of ``fewbit::group_quantize`` /
+``fewbit::group_dequantize`` call these ops.
+
 On a machine without a GPU the kernels run under ``TRITON_INTERPRET=1`` on CPU tensors
 (see tests/quant/test_triton.py); they were not run on a GPU when written.
 """
@@ -17,8 +23,13 @@ On a machine without a GPU the kernels run under ``TRITON_INTERPRET=1`` on CPU t
 # No ``from __future__ import annotations``: the interpreter of triton 3.0/3.1 recognises
 # ``tl.constexpr`` parameters only from evaluated annotations, not from strings.
 import torch
-import triton
-import triton.language as tl
+from torch.library import triton_op, wrap_triton
+
+from fewbit._checks import packed_nbytes
+from fewbit.ops._triton import _groups, _load_unpack, _pack_store  # the one Triton packer; imports triton
+
+import triton  # noqa: E402  (fewbit.ops._triton above raises NotImplementedError without it)
+import triton.language as tl  # noqa: E402
 
 __all__ = ["quantize", "dequantize"]
 
@@ -108,12 +119,9 @@ def _stats_kernel(x_ptr, m_ptr, s_ptr, n, G, n_groups, levels, fmax,
 
 
 @triton.jit(do_not_specialize=["seed0", "seed1"])
-def _codes_kernel(x_ptr, m_ptr, s_ptr, out_ptr, n, nbytes, G, seed0, seed1, levels,
+def _codes_kernel(x_ptr, m_ptr, s_ptr, out_ptr, n, G, seed0, seed1, levels,
                   STOCHASTIC: tl.constexpr, BITS: tl.constexpr, BLOCK_W: tl.constexpr):
-    pid = tl.program_id(0)
-    w = pid.to(tl.int64) * BLOCK_W + tl.arange(0, BLOCK_W)
-    k = tl.arange(0, 8)
-    e = w[:, None] * 8 + k[None, :]
+    w, e = _groups(BLOCK_W)
     msk = e < n
     g = e // G
     m = tl.load(m_ptr + g, mask=msk, other=0.0)
@@ -127,26 +135,14 @@ def _codes_kernel(x_ptr, m_ptr, s_ptr, out_ptr, n, nbytes, G, seed0, seed1, leve
     qf = tl.floor(t + u)
     qf = tl.where(qf == qf, qf, 0.0)  # non-finite group: code 0
     qf = tl.minimum(tl.maximum(qf, 0.0), levels)
-    q = qf.to(tl.int64)
-    word = tl.sum(q << (k[None, :] * BITS).to(tl.int64), axis=1)
-    i = tl.arange(0, BITS)
-    byte = (word[:, None] >> (8 * i[None, :]).to(tl.int64)) & 255
-    bidx = w[:, None] * BITS + i[None, :]
-    tl.store(out_ptr + bidx, byte.to(tl.uint8), mask=bidx < nbytes)
+    _pack_store(qf.to(tl.int32), w, out_ptr, n, BITS)  # codes past n are 0 (x = m = 0 there)
 
 
 @triton.jit
-def _dequant_kernel(p_ptr, m_ptr, s_ptr, out_ptr, n, nbytes, G,
+def _dequant_kernel(p_ptr, m_ptr, s_ptr, out_ptr, n, G,
                     BITS: tl.constexpr, BLOCK_W: tl.constexpr, OUT_BF16: tl.constexpr):
-    pid = tl.program_id(0)
-    w = pid.to(tl.int64) * BLOCK_W + tl.arange(0, BLOCK_W)
-    i = tl.arange(0, BITS)
-    bidx = w[:, None] * BITS + i[None, :]
-    b = tl.load(p_ptr + bidx, mask=bidx < nbytes, other=0).to(tl.int64)
-    word = tl.sum(b << (8 * i[None, :]).to(tl.int64), axis=1)
-    k = tl.arange(0, 8)
-    q = (word[:, None] >> (k[None, :] * BITS).to(tl.int64)) & ((1 << BITS) - 1)
-    e = w[:, None] * 8 + k[None, :]
+    w, e = _groups(BLOCK_W)
+    q = _load_unpack(p_ptr, w, n, BITS)
     msk = e < n
     g = e // G
     m = tl.load(m_ptr + g, mask=msk, other=0.0)
@@ -182,7 +178,7 @@ def quantize(x, bits, group_size, seed, stochastic, stats_dtype, *, block_w=256,
     n = x.numel()
     G = group_size
     n_groups = -(-n // G)
-    nbytes = (n * bits + 7) // 8
+    nbytes = packed_nbytes(n, bits)
     dev = x.device
     m = torch.empty(n_groups, dtype=torch.float32, device=dev)
     s = torch.empty(n_groups, dtype=torch.float32, device=dev)
@@ -192,14 +188,14 @@ def quantize(x, bits, group_size, seed, stochastic, stats_dtype, *, block_w=256,
     block_g = min(triton.next_power_of_2(G), block_elems)
     block_groups = max(1, block_elems // block_g)
     levels = float((1 << bits) - 1)
-    _stats_kernel[(triton.cdiv(n_groups, block_groups),)](
+    wrap_triton(_stats_kernel)[(triton.cdiv(n_groups, block_groups),)](
         x, m, s, n, G, n_groups, levels, _fmax(stats_dtype),
         IS_BF16=stats_dtype == torch.bfloat16, BLOCK_GROUPS=block_groups, BLOCK_G=block_g,
         N_ITER=triton.cdiv(G, block_g), enable_fp_fusion=False,
     )
     n_words = -(-n // 8)
-    _codes_kernel[(triton.cdiv(n_words, block_w),)](
-        x, m, s, packed, n, nbytes, G, _as_int32(seed), _as_int32(seed >> 32), levels,
+    wrap_triton(_codes_kernel)[(triton.cdiv(n_words, block_w),)](
+        x, m, s, packed, n, G, _as_int32(seed), _as_int32(seed >> 32), levels,
         STOCHASTIC=bool(stochastic), BITS=bits, BLOCK_W=block_w, enable_fp_fusion=False,
     )
     return packed, m.to(stats_dtype), s.to(stats_dtype)
@@ -212,9 +208,24 @@ def dequantize(packed, mins, scales, bits, group_size, numel, dtype, *, block_w=
         return out
     n_words = -(-numel // 8)
     bf16 = dtype == torch.bfloat16
-    _dequant_kernel[(triton.cdiv(n_words, block_w),)](
+    wrap_triton(_dequant_kernel)[(triton.cdiv(n_words, block_w),)](
         packed, mins.to(torch.float32).contiguous(), scales.to(torch.float32).contiguous(),
-        out.view(torch.int16) if bf16 else out, numel, packed.numel(), group_size,
+        out.view(torch.int16) if bf16 else out, numel, group_size,
         BITS=bits, BLOCK_W=block_w, OUT_BF16=bf16, enable_fp_fusion=False,
     )
     return out
+
+
+@triton_op("fewbit::group_quantize_triton", mutates_args=())
+def _group_quantize_op(
+    x: torch.Tensor, bits: int, group_size: int, seed: int, stochastic: bool, stats_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return quantize(x, bits, group_size, seed, stochastic, stats_dtype)
+
+
+@triton_op("fewbit::group_dequantize_triton", mutates_args=())
+def _group_dequantize_op(
+    packed: torch.Tensor, mins: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int,
+    numel: int, dtype: torch.dtype,
+) -> torch.Tensor:
+    return dequantize(packed, mins, scales, bits, group_size, numel, dtype)

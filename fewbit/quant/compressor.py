@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from fewbit._checks import check_positive_int
+
 __all__ = ["ActivationCompressor", "CompressionStats", "compress_activations"]
 
 _BIT_WEIGHTS = {}  # device -> uint8 [1, 2, 4, ..., 128]
@@ -222,17 +224,10 @@ class ActivationCompressor:
         stats_dtype: torch.dtype = torch.bfloat16,
         generator: torch.Generator | None = None,
     ):
-        from fewbit.quant import SUPPORTED_BITS, SUPPORTED_STATS_DTYPES, _validate_generator
+        from fewbit.quant import _validate_options
 
-        if isinstance(bits, bool) or not isinstance(bits, int) or bits not in SUPPORTED_BITS:
-            raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {bits!r}")
-        if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
-            raise ValueError(f"group_size must be an integer >= 1, got {group_size!r}")
-        if isinstance(min_numel, bool) or not isinstance(min_numel, int) or min_numel < 0:
-            raise ValueError(f"min_numel must be an integer >= 0, got {min_numel!r}")
-        if stats_dtype not in SUPPORTED_STATS_DTYPES:
-            raise ValueError(f"stats_dtype must be torch.bfloat16 or torch.float32, got {stats_dtype!r}")
-        _validate_generator(generator)
+        _validate_options(bits, group_size, stats_dtype, generator)
+        check_positive_int(min_numel, "min_numel", minimum=0)
         self.bits = bits
         self.group_size = group_size
         self.min_numel = min_numel
@@ -361,22 +356,15 @@ class ActivationCompressor:
         return packed
 
 
-def compress_activations(
-    bits: int = 4,
-    *,
-    group_size: int = 256,
-    min_numel: int = 4096,
-    stochastic: bool = True,
-    stats_dtype: torch.dtype = torch.bfloat16,
-    generator: torch.Generator | None = None,
-) -> ActivationCompressor:
+def compress_activations(bits: int = 4, **options) -> ActivationCompressor:
     """A fresh :class:`ActivationCompressor`, for ``with fewbit.compress_activations(4): ...``.
 
     Saved floating tensors of any shape and dtype are group-quantized to ``bits`` bits
     per element plus ``2 * 16 / group_size`` bits per element of bf16 stats (ActNN,
     Chen et al., ICML 2021; docs/method.md §7); unpacked copies have the saved shape and dtype.
 
-    Args: as :class:`ActivationCompressor` (bits one of 1, 2, 4, 8).
+    Args: as :class:`ActivationCompressor` (``bits`` one of 1, 2, 4, 8; the keyword-only
+    ``group_size``, ``min_numel``, ``stochastic``, ``stats_dtype``, ``generator``).
 
     Returns:
         A new compressor (its ``stats`` count bytes before/after inside its blocks).
@@ -384,12 +372,9 @@ def compress_activations(
     Raises:
         ValueError: for ``bits``, ``group_size``, ``min_numel`` or ``stats_dtype`` out of
             range, or a ``generator`` that is not on the CPU.
-        TypeError: for a ``generator`` that is not a ``torch.Generator``.
+        TypeError: for a ``generator`` that is not a ``torch.Generator``, or an unknown option.
     """
-    return ActivationCompressor(
-        bits, group_size=group_size, min_numel=min_numel, stochastic=stochastic,
-        stats_dtype=stats_dtype, generator=generator,
-    )
+    return ActivationCompressor(bits, **options)
 
 
 def _attention_mode(comp: ActivationCompressor):

@@ -158,13 +158,13 @@ def test_errors():
 
 
 @pytest.mark.parametrize("shape", [(3, 5), (2, 7, 9), (0, 4), "noncontig"])
-def test_opcheck(shape):
+def test_opcheck(shape, device):
     table = random_table(3, seed=7)
-    b, c, v = ops.table_tensors(table, "cpu", torch.float32)
-    x = torch.randn(7, 9).t() if shape == "noncontig" else torch.randn(shape)
+    b, c, v = ops.table_tensors(table, device, torch.float32)
+    x = torch.randn(7, 9, device=device).t() if shape == "noncontig" else torch.randn(shape, device=device)
     torch.library.opcheck(torch.ops.fewbit.encode.default, (x, b, c, 3))
     packed = ops.encode(x, table)
-    g = torch.randn(9, 7).t() if shape == "noncontig" else torch.randn(shape)
+    g = torch.randn(9, 7, device=device).t() if shape == "noncontig" else torch.randn(shape, device=device)
     torch.library.opcheck(torch.ops.fewbit.decode_mul.default, (g, packed, v, 3))
 
 

@@ -169,7 +169,7 @@ def test_record_saved_only_with_nonfinite_inputs_on_cpu():
     assert xn.grad[[3, 500]].isnan().all() and torch.isfinite(xn.grad).sum() == 998
 
 
-def test_compiled_path_uses_fixed_capacity():
+def test_compiled_path_uses_fixed_capacity(device):
     # torch.compile cannot read the count on the host: a fixed-capacity record, same
     # gradients as eager, also past capacity (all NaN)
     table = type(random_table(3, seed=0))(**{**random_table(3, seed=0).__dict__, "name": "gelu"})
@@ -180,9 +180,9 @@ def test_compiled_path_uses_fixed_capacity():
     torch._dynamo.reset()
     compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
     for nnan in [0, 3, nf.CAPACITY + 1]:
-        x = torch.randn(3000)
+        x = torch.randn(3000, device=device)
         x[:nnan] = math.nan
-        x[nnan: nnan + 2] = torch.tensor([math.inf, -math.inf])
+        x[nnan: nnan + 2] = torch.tensor([math.inf, -math.inf], device=device)
         a = x.clone().requires_grad_(True)
         b = x.clone().requires_grad_(True)
         compiled(a).sum().backward()
@@ -211,16 +211,16 @@ def test_compile_cold_caches_no_graph_break():
 
 
 @pytest.mark.parametrize("shape", [(3, 5), (0, 4), "noncontig"])
-def test_opcheck_nonfinite_ops(shape):
+def test_opcheck_nonfinite_ops(shape, device):
     table = random_table(3, seed=7)
-    b, c, v = ops.table_tensors(table, "cpu", torch.float32)
-    x = torch.randn(7, 9).t() if shape == "noncontig" else torch.randn(shape)
+    b, c, v = ops.table_tensors(table, device, torch.float32)
+    x = torch.randn(7, 9, device=device).t() if shape == "noncontig" else torch.randn(shape, device=device)
     if x.numel():
         x[0, 0] = math.nan
     torch.library.opcheck(torch.ops.fewbit.encode_nonfinite.default, (x, b, c, 3, 7, 8))
     packed, rec = torch.ops.fewbit.encode_nonfinite(x, b, c, 3, 7, 8)
-    g = torch.randn(9, 7).t() if shape == "noncontig" else torch.randn(shape)
-    patch = torch.randn(24)
+    g = torch.randn(9, 7, device=device).t() if shape == "noncontig" else torch.randn(shape, device=device)
+    patch = torch.randn(24, device=device)
     torch.library.opcheck(torch.ops.fewbit.decode_mul.default, (g, packed, v, 3, rec, patch, True))
 
 

@@ -194,9 +194,9 @@ class _MLP(torch.nn.Module):
         return self.b(ops.pointwise(self.a(x), self.table, "gelu"))
 
 
-def test_compile_no_graph_breaks():
-    model = _MLP(_table_for("gelu"))
-    x = torch.randn(3, 8)
+def test_compile_no_graph_breaks(device):
+    model = _MLP(_table_for("gelu")).to(device)
+    x = torch.randn(3, 8, device=device)
     explained = torch._dynamo.explain(model)(x)
     assert explained.graph_break_count == 0, explained.break_reasons
     torch._dynamo.reset()
@@ -209,11 +209,12 @@ def test_compile_no_graph_breaks():
 
 
 @pytest.mark.slow
-def test_compile_inductor_fullgraph():
-    # Inductor (C++ codegen on CPU) with the custom ops inside one graph.
+def test_compile_inductor_fullgraph(device):
+    # Inductor (C++ codegen on CPU; on CUDA it traces into the Triton ops) with the custom
+    # ops inside one graph.
     torch._dynamo.reset()
-    model = _MLP(_table_for("gelu"))
-    x = torch.randn(3, 8)
+    model = _MLP(_table_for("gelu")).to(device)
+    x = torch.randn(3, 8, device=device)
     compiled = torch.compile(model, fullgraph=True)
     out = compiled(x)
     out.sum().backward()

@@ -29,3 +29,72 @@ def test_lean_import():
             "bad = [m for m in ('numba', 'triton', 'scipy') if m in sys.modules]; "
             "assert not bad, bad; assert not torch.cuda.is_initialized()")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def _forward_graph(fn, *args):
+    """The forward graph that AOTAutograd hands a backend for ``torch.compile(fn)``. The
+    graph is not run (Triton cannot launch without a GPU): the backend returns empty
+    outputs of the traced shapes."""
+    import torch
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    codes = []
+
+    def capture(gm, _inputs):
+        codes.append(gm.code)
+        outs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+        metas = [o.meta["val"] for o in outs]
+        return make_boxed_func(lambda *a: [torch.empty_strided(m.shape, m.stride(), dtype=m.dtype) for m in metas])
+
+    torch._dynamo.reset()
+    try:
+        torch.compile(fn, fullgraph=True, backend=aot_autograd(fw_compiler=capture))(*args)
+    finally:
+        torch._dynamo.reset()
+    return "\n".join(codes)
+
+
+def _encode_decode():
+    import torch
+
+    import fewbit.ops  # noqa: F401  (registers fewbit::encode / decode_mul)
+
+    b, c, v = torch.tensor([-1.0, 0.0, 1.0]), torch.tensor([0, 1, 2, 3]), torch.randn(8)
+
+    def f(x, g):
+        packed = torch.ops.fewbit.encode(x, b, c, 3)
+        return packed, torch.ops.fewbit.decode_mul(g, packed, v, 3)
+
+    return f, (torch.randn(100), torch.randn(100)), ("fewbit.encode", "fewbit.decode_mul")
+
+
+def _quantize_dequantize():
+    import torch
+
+    import fewbit.quant  # noqa: F401  (registers fewbit::group_quantize / group_dequantize)
+
+    def f(x):
+        p, m, s = torch.ops.fewbit.group_quantize(x, 4, 64, 123, True, torch.bfloat16)
+        return torch.ops.fewbit.group_dequantize(p, m, s, 4, 64, x.numel(), x.dtype)
+
+    return f, (torch.randn(1000),), ("fewbit.group_quantize", "fewbit.group_dequantize")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+@pytest.mark.parametrize("case", [_encode_decode, _quantize_dequantize], ids=["fewbit-ops", "group-quantizer"])
+def test_compile_traces_into_the_triton_kernels(case, monkeypatch):
+    """On a Triton device torch.compile sees the kernels (triton_op + wrap_triton, and the
+    decomposition of fewbit.ops._ops.trace_into_triton): the graph holds the launches with
+    the kernels' own output buffers, not an opaque custom-op call. CPU tensors stand in for
+    CUDA here (tracing does not launch); other devices keep the opaque op."""
+    from fewbit.ops import _ops
+
+    fn, args, names = case()
+    monkeypatch.setattr(_ops, "TRITON_DEVICE_TYPES", {"cpu", "cuda"})
+    code = _forward_graph(fn, *args)
+    assert code.count("higher_order.triton_kernel_wrapper_functional(") >= 2, code
+    assert "['out_ptr']" in code and not any(name in code for name in names), code
+    monkeypatch.setattr(_ops, "TRITON_DEVICE_TYPES", {"cuda"})
+    code = _forward_graph(fn, *args)
+    assert "triton_kernel_wrapper" not in code and all(name in code for name in names), code

@@ -411,19 +411,19 @@ def test_gpt2_gradient_noise_not_above_eager(bits):
 
 
 @pytest.mark.slow
-def test_torch_compile_runs_and_keeps_compiled_regions_exact(monkeypatch):
+def test_torch_compile_runs_and_keeps_compiled_regions_exact(monkeypatch, device):
     """Dynamo traces the mode; inside a compiled graph the call is left to torch, whose
     saved tensors (detached, no grad) the compressor keeps exact: same gradient as eager
     uncompressed. Compiling does not fail and compresses nothing in the compiled graph."""
     count = _Count(monkeypatch)
     torch._dynamo.reset()
-    w = torch.randn(64, 192, requires_grad=True)
+    w = torch.randn(64, 192, device=device, requires_grad=True)
 
     def f(x):
         q, k, v = (x @ w).view(2, 32, 3, 4, 16).permute(2, 0, 3, 1, 4)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True).square().sum()
 
-    x = torch.randn(2, 32, 64)
+    x = torch.randn(2, 32, 64, device=device)
     (g_ref,) = torch.autograd.grad(f(x), w)
     comp = ActivationCompressor(4, min_numel=0)
     with comp:

@@ -243,11 +243,11 @@ def test_requires_grad_input_and_input_untouched():
     assert torch.equal(x.detach(), before)
 
 
-def test_opcheck():
+def test_opcheck(device):
     for args in [
-        (torch.randn(3, 5).reshape(-1), 4, 256, 11, True, torch.bfloat16),
-        (torch.randn(1000), 2, 7, 5, False, torch.float32),
-        (torch.randn(0), 8, 256, 0, False, torch.bfloat16),
+        (torch.randn(3, 5, device=device).reshape(-1), 4, 256, 11, True, torch.bfloat16),
+        (torch.randn(1000, device=device), 2, 7, 5, False, torch.float32),
+        (torch.randn(0, device=device), 8, 256, 0, False, torch.bfloat16),
     ]:
         torch.library.opcheck(torch.ops.fewbit.group_quantize.default, args)
         p, m, s = torch.ops.fewbit.group_quantize(*args)

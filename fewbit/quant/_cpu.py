@@ -1,0 +1,85 @@
+"""CPU backend (numba) of ``fewbit::group_quantize`` and ``fewbit::group_dequantize``.
+
+Loaded on the first CPU call, never at ``import fewbit``. The kernels live in
+:mod:`fewbit.quant._numba`; this module prepares their arguments. numba is imported, its
+threading layer chosen and its thread count set exactly as for the few-bit ops
+(:mod:`fewbit.ops._cpu`, docs/kernels.md): a missing numba raises ``NotImplementedError``
+naming what to install.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from fewbit._checks import packed_nbytes
+from fewbit.ops._cpu import _set_threads  # imports numba (or raises), picks the threading layer
+from fewbit.ops._reference import compute_dtype
+from fewbit.quant import _numba
+
+__all__ = ["quantize_cpu", "dequantize_cpu", "chunk_groups"]
+
+# (significant bits, exponent of the smallest spacing, largest finite value) per stats dtype
+_GRID = {
+    torch.float32: (24, -149, float(torch.finfo(torch.float32).max)),
+    torch.bfloat16: (8, -133, float(torch.finfo(torch.bfloat16).max)),
+}
+
+
+def chunk_groups(group_size: int, target: int = 16384) -> int:
+    """Groups per parallel chunk of the CPU kernels: a multiple of ``8 / gcd(G, 8)`` (so a
+    chunk holds a multiple of 8 elements, whole bytes of codes), about ``target`` elements."""
+    k = 8 // math.gcd(group_size, 8)
+    return k * max(1, target // (k * group_size))
+
+
+def quantize_cpu(x, bits, group_size, seed, stochastic, stats_dtype):
+    """``(packed, mins, scales)`` of a flat CPU tensor, bit-identical to
+    :func:`fewbit.quant._reference.quantize_reference` (float16/bfloat16 through a float32 copy)."""
+    n = x.numel()
+    g = -(-n // group_size)
+    packed = torch.empty((packed_nbytes(n, bits),), dtype=torch.uint8)
+    if n == 0:
+        empty = torch.empty(0, dtype=stats_dtype)
+        return packed, empty, empty.clone()
+    cdt = compute_dtype(x.dtype)
+    xc = x.detach().reshape(-1).to(cdt).contiguous()
+    m = torch.empty(g, dtype=cdt)
+    s = torch.empty(g, dtype=cdt)
+    mant, min_exp, fmax = _GRID[stats_dtype]
+    np_dt = np.float64 if cdt == torch.float64 else np.float32
+    consts = np.array([float((1 << bits) - 1), 1.0, 0.5, fmax, 0.0], dtype=np_dt)
+    # per-group min/max by torch (vectorised, NaN-propagating), the rest in numba
+    lo = torch.empty(g, dtype=cdt)
+    hi = torch.empty(g, dtype=cdt)
+    nf = n // group_size
+    if nf:
+        full = xc[: nf * group_size].view(nf, group_size)
+        torch.amin(full, dim=1, out=lo[:nf])
+        torch.amax(full, dim=1, out=hi[:nf])
+    if nf < g:
+        tail = xc[nf * group_size:]
+        lo[nf] = tail.amin()
+        hi[nf] = tail.amax()
+    _set_threads()
+    _numba.quantize_kernel(
+        xc.numpy(), lo.numpy(), hi.numpy(), bits, group_size, chunk_groups(group_size), np.uint64(seed),
+        bool(stochastic), mant, min_exp, fmax, consts, packed.numpy(), m.numpy(), s.numpy(),
+    )
+    return packed, m.to(stats_dtype), s.to(stats_dtype)
+
+
+def dequantize_cpu(packed, mins, scales, bits, group_size, numel, dtype):
+    """``(numel,)`` of ``dtype``, bit-identical to :func:`fewbit.quant._reference.dequantize_reference`."""
+    if numel == 0:
+        return torch.empty(0, dtype=dtype)
+    cdt = compute_dtype(dtype)
+    out = torch.empty(numel, dtype=cdt)
+    _set_threads()
+    _numba.dequantize_kernel(
+        packed.contiguous().numpy(), mins.to(cdt).contiguous().numpy(),
+        scales.to(cdt).contiguous().numpy(), bits, group_size, chunk_groups(group_size), out.numpy(),
+    )
+    return out if cdt == dtype else out.to(dtype)
