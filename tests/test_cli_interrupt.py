@@ -46,9 +46,13 @@ def _interrupt_fit(tmp_path, grid: int, timeout: float = 120.0):
     cmd = [sys.executable, "-m", "fewbit.cli", "fit", "gelu", "--grid", str(grid),
            "--bits", "1", "2", "3", "4", "-o", str(out)]
     # start_new_session: the signal reaches the child only, as a terminal's Ctrl-C
-    # reaches the foreground job; restore_signals: SIGINT is not ignored in the child.
+    # reaches the foreground job. preexec_fn: SIGINT at its default in the child, as in a
+    # terminal -- a suite started as a background job of a non-interactive shell (CI, nohup
+    # ... &) inherits SIGINT ignored, Python then installs no KeyboardInterrupt handler and
+    # the fit ran to the end (restore_signals restores SIGPIPE/SIGXFSZ only).
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=tmp_path,
-                            start_new_session=True)
+                            start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         os.set_blocking(proc.stderr.fileno(), False)
         err = b""
