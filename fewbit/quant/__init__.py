@@ -108,6 +108,9 @@ class QuantizedTensor:
         """``x_hat = m + q / s``: a contiguous tensor of ``shape`` and ``dtype``."""
         return dequantize(self)
 
+    #: The :class:`fewbit.quant.compressors.Compressed` interface (same as :meth:`dequantize`).
+    decompress = dequantize
+
     def __repr__(self) -> str:
         return (
             f"QuantizedTensor(shape={tuple(self.shape)}, dtype={self.dtype}, bits={self.bits}, "

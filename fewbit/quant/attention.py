@@ -228,7 +228,8 @@ QK_BITS = 8
 
 class _PackAt:
     """Saved-tensor hooks around one ``apply``: ``tensors`` go to the hooks below (the
-    compressor, or a recorder wrapping it) with ``comp.bits`` set to ``bits``."""
+    compressor, or a recorder wrapping it) with ``comp.compressor`` set to the group
+    quantizer at ``bits`` (other settings of the compressor's own, if it has them)."""
 
     def __init__(self, comp, tensors, bits: int) -> None:
         self.comp, self.tensors, self.bits = comp, tensors, bits
@@ -237,12 +238,17 @@ class _PackAt:
     def _pack(self, t):
         if not any(t is u for u in self.tensors):
             return self.inner[0](t)
-        old = self.comp.bits
-        self.comp.bits = self.bits
+        from fewbit.quant.compressors import GroupQuantizer
+
+        old = self.comp.compressor
+        self.comp.compressor = GroupQuantizer(
+            self.bits, group_size=getattr(old, "group_size", 256), stochastic=getattr(old, "stochastic", True),
+            stats_dtype=getattr(old, "stats_dtype", torch.bfloat16),
+        )
         try:
             return self.inner[0](t)
         finally:
-            self.comp.bits = old
+            self.comp.compressor = old
 
     def __enter__(self):
         self.inner = torch._C._autograd._top_saved_tensors_default_hooks(False)
@@ -271,7 +277,7 @@ def _apply(comp, query, key, value, attn_mask, dropout_p, is_causal, scale, enab
     args = (query, key, value, qs, ks, vs, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     if comp is None:
         return _RecomputedSDPA.apply(*args, False)
-    if comp.bits >= QK_BITS:
+    if comp.compressor.name == "keep" or getattr(comp.compressor, "bits", 0) >= QK_BITS:
         return _RecomputedSDPA.apply(*args, True)
     with _PackAt(comp, (qs, ks), QK_BITS):
         return _RecomputedSDPA.apply(*args, False)

@@ -58,7 +58,8 @@ class CompressionStats:
             view of one), ``dtype`` (integer/uint8 codes/complex), ``small`` (< min_numel),
             ``layout`` (sparse, meta, or a view with overlapping/zero strides),
             ``no_grad`` (floating tensors that do not require grad: op statistics such as
-            SDPA's logsumexp, model inputs).
+            SDPA's logsumexp, model inputs), ``kept`` (left exact by a
+            :class:`~fewbit.quant.compressors.Keep` compressor).
     """
 
     bytes_before: int = 0
@@ -83,7 +84,8 @@ class CompressionStats:
 
 
 class _Handle:
-    """What autograd keeps instead of a saved tensor."""
+    """What autograd keeps instead of a saved tensor: a compressor's
+    :class:`~fewbit.quant.compressors.Compressed` (``qt``) or packed bool bits."""
 
     __slots__ = ("qt", "bool_bits", "mask_value", "shape", "dtype", "device", "__weakref__")
 
@@ -103,7 +105,7 @@ class _Handle:
 
     def unpack(self) -> torch.Tensor:
         if self.qt is not None:
-            return self.qt.dequantize()
+            return self.qt.decompress()
         n = 1
         for d in self.shape:
             n *= d
@@ -147,9 +149,9 @@ def _dense_non_overlapping(t: torch.Tensor) -> bool:
 class ActivationCompressor:
     """Compress the tensors saved for backward inside ``with`` blocks (ActNN-style).
 
-    Floating tensors with at least ``min_numel`` elements are group-quantized
-    (:func:`fewbit.quant.quantize`, docs/method.md §7) and dequantized when backward needs
-    them; bool tensors (dropout and other masks) are packed losslessly at 1 bit.
+    Floating tensors with at least ``min_numel`` elements are compressed by
+    ``compressor`` (default: the group quantizer at ``bits``, :func:`fewbit.quant.quantize`,
+    docs/method.md §7) and decompressed when backward needs them; bool tensors (dropout and other masks) are packed losslessly at 1 bit.
     Untouched: parameters (``nn.Parameter``, leaves that require grad, and views of
     them), integer and uint8 tensors (indices, fewbit codes), complex, sparse and
     overlapping (expanded) tensors, tensors smaller than ``min_numel``, and floating
@@ -180,6 +182,11 @@ class ActivationCompressor:
         generator: a CPU ``torch.Generator`` that supplies the noise seeds (one 64-bit draw
             per compressed tensor). If None (default), the seeds are drawn from torch's
             default CPU generator, like any other random op (see the note below).
+        compressor: a :class:`fewbit.quant.compressors.Compressor` applied to every
+            floating tensor taken (then ``bits``, ``group_size``, ``stochastic`` and
+            ``stats_dtype`` are not used); default ``GroupQuantizer(bits, group_size=...,
+            stochastic=..., stats_dtype=...)``. With :class:`~fewbit.quant.compressors.Keep`
+            the tensors are handed back as they are (counted as skipped, ``"kept"``).
 
     Note:
         Random numbers. Every compressed tensor gets a new 64-bit seed, so no two
@@ -223,12 +230,22 @@ class ActivationCompressor:
         stochastic: bool = True,
         stats_dtype: torch.dtype = torch.bfloat16,
         generator: torch.Generator | None = None,
+        compressor=None,
     ):
         from fewbit.quant import _validate_options
+        from fewbit.quant.compressors import Compressor, GroupQuantizer
 
         _validate_options(bits, group_size, stats_dtype, generator)
         check_positive_int(min_numel, "min_numel", minimum=0)
-        self.bits = bits
+        if compressor is None:
+            compressor = GroupQuantizer(bits, group_size=group_size, stochastic=stochastic, stats_dtype=stats_dtype)
+        elif not isinstance(compressor, Compressor):
+            raise TypeError(
+                f"compressor must be a fewbit.quant.compressors.Compressor or None, got {type(compressor).__name__}"
+            )
+        #: The Compressor applied to the floating tensors taken.
+        self.compressor = compressor
+        self.bits = getattr(compressor, "bits", bits)
         self.group_size = group_size
         self.min_numel = min_numel
         self.stochastic = bool(stochastic)
@@ -240,10 +257,7 @@ class ActivationCompressor:
         self._cache: dict = {}
 
     def __repr__(self) -> str:
-        return (
-            f"ActivationCompressor(bits={self.bits}, group_size={self.group_size}, "
-            f"min_numel={self.min_numel}, stochastic={self.stochastic}, stats_dtype={self.stats_dtype})"
-        )
+        return f"ActivationCompressor(compressor={self.compressor!r}, min_numel={self.min_numel})"
 
     # context manager -------------------------------------------------------------------
     def __enter__(self) -> "ActivationCompressor":
@@ -322,18 +336,16 @@ class ActivationCompressor:
             if anchor is not None and handle is not None:
                 self.stats.deduplicated += 1
                 return handle
+        compressor = self.compressor
+        if mask_value is None and not is_bool and compressor.name == "keep":
+            return self._skip(t, "kept")
         with torch.no_grad():
             if is_bool or mask_value is not None:
                 bits = t if is_bool else t != 0
                 handle = _Handle(None, _pack_bool(bits), t.shape, t.dtype, t.device, mask_value)
                 self.stats.packed_bool += 1
             else:
-                from fewbit.quant import quantize
-
-                qt = quantize(
-                    t.detach(), self.bits, group_size=self.group_size, stochastic=self.stochastic,
-                    stats_dtype=self.stats_dtype, generator=self.generator,
-                )
+                qt = compressor.compress(t.detach(), generator=self.generator)
                 handle = _Handle(qt, None, t.shape, t.dtype, t.device)
                 self.stats.compressed += 1
         self.stats.bytes_before += t.numel() * t.element_size()

@@ -1,0 +1,80 @@
+"""The Compressor interface (fewbit.quant.compressors) and its use by ActivationCompressor."""
+
+import pytest
+import torch
+
+from fewbit.quant import ActivationCompressor, quantize
+from fewbit.quant.compressors import COMPRESSORS, Compressed, Compressor, GroupQuantizer, Keep, get_compressor
+
+
+@pytest.mark.parametrize("name", sorted(COMPRESSORS))
+@pytest.mark.parametrize("shape", [(4096,), (8, 33, 17)])
+def test_every_compressor_round_trips_shape_dtype_and_counts_its_bytes(name, shape):
+    comp = get_compressor(name)
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    c = comp.compress(x, generator=torch.Generator().manual_seed(1))
+    assert isinstance(c, Compressed)
+    y = c.decompress()
+    assert y.shape == x.shape and y.dtype == x.dtype and y.device == x.device and y.is_contiguous()
+    assert c.nbytes == pytest.approx(comp.bytes_per_element(x) * x.numel())
+
+
+def test_group_quantizer_is_quantize():
+    x = torch.randn(5000, generator=torch.Generator().manual_seed(0))
+    g = GroupQuantizer(2, group_size=64)
+    a = g.compress(x, generator=torch.Generator().manual_seed(3))
+    b = quantize(x, 2, group_size=64, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(a.packed, b.packed) and torch.equal(a.mins, b.mins) and torch.equal(a.scales, b.scales)
+    assert torch.equal(a.decompress(), b.dequantize())
+
+
+def test_keep_is_exact_and_counted_as_kept():
+    lin = torch.nn.Linear(64, 64)
+    x = torch.randn(128, 64, requires_grad=True)
+    comp = ActivationCompressor(compressor=Keep(), min_numel=1)
+    with comp:
+        y = torch.tanh(lin(x)).sum()
+    y.backward()
+    g = x.grad.clone()
+    x.grad = None
+    torch.tanh(lin(x)).sum().backward()
+    assert torch.equal(g, x.grad)
+    assert comp.stats.compressed == 0 and comp.stats.skipped.get("kept", 0) >= 1
+
+
+def test_activation_compressor_uses_the_compressor_given():
+    class Half(Compressor):
+        name = "half"
+
+        def compress(self, x, *, generator=None):
+            return _HalfHandle(x.half(), x.dtype)
+
+        def bytes_per_element(self, x):
+            return 2.0
+
+    class _HalfHandle:
+        def __init__(self, h, dtype):
+            self.h, self.dtype = h, dtype
+
+        @property
+        def nbytes(self):
+            return self.h.numel() * 2
+
+        def decompress(self):
+            return self.h.to(self.dtype)
+
+    x = torch.randn(256, 64, requires_grad=True)
+    comp = ActivationCompressor(compressor=Half(), min_numel=1)
+    with comp:
+        (x.exp()).sum().backward()
+    assert torch.equal(x.grad, x.detach().exp().half().float())  # exp saves its result
+    assert comp.stats.compressed == 1 and comp.stats.bytes_after == x.numel() * 2
+
+
+def test_bad_compressor_and_name_are_clear_errors():
+    with pytest.raises(TypeError, match="compressor must be"):
+        ActivationCompressor(compressor="group")
+    with pytest.raises(ValueError, match="compressor must be one of .*group.*got 'nope'"):
+        get_compressor("nope")
+    with pytest.raises(ValueError, match="bits"):
+        get_compressor("group", bits=3)
