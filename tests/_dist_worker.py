@@ -17,6 +17,7 @@ import datetime
 import gc
 import os
 import traceback
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -155,10 +156,38 @@ def _compressor(summary):
     return getattr(summary, "compressor", None)
 
 
+class _ForwardTensors(torch.overrides.TorchFunctionMode):
+    """Weak references to every tensor a torch function returns while active (also inside
+    fewbit's AttentionMode, which hands its own calls down to this mode)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refs: list = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter):
+                self.refs.append(weakref.ref(t))
+        return out
+
+    def alive(self) -> int:
+        """Tensors still referenced that hold memory (FSDP2 keeps its unsharded parameter
+        objects between steps with their storage freed; those do not count)."""
+        n = 0
+        for ref in self.refs:
+            t = ref()
+            if t is not None and not isinstance(t, nn.Parameter) and t.untyped_storage().nbytes() > 0:
+                n += 1
+        return n
+
+
 def train(job: Job, rank: int = 0, world: int = 1) -> dict:
     """Run ``job`` on this rank; return ``losses`` (global mean per step), ``params`` (final,
-    whole), ``compressed`` (tensors the compressor quantized on this rank) and ``live``
-    (compressed copies still referenced after the last backward: 0 unless something leaks)."""
+    whole), ``compressed`` (tensors the compressor quantized on this rank), ``live``
+    (compressed copies still referenced after the last backward) and ``leaked`` (tensors made
+    in the last forward that still hold memory after its backward); both 0 unless
+    something leaks."""
     import torch.distributed as dist
 
     model = build_model(job.model)
@@ -172,10 +201,13 @@ def train(job: Job, rank: int = 0, world: int = 1) -> dict:
     opt = torch.optim.SGD(model.parameters(), lr=LR[job.model])
     per_rank = GLOBAL_BATCH // world
     losses = []
+    x, y = batch(job.model)
+    part = slice(rank * per_rank, (rank + 1) * per_rank)
+    x, y = x[part], y[part]
     for step in range(STEPS):
-        x, y = batch(job.model)
-        part = slice(rank * per_rank, (rank + 1) * per_rank)
-        loss = loss_of(job.model, model, x[part], y[part])
+        tracked = _ForwardTensors()
+        with tracked:
+            loss = loss_of(job.model, model, x, y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -185,13 +217,14 @@ def train(job: Job, rank: int = 0, world: int = 1) -> dict:
             value /= world
         losses.append(value.item())
         del loss
-    comp = _compressor(summary)
     gc.collect()
+    comp = _compressor(summary)
     return {
         "losses": losses,
         "params": _full_state(model),
         "compressed": comp.stats.compressed if comp is not None else 0,
         "live": len(comp._cache) if comp is not None else 0,
+        "leaked": tracked.alive(),
     }
 
 
