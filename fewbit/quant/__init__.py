@@ -150,11 +150,30 @@ def _validate_generator(generator) -> None:
         )
 
 
+#: Added (times the rank) to the drawn seed on ranks > 0 of an initialised process group:
+#: the 64-bit golden-ratio constant, so that ranks' seed sequences do not overlap.
+_RANK_STEP = 0x9E3779B97F4A7C15
+
+
+def _rank() -> int:
+    dist = getattr(torch, "distributed", None)
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return 0
+    return dist.get_rank()
+
+
 def _draw_seed(generator: torch.Generator | None) -> int:
     """The 64-bit noise seed of one quantization: one draw from ``generator`` (a CPU
     generator), or from torch's default CPU generator if None (advancing it, as any random
-    op does). The draw never depends on the device of the tensor being quantized."""
-    return int(torch.randint(0, 2**63 - 1, (1,), generator=generator).item())
+    op does). The draw never depends on the device of the tensor being quantized.
+
+    Under ``torch.distributed`` (an initialised process group) rank ``r`` adds
+    ``r * _RANK_STEP`` (mod 2**63) to the draw: ranks seeded alike (the common
+    ``set_seed(seed)`` on every rank) would otherwise round with the same noise pattern,
+    and their errors would not average out in the gradient all-reduce."""
+    seed = int(torch.randint(0, 2**63 - 1, (1,), generator=generator).item())
+    rank = _rank()
+    return (seed + rank * _RANK_STEP) % (2**63 - 1) if rank else seed
 
 
 def quantize(
