@@ -84,7 +84,7 @@ class _Attention(nn.Module):
         self.proj = nn.Linear(32, 96)
 
     def forward(self, x):
-        q, k, v = self.proj(x).view(1, 64, 3, 2, 16).permute(2, 0, 3, 1, 4)
+        q, k, v = (t.contiguous() for t in self.proj(x).view(1, 64, 3, 2, 16).permute(2, 0, 3, 1, 4))
         p = torch.softmax(q @ k.transpose(-1, -2), -1)  # eager probabilities, saved by softmax/matmul
         return (p @ v).transpose(1, 2).reshape(1, 64, 32)
 
