@@ -92,6 +92,9 @@ __all__ = ["Config", "ConversionSummary", "convert_", "LAYER_KINDS", "layer_kind
 #: Kinds of layers whose saved tensors :func:`convert_` can compress.
 LAYER_KINDS: tuple[str, ...] = ("linear", "conv", "norm", "attention")
 
+#: ``Config.compressor`` values (docs/compression.md §1-§4).
+COMPRESSOR_CHOICES: tuple[str, ...] = ("group", "division", "adacc")
+
 
 @dataclass(frozen=True)
 class Config:
@@ -110,6 +113,19 @@ class Config:
             it) selects every kind. A single string is accepted.
         min_numel: saved tensors with fewer elements are kept as they are (>= 0).
         stochastic: unbiased stochastic rounding (True) or nearest rounding (False).
+        average_bits: with ``saved_bits="auto"`` (required then, refused otherwise): the
+            GACT budget, bits per element averaged over the compressed tensors, a number
+            in [1, 32] (:class:`fewbit.quant.gact.GACTPolicy`; docs/compression.md §2).
+            ``saved_bits="auto"`` gives each saved tensor 1, 2, 4, 8 bits or keeps it, by
+            gradient sensitivity, re-planned by ``summary.compressor.adapt(model, closure)``.
+        compressor: how saved tensors are compressed (docs/compression.md): ``"group"``
+            (ActNN group quantizer, default), ``"division"`` (DIVISION: exact block means +
+            ``saved_bits``-bit residual) or ``"adacc"`` (Adacc's layer-specific choice:
+            outlier-separated for linear/norm inputs, channel-wise for q/k/v, softmax for
+            attention probabilities; :class:`fewbit.quant.policies.AdaccPolicy`). With
+            ``saved_bits="auto"`` only ``"group"``.
+        adapt_interval: ``saved_bits="auto"``: steps (``adapt`` calls) between two GACT
+            re-plans, >= 1 (default 1000).
 
     Raises:
         ValueError: naming the field, for any value outside the ranges above.
@@ -121,14 +137,37 @@ class Config:
     layers: tuple[str, ...] = LAYER_KINDS
     min_numel: int = 4096
     stochastic: bool = True
+    average_bits: float | None = None
+    compressor: str = "group"
+    adapt_interval: int = 1000
 
     def __post_init__(self) -> None:
         if self.activation_bits is not None:
             object.__setattr__(self, "activation_bits", check_bits(self.activation_bits, "activation_bits"))
-        if self.saved_bits is not None:
-            from fewbit.quant import SUPPORTED_BITS  # here: importing fewbit.convert stays quantizer-free
+        if self.saved_bits == "auto":
+            b = self.average_bits
+            if isinstance(b, bool) or not isinstance(b, (int, float)) or not 1 <= b <= 32:
+                raise ValueError(
+                    f"average_bits must be a number in [1, 32] with saved_bits='auto', got {self.average_bits!r}"
+                )
+            object.__setattr__(self, "average_bits", float(b))
+            if self.compressor != "group":
+                raise ValueError(f"compressor must be 'group' with saved_bits='auto', got {self.compressor!r}")
+        else:
+            if self.saved_bits is not None:
+                from fewbit.quant import SUPPORTED_BITS  # here: importing fewbit.convert stays quantizer-free
 
-            object.__setattr__(self, "saved_bits", check_bits(self.saved_bits, "saved_bits", SUPPORTED_BITS))
+                if isinstance(self.saved_bits, str):
+                    raise ValueError(f"saved_bits must be one of {SUPPORTED_BITS}, 'auto' or None, got {self.saved_bits!r}")
+                object.__setattr__(self, "saved_bits", check_bits(self.saved_bits, "saved_bits", SUPPORTED_BITS))
+            if self.average_bits is not None:
+                raise ValueError(
+                    f"average_bits is only used with saved_bits='auto', got average_bits={self.average_bits!r} "
+                    f"with saved_bits={self.saved_bits!r}"
+                )
+        if self.compressor not in COMPRESSOR_CHOICES:
+            raise ValueError(f"compressor must be one of {COMPRESSOR_CHOICES}, got {self.compressor!r}")
+        object.__setattr__(self, "adapt_interval", check_positive_int(self.adapt_interval, "adapt_interval"))
         object.__setattr__(self, "group_size", check_positive_int(self.group_size, "group_size"))
         object.__setattr__(self, "min_numel", check_positive_int(self.min_numel, "min_numel", minimum=0))
         if not isinstance(self.stochastic, bool):
@@ -193,9 +232,11 @@ class ConversionSummary:
             for k in self.compressed.values():
                 kinds[k] = kinds.get(k, 0) + 1
             shown = ", ".join(f"{k}={n}" for k, n in kinds.items()) or "none"
+            how = (f"GACT auto bits, average {c.average_bits:g}" if c.saved_bits == "auto"
+                   else f"{c.saved_bits} bits, compressor={c.compressor}")
             lines.append(
                 f"  compressing saved tensors of {len(self.compressed)} module(s) ({shown}) at "
-                f"{c.saved_bits} bits, group_size={c.group_size}"
+                f"{how}, group_size={c.group_size}"
             )
         return "\n".join(lines)
 
@@ -500,9 +541,8 @@ class _SharedCompressor:
         from fewbit.quant import ActivationCompressor
 
         c = self.config
-        self.compressor = ActivationCompressor(
-            c.saved_bits, group_size=c.group_size, min_numel=c.min_numel, stochastic=c.stochastic
-        )
+        self.compressor = ActivationCompressor(min_numel=c.min_numel, policy=_policy(c))
+        self.compressor._auto_step = False  # _StepHook starts a pass per forward of the model
         self.entered: dict[int, int] = {}  # id(module) -> number of open enters
 
     def __getstate__(self) -> dict:
@@ -513,14 +553,47 @@ class _SharedCompressor:
         self._make()
 
 
-class _EnterHook:
-    """Forward pre-hook: enter the shared compressor."""
+def _policy(c: Config):
+    """The per-tensor policy for ``c`` (fewbit.quant.policies; fewbit.quant.gact)."""
+    from fewbit.quant.compressors import get_compressor
+    from fewbit.quant.policies import AdaccPolicy, FixedPolicy
+
+    if c.saved_bits == "auto":
+        from fewbit.quant.gact import GACTPolicy
+
+        return GACTPolicy(c.average_bits, adapt_interval=c.adapt_interval, group_size=c.group_size,
+                          stochastic=c.stochastic)
+    if c.compressor == "adacc":
+        return AdaccPolicy(c.saved_bits, group_size=c.group_size)
+    if c.compressor == "division":
+        return FixedPolicy(get_compressor("division", bits=c.saved_bits))
+    return FixedPolicy(get_compressor("group", bits=c.saved_bits, group_size=c.group_size, stochastic=c.stochastic))
+
+
+class _StepHook:
+    """Forward pre-hook of the converted model: start a pass of the shared compressor
+    (its tensors are numbered from 0 again; ActivationCompressor.step)."""
 
     def __init__(self, shared: _SharedCompressor) -> None:
         self.shared = shared
 
     def __call__(self, module: nn.Module, args: Any) -> None:
+        if not self.shared.compressor.active:
+            self.shared.compressor.step()
+        return None
+
+
+class _EnterHook:
+    """Forward pre-hook: enter the shared compressor."""
+
+    def __init__(self, shared: _SharedCompressor, fqn: str = "", kind: str | None = None) -> None:
+        self.shared = shared
+        self.fqn = fqn
+        self.kind = kind
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
         self.shared.compressor.__enter__()
+        self.shared.compressor._push_module(self.fqn, self.kind)
         key = id(module)
         self.shared.entered[key] = self.shared.entered.get(key, 0) + 1
         return None
@@ -541,13 +614,14 @@ class _ExitHook:
                 del self.shared.entered[key]
             else:
                 self.shared.entered[key] = n - 1
+            self.shared.compressor._pop_module()
             self.shared.compressor.__exit__(None, None, None)
         return None
 
 
 def _remove_compression_hooks(module: nn.Module) -> None:
     for k, hook in list(module._forward_pre_hooks.items()):
-        if isinstance(hook, _EnterHook):
+        if isinstance(hook, (_EnterHook, _StepHook)):
             del module._forward_pre_hooks[k]
             module._forward_pre_hooks_with_kwargs.pop(k, None)
     for k, hook in list(module._forward_hooks.items()):
@@ -571,13 +645,23 @@ def _install_compression_hooks(
         return
     shared = _SharedCompressor(config)
     summary.compressor = shared.compressor
+    model.register_forward_pre_hook(_StepHook(shared))
     for fqn, m in named:
         kind = layer_kind(m)
         if kind is None or kind not in config.layers or not selected(m, fqn):
             continue
-        m.register_forward_pre_hook(_EnterHook(shared))
+        m.register_forward_pre_hook(_EnterHook(shared, fqn, kind))
         m.register_forward_hook(_ExitHook(shared), always_call=True)
         summary.compressed[fqn] = kind
+
+
+def compressor_of(model: nn.Module):
+    """The :class:`fewbit.quant.ActivationCompressor` that :func:`convert_` attached to
+    ``model`` (``summary.compressor``), or None if its saved tensors are not compressed."""
+    for hook in model._forward_pre_hooks.values():
+        if isinstance(hook, _StepHook):
+            return hook.shared.compressor
+    return None
 
 
 def _check_arguments(model: Any, config: Any, bits: Any, filter_fn: Any) -> Config:

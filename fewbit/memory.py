@@ -298,6 +298,10 @@ class Report:
         peak_bytes: on CUDA, ``torch.cuda.max_memory_allocated`` during the step (bytes);
             ``None`` on CPU.
         loss: the loss value of the step.
+        saved_tensors: per floating tensor that ``fewbit.convert_``'s compressor took
+            in the step, in save order: ``{"index", "module", "kind", "shape",
+            "compressor", "bits", "bytes"}`` (``bits``: of the codes, per element; the
+            dtype's width where a policy kept it exact); empty for a model without one.
     """
 
     saved_bytes: int
@@ -307,6 +311,7 @@ class Report:
     num_unique: int = 0
     peak_bytes: int | None = None
     loss: float = math.nan
+    saved_tensors: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def activation_bytes(self) -> int:
@@ -326,7 +331,24 @@ class Report:
             "peak_bytes": self.peak_bytes,
             "loss": self.loss,
             "by_module": dict(self.by_module),
+            "saved_tensors": [dict(r) for r in self.saved_tensors],
         }
+
+    def bits_histogram(self) -> dict[tuple[str, int], tuple[int, int, int]]:
+        """``{(compressor, bits): (tensors, elements, bytes)}`` over :attr:`saved_tensors`."""
+        out: dict[tuple[str, int], tuple[int, int, int]] = {}
+        for r in self.saved_tensors:
+            key = (r["compressor"], r["bits"])
+            n, e, b = out.get(key, (0, 0, 0))
+            out[key] = (n + 1, e + math.prod(r["shape"]), b + r["bytes"])
+        return dict(sorted(out.items(), key=lambda kv: (kv[0][1], kv[0][0])))
+
+    def average_bits(self) -> float | None:
+        """Bits per element of the compressed tensors' codes, weighted by elements (stats
+        excluded); None without :attr:`saved_tensors`."""
+        hist = self.bits_histogram()
+        elements = sum(e for _, e, _ in hist.values())
+        return sum(k[1] * e for k, (_, e, _) in hist.items()) / elements if elements else None
 
     def format(self, top: int = 10) -> str:
         """A readable table in MiB, with the ``top`` largest modules."""
@@ -337,6 +359,11 @@ class Report:
             lines.append(f"  {c:<11} {self.by_category[c] / mib:10.3f} MiB")
         if self.peak_bytes is not None:
             lines.append(f"  peak CUDA   {self.peak_bytes / mib:10.3f} MiB")
+        hist = self.bits_histogram()
+        if hist:
+            lines.append(f"compressed saved tensors by bits (average {self.average_bits():.2f} bits per element):")
+            for (name, bits), (n, e, b) in hist.items():
+                lines.append(f"  {name:<11} {bits:>2} bits {n:5d} tensors {e:12d} elements {b / mib:10.3f} MiB")
         mods = sorted(self.by_module.items(), key=lambda kv: -kv[1])[:top]
         if mods:
             lines.append("largest modules:")
@@ -420,6 +447,7 @@ def saved_tensor_report(
         torch.cuda.synchronize(device)
         peak = int(torch.cuda.max_memory_allocated(device))
     return Report(
+        saved_tensors=_saved_tensors(model),
         saved_bytes=rec.saved_bytes,
         by_category=dict(rec.by_category),
         by_module=dict(rec.by_module),
@@ -430,15 +458,31 @@ def saved_tensor_report(
     )
 
 
+def _saved_tensors(model: nn.Module) -> list[dict[str, Any]]:
+    """The per-tensor rows of :attr:`Report.saved_tensors` from ``model``'s compressor."""
+    from fewbit.convert import compressor_of
+
+    comp = compressor_of(model)
+    if comp is None:
+        return []
+    return [
+        {"index": r.index, "module": r.fqn, "kind": r.kind, "shape": list(r.shape),
+         "compressor": r.compressor, "bits": r.bits, "bytes": r.nbytes}
+        for _, r in sorted(comp.records.items())
+    ]
+
+
 def compare(
     model_factory: Callable[[], nn.Module],
     inputs: Any,
     *,
     bits: int = 3,
-    saved_bits: int = 4,
+    saved_bits: int | str = 4,
     group_size: int = 256,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     variants: Iterable[str] = VARIANTS,
+    average_bits: float | None = None,
+    compressor: str = "group",
 ) -> dict[str, dict[str, Any]]:
     """Saved-for-backward memory of one step for the vanilla and fewbit variants.
 
@@ -449,7 +493,10 @@ def compare(
       layers group-quantized to ``saved_bits`` bits with groups of ``group_size``
       (``fewbit.convert_(model, fewbit.Config(activation_bits=bits, saved_bits=saved_bits,
       group_size=group_size))``; ActNN-style, docs/method.md §7; tensors below the quantizer's
-      ``min_numel`` and those saved by the loss are kept as they are).
+      ``min_numel`` and those saved by the loss are kept as they are). With
+      ``saved_bits="auto"`` the bits come from GACT's sensitivity on ``inputs`` (one
+      ``summary.compressor.adapt`` call before the counted step; docs/compression.md §2);
+      ``compressor`` picks DIVISION or Adacc's compressors instead of the group quantizer.
 
     Each variant gets a fresh model from ``model_factory`` (seeded with 0 before each call).
 
@@ -457,27 +504,34 @@ def compare(
         model_factory: ``() -> nn.Module``.
         inputs: as for :func:`saved_tensor_report`.
         bits: few-bit code width for activations, 1..8.
-        saved_bits: group-quantizer width, one of 1, 2, 4, 8.
+        saved_bits: compressor width, one of 1, 2, 4, 8, or ``"auto"`` (GACT).
         group_size: elements per quantization group (>= 1).
         loss_fn: as for :func:`saved_tensor_report`.
         variants: which of :data:`VARIANTS` to run.
+        average_bits: GACT's budget with ``saved_bits="auto"`` (``fewbit.Config``).
+        compressor: ``"group"``, ``"division"`` or ``"adacc"`` (``fewbit.Config``).
 
     Returns:
         ``{variant: {"saved_bytes", "activation_bytes", "compressed_bytes", "other_bytes",
         "parameter_bytes", "peak_bytes", "loss", "converted", "saved_ratio",
-        "activation_ratio"}}``; the ratios are vanilla / variant (``None`` when vanilla was not
-        run or the variant's bytes are 0). ``converted`` is the number of activation modules
-        replaced.
+        "activation_ratio", "saved_tensors", "average_bits"}}``; the ratios are vanilla /
+        variant (``None`` when vanilla was not run or the variant's bytes are 0).
+        ``converted`` is the number of activation modules replaced; ``saved_tensors`` and
+        ``average_bits`` as :class:`Report` (fewbit+quant only).
 
     Raises:
-        ValueError: for bits outside 1..8, saved_bits outside {1, 2, 4, 8}, group_size < 1 or
-            an unknown variant.
+        ValueError: for bits outside 1..8, saved_bits outside {1, 2, 4, 8, "auto"},
+            average_bits or compressor refused by ``fewbit.Config``, group_size < 1 or an
+            unknown variant.
     """
-    from fewbit.quant import SUPPORTED_BITS  # here: importing fewbit.memory stays quantizer-free
+    import fewbit
 
     bits = check_bits(bits, "bits")
-    saved_bits = check_bits(saved_bits, "saved_bits", SUPPORTED_BITS)
     group_size = check_positive_int(group_size, "group_size")
+    quant_config = fewbit.Config(  # validates saved_bits, average_bits, compressor
+        activation_bits=bits, saved_bits=saved_bits, group_size=group_size, average_bits=average_bits,
+        compressor=compressor,
+    )
     variants = tuple(variants)
     for v in variants:
         if v not in VARIANTS:
@@ -489,17 +543,19 @@ def compare(
         model = model_factory()
         converted = 0
         if variant != "vanilla":
-            import fewbit
-
-            config = fewbit.Config(
-                activation_bits=bits,
-                saved_bits=saved_bits if variant == "fewbit+quant" else None,
-                group_size=group_size,
+            config = quant_config if variant == "fewbit+quant" else fewbit.Config(
+                activation_bits=bits, group_size=group_size
             )
             converted = _convert(model, config)
+            if config.saved_bits == "auto":
+                from fewbit.convert import compressor_of
+
+                step_loss = loss_fn or _default_loss
+                compressor_of(model).adapt(model, lambda: step_loss(_call(model, inputs)))
         rep = saved_tensor_report(model, inputs, loss_fn=loss_fn)
         d = rep.to_dict()
         d.pop("by_module")
+        d["average_bits"] = rep.average_bits()
         d["converted"] = converted
         out[variant] = d
         del model

@@ -200,6 +200,21 @@ class _CopyFactory:
         return copy.deepcopy(self._template)
 
 
+def _format_bits(d: dict) -> str:
+    """fewbit+quant's compressed saved tensors by (compressor, bits): count and MiB."""
+    hist: dict = {}
+    for r in d.get("saved_tensors", []):
+        n, b = hist.get((r["compressor"], r["bits"]), (0, 0))
+        hist[(r["compressor"], r["bits"])] = (n + 1, b + r["bytes"])
+    if not hist:
+        return "fewbit+quant: no saved tensor compressed"
+    avg = d.get("average_bits")
+    lines = [f"fewbit+quant saved tensors by bits (average {avg:.2f} bits per element, stats excluded):"]
+    for (name, bits), (n, b) in sorted(hist.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        lines.append(f"  {name:<12}{bits:>3} bits {n:>5} tensors {b / _MIB:>10.2f} MiB")
+    return "\n".join(lines)
+
+
 def _positive(ctx, param, value):
     if value is not None and value < 1:
         raise click.BadParameter(f"must be >= 1, got {value}")
@@ -213,8 +228,14 @@ def _positive(ctx, param, value):
               help="Tokens per example (vision models use their image size instead).")
 @click.option("--batch", default=1, show_default=True, type=int, callback=_positive)
 @click.option("--bits", default=3, show_default=True, type=int, help="Few-bit code width, 1..8.")
-@click.option("--saved-bits", default=4, show_default=True, type=int,
-              help="Group-quantizer width for the other saved tensors: 1, 2, 4 or 8.")
+@click.option("--saved-bits", default="4", show_default=True, metavar="BITS",
+              help="Width for the other saved tensors: 1, 2, 4, 8, or auto (GACT per-tensor bits "
+                   "from gradient sensitivity on the same random batch; needs --average-bits).")
+@click.option("--average-bits", default=None, type=float,
+              help="With --saved-bits auto: the average bits per element of the compressed tensors, 1..32.")
+@click.option("--compressor", default="group", show_default=True,
+              type=click.Choice(["group", "division", "adacc"]),
+              help="group (ActNN), division (DIVISION) or adacc (Adacc's per-layer compressors).")
 @click.option("--group-size", default=256, show_default=True, type=int, callback=_positive)
 @click.option("--layers", default=None, type=int, callback=_positive,
               help="Override the number of layers of the default config.")
@@ -224,13 +245,16 @@ def _positive(ctx, param, value):
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 @click.option("--progress/--no-progress", default=True, show_default=True,
               help="Show a progress bar on stderr.")
-def memory(model_name, seq_len, batch, bits, saved_bits, group_size, layers, hidden, device, as_json, progress):
+def memory(model_name, seq_len, batch, bits, saved_bits, average_bits, compressor, group_size, layers, hidden,
+           device, as_json, progress):
     """Memory saved for backward by one training step of a Hugging Face model.
 
     The model is built from the default config of its transformers class with random
     weights (no download). Three variants: vanilla; fewbit (activations keep BITS-bit
     codes, Novikov et al. ICML 2023); fewbit+quant (and every other saved tensor is
-    group-quantized to SAVED_BITS bits, ActNN-style).
+    group-quantized to SAVED_BITS bits, ActNN-style; or compressed by --compressor; or, with
+    --saved-bits auto, at GACT's per-tensor bits averaging --average-bits). The per-tensor
+    bits of fewbit+quant follow the table.
     """
     key = model_name.lower()
     if key not in MODELS:
@@ -240,8 +264,20 @@ def memory(model_name, seq_len, batch, bits, saved_bits, group_size, layers, hid
 
     if bits not in TABLE_BITS:
         _fail(f"--bits must be in {TABLE_BITS[0]}..{TABLE_BITS[-1]}, got {bits}")
-    if saved_bits not in SUPPORTED_BITS:
-        _fail(f"--saved-bits must be one of {', '.join(map(str, SUPPORTED_BITS))}, got {saved_bits}")
+    allowed = ", ".join(map(str, SUPPORTED_BITS))
+    if saved_bits != "auto":
+        if saved_bits not in {str(b) for b in SUPPORTED_BITS}:
+            _fail(f"--saved-bits must be one of {allowed}, got {saved_bits} (or auto, with --average-bits)")
+        saved_bits = int(saved_bits)
+        if average_bits is not None:
+            _fail("--average-bits is only used with --saved-bits auto")
+    else:
+        if average_bits is None:
+            _fail("--saved-bits auto needs --average-bits (1..32)")
+        if not 1 <= average_bits <= 32:
+            _fail(f"--average-bits must be in 1..32, got {average_bits:g}")
+        if compressor != "group":
+            _fail(f"--saved-bits auto uses the group quantizer; got --compressor {compressor}")
 
     import torch
 
@@ -282,13 +318,17 @@ def memory(model_name, seq_len, batch, bits, saved_bits, group_size, layers, hid
     try:
         bar.set_postfix_str(stages[0])
         res = fm.compare(_CopyFactory(lambda: model_cls(cfg), dev, bar, stages), inputs, bits=bits,
-                         saved_bits=saved_bits, group_size=group_size)
+                         saved_bits=saved_bits, group_size=group_size, average_bits=average_bits,
+                         compressor=compressor)
         bar.update(1)
         bar.refresh()  # update() redraws only after tqdm's mininterval: show the last step
     except (MemoryError, torch.OutOfMemoryError) as exc:
         bar.close()
         _fail(f"out of memory while measuring {key} (batch {batch}, {seq} tokens): "
               f"lower --seq-len/--batch ({type(exc).__name__})")
+    except ValueError as exc:  # a compressor this installation does not have, or refuses these bits
+        bar.close()
+        _fail(str(exc).splitlines()[0])
     except RuntimeError as exc:
         bar.close()
         msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
@@ -303,9 +343,11 @@ def memory(model_name, seq_len, batch, bits, saved_bits, group_size, layers, hid
         click.echo(json.dumps(res, indent=1))
     else:
         title = (f"{key}: {n_params / 1e6:.1f}M parameters, {cfg.num_hidden_layers} layers, "
-                 f"batch {batch}, {seq} tokens, bits {bits}, saved-bits {saved_bits}, "
+                 f"batch {batch}, {seq} tokens, bits {bits}, saved-bits {saved_bits}"
+                 f"{f' (average {average_bits:g})' if saved_bits == 'auto' else ''}, compressor {compressor}, "
                  f"group {group_size}, device {device}")
         click.echo(_format_table(title, res))
+        click.echo(_format_bits(res["fewbit+quant"]))
 
 
 if __name__ == "__main__":  # pragma: no cover

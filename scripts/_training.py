@@ -37,7 +37,17 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-VARIANTS = ("vanilla", "fewbit1", "fewbit2", "fewbit3", "fewbit4", "actnn2", "fewbit3+quant4")
+VARIANTS = ("vanilla", "fewbit1", "fewbit2", "fewbit3", "fewbit4", "actnn2", "fewbit3+quant4",
+            "gact2", "gact4", "division", "adacc")
+
+#: Saved-tensor compression variants (docs/compression.md §2-§4): fewbit 3-bit activations and
+#: ``fewbit.Config`` compression fields.
+_POLICY_VARIANTS = {
+    "gact2": {"saved_bits": "auto", "average_bits": 2},
+    "gact4": {"saved_bits": "auto", "average_bits": 4},
+    "division": {"saved_bits": 2, "compressor": "division"},
+    "adacc": {"saved_bits": 4, "compressor": "adacc"},
+}
 CSV_FIELDS = ("step", "train_loss", "val_loss", "accuracy", "step_time_s", "peak_saved_bytes")
 
 StepContext = Callable[[], contextlib.AbstractContextManager]
@@ -106,7 +116,9 @@ def apply_variant(model: nn.Module, variant: str) -> StepContext:
 
     ``fewbitB``: ``fewbit.convert_(model, Config(activation_bits=B))``; ``fewbit3+quant4``:
     ``Config(activation_bits=3, saved_bits=4)`` (linear/conv/norm/attention saved tensors
-    group-quantized); ``actnn2``: activation modules wrapped in
+    group-quantized); ``gact2``/``gact4``: ``Config(activation_bits=3, saved_bits="auto",
+    average_bits=2/4)`` (:func:`train_loop` calls ``adapt`` before each step); ``division``:
+    ``saved_bits=2, compressor="division"``; ``adacc``: ``saved_bits=4, compressor="adacc"``; ``actnn2``: activation modules wrapped in
     :class:`QuantizedSavedActivation` (2 bits). The returned context (entered around each
     forward) is currently a no-op for every variant.
 
@@ -125,6 +137,9 @@ def apply_variant(model: nn.Module, variant: str) -> StepContext:
         return null
     import fewbit
 
+    if variant in _POLICY_VARIANTS:
+        fewbit.convert_(model, fewbit.Config(activation_bits=3, **_POLICY_VARIANTS[variant]))
+        return null
     bits = int(variant[len("fewbit")])
     saved_bits = 4 if variant.endswith("+quant4") else None
     summary = fewbit.convert_(model, fewbit.Config(activation_bits=bits, saved_bits=saved_bits))
@@ -190,12 +205,14 @@ def train_loop(
     Raises:
         FloatingPointError: if a training loss is not finite.
     """
+    from fewbit.convert import compressor_of
     from fewbit.memory import SavedTensorRecorder
 
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
     rows: list[dict] = []
     losses, times, peak = [], [], 0
     rec = SavedTensorRecorder(model)
+    comp = compressor_of(model)
     bar = None
     if progress is not None:
         from tqdm.auto import tqdm
@@ -208,6 +225,8 @@ def train_loop(
         x, y = task.next_batch()
         t0 = time.perf_counter()
         rec.reset()
+        if comp is not None:  # GACT re-plans every adapt_interval steps; others: no-op
+            comp.adapt(model, lambda: task.forward_loss(model, x, y))
         with step_ctx(), rec:
             loss = task.forward_loss(model, x, y)
         opt.zero_grad(set_to_none=True)

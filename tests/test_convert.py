@@ -720,3 +720,30 @@ def test_transformers_unsupported_listed(name):
     model = nn.Sequential(nn.Linear(2, 2), old)
     s = convert_(model)
     assert s.unsupported == {"1": name} and model[1] is old and s.replaced == {}
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"saved_bits": "auto"}, "average_bits must be a number in \\[1, 32\\]"),
+    ({"saved_bits": "auto", "average_bits": 0.5}, "average_bits must be a number in \\[1, 32\\]"),
+    ({"saved_bits": 4, "average_bits": 2}, "average_bits is only used with saved_bits='auto'"),
+    ({"saved_bits": "four"}, "saved_bits must be one of"),
+    ({"saved_bits": 4, "compressor": "zip"}, "compressor must be one of"),
+    ({"saved_bits": "auto", "average_bits": 2, "compressor": "division"}, "compressor must be 'group'"),
+    ({"saved_bits": 4, "adapt_interval": 0}, "adapt_interval"),
+])
+def test_config_compression_policy_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        Config(**kwargs)
+
+
+def test_reconversion_replaces_policy():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
+    x = torch.randn(64, 64) * 1.0
+    first = convert_(model, Config(saved_bits="auto", average_bits=2, min_numel=0))
+    second = convert_(model, Config(saved_bits=8, min_numel=0))
+    assert second.compressor is not first.compressor
+    assert sum(type(h).__name__ == "_StepHook" for h in model._forward_pre_hooks.values()) == 1
+    model(x.requires_grad_()).sum().backward()
+    assert not first.compressor.records
+    assert [r.bits for r in second.compressor.records.values()] == [8]

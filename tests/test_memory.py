@@ -187,6 +187,10 @@ def test_cli_table_vit():
     (["--model", "resnet9000"], "unknown model 'resnet9000'; supported: gpt2, bert"),
     (["--model", "gpt2", "--bits", "9"], "--bits must be in 1..8, got 9"),
     (["--model", "gpt2", "--saved-bits", "3"], "--saved-bits must be one of 1, 2, 4, 8, got 3"),
+    (["--model", "gpt2", "--saved-bits", "auto"], "--saved-bits auto needs --average-bits"),
+    (["--model", "gpt2", "--average-bits", "2"], "--average-bits is only used with --saved-bits auto"),
+    (["--model", "gpt2", "--saved-bits", "auto", "--average-bits", "0.5"], "--average-bits must be in 1..32"),
+    (["--model", "gpt2", "--compressor", "zip"], "Invalid value for '--compressor'"),
     (["--model", "bert", "--seq-len", "100000"], "--seq-len must be <= 512 for bert, got 100000"),
     (["--model", "llama", "--batch", "64", "--seq-len", "2048"], "GiB available"),
 ])

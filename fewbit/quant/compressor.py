@@ -15,7 +15,7 @@ import torch
 
 from fewbit._checks import check_positive_int
 
-__all__ = ["ActivationCompressor", "CompressionStats", "compress_activations"]
+__all__ = ["ActivationCompressor", "CompressionStats", "SavedTensorRecord", "compress_activations"]
 
 _BIT_WEIGHTS = {}  # device -> uint8 [1, 2, 4, ..., 128]
 
@@ -81,6 +81,32 @@ class CompressionStats:
         self.compressed = self.packed_bool = self.deduplicated = 0
         self.skipped = {}
         self.skipped_bytes = {}
+
+
+@dataclass(frozen=True)
+class SavedTensorRecord:
+    """One floating tensor an :class:`ActivationCompressor` compressed in the current pass
+    (:attr:`ActivationCompressor.records`; the per-tensor rows of ``fewbit.memory``).
+
+    Attributes:
+        index: position in the pass's save order (see :class:`fewbit.quant.policies.SavedTensorInfo`).
+        fqn: innermost converted module (None outside ``fewbit.convert_``'s hooks).
+        kind: its layer kind, or None.
+        shape: the tensor's shape.
+        dtype: its dtype.
+        compressor: registry name of the compressor used (``"keep"``: left exact).
+        bits: bits per element of its codes (the dtype's width for ``"keep"``; stats excluded).
+        nbytes: bytes held for it (codes, stats, exact parts).
+    """
+
+    index: int
+    fqn: str | None
+    kind: str | None
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    compressor: str
+    bits: int
+    nbytes: int
 
 
 class _Handle:
@@ -187,6 +213,10 @@ class ActivationCompressor:
             ``stats_dtype`` are not used); default ``GroupQuantizer(bits, group_size=...,
             stochastic=..., stats_dtype=...)``. With :class:`~fewbit.quant.compressors.Keep`
             the tensors are handed back as they are (counted as skipped, ``"kept"``).
+        policy: a :class:`fewbit.quant.policies.Policy` that picks the compressor of each
+            floating tensor from its :class:`~fewbit.quant.policies.SavedTensorInfo`
+            (:class:`~fewbit.quant.policies.AdaccPolicy`, :class:`fewbit.quant.gact.GACTPolicy`,
+            ...); not together with ``compressor``. Default: ``FixedPolicy(compressor)``.
 
     Note:
         Random numbers. Every compressed tensor gets a new 64-bit seed, so no two
@@ -205,13 +235,22 @@ class ActivationCompressor:
         To keep the global stream untouched, pass a ``generator`` (seeded by you) and
         reuse it across steps.
 
+    Passes. The tensors of one *pass* (one forward) are numbered in save order, which
+    per-tensor policies key on: :meth:`step` starts a pass. ``fewbit.convert_`` calls it
+    in a forward pre-hook of the converted model; used directly, every outermost ``with``
+    block is a pass.
+
     Attributes:
         stats: :class:`CompressionStats` counters, accumulated over every use.
+        policy: the :class:`~fewbit.quant.policies.Policy`.
+        records: ``{index: SavedTensorRecord}`` of the floating tensors compressed (or
+            kept by the policy) in the current pass.
 
     Raises:
         ValueError: for ``bits``, ``group_size``, ``min_numel`` or ``stats_dtype`` out of
-            range, or a ``generator`` that is not on the CPU.
-        TypeError: for a ``generator`` that is not a ``torch.Generator``.
+            range, a ``generator`` that is not on the CPU, or both ``compressor`` and ``policy``.
+        TypeError: for a ``generator`` that is not a ``torch.Generator``, a ``compressor``
+            that is not a Compressor or a ``policy`` that is not a Policy.
 
     Example:
         >>> comp = ActivationCompressor(bits=4)
@@ -231,19 +270,30 @@ class ActivationCompressor:
         stats_dtype: torch.dtype = torch.bfloat16,
         generator: torch.Generator | None = None,
         compressor=None,
+        policy=None,
     ):
         from fewbit.quant import _validate_options
         from fewbit.quant.compressors import Compressor, GroupQuantizer
+        from fewbit.quant.policies import FixedPolicy, Policy
 
         _validate_options(bits, group_size, stats_dtype, generator)
         check_positive_int(min_numel, "min_numel", minimum=0)
-        if compressor is None:
-            compressor = GroupQuantizer(bits, group_size=group_size, stochastic=stochastic, stats_dtype=stats_dtype)
-        elif not isinstance(compressor, Compressor):
-            raise TypeError(
-                f"compressor must be a fewbit.quant.compressors.Compressor or None, got {type(compressor).__name__}"
-            )
-        #: The Compressor applied to the floating tensors taken.
+        if policy is not None:
+            if compressor is not None:
+                raise ValueError("pass either compressor or policy, not both")
+            if not isinstance(policy, Policy):
+                raise TypeError(f"policy must be a fewbit.quant.policies.Policy or None, got {type(policy).__name__}")
+        else:
+            if compressor is None:
+                compressor = GroupQuantizer(bits, group_size=group_size, stochastic=stochastic, stats_dtype=stats_dtype)
+            elif not isinstance(compressor, Compressor):
+                raise TypeError(
+                    f"compressor must be a fewbit.quant.compressors.Compressor or None, got {type(compressor).__name__}"
+                )
+            policy = FixedPolicy(compressor)
+        self.policy = policy
+        self._default = compressor = policy.default
+        #: The policy's default Compressor (fewbit.quant.attention swaps it for q and k).
         self.compressor = compressor
         self.bits = getattr(compressor, "bits", bits)
         self.group_size = group_size
@@ -253,11 +303,39 @@ class ActivationCompressor:
         self.generator = generator  # None: torch's default CPU generator, read at each draw
         self.stats = CompressionStats()
         self._stack: list = []
+        self._where: list = []  # (fqn, kind) of the converted modules running, innermost last
+        self._index = 0
+        self._auto_step = True  # fewbit.convert_ sets False and calls step() per forward
+        self.records: dict = {}
         # key -> (weakref to the tensor or its base, weakref to the handle)
         self._cache: dict = {}
 
     def __repr__(self) -> str:
-        return f"ActivationCompressor(compressor={self.compressor!r}, min_numel={self.min_numel})"
+        return f"ActivationCompressor(policy={self.policy!r}, min_numel={self.min_numel})"
+
+    # passes and policies -------------------------------------------------------------
+    def step(self) -> None:
+        """Start a pass: the next tensor taken gets index 0 and :attr:`records` is emptied."""
+        self._index = 0
+        self.records = {}
+
+    def adapt(self, model: torch.nn.Module, closure) -> bool:
+        """Let the policy re-plan (GACT: :meth:`fewbit.quant.gact.GACTPolicy.adapt`); call
+        it once per training step, before the step's forward. ``closure()`` runs the
+        model's forward on the step's batch and returns the scalar loss (no backward).
+
+        Returns:
+            True if the policy re-planned now; False otherwise (also for fixed policies,
+            for which the call does nothing).
+        """
+        return self.policy.adapt(model, closure)
+
+    def _push_module(self, fqn: str, kind: str | None) -> None:
+        self._where.append((fqn, kind))
+
+    def _pop_module(self) -> None:
+        if self._where:
+            self._where.pop()
 
     # context manager -------------------------------------------------------------------
     def __enter__(self) -> "ActivationCompressor":
@@ -269,6 +347,8 @@ class ActivationCompressor:
         ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         ctx.__enter__()
         if not self._stack:
+            if self._auto_step:
+                self.step()
             mode = _attention_mode(self)
             try:
                 mode.__enter__()
@@ -336,18 +416,15 @@ class ActivationCompressor:
             if anchor is not None and handle is not None:
                 self.stats.deduplicated += 1
                 return handle
-        compressor = self.compressor
-        if mask_value is None and not is_bool and compressor.name == "keep":
-            return self._skip(t, "kept")
-        with torch.no_grad():
-            if is_bool or mask_value is not None:
+        if is_bool or mask_value is not None:
+            with torch.no_grad():
                 bits = t if is_bool else t != 0
                 handle = _Handle(None, _pack_bool(bits), t.shape, t.dtype, t.device, mask_value)
-                self.stats.packed_bool += 1
-            else:
-                qt = compressor.compress(t.detach(), generator=self.generator)
-                handle = _Handle(qt, None, t.shape, t.dtype, t.device)
-                self.stats.compressed += 1
+            self.stats.packed_bool += 1
+        else:
+            handle = self._compress(t)
+            if handle is None:
+                return self._skip(t, "kept")
         self.stats.bytes_before += t.numel() * t.element_size()
         self.stats.bytes_after += handle.nbytes
         anchor = t._base if t._base is not None else t
@@ -360,6 +437,29 @@ class ActivationCompressor:
 
         self._cache[key] = (weakref.ref(anchor), weakref.ref(handle, _drop))
         return handle
+
+    def _compress(self, t: torch.Tensor):
+        """The policy's (or attention's forced) compressor on floating ``t``; None if kept."""
+        from fewbit.quant.policies import SavedTensorInfo, compressor_bits
+
+        forced = self.compressor is not self._default  # fewbit.quant.attention's q and k
+        fqn, kind = self._where[-1] if self._where else (None, None)
+        info = SavedTensorInfo(self._index, tuple(t.shape), t.dtype, fqn, kind, "qk" if forced else None)
+        self._index += 1
+        self.policy.observe(info)
+        compressor = self.compressor if forced and not self.policy.decides_qk else self.policy.choose(t, info)
+        if compressor.name == "keep":
+            qt = None
+        else:
+            generator = self.policy.generator(info) or self.generator
+            with torch.no_grad():
+                qt = compressor.compress(t.detach(), generator=generator)
+            self.stats.compressed += 1
+        nbytes = qt.nbytes if qt is not None else t.numel() * t.element_size()
+        self.records[info.index] = SavedTensorRecord(
+            info.index, fqn, kind, info.shape, t.dtype, compressor.name, compressor_bits(compressor, t.dtype), nbytes
+        )
+        return None if qt is None else _Handle(qt, None, t.shape, t.dtype, t.device)
 
     @staticmethod
     def _unpack(packed):

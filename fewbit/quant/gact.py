@@ -1,0 +1,314 @@
+"""GACT auto-precision: per-tensor bits from gradient sensitivity (docs/compression.md §2).
+
+Liu et al., "GACT: Activation Compressed Training for Generic Network Architectures",
+ICML 2022. With stochastic rounding at ``b_l`` bits per element of saved tensor ``l`` the
+gradient variance is bounded by ``Σ_l c_l S(b_l)``, ``S(b) = (2^b - 1)^-2`` (GACT Thm. 2);
+:class:`GACTPolicy` estimates the sensitivities ``c_l`` (GACT Alg. 1) and gives each tensor
+the bits of :func:`allocate_bits` (GACT eq. 4: minimise ``Σ c_l S(b_l)`` subject to
+``Σ b_l D_l <= average_bits · Σ D_l``), from {1, 2, 4, 8, keep}.
+
+Through ``fewbit.convert_``::
+
+    summary = fewbit.convert_(model, fewbit.Config(saved_bits="auto", average_bits=2))
+    for x, y in loader:
+        summary.compressor.adapt(model, lambda: loss_fn(model(x), y))  # re-plans every adapt_interval calls
+        loss = loss_fn(model(x), y)
+        loss.backward(); opt.step(); opt.zero_grad()
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import warnings
+from collections.abc import Sequence
+
+import torch
+
+from fewbit._checks import check_positive_int
+from fewbit.quant.compressors import GroupQuantizer, Keep
+from fewbit.quant.policies import Policy, SavedTensorInfo
+
+__all__ = ["GACTPolicy", "allocate_bits", "variance_factor", "CANDIDATE_BITS"]
+
+#: Quantized widths a tensor can get; above them it is kept exact (its dtype's width).
+CANDIDATE_BITS: tuple[int, ...] = (1, 2, 4, 8)
+
+
+def variance_factor(bits: int) -> float:
+    """``S(b) = (2^b - 1)^-2`` for ``b`` in :data:`CANDIDATE_BITS`; 0 for a kept tensor
+    (``b`` > 8). GACT Thm. 2."""
+    if bits > CANDIDATE_BITS[-1]:
+        return 0.0
+    return 1.0 / float((1 << bits) - 1) ** 2
+
+
+def allocate_bits(
+    sensitivity: Sequence[float], numel: Sequence[int], budget_bits: float, keep_bits: Sequence[int]
+) -> list[int]:
+    """Greedy solution of GACT eq. 4: per-tensor bits under a total-bits budget.
+
+    Every tensor starts at 1 bit; the upgrade (to the next of 1, 2, 4, 8, keep) with the
+    largest variance decrease per extra bit, ``c_l (S(b) - S(b')) / ((b' - b) D_l)``, is
+    applied while it fits in the budget; an upgrade that does not fit ends that tensor's
+    upgrades. O(L log L) for L tensors (at most 4 upgrades each). The decrease per bit
+    shrinks from one width to the next, so for tensors of equal size the greedy choice is
+    optimal (tests/quant/test_gact.py compares it with brute force); for unequal sizes it
+    is the knapsack greedy, which can miss the optimum when an upgrade does not fit (5 of
+    200 random 1-4 tensor cases in that test's setting, each within 1.6x of it).
+
+    Args:
+        sensitivity: ``c_l >= 0`` per tensor.
+        numel: ``D_l`` (elements) per tensor.
+        budget_bits: ``B``, total bits for all tensors' codes (stats not counted).
+        keep_bits: bits per element of each tensor kept exact (32 for float32, 16 for
+            bf16/fp16).
+
+    Returns:
+        Bits per tensor (``keep_bits[l]`` where it is kept exact). If even 1 bit each
+        exceeds the budget, every tensor gets 1 bit.
+    """
+    n = len(numel)
+    if not (len(sensitivity) == n == len(keep_bits)):
+        raise ValueError("sensitivity, numel and keep_bits must have the same length")
+    levels = [CANDIDATE_BITS + (int(k),) for k in keep_bits]
+    level = [0] * n
+    used = float(sum(numel))
+
+    def entry(i: int):
+        b, b2 = levels[i][level[i]], levels[i][level[i] + 1]
+        gain = float(sensitivity[i]) * (variance_factor(b) - variance_factor(b2)) / ((b2 - b) * max(numel[i], 1))
+        return (-gain, i)
+
+    heap = [entry(i) for i in range(n)]
+    heapq.heapify(heap)
+    while heap:
+        _, i = heapq.heappop(heap)
+        cost = (levels[i][level[i] + 1] - levels[i][level[i]]) * numel[i]
+        if used + cost > budget_bits:
+            continue
+        used += cost
+        level[i] += 1
+        if level[i] + 1 < len(levels[i]):
+            heapq.heappush(heap, entry(i))
+    return [levels[i][level[i]] for i in range(n)]
+
+
+def _keep_bits(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size() * 8
+
+
+class GACTPolicy(Policy):
+    """Group quantizer at per-tensor bits chosen by gradient sensitivity (GACT).
+
+    ``Config(saved_bits="auto", average_bits=B)`` builds one; the converted model's
+    ``summary.compressor.adapt(model, closure)`` (:meth:`adapt`) is the one call per
+    training step it needs.
+
+    Tensors are identified by their index in the pass's save order
+    (:class:`~fewbit.quant.policies.SavedTensorInfo`), stable for a static graph. Until
+    the first :meth:`adapt`, and for an index the last adapt did not see, every tensor
+    gets the largest of 1, 2, 4, 8 not above ``average_bits``, but for the attention's q
+    and k (8 bits, :mod:`fewbit.quant.attention`). A plan allocates q and k like every
+    other tensor: their sensitivity (large: the logits' error is exponentiated) decides
+    their bits. Tensors saved outside the converted modules (the loss's logits
+    and log-softmax) are not taken by the compressor at all: they stay exact.
+
+    Args:
+        average_bits: the budget, bits per element over the allocated tensors
+            (``Σ b_l D_l <= average_bits Σ D_l``; stats excluded), 1 <= average_bits <= 32.
+        adapt_interval: :meth:`adapt` re-plans on its 1st call and every
+            ``adapt_interval`` calls after (default 1000).
+        probe_bits: the width every tensor is quantized at during the sensitivity runs
+            (default 4; ``c_l = ½‖g0 − g1‖² / S(probe_bits)``).
+        group_size, stochastic, stats_dtype: of the group quantizers
+            (:class:`~fewbit.quant.compressors.GroupQuantizer`).
+        alert_ratio: warn (once) when the planned compression variance ``Σ c_l S(b_l)``
+            exceeds ``alert_ratio`` times the SGD gradient variance (estimated from the
+            adapt calls' gradients: ``mean ‖g‖² − ‖mean g‖²`` over calls, from the 2nd);
+            default 1.0, i.e. when compression noise dominates.
+        seed: seed of the generator that draws the sensitivity runs' noise seeds.
+
+    Attributes:
+        bits: ``{index: bits}`` of the last plan (the dtype's width = kept exact).
+        sensitivity: ``{index: c_l}`` of the last plan.
+        numel: ``{index: D_l}`` of the tensors the last plan saw.
+        compression_variance: ``Σ c_l S(b_l)`` of the last plan.
+        gradient_variance: the running SGD gradient-variance estimate (nan before 2 calls).
+
+    Raises:
+        ValueError: naming the argument, for any value out of range.
+    """
+
+    decides_qk = True
+
+    def __init__(
+        self,
+        average_bits: float,
+        *,
+        adapt_interval: int = 1000,
+        probe_bits: int = 4,
+        group_size: int = 256,
+        stochastic: bool = True,
+        stats_dtype: torch.dtype = torch.bfloat16,
+        alert_ratio: float = 1.0,
+        seed: int = 0,
+    ) -> None:
+        if isinstance(average_bits, bool) or not isinstance(average_bits, (int, float)) or not (
+            1 <= average_bits <= 32
+        ):
+            raise ValueError(f"average_bits must be a number in [1, 32], got {average_bits!r}")
+        self.average_bits = float(average_bits)
+        self.adapt_interval = check_positive_int(adapt_interval, "adapt_interval")
+        if probe_bits not in CANDIDATE_BITS:
+            raise ValueError(f"probe_bits must be one of {CANDIDATE_BITS}, got {probe_bits!r}")
+        self.probe_bits = probe_bits
+        if not isinstance(alert_ratio, (int, float)) or not alert_ratio > 0:
+            raise ValueError(f"alert_ratio must be a number > 0, got {alert_ratio!r}")
+        self.alert_ratio = float(alert_ratio)
+        self.initial_bits = max(b for b in CANDIDATE_BITS if b <= self.average_bits)
+        self._quantizers = {
+            b: GroupQuantizer(b, group_size=group_size, stochastic=stochastic, stats_dtype=stats_dtype)
+            for b in CANDIDATE_BITS
+        }
+        self._keep = Keep()
+        self._gen = torch.Generator().manual_seed(int(seed))
+        self.bits: dict[int, int] = {}
+        self.sensitivity: dict[int, float] = {}
+        self.numel: dict[int, int] = {}
+        self.compression_variance = math.nan
+        self.gradient_variance = math.nan
+        self._calls = 0
+        self._probe: tuple[int, int] | None = None  # (base seed, index whose seed changes)
+        self._seen: dict[int, SavedTensorInfo] = {}
+        self._grad_sum: torch.Tensor | None = None
+        self._grad_sq = 0.0
+        self._grad_n = 0
+        self._warned = False
+
+    @property
+    def default(self):
+        return self._quantizers[self.initial_bits]
+
+    def __repr__(self) -> str:
+        return (f"GACTPolicy(average_bits={self.average_bits}, adapt_interval={self.adapt_interval}, "
+                f"planned={len(self.bits)})")
+
+    # pack time ---------------------------------------------------------------------------
+    def observe(self, info):
+        if self._probe is not None:
+            self._seen[info.index] = info
+
+    def choose(self, x, info):
+        if self._probe is not None:
+            return self._quantizers[self.probe_bits]
+        b = self.bits.get(info.index, 8 if info.role == "qk" else self.initial_bits)
+        return self._quantizers[b] if b in self._quantizers else self._keep
+
+    def generator(self, info):
+        if self._probe is None:
+            return None
+        base, flipped = self._probe
+        seed = (base + 2 * info.index + (info.index == flipped)) % (1 << 63)
+        return torch.Generator().manual_seed(seed)
+
+    # sensitivity ---------------------------------------------------------------------------
+    def adapt(self, model: torch.nn.Module, closure) -> bool:
+        """Re-plan on this call if it is the 1st or ``adapt_interval`` calls after the last.
+
+        GACT Alg. 1: one forward+backward (``closure()`` then ``backward``) gives ``g0``,
+        every tensor quantized at ``probe_bits`` with its own fixed noise seed; then one
+        run per tensor ``l`` with only ``l``'s seed changed gives ``g1`` and
+        ``c_l = ½‖g0 − g1‖² / S(probe_bits)``. Everything else is replayed identically
+        (torch's CPU and CUDA RNG states are restored before each run and after the
+        call, so dropout masks match and the training stream is untouched). The
+        parameters' ``.grad`` are restored. Then :func:`allocate_bits`.
+
+        Args:
+            model: the converted model (its parameters that require grad are differentiated).
+            closure: ``() -> loss``, the forward of this step's batch (scalar tensor).
+
+        Returns:
+            True if it re-planned.
+
+        Raises:
+            TypeError: if ``closure`` does not return a scalar tensor.
+        """
+        self._calls += 1
+        if (self._calls - 1) % self.adapt_interval:
+            return False
+        params = [p for p in model.parameters() if p.requires_grad]
+        grads = [p.grad for p in params]
+        devices = sorted({p.device.index or 0 for p in params if p.device.type == "cuda"})
+        base = int(torch.randint(0, 1 << 62, (), generator=self._gen))
+        try:
+            with torch.random.fork_rng(devices=devices):
+                cpu_state = torch.get_rng_state()
+                cuda_states = [torch.cuda.get_rng_state(d) for d in devices]
+
+                def run(flipped: int) -> torch.Tensor:
+                    torch.set_rng_state(cpu_state)
+                    for d, s in zip(devices, cuda_states):
+                        torch.cuda.set_rng_state(s, d)
+                    for p in params:
+                        p.grad = None
+                    self._probe = (base, flipped)
+                    try:
+                        with torch.enable_grad():
+                            loss = closure()
+                            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                                raise TypeError("closure must return the loss, a scalar tensor")
+                            loss.backward()
+                    finally:
+                        self._probe = None
+                    return torch.cat([
+                        (p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1).double()
+                        for p in params
+                    ])
+
+                self._seen = {}
+                g0 = run(-1)
+                seen, self._seen = self._seen, {}
+                s = variance_factor(self.probe_bits)
+                sens = {}
+                for index in seen:
+                    g1 = run(index)
+                    sens[index] = 0.5 * float((g0 - g1).pow(2).sum()) / s
+        finally:
+            for p, g in zip(params, grads):
+                p.grad = g
+        self._plan(seen, sens)
+        self._check_variance(g0)
+        return True
+
+    def _plan(self, seen: dict[int, SavedTensorInfo], sens: dict[int, float]) -> None:
+        order = sorted(sens)
+        numel = [seen[i].numel for i in order]
+        budget = self.average_bits * sum(numel)
+        keep = [_keep_bits(seen[i].dtype) for i in order]
+        bits = allocate_bits([sens[i] for i in order], numel, budget, keep)
+        self.bits = dict(zip(order, bits))
+        self.sensitivity = sens
+        self.numel = {i: seen[i].numel for i in seen}
+        self.compression_variance = sum(sens[i] * variance_factor(b) for i, b in self.bits.items())
+
+    def _check_variance(self, g: torch.Tensor) -> None:
+        if self._grad_sum is None or self._grad_sum.shape != g.shape:
+            self._grad_sum, self._grad_sq, self._grad_n = torch.zeros_like(g), 0.0, 0
+        self._grad_sum += g
+        self._grad_sq += float(g.pow(2).sum())
+        self._grad_n += 1
+        n = self._grad_n
+        if n < 2:
+            return
+        mean = self._grad_sum / n
+        self.gradient_variance = max(self._grad_sq / n - float(mean.pow(2).sum()), 0.0) * n / (n - 1)
+        if not self._warned and self.compression_variance > self.alert_ratio * self.gradient_variance:
+            self._warned = True
+            warnings.warn(
+                f"GACT: compression variance {self.compression_variance:.3g} exceeds {self.alert_ratio:g} x the "
+                f"SGD gradient variance {self.gradient_variance:.3g}: compression noise dominates the gradient "
+                f"noise at average_bits={self.average_bits:g}; consider more bits",
+                RuntimeWarning,
+                stacklevel=4,
+            )

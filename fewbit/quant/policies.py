@@ -1,0 +1,180 @@
+"""Per-tensor compression policies: which compressor takes which saved tensor.
+
+An :class:`fewbit.quant.ActivationCompressor` asks its policy, for every floating tensor it
+takes, for a :class:`~fewbit.quant.compressors.Compressor` (``Keep`` = left exact). The
+policy sees what is known at pack time (:class:`SavedTensorInfo`): shape and dtype, the
+index in the pass's save order, the innermost converted module (fqn and kind, set by
+``fewbit.convert_``'s hooks) and the tensor's role. ``fewbit.Config(compressor=...)`` and
+``Config(saved_bits="auto")`` pick one:
+
+=====================  ============================================================
+policy                 compressor of each saved tensor
+=====================  ============================================================
+:class:`FixedPolicy`   one compressor for all (``"group"``: ActNN; ``"division"``)
+:class:`AdaccPolicy`   by layer kind (Adacc, Zhang et al. 2024; docs/compression.md §4)
+``GACTPolicy``         group quantizer at per-tensor bits from gradient sensitivity
+                       (:mod:`fewbit.quant.gact`; GACT, Liu et al., ICML 2022)
+=====================  ============================================================
+
+Write your own by subclassing :class:`Policy` (``choose``, and ``default`` for the
+compressor reported as ``ActivationCompressor.compressor``).
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+
+import torch
+
+from fewbit.quant.compressors import Compressor, get_compressor
+
+__all__ = ["SavedTensorInfo", "Policy", "FixedPolicy", "AdaccPolicy", "compressor_bits"]
+
+
+@dataclass(frozen=True)
+class SavedTensorInfo:
+    """What a policy knows about one saved tensor at pack time.
+
+    Attributes:
+        index: position among the tensors the compressor took in this pass (0, 1, ...;
+            reset by :meth:`fewbit.quant.ActivationCompressor.step`, which ``fewbit.convert_``
+            calls at the start of every forward of the converted model). Stable from pass
+            to pass for a static graph.
+        shape: the tensor's shape.
+        dtype: its dtype.
+        fqn: dotted name of the innermost converted module running (``""`` for the
+            root), or None outside ``fewbit.convert_``'s hooks.
+        kind: that module's kind (``fewbit.convert.layer_kind``: ``linear``, ``conv``,
+            ``norm``, ``attention``), or None.
+        role: ``"qk"`` for the query/key that :mod:`fewbit.quant.attention` saves (it picks
+            their compressor itself, 8 bits), else None.
+    """
+
+    index: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    fqn: str | None = None
+    kind: str | None = None
+    role: str | None = None
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+def compressor_bits(compressor: Compressor, dtype: torch.dtype) -> int:
+    """Bits per element of a compressor's codes (``bits``; a :class:`Keep` gives the
+    dtype's width), as shown in the memory report (stats not included)."""
+    if compressor.name == "keep":
+        return torch.empty((), dtype=dtype).element_size() * 8
+    return int(getattr(compressor, "bits", 0))
+
+
+class Policy(abc.ABC):
+    """Maps each saved tensor to a compressor (subclass it to add a policy)."""
+
+    #: Whether :meth:`choose` also picks the compressor of the attention's q and k
+    #: (``role="qk"``); if False they get :mod:`fewbit.quant.attention`'s 8 bits.
+    decides_qk: bool = False
+
+    @property
+    @abc.abstractmethod
+    def default(self) -> Compressor:
+        """The compressor shown as ``ActivationCompressor.compressor`` (what the attention's
+        8-bit q/k rule compares against, :mod:`fewbit.quant.attention`)."""
+
+    @abc.abstractmethod
+    def choose(self, x: torch.Tensor, info: SavedTensorInfo) -> Compressor:
+        """The compressor for saved tensor ``x`` (not modified; do not read its values
+        unless needed: it runs at every save)."""
+
+    def observe(self, info: SavedTensorInfo) -> None:
+        """Called for every floating tensor taken, also those whose compressor the
+        attention picks (``role="qk"``), before :meth:`choose`; does nothing by default."""
+
+    def generator(self, info: SavedTensorInfo) -> torch.Generator | None:
+        """A generator for this tensor's noise seed, or None for the compressor's own
+        (GACT's sensitivity runs fix each tensor's seed through it)."""
+        return None
+
+    def adapt(self, model: torch.nn.Module, closure) -> bool:
+        """Re-plan from the model's gradients; a policy with nothing to learn returns False."""
+        return False
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(default={self.default!r})"
+
+
+class FixedPolicy(Policy):
+    """Every tensor gets ``compressor`` (``fewbit.Config(compressor="group"|"division")``)."""
+
+    def __init__(self, compressor: Compressor) -> None:
+        if not isinstance(compressor, Compressor):
+            raise TypeError(f"compressor must be a fewbit.quant.compressors.Compressor, got {type(compressor).__name__}")
+        self.compressor = compressor
+
+    @property
+    def default(self) -> Compressor:
+        return self.compressor
+
+    def choose(self, x, info):
+        return self.compressor
+
+    def __repr__(self) -> str:
+        return f"FixedPolicy({self.compressor!r})"
+
+
+class AdaccPolicy(Policy):
+    """Adacc's layer-specific compressors (docs/compression.md §4; Adacc, Zhang et al. 2024).
+
+    - tensors saved inside ``linear`` and ``norm`` modules and activation inputs (no kind):
+      ``"outlier"`` (outlier channels with z-score > 3 exact, the rest row-wise at ``bits``);
+    - inside ``attention`` modules: attention probabilities (every value in [0, 1], checked
+      with one min/max reduction) ``"softmax"`` at ``bits``; q, k, v and the rest
+      ``"channelwise"`` (q and k at 8 bits, as :mod:`fewbit.quant.attention` measured);
+    - inside ``conv`` modules: the group quantizer at ``bits`` (Adacc covers transformers).
+
+    Args:
+        bits: bits per element of the outlier, softmax and channel-wise compressors.
+        group_size: the group quantizer's group for conv tensors.
+
+    Raises:
+        ValueError: a compressor that is not registered (:data:`COMPRESSORS`), or ``bits``
+            out of one of their ranges.
+    """
+
+    decides_qk = True
+
+    def __init__(self, bits: int = 4, *, group_size: int = 256) -> None:
+        self.bits = bits
+        self.outlier = get_compressor("outlier", bits=bits)
+        self.softmax = get_compressor("softmax", bits=bits)
+        self.channelwise = get_compressor("channelwise", bits=bits)
+        self.channelwise_qk = get_compressor("channelwise", bits=8)
+        self.group = get_compressor("group", bits=bits, group_size=group_size)
+
+    @property
+    def default(self) -> Compressor:
+        return self.outlier
+
+    def choose(self, x, info):
+        if info.role == "qk":
+            chosen = self.channelwise_qk
+        elif info.kind == "attention":
+            with torch.no_grad():
+                if x.numel() and bool((x.amin() >= 0) & (x.amax() <= 1)):
+                    chosen = self.softmax
+                else:
+                    chosen = self.channelwise
+        elif info.kind == "conv":
+            chosen = self.group
+        else:
+            chosen = self.outlier
+        return chosen if chosen.supports(x) else self.group
+
+    def __repr__(self) -> str:
+        return f"AdaccPolicy(bits={self.bits})"

@@ -1,0 +1,221 @@
+"""GACT auto-precision (fewbit.quant.gact): allocation, sensitivity, budget, unbiasedness, loop."""
+
+import itertools
+import math
+import random
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import fewbit
+from fewbit.memory import saved_tensor_report
+from fewbit.quant.compressors import GroupQuantizer
+from fewbit.quant.gact import GACTPolicy, allocate_bits, variance_factor
+
+
+def _objective(c, bits):
+    return sum(ci * variance_factor(b) for ci, b in zip(c, bits))
+
+
+def test_variance_factor():
+    assert variance_factor(1) == 1.0
+    assert variance_factor(2) == pytest.approx(1 / 9)
+    assert variance_factor(8) == pytest.approx(1 / 255**2)
+    assert variance_factor(32) == 0.0
+
+
+def test_allocation_matches_brute_force_for_equal_sizes():
+    rng = random.Random(0)
+    for _ in range(150):
+        n = rng.randint(1, 4)
+        c = [rng.random() * 10 for _ in range(n)]
+        d = [100] * n
+        budget = rng.choice([1, 1.5, 2, 3, 4, 6, 8, 12, 32]) * sum(d)
+        got = allocate_bits(c, d, budget, [32] * n)
+        assert sum(b * x for b, x in zip(got, d)) <= budget
+        best = min(
+            _objective(c, bs) for bs in itertools.product((1, 2, 4, 8, 32), repeat=n)
+            if sum(b * x for b, x in zip(bs, d)) <= budget
+        )
+        assert _objective(c, got) <= best * (1 + 1e-12) + 1e-15, (c, budget, got)
+
+
+def test_allocation_respects_budget_and_edges():
+    rng = random.Random(1)
+    for _ in range(100):
+        n = rng.randint(1, 6)
+        c = [rng.random() for _ in range(n)]
+        d = [rng.choice([10, 50, 200, 1000]) for _ in range(n)]
+        budget = rng.uniform(1, 40) * sum(d)
+        got = allocate_bits(c, d, budget, [16] * n)
+        assert all(b in (1, 2, 4, 8, 16) for b in got)
+        assert sum(b * x for b, x in zip(got, d)) <= budget
+    # below 1 bit each: all at 1; everything fits: all kept; more sensitive gets more
+    assert allocate_bits([1, 1], [10, 10], 5, [32, 32]) == [1, 1]
+    assert allocate_bits([1, 1], [10, 10], 640, [32, 16]) == [32, 16]
+    assert allocate_bits([1.0, 100.0], [10, 10], 50, [32, 32]) == [1, 4]
+    with pytest.raises(ValueError):
+        allocate_bits([1], [1, 2], 10, [32])
+
+
+class _Two(nn.Module):
+    """z = W2 (W1 h0): the gradient is linear in each saved tensor's noise and each
+    tensor's noise reaches one weight's gradient only, so c_l is the variance of that
+    gradient under tensor l's quantization alone, divided by S(b)."""
+
+    def __init__(self):
+        super().__init__()
+        self.l1 = nn.Linear(64, 64, bias=False)
+        self.l2 = nn.Linear(64, 64, bias=False)
+
+    def forward(self, x):
+        return self.l2(self.l1(x))
+
+
+def test_sensitivity_matches_monte_carlo():
+    torch.manual_seed(0)
+    model = _Two()
+    xb = torch.randn(64, 64, requires_grad=True)
+    a = torch.randn(64, 64)
+    summary = fewbit.convert_(model, fewbit.Config(activation_bits=None, saved_bits="auto", average_bits=2,
+                                                    min_numel=0, adapt_interval=1))
+    policy = summary.compressor.policy
+    closure = lambda: (model(xb * 1.0) * a).sum()  # noqa: E731  (xb * 1.0: not a leaf, so compressed)
+    runs = 60
+    est = {0: [], 1: []}
+    for _ in range(runs):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # the alert, not tested here
+            assert summary.compressor.adapt(model, closure)
+        for i in est:
+            est[i].append(policy.sensitivity[i])
+    # Monte-Carlo reference: quantize tensor l alone at probe_bits, many draws
+    with torch.no_grad():
+        h0 = xb.detach().clone()
+        h1 = model.l1(h0)
+        up = a @ model.l2.weight  # dL/d(l1 output)
+        q = GroupQuantizer(policy.probe_bits)
+        gen = torch.Generator().manual_seed(1)
+        ref = {}
+        for i, (h, g_out) in enumerate(((h0, up), (h1, a))):
+            grads = torch.stack([(g_out.t() @ q.compress(h, generator=gen).decompress()).reshape(-1)
+                                 for _ in range(400)])
+            var = (grads - grads.mean(0)).pow(2).sum(1).mean() * 400 / 399
+            ref[i] = float(var) / variance_factor(policy.probe_bits)
+    for i in est:
+        v = torch.tensor(est[i], dtype=torch.float64)
+        se = float(v.std()) / math.sqrt(runs)
+        assert abs(float(v.mean()) - ref[i]) <= 3 * se + 0.05 * ref[i], (i, float(v.mean()), ref[i], se)
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 256), nn.GELU(), nn.Linear(256, 64), nn.LayerNorm(64), nn.GELU(),
+                         nn.Linear(64, 128), nn.Linear(128, 10))
+
+
+@pytest.mark.parametrize("average_bits", [1.5, 2, 3, 5])
+def test_budget_respected_in_memory_report(average_bits):
+    model = _mlp()
+    x = torch.randn(48, 32) * 1.0
+    y = torch.randint(0, 10, (48,))
+    summary = fewbit.convert_(model, fewbit.Config(saved_bits="auto", average_bits=average_bits, min_numel=0))
+    loss_fn = lambda out: nn.functional.cross_entropy(out, y)  # noqa: E731
+    summary.compressor.adapt(model, lambda: loss_fn(model(x)))
+    report = saved_tensor_report(model, x, loss_fn=loss_fn)
+    rows = report.saved_tensors
+    assert [r["index"] for r in rows] == sorted(summary.compressor.policy.bits)
+    elements = sum(math.prod(r["shape"]) for r in rows)
+    # codes within the budget; stats: one bf16 (min, scale) pair per group of 256, rounded up
+    stats = sum(4 * -(-math.prod(r["shape"]) // 256) for r in rows if r["compressor"] == "group")
+    assert sum(r["bytes"] for r in rows) <= average_bits * elements / 8 + stats + len(rows)
+    assert report.average_bits() <= average_bits
+    assert "compressed saved tensors by bits" in report.format()
+
+
+def test_gradient_unbiased_end_to_end():
+    model = _mlp()
+    x = torch.randn(48, 32)
+    y = torch.randint(0, 10, (48,))
+    params = list(model.parameters())
+
+    def grad():
+        for p in params:
+            p.grad = None
+        nn.functional.cross_entropy(model(x * 1.0), y).backward()
+        return torch.cat([p.grad.reshape(-1) for p in params])
+
+    summary = fewbit.convert_(model, fewbit.Config(activation_bits=None, saved_bits="auto", average_bits=2,
+                                                    min_numel=0))
+    summary.compressor.adapt(model, lambda: nn.functional.cross_entropy(model(x * 1.0), y))
+    policy = summary.compressor.policy
+    assert sorted(policy.bits) == [0, 1, 2, 3]
+    policy.bits = {0: 1, 1: 2, 2: 4, 3: 8}  # a mixed plan, whatever the sensitivities were
+    draws = torch.stack([grad() for _ in range(300)])
+    fewbit.convert_(model, fewbit.Config(activation_bits=None))
+    exact = grad()
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(5):  # random projections, 3 sigma each
+        u = torch.randn(exact.numel(), generator=gen)
+        proj = draws @ u
+        se = float(proj.std()) / math.sqrt(len(proj))
+        assert abs(float(proj.mean()) - float(exact @ u)) <= 3 * se
+
+
+def test_user_loop_adapt_interval_keeps_grads_and_rng():
+    model = _mlp()
+    summary = fewbit.convert_(model, fewbit.Config(saved_bits="auto", average_bits=3, adapt_interval=2,
+                                                    min_numel=0))
+    comp = summary.compressor
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(16, 32)
+    y = torch.randint(0, 10, (16,))
+    planned = []
+    for step in range(5):
+        marker = [torch.full_like(p, float(step)) for p in model.parameters()]
+        for p, m in zip(model.parameters(), marker):
+            p.grad = m
+        state = torch.get_rng_state()
+        planned.append(comp.adapt(model, lambda: nn.functional.cross_entropy(model(x), y)))
+        assert torch.equal(torch.get_rng_state(), state)
+        assert all(p.grad is m for p, m in zip(model.parameters(), marker))
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    assert planned == [True, False, True, False, True]
+    assert comp.records and all(r.bits == comp.policy.bits[i] for i, r in comp.records.items())
+
+
+def test_alert_when_compression_variance_dominates():
+    model = _mlp()
+    x = torch.randn(16, 32)
+    y = torch.randint(0, 10, (16,))
+    summary = fewbit.convert_(model, fewbit.Config(saved_bits="auto", average_bits=1, adapt_interval=1,
+                                                    min_numel=0))
+    policy = summary.compressor.policy
+    policy.alert_ratio = 1e-12
+    closure = lambda: nn.functional.cross_entropy(model(x * 1.0), y)  # noqa: E731
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        summary.compressor.adapt(model, closure)  # one gradient: no variance estimate yet
+    with pytest.warns(RuntimeWarning, match="compression noise dominates"):
+        summary.compressor.adapt(model, lambda: nn.functional.cross_entropy(model(torch.randn(16, 32)), y))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        summary.compressor.adapt(model, closure)  # once only
+    quiet = GACTPolicy(2, alert_ratio=1e12)
+    assert quiet.alert_ratio == 1e12
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"average_bits": 0.5}, "average_bits"),
+    ({"average_bits": "2"}, "average_bits"),
+    ({"average_bits": 2, "adapt_interval": 0}, "adapt_interval"),
+    ({"average_bits": 2, "probe_bits": 3}, "probe_bits"),
+    ({"average_bits": 2, "alert_ratio": 0}, "alert_ratio"),
+])
+def test_policy_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        GACTPolicy(**kwargs)
