@@ -215,6 +215,12 @@ def _format_bits(d: dict) -> str:
     return "\n".join(lines)
 
 
+def _choice(option: str, value: str, allowed: tuple[str, ...]) -> str:
+    if value not in allowed:
+        _fail(f"Invalid value for '{option}': {value!r} is not one of {', '.join(map(repr, allowed))}")
+    return value
+
+
 def _positive(ctx, param, value):
     if value is not None and value < 1:
         raise click.BadParameter(f"must be >= 1, got {value}")
@@ -234,7 +240,7 @@ def _positive(ctx, param, value):
 @click.option("--average-bits", default=None, type=float,
               help="With --saved-bits auto: the average bits per element of the compressed tensors, 1..32.")
 @click.option("--compressor", default="group", show_default=True,
-              type=click.Choice(["group", "division", "adacc"]),
+              callback=lambda ctx, param, value: _choice("--compressor", value, ("group", "division", "adacc")),
               help="group (ActNN), division (DIVISION) or adacc (Adacc's per-layer compressors).")
 @click.option("--group-size", default=256, show_default=True, type=int, callback=_positive)
 @click.option("--layers", default=None, type=int, callback=_positive,
