@@ -175,12 +175,15 @@ def _store_rounded(out_ptr, offs, prod, mask, OUT_BF16: tl.constexpr):
 @triton.jit
 def _patch_nonfinite(
     g_ptr, out_ptr, rec_ptr, patch_ptr, cnt, lo, hi,
-    IS_F64: tl.constexpr, OUT_BF16: tl.constexpr, PB: tl.constexpr,
+    IS_F64: tl.constexpr, OUT_BF16: tl.constexpr, PB: tl.constexpr, N_PB: tl.constexpr,
 ):
     """Give the recorded elements in ``[lo, hi)`` torch's gradient (the patch rows of
-    fewbit.ops._nonfinite), ``PB`` record entries at a time."""
-    for s in tl.range(0, cnt, PB):
-        j = s + tl.arange(0, PB).to(tl.int64)
+    fewbit.ops._nonfinite), ``PB`` record entries at a time, ``N_PB`` times (enough for the
+    record's capacity; entries past ``cnt`` are masked). The trip count is a constexpr: the
+    interpreters of triton <= 3.6 fail on a loop bound read at run time with numpy >= 2.4
+    (``int()`` of a 1-element array)."""
+    for it in range(N_PB):
+        j = it * PB + tl.arange(0, PB).to(tl.int64)
         m = j < cnt
         e = tl.load(rec_ptr + 1 + j, mask=m, other=0)
         i = e >> 2
@@ -220,6 +223,7 @@ def _decode_mul_kernel(
     HAS_REC: tl.constexpr,
     SELECT_ZERO: tl.constexpr,
     PB: tl.constexpr,
+    N_PB: tl.constexpr,
 ):
     grp, idx = _groups(BLOCK)
     code = _load_unpack(packed_ptr, grp, n, BITS)
@@ -237,7 +241,7 @@ def _decode_mul_kernel(
             tl.debug_barrier()  # the patch overwrites elements this program just stored
             lo = tl.program_id(0).to(tl.int64) * BLOCK * 8
             _patch_nonfinite(g_ptr, out_ptr, rec_ptr, patch_ptr, cnt, lo, tl.minimum(lo + BLOCK * 8, n),
-                             IS_F64, OUT_BF16, PB)
+                             IS_F64, OUT_BF16, PB, N_PB)
 
 
 # --------------------------------------------------------------------------- fused forward
@@ -245,11 +249,12 @@ def _decode_mul_kernel(
 # formulas (aten/src/ATen/native/cuda/ActivationGeluKernel.cu, ActivationSiluKernel.cu): in
 # float32 for float16/bfloat16/float32 input (torch's opmath type), rounded to the input dtype
 # once; in float64 for float64. On a GPU the functions are CUDA's own (libdevice __nv_erff,
-# __nv_tanhf, __nv_expf: what nvcc links for erff/tanhf/expf), the division is IEEE-rounded
-# and the one multiply-add that nvcc contracts (gelu_tanh's x + kKappa * x_cube) is an
-# explicit fma; the launch disables any other contraction (enable_fp_fusion=False). The
-# interpreter has no libdevice: there erf, exp and tanh are evaluated in float64 and rounded
-# (correctly rounded float32 functions), so y can differ from a GPU's in the last bit.
+# __nv_tanhf, __nv_expf: what nvcc links for erff/tanhf/expf), the division is IEEE-rounded,
+# the multiply-add of gelu_tanh's x + kKappa * x_cube is an explicit fma, and the launch
+# options are nvcc's defaults (:func:`_nvcc_like_options`: contraction on, as it also
+# applies inside the inlined libdevice code; no flush-to-zero). The interpreter has no
+# libdevice: there erf, exp and tanh are evaluated in float64 and rounded (correctly rounded
+# float32 functions) and nothing is contracted, so y can differ from a GPU's in the last bit.
 
 #: Registry names (:mod:`fewbit.activations`) whose forward :func:`forward_encode_triton` computes.
 FUSED_FORWARD: frozenset[str] = frozenset({"gelu", "gelu_tanh", "silu"})
@@ -454,17 +459,38 @@ def decode_mul_triton(
     has_rec = nonfinite is not None
     rec = nonfinite.detach().to(grad.device).contiguous() if has_rec else p
     pt = patch.detach().to(device=grad.device, dtype=v.dtype).contiguous() if has_rec else v
+    cap = rec.numel() - 1 if has_rec else 0
     grid = (triton.cdiv(triton.cdiv(n, 8), block),)
     wrap_triton(_decode_mul_kernel)[grid](
-        g, p, v, out, rec, pt, n, rec.numel() - 1 if has_rec else 0, BITS=bits, BLOCK=block,
+        g, p, v, out, rec, pt, n, cap, BITS=bits, BLOCK=block,
         IS_F64=grad.dtype == torch.float64, OUT_BF16=grad.dtype == torch.bfloat16,
-        HAS_REC=has_rec, SELECT_ZERO=bool(select_zero), PB=256,
+        HAS_REC=has_rec, SELECT_ZERO=bool(select_zero), PB=256, N_PB=triton.cdiv(cap, 256),
     )
     return out
 
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _nvcc_like_options() -> dict:
+    """Launch options under which Triton compiles the fused forward as nvcc compiles torch's
+    kernels by default: multiply-adds contracted (``-fmad=true``; inside the inlined
+    libdevice functions too) and libdevice without flush-to-zero (``-ftz=false``; the option
+    exists from triton 3.2 on, older ones always flush: that changes only subnormal
+    intermediates, which ``1 + f`` absorbs)."""
+    opts = {"enable_fp_fusion": True}
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+
+        if "enable_reflect_ftz" in getattr(CUDAOptions, "__dataclass_fields__", {}):
+            opts["enable_reflect_ftz"] = False
+    except ImportError:  # pragma: no cover - a triton without the NVIDIA backend
+        pass
+    return opts
+
+
+_NVCC_LIKE = _nvcc_like_options()
 
 
 def forward_encode_triton(
@@ -524,7 +550,7 @@ def forward_encode_triton(
     wrap_triton(_forward_encode_kernel)[grid](
         xf, y.detach().view(-1), b, c, packed, record if record is not None else c, n, capacity,
         FN=_FN_ID[fn], NB=nb, BITS=bits, BLOCK=block, IS_F64=x.dtype == torch.float64,
-        OUT_BF16=x.dtype == torch.bfloat16, CLASSES=classes, INTERPRET=_interpreting(), enable_fp_fusion=False,
+        OUT_BF16=x.dtype == torch.bfloat16, CLASSES=classes, INTERPRET=_interpreting(), **_NVCC_LIKE,
     )
     return y, packed, record
 
