@@ -137,29 +137,6 @@ def _interval_codes(xc, borders_ptr, codes_ptr, NB: tl.constexpr):
 
 
 @triton.jit
-def _encode_kernel(
-    x_ptr,
-    borders_ptr,
-    codes_ptr,
-    out_ptr,
-    rec_ptr,
-    n,
-    cap,
-    NB: tl.constexpr,
-    BITS: tl.constexpr,
-    BLOCK: tl.constexpr,
-    IS_F64: tl.constexpr,
-    CLASSES: tl.constexpr,
-):
-    grp, idx = _groups(BLOCK)
-    valid = idx < n
-    xc = _widen(tl.load(x_ptr + idx, mask=valid, other=0.0), IS_F64)  # exact
-    if CLASSES != 0:
-        _record_nonfinite(xc, idx, valid, rec_ptr, cap, CLASSES, BLOCK * 8)
-    _pack_store(tl.where(valid, _interval_codes(xc, borders_ptr, codes_ptr, NB), 0), grp, out_ptr, n, BITS)
-
-
-@triton.jit
 def _store_rounded(out_ptr, offs, prod, mask, OUT_BF16: tl.constexpr):
     if OUT_BF16:
         # Round to nearest even by hand (the interpreter's cast truncates); NaN -> 0x7FC0.
@@ -380,15 +357,41 @@ def _forward_encode_kernel(
     CLASSES: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
-    # One read of x: the codes (and the record) of the exact x, then y; y_ptr may be x_ptr
-    # (each element is loaded and stored by the same program, the load first).
+    # One read of x: the codes (and the record) of the exact x, then y = f(x) unless FN < 0
+    # (the encoder: codes only); y_ptr may be x_ptr (each element is loaded and stored by
+    # the same program, the load first). Comparisons only for the codes: exact.
     grp, idx = _groups(BLOCK)
     valid = idx < n
     xc = _widen(tl.load(x_ptr + idx, mask=valid, other=0.0), IS_F64)  # exact
     if CLASSES != 0:
         _record_nonfinite(xc, idx, valid, rec_ptr, cap, CLASSES, BLOCK * 8)
     _pack_store(tl.where(valid, _interval_codes(xc, borders_ptr, codes_ptr, NB), 0), grp, packed_ptr, n, BITS)
-    _store_rounded(y_ptr, idx, _activation(xc, FN, IS_F64, INTERPRET), valid, OUT_BF16)
+    if FN >= 0:
+        _store_rounded(y_ptr, idx, _activation(xc, FN, IS_F64, INTERPRET), valid, OUT_BF16)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _nvcc_like_options() -> dict:
+    """Launch options under which Triton compiles the fused forward as nvcc compiles torch's
+    kernels by default: multiply-adds contracted (``-fmad=true``; inside the inlined
+    libdevice functions too) and libdevice without flush-to-zero (``-ftz=false``; the option
+    exists from triton 3.2 on, older ones always flush: that changes only subnormal
+    intermediates, which ``1 + f`` absorbs)."""
+    opts = {"enable_fp_fusion": True}
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+
+        if "enable_reflect_ftz" in getattr(CUDAOptions, "__dataclass_fields__", {}):
+            opts["enable_reflect_ftz"] = False
+    except ImportError:  # pragma: no cover - a triton without the NVIDIA backend
+        pass
+    return opts
+
+
+_NVCC_LIKE = _nvcc_like_options()
 
 
 def default_block() -> int:
@@ -417,7 +420,9 @@ def encode_nonfinite_triton(
     return packed, record
 
 
-def _encode(x, borders, codes, bits, classes, capacity, block):
+def _encode(x, borders, codes, bits, classes, capacity, block, fn_id=-1, y=None):
+    """Launch :func:`_forward_encode_kernel`: ``(packed, record)`` (record ``None`` when
+    ``classes == 0``), and ``y = f(x)`` into the contiguous ``y`` when ``fn_id >= 0``."""
     n = x.numel()
     out = torch.empty((packed_nbytes(n, bits),), dtype=torch.uint8, device=x.device)
     record = torch.zeros((1 + capacity,), dtype=torch.int64, device=x.device) if classes else None
@@ -431,10 +436,11 @@ def _encode(x, borders, codes, bits, classes, capacity, block):
         b = torch.full((1,), float("inf"), dtype=b.dtype, device=x.device)
     c = codes.detach().to(device=x.device, dtype=torch.int32).contiguous()
     grid = (triton.cdiv(triton.cdiv(n, 8), block),)
-    wrap_triton(_encode_kernel)[grid](
-        x, b, c, out, record if record is not None else c, n, capacity,  # c: never written (CLASSES == 0)
-        NB=nb, BITS=bits, BLOCK=block, IS_F64=x.dtype == torch.float64, CLASSES=classes,
-    )
+    wrap_triton(_forward_encode_kernel)[grid](
+        x, x if y is None else y.detach().view(-1), b, c, out, record if record is not None else c, n, capacity,
+        FN=fn_id, NB=nb, BITS=bits, BLOCK=block, IS_F64=x.dtype == torch.float64,
+        OUT_BF16=x.dtype == torch.bfloat16, CLASSES=classes, INTERPRET=_interpreting(), **_NVCC_LIKE,
+    )  # x as y_ptr when FN < 0: never written; c as rec_ptr when CLASSES == 0: never written
     return out, record
 
 
@@ -467,30 +473,6 @@ def decode_mul_triton(
         HAS_REC=has_rec, SELECT_ZERO=bool(select_zero), PB=256, N_PB=triton.cdiv(cap, 256),
     )
     return out
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def _nvcc_like_options() -> dict:
-    """Launch options under which Triton compiles the fused forward as nvcc compiles torch's
-    kernels by default: multiply-adds contracted (``-fmad=true``; inside the inlined
-    libdevice functions too) and libdevice without flush-to-zero (``-ftz=false``; the option
-    exists from triton 3.2 on, older ones always flush: that changes only subnormal
-    intermediates, which ``1 + f`` absorbs)."""
-    opts = {"enable_fp_fusion": True}
-    try:
-        from triton.backends.nvidia.compiler import CUDAOptions
-
-        if "enable_reflect_ftz" in getattr(CUDAOptions, "__dataclass_fields__", {}):
-            opts["enable_reflect_ftz"] = False
-    except ImportError:  # pragma: no cover - a triton without the NVIDIA backend
-        pass
-    return opts
-
-
-_NVCC_LIKE = _nvcc_like_options()
 
 
 def forward_encode_triton(
@@ -533,25 +515,8 @@ def forward_encode_triton(
             f"out must be a contiguous tensor of x's shape {tuple(x.shape)}, dtype {x.dtype} and device "
             f"{x.device}, got {tuple(out.shape)} {out.dtype} {out.device} contiguous={out.is_contiguous()}"
         )
-    n = x.numel()
-    packed = torch.empty((packed_nbytes(n, bits),), dtype=torch.uint8, device=x.device)
-    record = torch.zeros((1 + capacity,), dtype=torch.int64, device=x.device) if classes else None
-    xf = x.detach().reshape(-1) if x.is_contiguous() else x.detach().contiguous().reshape(-1)
     y = out if out is not None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    if n == 0:
-        return y, packed, record
-    block = block or default_block()
-    b = borders.detach().to(x.device).contiguous()
-    nb = b.numel()
-    if nb == 0:  # one interval: pass a dummy (never read) instead of a null pointer
-        b = torch.full((1,), float("inf"), dtype=b.dtype, device=x.device)
-    c = codes.detach().to(device=x.device, dtype=torch.int32).contiguous()
-    grid = (triton.cdiv(triton.cdiv(n, 8), block),)
-    wrap_triton(_forward_encode_kernel)[grid](
-        xf, y.detach().view(-1), b, c, packed, record if record is not None else c, n, capacity,
-        FN=_FN_ID[fn], NB=nb, BITS=bits, BLOCK=block, IS_F64=x.dtype == torch.float64,
-        OUT_BF16=x.dtype == torch.bfloat16, CLASSES=classes, INTERPRET=_interpreting(), **_NVCC_LIKE,
-    )
+    packed, record = _encode(x, borders, codes, bits, classes, capacity, block, _FN_ID[fn], y)
     return y, packed, record
 
 
