@@ -37,7 +37,15 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         f"importing it failed: {exc}"
     ) from exc
 
-__all__ = ["encode_triton", "encode_nonfinite_triton", "decode_mul_triton", "default_block"]
+try:  # triton >= 3.1 dispatches libdevice to the backend; 3.0 has only the CUDA module
+    from triton.language.extra import libdevice
+except ImportError:  # pragma: no cover - depends on the triton version
+    from triton.language.extra.cuda import libdevice
+
+__all__ = [
+    "encode_triton", "encode_nonfinite_triton", "decode_mul_triton", "forward_encode_triton", "FUSED_FORWARD",
+    "default_block",
+]
 
 
 @triton.jit
@@ -114,34 +122,18 @@ def _record_nonfinite(xc, idx, valid, rec_ptr, cap, CLASSES: tl.constexpr, NUMEL
 
 
 @triton.jit
-def _encode_kernel(
-    x_ptr,
-    borders_ptr,
-    codes_ptr,
-    out_ptr,
-    rec_ptr,
-    n,
-    cap,
-    NB: tl.constexpr,
-    BITS: tl.constexpr,
-    BLOCK: tl.constexpr,
-    IS_F64: tl.constexpr,
-    CLASSES: tl.constexpr,
-):
-    grp, idx = _groups(BLOCK)
-    valid = idx < n
-    xc = _widen(tl.load(x_ptr + idx, mask=valid, other=0.0), IS_F64)  # exact
-    if CLASSES != 0:
-        _record_nonfinite(xc, idx, valid, rec_ptr, cap, CLASSES, BLOCK * 8)
+def _interval_codes(xc, borders_ptr, codes_ptr, NB: tl.constexpr):
+    """The code of each element of ``xc`` (compare dtype, exact): ``codes[i]`` with ``i`` the
+    number of borders ``b`` with ``not (x <= b)`` (docs/method.md §2; NaN counts as above
+    every border: the last interval, as ``searchsorted``)."""
     prev = tl.load(codes_ptr).to(tl.int32)
-    code = tl.zeros([BLOCK, 8], dtype=tl.int32) + prev
+    code = tl.zeros(xc.shape, dtype=tl.int32) + prev
     for j in range(NB):
         b = tl.load(borders_ptr + j)
         nxt = tl.load(codes_ptr + j + 1).to(tl.int32)
-        # not (x <= b): NaN counts as above every border (last interval, as searchsorted)
         code += tl.where(xc <= b, 0, nxt - prev)
         prev = nxt
-    _pack_store(tl.where(valid, code, 0), grp, out_ptr, n, BITS)
+    return code
 
 
 @triton.jit
@@ -160,12 +152,15 @@ def _store_rounded(out_ptr, offs, prod, mask, OUT_BF16: tl.constexpr):
 @triton.jit
 def _patch_nonfinite(
     g_ptr, out_ptr, rec_ptr, patch_ptr, cnt, lo, hi,
-    IS_F64: tl.constexpr, OUT_BF16: tl.constexpr, PB: tl.constexpr,
+    IS_F64: tl.constexpr, OUT_BF16: tl.constexpr, PB: tl.constexpr, N_PB: tl.constexpr,
 ):
     """Give the recorded elements in ``[lo, hi)`` torch's gradient (the patch rows of
-    fewbit.ops._nonfinite), ``PB`` record entries at a time."""
-    for s in tl.range(0, cnt, PB):
-        j = s + tl.arange(0, PB).to(tl.int64)
+    fewbit.ops._nonfinite), ``PB`` record entries at a time, ``N_PB`` times (enough for the
+    record's capacity; entries past ``cnt`` are masked). The trip count is a constexpr: the
+    interpreters of triton <= 3.6 fail on a loop bound read at run time with numpy >= 2.4
+    (``int()`` of a 1-element array)."""
+    for it in range(N_PB):
+        j = it * PB + tl.arange(0, PB).to(tl.int64)
         m = j < cnt
         e = tl.load(rec_ptr + 1 + j, mask=m, other=0)
         i = e >> 2
@@ -205,6 +200,7 @@ def _decode_mul_kernel(
     HAS_REC: tl.constexpr,
     SELECT_ZERO: tl.constexpr,
     PB: tl.constexpr,
+    N_PB: tl.constexpr,
 ):
     grp, idx = _groups(BLOCK)
     code = _load_unpack(packed_ptr, grp, n, BITS)
@@ -222,7 +218,180 @@ def _decode_mul_kernel(
             tl.debug_barrier()  # the patch overwrites elements this program just stored
             lo = tl.program_id(0).to(tl.int64) * BLOCK * 8
             _patch_nonfinite(g_ptr, out_ptr, rec_ptr, patch_ptr, cnt, lo, tl.minimum(lo + BLOCK * 8, n),
-                             IS_F64, OUT_BF16, PB)
+                             IS_F64, OUT_BF16, PB, N_PB)
+
+
+# --------------------------------------------------------------------------- fused forward
+# y = f(x) and the codes of x in one pass (reads x once). y is evaluated with torch's CUDA
+# formulas (aten/src/ATen/native/cuda/ActivationGeluKernel.cu, ActivationSiluKernel.cu): in
+# float32 for float16/bfloat16/float32 input (torch's opmath type), rounded to the input dtype
+# once; in float64 for float64. On a GPU the functions are CUDA's own (libdevice __nv_erff,
+# __nv_tanhf, __nv_expf: what nvcc links for erff/tanhf/expf), the division is IEEE-rounded,
+# the multiply-add of gelu_tanh's x + kKappa * x_cube is an explicit fma, and the launch
+# options are nvcc's defaults (:func:`_nvcc_like_options`: contraction on, as it also
+# applies inside the inlined libdevice code; no flush-to-zero). The interpreter has no
+# libdevice: there erf, exp and tanh are evaluated in float64 and rounded (correctly rounded
+# float32 functions) and nothing is contracted, so y can differ from a GPU's in the last bit.
+
+#: Registry names (:mod:`fewbit.activations`) whose forward :func:`forward_encode_triton` computes.
+FUSED_FORWARD: frozenset[str] = frozenset({"gelu", "gelu_tanh", "silu"})
+_FN_ID = {"gelu": 0, "gelu_tanh": 1, "silu": 2}
+
+# torch's constants, as doubles; rounded to the compute dtype in the kernel as torch's
+# ``constexpr opmath_t`` rounds them
+_GELU_ALPHA = tl.constexpr(0.70710678118654752440)  # kAlpha = M_SQRT1_2
+_GELU_BETA = tl.constexpr(1.41421356237309504880 * 1.12837916709551257390 * 0.5)  # kBeta = M_SQRT2 * M_2_SQRTPI * 0.5
+_GELU_KAPPA = tl.constexpr(0.044715)  # kKappa
+
+
+@triton.jit
+def _fma(a, b, c, IS_F64: tl.constexpr, INTERPRET: tl.constexpr):
+    """``a * b + c`` rounded once (the interpreters of older tritons round twice in
+    ``tl.fma``: for float32 the exact product and the sum are formed in float64)."""
+    if INTERPRET and not IS_F64:
+        r = (a.to(tl.float64) * b.to(tl.float64) + c.to(tl.float64)).to(tl.float32)
+    else:
+        r = tl.fma(a, b, c)
+    return r
+
+
+@triton.jit
+def _exp(v, IS_F64: tl.constexpr, INTERPRET: tl.constexpr):
+    if INTERPRET:
+        if IS_F64:
+            r = tl.exp(v)
+        else:
+            r = tl.exp(v.to(tl.float64)).to(tl.float32)
+    else:
+        r = libdevice.exp(v)  # __nv_expf / __nv_exp (tl.exp is ex2.approx-based for float32)
+    return r
+
+
+@triton.jit
+def _erf(v, IS_F64: tl.constexpr, INTERPRET: tl.constexpr):
+    if INTERPRET:
+        if IS_F64:
+            r = tl.math.erf(v)
+        else:
+            r = tl.math.erf(v.to(tl.float64)).to(tl.float32)
+    else:
+        r = libdevice.erf(v)
+    return r
+
+
+@triton.jit
+def _tanh_f64(u):
+    """tanh in float64 from exp (the interpreter has no tanh): a short series below 2**-12,
+    else ``sign(u) * (1 - t) / (1 + t)`` with ``t = exp(-2|u|)`` (no overflow)."""
+    a = tl.abs(u)
+    t = tl.exp(-2.0 * a)
+    big = (1.0 - t) / (1.0 + t)
+    u2 = u * u
+    small = u - u * u2 * (1.0 / 3.0) + u * u2 * u2 * (2.0 / 15.0)
+    r = tl.where(a < 0.000244140625, small, tl.where(u < 0, -big, big))
+    return tl.where(u != u, u, r)
+
+
+@triton.jit
+def _tanh(v, IS_F64: tl.constexpr, INTERPRET: tl.constexpr):
+    if INTERPRET:
+        if IS_F64:
+            r = _tanh_f64(v)
+        else:
+            r = _tanh_f64(v.to(tl.float64)).to(tl.float32)
+    else:
+        r = libdevice.tanh(v)
+    return r
+
+
+@triton.jit
+def _div(a, b, IS_F64: tl.constexpr):
+    if IS_F64:
+        r = a / b  # float64 division is IEEE-rounded
+    else:
+        r = tl.math.div_rn(a, b)  # Triton's float32 ``/`` is not
+    return r
+
+
+@triton.jit
+def _activation(x, FN: tl.constexpr, IS_F64: tl.constexpr, INTERPRET: tl.constexpr):
+    """``f(x)`` in the compute dtype, in the order of operations of torch's CUDA kernel."""
+    if IS_F64:
+        one = tl.full((), 1.0, tl.float64)
+        half = tl.full((), 0.5, tl.float64)
+        alpha = tl.full((), _GELU_ALPHA, tl.float64)
+        beta = tl.full((), _GELU_BETA, tl.float64)
+        kappa = tl.full((), _GELU_KAPPA, tl.float64)
+    else:
+        one = tl.full((), 1.0, tl.float32)
+        half = tl.full((), 0.5, tl.float32)
+        alpha = tl.full((), _GELU_ALPHA, tl.float32)
+        beta = tl.full((), _GELU_BETA, tl.float32)
+        kappa = tl.full((), _GELU_KAPPA, tl.float32)
+    if FN == 0:  # gelu: x * 0.5 * (1 + erf(x * kAlpha))
+        y = x * half * (one + _erf(x * alpha, IS_F64, INTERPRET))
+    elif FN == 1:  # gelu_tanh: 0.5 * x * (1 + tanh(kBeta * (x + kKappa * x**3)))
+        inner = beta * _fma(kappa, x * x * x, x, IS_F64, INTERPRET)
+        y = half * x * (one + _tanh(inner, IS_F64, INTERPRET))
+    else:  # silu: x / (1 + exp(-x))
+        y = _div(x, one + _exp(-x, IS_F64, INTERPRET), IS_F64)
+    return y
+
+
+@triton.jit
+def _forward_encode_kernel(
+    x_ptr,
+    y_ptr,
+    borders_ptr,
+    codes_ptr,
+    packed_ptr,
+    rec_ptr,
+    n,
+    cap,
+    FN: tl.constexpr,
+    NB: tl.constexpr,
+    BITS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    IS_F64: tl.constexpr,
+    OUT_BF16: tl.constexpr,
+    CLASSES: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    # One read of x: the codes (and the record) of the exact x, then y = f(x) unless FN < 0
+    # (the encoder: codes only); y_ptr may be x_ptr (each element is loaded and stored by
+    # the same program, the load first). Comparisons only for the codes: exact.
+    grp, idx = _groups(BLOCK)
+    valid = idx < n
+    xc = _widen(tl.load(x_ptr + idx, mask=valid, other=0.0), IS_F64)  # exact
+    if CLASSES != 0:
+        _record_nonfinite(xc, idx, valid, rec_ptr, cap, CLASSES, BLOCK * 8)
+    _pack_store(tl.where(valid, _interval_codes(xc, borders_ptr, codes_ptr, NB), 0), grp, packed_ptr, n, BITS)
+    if FN >= 0:
+        _store_rounded(y_ptr, idx, _activation(xc, FN, IS_F64, INTERPRET), valid, OUT_BF16)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _nvcc_like_options() -> dict:
+    """Launch options under which Triton compiles the fused forward as nvcc compiles torch's
+    kernels by default: multiply-adds contracted (``-fmad=true``; inside the inlined
+    libdevice functions too) and libdevice without flush-to-zero (``-ftz=false``; the option
+    exists from triton 3.2 on, older ones always flush: that changes only subnormal
+    intermediates, which ``1 + f`` absorbs)."""
+    opts = {"enable_fp_fusion": True}
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+
+        if "enable_reflect_ftz" in getattr(CUDAOptions, "__dataclass_fields__", {}):
+            opts["enable_reflect_ftz"] = False
+    except ImportError:  # pragma: no cover - a triton without the NVIDIA backend
+        pass
+    return opts
+
+
+_NVCC_LIKE = _nvcc_like_options()
 
 
 def default_block() -> int:
@@ -251,7 +420,9 @@ def encode_nonfinite_triton(
     return packed, record
 
 
-def _encode(x, borders, codes, bits, classes, capacity, block):
+def _encode(x, borders, codes, bits, classes, capacity, block, fn_id=-1, y=None):
+    """Launch :func:`_forward_encode_kernel`: ``(packed, record)`` (record ``None`` when
+    ``classes == 0``), and ``y = f(x)`` into the contiguous ``y`` when ``fn_id >= 0``."""
     n = x.numel()
     out = torch.empty((packed_nbytes(n, bits),), dtype=torch.uint8, device=x.device)
     record = torch.zeros((1 + capacity,), dtype=torch.int64, device=x.device) if classes else None
@@ -265,10 +436,11 @@ def _encode(x, borders, codes, bits, classes, capacity, block):
         b = torch.full((1,), float("inf"), dtype=b.dtype, device=x.device)
     c = codes.detach().to(device=x.device, dtype=torch.int32).contiguous()
     grid = (triton.cdiv(triton.cdiv(n, 8), block),)
-    wrap_triton(_encode_kernel)[grid](
-        x, b, c, out, record if record is not None else c, n, capacity,  # c: never written (CLASSES == 0)
-        NB=nb, BITS=bits, BLOCK=block, IS_F64=x.dtype == torch.float64, CLASSES=classes,
-    )
+    wrap_triton(_forward_encode_kernel)[grid](
+        x, x if y is None else y.detach().view(-1), b, c, out, record if record is not None else c, n, capacity,
+        FN=fn_id, NB=nb, BITS=bits, BLOCK=block, IS_F64=x.dtype == torch.float64,
+        OUT_BF16=x.dtype == torch.bfloat16, CLASSES=classes, INTERPRET=_interpreting(), **_NVCC_LIKE,
+    )  # x as y_ptr when FN < 0: never written; c as rec_ptr when CLASSES == 0: never written
     return out, record
 
 
@@ -293,13 +465,59 @@ def decode_mul_triton(
     has_rec = nonfinite is not None
     rec = nonfinite.detach().to(grad.device).contiguous() if has_rec else p
     pt = patch.detach().to(device=grad.device, dtype=v.dtype).contiguous() if has_rec else v
+    cap = rec.numel() - 1 if has_rec else 0
     grid = (triton.cdiv(triton.cdiv(n, 8), block),)
     wrap_triton(_decode_mul_kernel)[grid](
-        g, p, v, out, rec, pt, n, rec.numel() - 1 if has_rec else 0, BITS=bits, BLOCK=block,
+        g, p, v, out, rec, pt, n, cap, BITS=bits, BLOCK=block,
         IS_F64=grad.dtype == torch.float64, OUT_BF16=grad.dtype == torch.bfloat16,
-        HAS_REC=has_rec, SELECT_ZERO=bool(select_zero), PB=256,
+        HAS_REC=has_rec, SELECT_ZERO=bool(select_zero), PB=256, N_PB=triton.cdiv(cap, 256),
     )
     return out
+
+
+def forward_encode_triton(
+    x: torch.Tensor, borders: torch.Tensor, codes: torch.Tensor, bits: int, classes: int, capacity: int,
+    fn: str, params, out: Optional[torch.Tensor] = None, *, block: Optional[int] = None,
+) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """``y = fn(x)`` and the packed codes of ``x`` in one pass over ``x`` (reads ``x`` once).
+
+    The codes (and the non-finite record) are those of :func:`encode_nonfinite_triton`,
+    computed from the exact ``x`` before anything is written; ``y`` is torch's CUDA formula
+    for ``fn`` (see the comment above :data:`FUSED_FORWARD`).
+
+    Args:
+        x: float16/bfloat16/float32/float64, any shape, on a Triton device (or CPU under
+            ``TRITON_INTERPRET=1``); made contiguous (a copy) when it is not.
+        borders, codes, bits: as for :func:`encode_triton` (compare-dtype borders).
+        classes, capacity: the non-finite record (:mod:`fewbit.ops._nonfinite`); no record
+            and no atomics when ``classes == 0``.
+        fn: a name in :data:`FUSED_FORWARD`.
+        params: ``fn``'s parameters (a mapping; none of the fused functions has any).
+        out: where ``y`` goes: ``None`` for a new tensor, or a contiguous tensor of ``x``'s
+            shape and dtype; ``x`` itself for in-place (the codes are computed first).
+
+    Returns:
+        ``(y, packed, record)``: ``y`` of ``x``'s shape and dtype (``out`` when given),
+        ``packed`` ``(ceil(numel * bits / 8),)`` uint8, ``record`` ``(1 + capacity,)``
+        int64 (entries in an unspecified order), or ``None`` when ``classes == 0``.
+
+    Raises:
+        ValueError: for ``fn`` not in :data:`FUSED_FORWARD`, parameters given, or an ``out``
+            of another shape, dtype or device, or not contiguous.
+    """
+    if fn not in FUSED_FORWARD:
+        raise ValueError(f"fn must be one of {sorted(FUSED_FORWARD)} for the fused forward, got {fn!r}")
+    if params:
+        raise ValueError(f"fn {fn!r} takes no parameters in the fused forward, got {dict(params)}")
+    if out is not None and (out.shape != x.shape or out.dtype != x.dtype or out.device != x.device
+                            or not out.is_contiguous()):
+        raise ValueError(
+            f"out must be a contiguous tensor of x's shape {tuple(x.shape)}, dtype {x.dtype} and device "
+            f"{x.device}, got {tuple(out.shape)} {out.dtype} {out.device} contiguous={out.is_contiguous()}"
+        )
+    y = out if out is not None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    packed, record = _encode(x, borders, codes, bits, classes, capacity, block, _FN_ID[fn], y)
+    return y, packed, record
 
 
 # --------------------------------------------------------------------------- ops
@@ -326,3 +544,36 @@ def _decode_mul_op(
     nonfinite: Optional[torch.Tensor], patch: Optional[torch.Tensor], select_zero: bool,
 ) -> torch.Tensor:
     return decode_mul_triton(grad, packed, values, bits, nonfinite=nonfinite, patch=patch, select_zero=select_zero)
+
+
+# ``fn``'s parameters travel as a float list (none of FUSED_FORWARD takes any); ``record`` is
+# ``(1 + capacity,)`` int64, or ``(0,)`` when ``classes == 0`` (an op cannot return None).
+
+
+@triton_op("fewbit::forward_encode_triton", mutates_args=())
+def _forward_encode_op(
+    x: torch.Tensor, borders: torch.Tensor, codes: torch.Tensor, bits: int, classes: int, capacity: int,
+    fn: str, params: list[float],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    y, packed, record = forward_encode_triton(x, borders, codes, bits, classes, capacity, fn, _no_params(fn, params))
+    return y, packed, _record_or_empty(record, x)
+
+
+@triton_op("fewbit::forward_encode_triton_", mutates_args=("x",))
+def _forward_encode_inplace_op(
+    x: torch.Tensor, borders: torch.Tensor, codes: torch.Tensor, bits: int, classes: int, capacity: int,
+    fn: str, params: list[float],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    _, packed, record = forward_encode_triton(x, borders, codes, bits, classes, capacity, fn,
+                                              _no_params(fn, params), out=x)
+    return packed, _record_or_empty(record, x)
+
+
+def _no_params(fn, params):
+    if len(params):
+        raise ValueError(f"fn {fn!r} takes no parameters in the fused forward, got {list(params)}")
+    return {}
+
+
+def _record_or_empty(record, x):
+    return record if record is not None else torch.empty((0,), dtype=torch.int64, device=x.device)

@@ -16,6 +16,9 @@ from fewbit.packing import packed_nbytes
 from ops_testutils import DTYPES, bits_equal, hard_inputs, random_table
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+from interp_strict import strict_scalar_index  # noqa: E402
+
+strict_scalar_index()
 from fewbit.ops import _triton  # noqa: E402
 
 SIZES = [0, 1, 7, 1023, 4097]

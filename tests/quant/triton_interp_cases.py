@@ -11,6 +11,9 @@ import torch
 if os.environ.get("TRITON_INTERPRET") != "1":  # pragma: no cover - guarded by the caller
     pytest.skip("needs TRITON_INTERPRET=1 (run through tests/quant/test_triton.py)", allow_module_level=True)
 
+from interp_strict import strict_scalar_index  # noqa: E402
+
+strict_scalar_index()
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
