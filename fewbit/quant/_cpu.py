@@ -51,21 +51,9 @@ def quantize_cpu(x, bits, group_size, seed, stochastic, stats_dtype):
     mant, min_exp, fmax = _GRID[stats_dtype]
     np_dt = np.float64 if cdt == torch.float64 else np.float32
     consts = np.array([float((1 << bits) - 1), 1.0, 0.5, fmax, 0.0], dtype=np_dt)
-    # per-group min/max by torch (vectorised, NaN-propagating), the rest in numba
-    lo = torch.empty(g, dtype=cdt)
-    hi = torch.empty(g, dtype=cdt)
-    nf = n // group_size
-    if nf:
-        full = xc[: nf * group_size].view(nf, group_size)
-        torch.amin(full, dim=1, out=lo[:nf])
-        torch.amax(full, dim=1, out=hi[:nf])
-    if nf < g:
-        tail = xc[nf * group_size:]
-        lo[nf] = tail.amin()
-        hi[nf] = tail.amax()
     _set_threads()
     _numba.quantize_kernel(
-        xc.numpy(), lo.numpy(), hi.numpy(), bits, group_size, chunk_groups(group_size), np.uint64(seed),
+        xc.numpy(), bits, group_size, chunk_groups(group_size), np.uint64(seed),
         bool(stochastic), mant, min_exp, fmax, consts, packed.numpy(), m.numpy(), s.numpy(),
     )
     return packed, m.to(stats_dtype), s.to(stats_dtype)

@@ -3,8 +3,8 @@
 They implement exactly the steps of :mod:`fewbit.quant._reference` (docs/method.md §7), so the
 stored stats and the packed codes are bit-identical to the reference for both rounding
 modes (the noise is the same counter-based hash). Per chunk of groups (about 16K
-elements, one prange iteration): the stats of each group from its min/max (computed before
-by torch's vectorised amin/amax), the codes of each group into a scratch buffer (branch-free
+elements, one prange iteration): the stats of each group from its min/max (computed in the
+same pass, :func:`minmax`: a compare-and-select loop runs at memory speed), the codes of each group into a scratch buffer (branch-free
 loops that LLVM vectorises), then packed by the few-bit ops' packer
 (:func:`fewbit.ops._cpu_kernels.pack_codes`, the docs/method.md §6 stream; a chunk starts on
 a byte boundary). Arithmetic is in the dtype of ``x`` (float32 or float64); no fastmath, so
@@ -66,13 +66,63 @@ def _prev_on_grid(v, mant_bits, min_exp, fmax):
     return _floor_to_grid(math.ldexp(f - 2.0 ** -53, e), mant_bits, min_exp, fmax)  # v - 1 ulp64
 
 
+@njit(inline="always", cache=True)
+def minmax(xs):
+    """``(lo, hi, finite)`` of a non-empty 1-D array: its min and max, and whether every
+    value is finite (a NaN is skipped by the compare-and-select loop, so it is reported
+    through ``finite``; an infinity shows in ``lo``/``hi`` and clears ``finite`` too)."""
+    lo = xs[0]
+    hi = xs[0]
+    nan = False
+    for i in range(xs.shape[0]):
+        v = xs[i]
+        lo = v if v < lo else lo
+        hi = v if v > hi else hi
+        nan |= v != v
+    return lo, hi, not nan and (lo - lo) == 0 and (hi - hi) == 0
+
+
+@njit(inline="always", cache=True)
+def affine_stats(lo, hi, mant_bits, min_exp, fmax, consts, out_m, out_s, g):
+    """Stored ``(m, s)`` of one group from its ``lo``/``hi`` (both finite), into
+    ``out_m[g]``/``out_s[g]`` (NaN if not representable): docs/method.md §7 steps 2-3, as
+    :func:`fewbit.quant._reference.group_stats_reference`. ``consts`` as in :func:`quantize_kernel`."""
+    levels = consts[0]
+    one = consts[1]
+    fmax_c = consts[3]
+    out_m[g] = _floor_to_grid(np.float64(lo), mant_bits, min_exp, fmax)
+    m = out_m[g]  # the stored value, in the dtype of x
+    ok = np.isfinite(m)
+    if ok:
+        # Every intermediate goes through out_s[g] so that it is rounded to the
+        # dtype of x exactly as torch rounds it (numba may widen scalars).
+        out_s[g] = hi - m
+        rng = out_s[g]
+        ok = np.isfinite(rng)
+        if ok:
+            out_s[g] = one
+            if rng > 0:
+                out_s[g] = levels / rng
+                if np.isinf(out_s[g]):
+                    out_s[g] = fmax_c
+            out_s[g] = _floor_to_grid(np.float64(out_s[g]), mant_bits, min_exp, fmax)
+            # the division rounds to nearest: step down once if r * s > levels
+            # (product rounded in the dtype of x, as in the codes loop)
+            out_m[g] = rng * out_s[g]
+            if out_m[g] > levels:
+                out_s[g] = _prev_on_grid(np.float64(out_s[g]), mant_bits, min_exp, fmax)
+            out_m[g] = m
+            ok = out_s[g] > 0
+    if not ok:
+        out_m[g] = np.nan
+        out_s[g] = np.nan
+
+
 @njit(parallel=True, error_model="numpy", cache=True)
-def quantize_kernel(x, lo_arr, hi_arr, bits, group_size, chunk_groups, seed, stochastic, mant_bits,
+def quantize_kernel(x, bits, group_size, chunk_groups, seed, stochastic, mant_bits,
                     min_exp, fmax, consts, out_packed, out_m, out_s):
     """Fill ``out_packed`` (uint8), ``out_m``/``out_s`` (dtype of x, values on the stats grid).
 
-    ``lo_arr``/``hi_arr``: per-group min and max of ``x`` (NaN-propagating, computed by
-    torch's vectorised ``amin``/``amax``: a scalar min/max loop does not vectorise here).
     ``consts`` (dtype of x) = [2**bits - 1, 1, 0.5, largest finite stats value, 0]: typed
     constants, so float32 arithmetic is never promoted to float64 by a Python literal.
     """
@@ -83,43 +133,17 @@ def quantize_kernel(x, lo_arr, hi_arr, bits, group_size, chunk_groups, seed, sto
     s0 = np.uint64(seed) & _MASK32
     s1 = (np.uint64(seed) >> np.uint64(32)) & _MASK32
     levels = consts[0]
-    one = consts[1]
     half = consts[2]
-    fmax_c = consts[3]
     zero = consts[4]
     for c in prange(n_chunks):
         g0 = c * chunk_groups
         g1 = min(g0 + chunk_groups, n_groups)
-        # 1. stats of every group of the chunk
+        # 1. stats of every group of the chunk, from its min and max
         for g in range(g0, g1):
-            lo = lo_arr[g]
-            hi = hi_arr[g]
-            ok = (lo - lo) == zero and (hi - hi) == zero  # both finite (not NaN, not inf)
+            lo, hi, ok = minmax(x[g * G:min(g * G + G, n)])
             if ok:
-                out_m[g] = _floor_to_grid(np.float64(lo), mant_bits, min_exp, fmax)
-                m = out_m[g]  # the stored value, in the dtype of x
-                ok = np.isfinite(m)
-                if ok:
-                    # Every intermediate goes through out_s[g] so that it is rounded to the
-                    # dtype of x exactly as torch rounds it (numba may widen scalars).
-                    out_s[g] = hi - m
-                    rng = out_s[g]
-                    ok = np.isfinite(rng)
-                    if ok:
-                        out_s[g] = one
-                        if rng > 0:
-                            out_s[g] = levels / rng
-                            if np.isinf(out_s[g]):
-                                out_s[g] = fmax_c
-                        out_s[g] = _floor_to_grid(np.float64(out_s[g]), mant_bits, min_exp, fmax)
-                        # the division rounds to nearest: step down once if r * s > levels
-                        # (product rounded in the dtype of x, as in the codes loop)
-                        out_m[g] = rng * out_s[g]
-                        if out_m[g] > levels:
-                            out_s[g] = _prev_on_grid(np.float64(out_s[g]), mant_bits, min_exp, fmax)
-                        out_m[g] = m
-                        ok = out_s[g] > 0
-            if not ok:
+                affine_stats(lo, hi, mant_bits, min_exp, fmax, consts, out_m, out_s, g)
+            else:
                 out_m[g] = np.nan
                 out_s[g] = np.nan
         # 2. codes of the chunk into a scratch buffer (branch-free loops that vectorise),
