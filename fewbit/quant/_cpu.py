@@ -19,7 +19,7 @@ from fewbit.ops._cpu import _set_threads  # imports numba (or raises), picks the
 from fewbit.ops._reference import compute_dtype
 from fewbit.quant import _numba
 
-__all__ = ["quantize_cpu", "dequantize_cpu", "chunk_groups"]
+__all__ = ["quantize_cpu", "dequantize_cpu", "chunk_groups", "affine_codes_cpu", "affine_decode_cpu", "block_mean_cpu"]
 
 # (significant bits, exponent of the smallest spacing, largest finite value) per stats dtype
 _GRID = {
@@ -71,3 +71,48 @@ def dequantize_cpu(packed, mins, scales, bits, group_size, numel, dtype):
         scales.to(cdt).contiguous().numpy(), bits, group_size, chunk_groups(group_size), out.numpy(),
     )
     return out if cdt == dtype else out.to(dtype)
+
+
+def _np_dtype(cdt: torch.dtype):
+    return np.float64 if cdt == torch.float64 else np.float32
+
+
+def affine_codes_cpu(x, mins, scales, bits, rowlen, per_col, offset, seed, stochastic):
+    """Packed codes, bit-identical to :func:`fewbit.quant._reference.affine_codes_reference`."""
+    n = x.numel()
+    packed = torch.empty((packed_nbytes(n, bits),), dtype=torch.uint8)
+    if n == 0:
+        return packed
+    cdt = compute_dtype(x.dtype)
+    consts = np.array([float((1 << bits) - 1), 0.5, 0.0, float(offset)], dtype=_np_dtype(cdt))
+    _set_threads()
+    _numba.affine_codes_kernel(
+        x.detach().reshape(-1).to(cdt).contiguous().numpy(), mins.to(cdt).contiguous().numpy(),
+        scales.to(cdt).contiguous().numpy(), rowlen, bool(per_col), np.uint64(seed), bool(stochastic),
+        bits, consts, packed.numpy(),
+    )
+    return packed
+
+
+def affine_decode_cpu(packed, mins, scales, bits, rowlen, per_col, offset, numel, dtype):
+    """``(numel,)`` of ``dtype``, bit-identical to :func:`fewbit.quant._reference.affine_decode_reference`."""
+    cdt = compute_dtype(dtype)
+    out = torch.empty(numel, dtype=cdt)
+    if numel:
+        _set_threads()
+        _numba.affine_decode_kernel(
+            packed.contiguous().numpy(), mins.to(cdt).contiguous().numpy(), scales.to(cdt).contiguous().numpy(),
+            rowlen, bool(per_col), bits, np.array([float(offset)], dtype=_np_dtype(cdt)), out.numpy(),
+        )
+    return out if cdt == dtype else out.to(dtype)
+
+
+def block_mean_cpu(x, bh, bw):
+    """DIVISION's block means, bit-identical to :func:`fewbit.quant._reference.block_mean_reference`."""
+    cdt = compute_dtype(x.dtype)
+    a, h, w, i = x.shape
+    out = torch.empty((a, -(-h // bh), -(-w // bw), i), dtype=cdt)
+    if out.numel() and x.numel():
+        _set_threads()
+        _numba.block_mean_kernel(x.detach().to(cdt).contiguous().numpy(), bh, bw, out.numpy())
+    return out

@@ -199,3 +199,120 @@ def dequantize_kernel(packed, m_arr, s_arr, bits, group_size, chunk_groups, out)
             ys = out[a:b]
             for i in range(b - a):
                 ys[i] = m + np.float32(cs[i]) / s
+
+
+# --- the compressors of fewbit.quant.compressors (docs/compression.md §3-4) --------------
+
+#: Elements per parallel chunk of the affine kernels (a multiple of 8: whole bytes of codes).
+AFFINE_CHUNK = 16384
+
+
+@njit(parallel=True, error_model="numpy", cache=True)
+def affine_codes_kernel(x, m_arr, s_arr, rowlen, per_col, seed, stochastic, bits, consts, out_packed):
+    """Codes of :func:`fewbit.quant._reference.affine_codes_reference` into ``out_packed``.
+
+    ``x`` flat (float32 or float64), viewed as rows of ``rowlen``; stats ``m_arr``/``s_arr``
+    (dtype of x) per row, or per column if ``per_col``. ``consts`` (dtype of x) = [2**bits
+    - 1, 0.5, 0, offset]. Chunks of :data:`AFFINE_CHUNK` elements, each cut into pieces of
+    one row (constant stats per row, stats read along the row per column: both vectorise).
+    """
+    n = x.shape[0]
+    n_chunks = (n + AFFINE_CHUNK - 1) // AFFINE_CHUNK
+    s0 = np.uint64(seed) & _MASK32
+    s1 = (np.uint64(seed) >> np.uint64(32)) & _MASK32
+    levels = consts[0]
+    half = consts[1]
+    zero = consts[2]
+    off = consts[3]
+    for c in prange(n_chunks):
+        e0 = c * AFFINE_CHUNK
+        e1 = min(e0 + AFFINE_CHUNK, n)
+        sc = np.empty(e1 - e0, np.uint8)
+        e = e0
+        while e < e1:
+            r = e // rowlen
+            c0 = e - r * rowlen
+            k = min(e1, e + rowlen - c0) - e
+            xs = x[e:e + k]
+            cs = sc[e - e0:e - e0 + k]
+            if per_col:
+                ms = m_arr[c0:c0 + k]
+                ss = s_arr[c0:c0 + k]
+                for i in range(k):
+                    u = _uniform(e + i, s0, s1) if stochastic else half
+                    qf = np.floor((xs[i] - ms[i]) * ss[i] + u) + off
+                    qf = qf if qf == qf else zero
+                    cs[i] = np.uint8(min(max(qf, zero), levels))
+            else:
+                mm = m_arr[r]
+                sv = s_arr[r]
+                for i in range(k):
+                    u = _uniform(e + i, s0, s1) if stochastic else half
+                    qf = np.floor((xs[i] - mm) * sv + u) + off
+                    qf = qf if qf == qf else zero
+                    cs[i] = np.uint8(min(max(qf, zero), levels))
+            e += k
+        o0 = e0 * bits // 8
+        pack_codes(sc, out_packed[o0:o0 + ((e1 - e0) * bits + 7) // 8], bits)
+
+
+@njit(parallel=True, error_model="numpy", cache=True)
+def affine_decode_kernel(packed, m_arr, s_arr, rowlen, per_col, bits, consts, out):
+    """``out = m + (q - offset) / s`` (:func:`fewbit.quant._reference.affine_decode_reference`),
+    stats as in :func:`affine_codes_kernel`; ``consts`` (dtype of out) = [offset]."""
+    n = out.shape[0]
+    n_chunks = (n + AFFINE_CHUNK - 1) // AFFINE_CHUNK
+    off = consts[0]
+    for c in prange(n_chunks):
+        e0 = c * AFFINE_CHUNK
+        e1 = min(e0 + AFFINE_CHUNK, n)
+        sc = np.empty(e1 - e0, np.uint8)
+        unpack_codes(packed[e0 * bits // 8:], sc, bits)
+        e = e0
+        while e < e1:
+            r = e // rowlen
+            c0 = e - r * rowlen
+            k = min(e1, e + rowlen - c0) - e
+            ys = out[e:e + k]
+            cs = sc[e - e0:e - e0 + k]
+            if per_col:
+                ms = m_arr[c0:c0 + k]
+                ss = s_arr[c0:c0 + k]
+                for i in range(k):
+                    ys[i] = ms[i] + (cs[i] - off) / ss[i]
+            else:
+                mm = m_arr[r]
+                sv = s_arr[r]
+                for i in range(k):
+                    ys[i] = mm + (cs[i] - off) / sv
+            e += k
+
+
+@njit(parallel=True, error_model="numpy", cache=True)
+def block_mean_kernel(x, bh, bw, out):
+    """DIVISION's block means (:func:`fewbit.quant._reference.block_mean_reference`, the same
+    order of additions): ``x`` ``(A, H, W, I)``, ``out`` ``(A, ceil(H / bh), ceil(W / bw), I)``,
+    both float32 or both float64. The division by the count is done in float64 and rounded
+    once to float32: the correctly rounded float32 quotient (53 >= 2 * 24 + 2 bits)."""
+    A, H, W, I = x.shape
+    Hb = out.shape[1]
+    Wb = out.shape[2]
+    for t in prange(A * Hb):
+        a = t // Hb
+        hb = t - a * Hb
+        acc = out[a, hb]
+        acc[:, :] = 0
+        h0 = hb * bh
+        h1 = min(h0 + bh, H)
+        for h in range(h0, h1):
+            row = x[a, h]
+            for wb in range(Wb):
+                w0 = wb * bw
+                for w in range(w0, min(w0 + bw, W)):
+                    for i in range(I):
+                        acc[wb, i] += row[w, i]
+        for wb in range(Wb):
+            w0 = wb * bw
+            cnt = (h1 - h0) * (min(w0 + bw, W) - w0)
+            for i in range(I):
+                acc[wb, i] = acc[wb, i] / cnt
