@@ -18,8 +18,10 @@ from fewbit._checks import packed_nbytes
 from fewbit.ops._cpu import _set_threads  # imports numba (or raises), picks the threading layer
 from fewbit.ops._reference import compute_dtype
 from fewbit.quant import _numba
+from fewbit.quant import _reference as ref
 
-__all__ = ["quantize_cpu", "dequantize_cpu", "chunk_groups", "affine_codes_cpu", "affine_decode_cpu", "block_mean_cpu"]
+__all__ = ["quantize_cpu", "dequantize_cpu", "chunk_groups", "affine_codes_cpu", "affine_decode_cpu", "block_mean_cpu",
+           "division_encode_cpu", "division_decode_cpu"]
 
 # (significant bits, exponent of the smallest spacing, largest finite value) per stats dtype
 _GRID = {
@@ -116,3 +118,43 @@ def block_mean_cpu(x, bh, bw):
         _set_threads()
         _numba.block_mean_kernel(x.detach().to(cdt).contiguous().numpy(), bh, bw, out.numpy())
     return out
+
+
+def division_encode_cpu(x, lfc, bh, bw, bits, seed):
+    """``(packed, mins, scales)``, bit-identical to
+    :func:`fewbit.quant._reference.division_encode_reference` (fused: two passes over ``x``,
+    the residual never materialised)."""
+    cdt = compute_dtype(x.dtype)
+    a, h, w, i = x.shape
+    n = x.numel()
+    packed = torch.empty(packed_nbytes(n, bits), dtype=torch.uint8)
+    if n == 0:
+        zero = torch.zeros(1)
+        return packed, zero, zero.clone()
+    xf = x.detach().to(cdt).contiguous().reshape(-1).numpy()
+    lf = lfc.to(cdt).contiguous().numpy()
+    tasks = a * lf.shape[1]
+    lo, hi, ok = np.empty(tasks, xf.dtype), np.empty(tasks, xf.dtype), np.empty(tasks, np.bool_)
+    _set_threads()
+    _numba.division_minmax_kernel(xf, lf, h, w, i, bh, bw, lo, hi, ok)
+    nan = float("nan")
+    lohi = torch.tensor([lo.min(), hi.max()] if ok.all() else [nan, nan], dtype=cdt)
+    mins, scales, _ = ref.group_stats_reference(lohi, bits, 2, torch.float32)
+    consts = np.array([float((1 << bits) - 1), 0.0, float(mins[0]), float(scales[0])], dtype=_np_dtype(cdt))
+    codes = np.empty(n, np.uint8)
+    _numba.division_codes_kernel(xf, lf, h, w, i, bh, bw, np.uint64(seed), bits, consts, codes, packed.numpy())
+    return packed, mins, scales
+
+
+def division_decode_cpu(packed, lfc, mins, scales, bh, bw, bits, h, w, dtype):
+    """``(A, h, w, I)`` of ``dtype``, bit-identical to
+    :func:`fewbit.quant._reference.division_decode_reference`."""
+    cdt = compute_dtype(dtype)
+    a, _, _, i = lfc.shape
+    out = torch.empty((a, h, w, i), dtype=cdt)
+    if out.numel():
+        consts = np.array([float(mins[0]), float(scales[0])], dtype=_np_dtype(cdt))
+        _set_threads()
+        _numba.division_decode_kernel(packed.contiguous().numpy(), lfc.to(cdt).contiguous().numpy(), h, w, i,
+                                      bh, bw, bits, consts, np.empty(out.numel(), np.uint8), out.view(-1).numpy())
+    return out if cdt == dtype else out.to(dtype)

@@ -316,3 +316,106 @@ def block_mean_kernel(x, bh, bw, out):
             cnt = (h1 - h0) * (min(w0 + bw, W) - w0)
             for i in range(I):
                 acc[wb, i] = acc[wb, i] / cnt
+
+
+@njit(inline="always", cache=True)
+def _upsample_row(lfc_row, bw, W, I, buf):
+    """``buf[w * I + i] = lfc_row[w // bw, i]``: one row of the upsampled block means."""
+    for w in range(W):
+        src = lfc_row[w // bw]
+        for i in range(I):
+            buf[w * I + i] = src[i]
+
+
+# DIVISION's residual, fused (fewbit.quant._reference.division_encode_reference /
+# division_decode_reference, bit for bit): ``xf`` is the flat input (compute dtype) of the view
+# ``(A, H, W, I)``, ``lfc`` ``(A, Hb, Wb, I)`` the stored block means in the compute dtype;
+# one task per row-block ``(a, hb)`` upsamples its means into a row buffer once, then walks
+# its rows: the residual ``x - up`` is never materialised.
+
+
+@njit(parallel=True, error_model="numpy", cache=True)
+def division_minmax_kernel(xf, lfc, H, W, I, bh, bw, out_lo, out_hi, out_ok):
+    """Per row-block: min, max and finiteness of the residual ``x - Upsample(lfc)``."""
+    Hb = lfc.shape[1]
+    WI = W * I
+    for t in prange(out_lo.shape[0]):
+        a = t // Hb
+        hb = t - a * Hb
+        buf = np.empty(WI, xf.dtype)
+        _upsample_row(lfc[a, hb], bw, W, I, buf)
+        h0 = hb * bh
+        lo = xf[(a * H + h0) * WI] - buf[0]
+        hi = lo
+        nan = False
+        for h in range(h0, min(h0 + bh, H)):
+            xs = xf[(a * H + h) * WI:(a * H + h + 1) * WI]
+            for k in range(WI):
+                v = xs[k] - buf[k]
+                lo = v if v < lo else lo
+                hi = v if v > hi else hi
+                nan |= v != v
+        out_lo[t] = lo
+        out_hi[t] = hi
+        out_ok[t] = not nan and (lo - lo) == 0 and (hi - hi) == 0
+
+
+@njit(parallel=True, error_model="numpy", cache=True)
+def division_codes_kernel(xf, lfc, H, W, I, bh, bw, seed, bits, consts, codes, out_packed):
+    """Codes ``floor((x - up - m) * s + u)`` (clamped; 0 for NaN stats) into the scratch
+    ``codes`` (uint8, one per element), then packed. ``consts`` (compute dtype) = [2**bits - 1,
+    0, m, s]."""
+    Hb = lfc.shape[1]
+    WI = W * I
+    n = xf.shape[0]
+    s0 = np.uint64(seed) & _MASK32
+    s1 = (np.uint64(seed) >> np.uint64(32)) & _MASK32
+    levels = consts[0]
+    zero = consts[1]
+    m = consts[2]
+    s = consts[3]
+    for t in prange(lfc.shape[0] * Hb):
+        a = t // Hb
+        hb = t - a * Hb
+        buf = np.empty(WI, xf.dtype)
+        _upsample_row(lfc[a, hb], bw, W, I, buf)
+        h0 = hb * bh
+        for h in range(h0, min(h0 + bh, H)):
+            e0 = (a * H + h) * WI
+            xs = xf[e0:e0 + WI]
+            cs = codes[e0:e0 + WI]
+            for k in range(WI):
+                qf = np.floor(((xs[k] - buf[k]) - m) * s + _uniform(e0 + k, s0, s1))
+                qf = qf if qf == qf else zero
+                cs[k] = np.uint8(min(max(qf, zero), levels))
+    for c in prange((n + AFFINE_CHUNK - 1) // AFFINE_CHUNK):
+        e0 = c * AFFINE_CHUNK
+        e1 = min(e0 + AFFINE_CHUNK, n)
+        o0 = e0 * bits // 8
+        pack_codes(codes[e0:e1], out_packed[o0:o0 + ((e1 - e0) * bits + 7) // 8], bits)
+
+
+@njit(parallel=True, error_model="numpy", cache=True)
+def division_decode_kernel(packed, lfc, H, W, I, bh, bw, bits, consts, codes, out):
+    """``out = up + (m + q / s)`` (flat, compute dtype); ``codes`` a uint8 scratch of one
+    per element; ``consts`` = [m, s]."""
+    Hb = lfc.shape[1]
+    WI = W * I
+    n = out.shape[0]
+    m = consts[0]
+    s = consts[1]
+    for c in prange((n + AFFINE_CHUNK - 1) // AFFINE_CHUNK):
+        e0 = c * AFFINE_CHUNK
+        unpack_codes(packed[e0 * bits // 8:], codes[e0:min(e0 + AFFINE_CHUNK, n)], bits)
+    for t in prange(lfc.shape[0] * Hb):
+        a = t // Hb
+        hb = t - a * Hb
+        buf = np.empty(WI, out.dtype)
+        _upsample_row(lfc[a, hb], bw, W, I, buf)
+        h0 = hb * bh
+        for h in range(h0, min(h0 + bh, H)):
+            e0 = (a * H + h) * WI
+            ys = out[e0:e0 + WI]
+            cs = codes[e0:e0 + WI]
+            for k in range(WI):
+                ys[k] = buf[k] + (m + np.float32(cs[k]) / s)

@@ -25,7 +25,8 @@ from fewbit._checks import FLOAT_DTYPES, packed_nbytes
 from fewbit.ops._ops import trace_into_triton
 from fewbit.quant import _reference as ref
 
-__all__ = ["group_quantize", "group_dequantize", "affine_codes", "affine_decode", "block_mean"]
+__all__ = ["group_quantize", "group_dequantize", "affine_codes", "affine_decode", "block_mean", "division_encode",
+           "division_decode"]
 
 def _check_args(bits: int, group_size: int, dtype: torch.dtype) -> None:
     # as fewbit.ops._ops: a failed check raises through torch._check_value / torch._check_type
@@ -249,3 +250,78 @@ def _block_mean_cuda(x, bh, bw):
 trace_into_triton(affine_codes, _affine_codes_cuda)
 trace_into_triton(affine_decode, _affine_decode_cuda)
 trace_into_triton(block_mean, _block_mean_cuda)
+
+
+# ``fewbit::division_encode(x, lfc, bh, bw, bits, seed) -> (packed, mins, scales)`` and
+# ``fewbit::division_decode(packed, lfc, mins, scales, bh, bw, bits, h, w, dtype) -> x_hat``:
+# DIVISION's residual (:func:`fewbit.quant._reference.division_encode_reference`); on CPU
+# fused in numba, on CUDA the reference's steps with the Triton codes kernels.
+
+
+@torch.library.custom_op("fewbit::division_encode", mutates_args=())
+def division_encode(
+    x: torch.Tensor, lfc: torch.Tensor, bh: int, bw: int, bits: int, seed: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Default kernel: the pure-torch reference."""
+    _check_block(x, bh, bw)
+    _check_affine(bits, 1, x.dtype)
+    return ref.division_encode_reference(x, lfc, bh, bw, bits, seed)
+
+
+@division_encode.register_fake
+def _(x, lfc, bh, bw, bits, seed):
+    _check_block(x, bh, bw)
+    _check_affine(bits, 1, x.dtype)
+    return (x.new_empty((packed_nbytes(x.numel(), bits),), dtype=torch.uint8),
+            x.new_empty((1,), dtype=torch.float32), x.new_empty((1,), dtype=torch.float32))
+
+
+@division_encode.register_kernel("cpu")
+def _(x, lfc, bh, bw, bits, seed):
+    _check_block(x, bh, bw)
+    _check_affine(bits, 1, x.dtype)
+    from fewbit.quant import _cpu
+
+    return _cpu.division_encode_cpu(x, lfc, bh, bw, bits, seed)
+
+
+@division_encode.register_kernel("cuda")
+def _division_encode_cuda(x, lfc, bh, bw, bits, seed):
+    _check_block(x, bh, bw)
+    _check_affine(bits, 1, x.dtype)
+
+    def codes(h, m, s, bits, rowlen, per_col, offset, seed):
+        return affine_codes(h, m, s, bits, rowlen, per_col, offset, seed, True)
+
+    return ref.division_encode_reference(x, lfc, bh, bw, bits, seed, affine_codes=codes)
+
+
+@torch.library.custom_op("fewbit::division_decode", mutates_args=())
+def division_decode(
+    packed: torch.Tensor, lfc: torch.Tensor, mins: torch.Tensor, scales: torch.Tensor, bh: int, bw: int,
+    bits: int, h: int, w: int, dtype: torch.dtype,
+) -> torch.Tensor:
+    """Default kernel: the pure-torch reference."""
+    _check_affine(bits, 1, dtype)
+    return ref.division_decode_reference(packed, lfc, mins, scales, bh, bw, bits, h, w, dtype)
+
+
+@division_decode.register_fake
+def _(packed, lfc, mins, scales, bh, bw, bits, h, w, dtype):
+    _check_affine(bits, 1, dtype)
+    return lfc.new_empty((lfc.shape[0], h, w, lfc.shape[3]), dtype=dtype)
+
+
+@division_decode.register_kernel("cpu")
+def _(packed, lfc, mins, scales, bh, bw, bits, h, w, dtype):
+    _check_affine(bits, 1, dtype)
+    from fewbit.quant import _cpu
+
+    return _cpu.division_decode_cpu(packed, lfc, mins, scales, bh, bw, bits, h, w, dtype)
+
+
+@division_decode.register_kernel("cuda")
+def _division_decode_cuda(packed, lfc, mins, scales, bh, bw, bits, h, w, dtype):
+    _check_affine(bits, 1, dtype)
+    return ref.division_decode_reference(packed, lfc, mins, scales, bh, bw, bits, h, w, dtype,
+                                         affine_decode=affine_decode)

@@ -52,6 +52,12 @@ __all__ = [
     "group_quantize_reference",
     "dequantize_reference",
     "compute_dtype",
+    "affine_codes_reference",
+    "affine_decode_reference",
+    "block_mean_reference",
+    "upsample_blocks",
+    "division_encode_reference",
+    "division_decode_reference",
 ]
 
 #: Bits per element the group quantizer supports (whole codes per byte: 8, 4, 2 or 1).
@@ -309,3 +315,40 @@ def upsample_blocks(lfc: torch.Tensor, bh: int, bw: int, h: int, w: int) -> torc
     (nearest upsampling)."""
     up = lfc.repeat_interleave(bh, dim=1).repeat_interleave(bw, dim=2)
     return up[:, :h, :w]
+
+
+def division_encode_reference(x, lfc, bh, bw, bits, seed, affine_codes=affine_codes_reference):
+    """DIVISION's residual ``HFC = x - Upsample(lfc)`` quantized per tensor (docs/compression.md §3).
+
+    Args:
+        x: ``(A, H, W, I)`` input (its view, :func:`fewbit.quant.compressors.division_view`).
+        lfc: ``(A, ceil(H / bh), ceil(W / bw), I)`` the *stored* block means (read in the
+            compute dtype: the residual is taken from what decompression will add back).
+        bits: bits per element of the codes.
+        seed: 64-bit noise seed (stochastic rounding).
+        affine_codes: the codes kernel (this reference's, or a backend's with its signature).
+
+    Returns:
+        ``(packed, mins, scales)``: the codes (docs/method.md §6 stream) and the ``(1,)``
+        float32 ``m``, ``s`` of the residual (the group quantizer's rule for its min and
+        max, docs/method.md §7; NaN if the residual has a NaN or an infinity).
+    """
+    cdt = compute_dtype(x.dtype)
+    a, h, w, i = x.shape
+    hfc = (x.to(cdt) - upsample_blocks(lfc.to(cdt), bh, bw, h, w)).reshape(-1)
+    if hfc.numel() == 0:
+        zero = torch.zeros(1, device=x.device)
+        return torch.empty(0, dtype=torch.uint8, device=x.device), zero, zero.clone()
+    mins, scales, _ = group_stats_reference(torch.stack(torch.aminmax(hfc)), bits, 2, torch.float32)
+    return affine_codes(hfc, mins, scales, bits, hfc.numel(), False, 0, seed), mins, scales
+
+
+def division_decode_reference(packed, lfc, mins, scales, bh, bw, bits, h, w, dtype,
+                              affine_decode=affine_decode_reference):
+    """``x_hat = Upsample(lfc) + (m + q / s)``: ``(A, h, w, I)`` in ``dtype`` (inverse of
+    :func:`division_encode_reference`; ``affine_decode`` as its ``affine_codes``)."""
+    cdt = compute_dtype(dtype)
+    up = upsample_blocks(lfc.to(cdt), bh, bw, h, w)
+    n = up.numel()
+    hfc = affine_decode(packed, mins, scales, bits, max(n, 1), False, 0, n, cdt)
+    return (up + hfc.view(up.shape)).to(dtype)

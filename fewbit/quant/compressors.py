@@ -182,11 +182,13 @@ class _Kernels(NamedTuple):
     block_mean: Callable
     affine_codes: Callable
     affine_decode: Callable
+    division_encode: Callable
+    division_decode: Callable
 
 
 def _ops() -> _Kernels:
     ops = torch.ops.fewbit
-    return _Kernels(ops.block_mean, ops.affine_codes, ops.affine_decode)
+    return _Kernels(ops.block_mean, ops.affine_codes, ops.affine_decode, ops.division_encode, ops.division_decode)
 
 
 _REFERENCE = _Kernels(
@@ -194,6 +196,8 @@ _REFERENCE = _Kernels(
     lambda x, m, s, bits, rowlen, per_col, offset, seed, stochastic: _ref.affine_codes_reference(
         x, m, s, bits, rowlen, per_col, offset, seed if stochastic else None),
     _ref.affine_decode_reference,
+    _ref.division_encode_reference,
+    _ref.division_decode_reference,
 )
 
 
@@ -278,10 +282,10 @@ class _DivisionCompressed:
         return _nbytes(self.lfc, self.hfc.packed, self.hfc.mins, self.hfc.scales)
 
     def decompress(self) -> torch.Tensor:
-        cdt = _ref.compute_dtype(self.dtype)
-        a, h, w, i = self.view
-        up = _ref.upsample_blocks(self.lfc.to(cdt), *self.block, h, w)
-        return (up + self.hfc.decode(self._k, cdt).view(a, h, w, i)).to(self.dtype).reshape(self.shape)
+        q = self.hfc
+        y = self._k.division_decode(q.packed, self.lfc, q.mins, q.scales, *self.block, q.bits, self.view[1],
+                                    self.view[2], self.dtype)
+        return y.reshape(self.shape)
 
 
 class Division(Compressor):
@@ -339,15 +343,10 @@ class Division(Compressor):
         _check_supported(self, x, "at least 2 dims")
         seed = _seed(generator)
         view, block = division_view(x.shape, self.block)
-        cdt = _ref.compute_dtype(x.dtype)
         x4 = x.detach().reshape(view)
         lfc = k.block_mean(x4, *block).to(x.dtype)
-        hfc = (x4.to(cdt) - _ref.upsample_blocks(lfc.to(cdt), *block, view[1], view[2])).reshape(-1)
-        if hfc.numel():
-            m, s = _range_stats(*torch.aminmax(hfc), self.bits)
-        else:
-            m = s = torch.zeros(1, device=x.device)
-        q = _Affine.encode(k, hfc, m, s, self.bits, hfc.numel(), False, 0, seed)
+        packed, m, s = k.division_encode(x4, lfc, *block, self.bits, seed)
+        q = _Affine(packed, m, s, self.bits, max(x.numel(), 1), False, 0, x.numel())
         return _DivisionCompressed(lfc, q, view, block, x.shape, x.dtype, k)
 
     def bytes_per_element(self, x: torch.Tensor) -> float:

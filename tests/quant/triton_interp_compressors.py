@@ -13,17 +13,32 @@ if os.environ.get("TRITON_INTERPRET") != "1":  # pragma: no cover - guarded by t
     pytest.skip("needs TRITON_INTERPRET=1 (run through tests/quant/test_compressor_family.py)",
                 allow_module_level=True)
 
+from fewbit.quant import _reference as ref  # noqa: E402
 from fewbit.quant import _triton as T  # noqa: E402
 from fewbit.quant.compressors import _REFERENCE, _Kernels, get_compressor  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_compressor_family import NEW, same, sample  # noqa: E402
 
-TRITON = _Kernels(
-    lambda x, bh, bw: T.block_mean(x, bh, bw, block=4096),
-    lambda *a: T.affine_codes(*a, block_w=4096),
-    lambda *a: T.affine_decode(*a, block_w=4096),
-)
+def _codes(*a):
+    return T.affine_codes(*a, block_w=4096)
+
+
+def _decode(*a):
+    return T.affine_decode(*a, block_w=4096)
+
+
+def _division_encode(x, lfc, bh, bw, bits, seed):  # the steps of fewbit::division_encode on CUDA
+    return ref.division_encode_reference(x, lfc, bh, bw, bits, seed,
+                                         affine_codes=lambda *a: _codes(*a, True))
+
+
+def _division_decode(*a):
+    return ref.division_decode_reference(*a, affine_decode=_decode)
+
+
+TRITON = _Kernels(lambda x, bh, bw: T.block_mean(x, bh, bw, block=4096), _codes, _decode, _division_encode,
+                  _division_decode)
 
 
 @pytest.mark.parametrize("name", [n for n in NEW if n != "outlier"])  # outlier: the group quantizer's kernels
