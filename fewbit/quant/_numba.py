@@ -291,29 +291,35 @@ def affine_decode_kernel(packed, m_arr, s_arr, rowlen, per_col, bits, consts, ou
 @njit(parallel=True, error_model="numpy", cache=True)
 def block_mean_kernel(x, bh, bw, out):
     """DIVISION's block means (:func:`fewbit.quant._reference.block_mean_reference`, the same
-    order of additions): ``x`` ``(A, H, W, I)``, ``out`` ``(A, ceil(H / bh), ceil(W / bw), I)``,
-    both float32 or both float64. The division by the count is done in float64 and rounded
-    once to float32: the correctly rounded float32 quotient (53 >= 2 * 24 + 2 bits)."""
+    order of additions): ``x`` ``(A, H, W, I)`` flat rows, ``out`` ``(A, ceil(H / bh),
+    ceil(W / bw), I)``, both float32 or both float64. Per row-block, the column sums
+    accumulate row by row (a vectorised loop along the row), then each block adds its
+    columns. The division by the count is done in float64 and rounded once to float32:
+    the correctly rounded float32 quotient (53 >= 2 * 24 + 2 bits)."""
     A, H, W, I = x.shape
     Hb = out.shape[1]
     Wb = out.shape[2]
+    WI = W * I
+    xf = x.reshape(A * H * WI)
     for t in prange(A * Hb):
         a = t // Hb
         hb = t - a * Hb
-        acc = out[a, hb]
-        acc[:, :] = 0
+        col = np.zeros(WI, x.dtype)
         h0 = hb * bh
         h1 = min(h0 + bh, H)
         for h in range(h0, h1):
-            row = x[a, h]
-            for wb in range(Wb):
-                w0 = wb * bw
-                for w in range(w0, min(w0 + bw, W)):
-                    for i in range(I):
-                        acc[wb, i] += row[w, i]
+            row = xf[(a * H + h) * WI:(a * H + h + 1) * WI]
+            for k in range(WI):
+                col[k] += row[k]
+        acc = out[a, hb]
+        acc[:, :] = 0
         for wb in range(Wb):
             w0 = wb * bw
-            cnt = (h1 - h0) * (min(w0 + bw, W) - w0)
+            w1 = min(w0 + bw, W)
+            for w in range(w0, w1):
+                for i in range(I):
+                    acc[wb, i] += col[w * I + i]
+            cnt = (h1 - h0) * (w1 - w0)
             for i in range(I):
                 acc[wb, i] = acc[wb, i] / cnt
 

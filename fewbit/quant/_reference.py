@@ -288,22 +288,25 @@ def block_mean_reference(x: torch.Tensor, bh: int, bw: int) -> torch.Tensor:
     """DIVISION's low-frequency part: means of ``bh x bw`` blocks over dims 1 and 2 of
     ``x`` ``(A, H, W, I)``, ``(A, ceil(H / bh), ceil(W / bw), I)`` in the compute dtype.
 
-    The definition every backend follows bit for bit: per block, ``acc = +0``, then ``acc +=
-    x[h, w]`` for the rows ``h`` of the block in increasing order and, within a row, the
-    columns ``w`` in increasing order (one rounding per addition); the mean is ``acc /
-    count``, ``count`` the number of elements present (a last block cut by the border is
-    averaged over what is there: "ceil" pooling, DIVISION's padding left out).
+    The definition every backend follows bit for bit (one rounding per addition, sums
+    starting at +0): per column ``w`` of a block, its rows summed in increasing order (the
+    column sums of a row-block vectorise along the row); then the block's column sums
+    added in increasing ``w``; the mean is ``sum / count``, ``count`` the number of elements
+    present (a last block cut by the border is averaged over what is there: "ceil"
+    pooling, DIVISION's padding left out).
     """
     cdt = compute_dtype(x.dtype)
     a, h, w, i = x.shape
     hb, wb = -(-h // bh), -(-w // bw)
     xp = torch.zeros(a, hb * bh, wb * bw, i, dtype=cdt, device=x.device)
-    xp[:, :h, :w] = x.to(cdt)  # padding zeros: acc + 0 == acc (acc is never -0: it starts at +0)
+    xp[:, :h, :w] = x.to(cdt)  # padding zeros: s + 0 == s (s is never -0: sums start at +0)
     xr = xp.view(a, hb, bh, wb, bw, i)
-    acc = torch.zeros(a, hb, wb, i, dtype=cdt, device=x.device)
+    col = torch.zeros(a, hb, wb, bw, i, dtype=cdt, device=x.device)
     for r in range(bh):
-        for c in range(bw):
-            acc = acc + xr[:, :, r, :, c, :]
+        col = col + xr[:, :, r]
+    acc = torch.zeros(a, hb, wb, i, dtype=cdt, device=x.device)
+    for c in range(bw):
+        acc = acc + col[:, :, :, c]
     rows = (h - torch.arange(hb, device=x.device) * bh).clamp(max=bh)
     cols = (w - torch.arange(wb, device=x.device) * bw).clamp(max=bw)
     count = (rows[:, None] * cols[None, :]).to(cdt)

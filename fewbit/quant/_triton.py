@@ -287,12 +287,14 @@ def _block_mean_kernel(x_ptr, out_ptr, n_out, H, W, I, Hb, Wb,
     hb = (o // (I * Wb)) % Hb
     a = o // (I * Wb * Hb)
     acc = tl.zeros([BLOCK], tl.float32)
-    for r in range(BH):  # rows of the block in order, columns in order within a row
-        h = hb * BH + r
-        for c in range(BW):
-            w_ = wb * BW + c
+    for c in range(BW):  # each column's rows summed in order, then the columns in order
+        w_ = wb * BW + c
+        col = tl.zeros([BLOCK], tl.float32)
+        for r in range(BH):
+            h = hb * BH + r
             ok = msk & (h < H) & (w_ < W)
-            acc += tl.load(x_ptr + ((a * H + h) * W + w_) * I + i, mask=ok, other=0.0).to(tl.float32)
+            col += tl.load(x_ptr + ((a * H + h) * W + w_) * I + i, mask=ok, other=0.0).to(tl.float32)
+        acc += col
     cnt = (tl.minimum(H - hb * BH, BH) * tl.minimum(W - wb * BW, BW)).to(tl.float32)
     tl.store(out_ptr + o, tl.math.div_rn(acc, cnt), mask=msk)
 
