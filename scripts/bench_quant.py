@@ -1,9 +1,12 @@
 #!/usr/bin/env python
-"""Benchmark of the group quantizer (fewbit.quant, docs/method.md §7) and of saved-tensor compression.
+"""Benchmark of the group quantizer (fewbit.quant, docs/method.md §7), the other compressors and of saved-tensor compression.
 
 Measures, in one run:
 1. quantize / dequantize throughput (GB/s of the float input) against ``x.clone()`` on the
    same tensor, per bits, and (optionally) against the pure-torch reference;
+   then, per compressor of ``fewbit.quant.compressors`` (``--compressors``, default options),
+   compress, decompress and compress + decompress throughput, GB/s of input (one
+   ``(n / 4096, 64, 64)`` conv-like map per size: DIVISION pools 8 x 8 blocks of it);
 2. bytes saved for backward by an MLP and a small GPT-2 (transformers.GPT2Config, built
    from the config, nothing downloaded) with and without ``fewbit.compress_activations``:
    the ratio over the compressed tensors and over all saved bytes (parameters excluded,
@@ -93,6 +96,28 @@ def bench_throughput(args, device):
             t_k = _time(lambda: fq.quantize(x, 4, group_size=args.group_size), args.repeats, device)
             print(f"{n:>10} {args.dtype:>9}    4  reference quantize {t_r * 1e3:.1f} ms, kernel "
                   f"{t_k * 1e3:.2f} ms: kernel is {t_r / t_k:.1f}x faster")
+
+
+def bench_compressors(args, device):
+    from fewbit.quant.compressors import get_compressor
+
+    print(f"\n== compressors: GB/s of input, min of {args.repeats}; both = input / (compress + decompress) ==")
+    print(f"{'numel':>10} {'compressor':>12} {'bytes/el':>8} {'clone':>7} {'compress':>9} {'decompress':>10} {'both':>7}")
+    dtype = getattr(torch, args.dtype)
+    for n in args.sizes:
+        gb = n * dtype.itemsize / 1e9
+        shape = (max(n // 4096, 1), 64, 64) if n >= 4096 else (1, 1, n)
+        x = torch.randn(shape, device=device).to(dtype)
+        t_clone = _time(lambda: x.clone(), args.repeats, device)
+        for name in args.compressors:
+            comp = get_compressor(name) if name != "group" else get_compressor(name, bits=4)
+            xs = x.view(shape[0], 1, 64, 64) if name == "division" and n >= 4096 else x
+            xs = xs.sigmoid() if name == "softmax" else xs
+            t_c = _time(lambda: comp.compress(xs), args.repeats, device)
+            c = comp.compress(xs)
+            t_d = _time(lambda: c.decompress(), args.repeats, device)
+            print(f"{n:>10} {name:>12} {c.nbytes / n:>8.4f} {gb / t_clone:>7.2f} {gb / t_c:>9.2f} "
+                  f"{gb / t_d:>10.2f} {gb / (t_c + t_d):>7.2f}", flush=True)
 
 
 class _Counter:
@@ -206,6 +231,9 @@ def main(argv=None) -> int:
     ap.add_argument("--reference-max", type=int, default=1 << 22, help="largest size timed with --reference")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch.set_num_threads and numba.set_num_threads (1 is steadier on a loaded machine)")
+    ap.add_argument("--compressors", nargs="*", default=["group", "division", "outlier", "channelwise", "softmax"],
+                    help="compressors (fewbit.quant.compressors names, default options; group at 4 bits) timed "
+                         "after the quantizer table; none: skip")
     ap.add_argument("--models", nargs="*", default=["mlp", "gpt2"], choices=["mlp", "gpt2"])
     ap.add_argument("--skip-throughput", action="store_true")
     ap.add_argument("--model-bits", type=int, default=4)
@@ -241,6 +269,8 @@ def main(argv=None) -> int:
     print("note: timings on a shared, loaded machine are noisy; compare ratios within this run")
     if not args.skip_throughput:
         bench_throughput(args, device)
+        if args.compressors:
+            bench_compressors(args, device)
     if args.models:
         bench_models(args, device)
     return 0

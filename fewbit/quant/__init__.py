@@ -30,7 +30,7 @@ Backends (``fewbit::group_quantize`` / ``fewbit::group_dequantize`` torch.librar
 numba on CPU, Triton on CUDA, both imported lazily (``import fewbit`` imports neither).
 On CPU numba was measured against a vectorised-torch formulation of the same maths (2**20
 float32, 4 bits, 1 thread, loaded 2-core VM): 0.7 ms vs 9.4 ms nearest, 1.9 ms vs 118 ms
-stochastic (the int64 hash is slow in torch); the group min/max use torch's amin/amax.
+stochastic (the int64 hash is slow in torch); the group min/max are computed in the kernel.
 
 Saved-tensor compression: :class:`ActivationCompressor` / :func:`compress_activations`.
 """

@@ -18,8 +18,10 @@ from fewbit._checks import packed_nbytes
 from fewbit.ops._cpu import _set_threads  # imports numba (or raises), picks the threading layer
 from fewbit.ops._reference import compute_dtype
 from fewbit.quant import _numba
+from fewbit.quant import _reference as ref
 
-__all__ = ["quantize_cpu", "dequantize_cpu", "chunk_groups"]
+__all__ = ["quantize_cpu", "dequantize_cpu", "chunk_groups", "affine_codes_cpu", "affine_decode_cpu", "block_mean_cpu",
+           "division_encode_cpu", "division_decode_cpu"]
 
 # (significant bits, exponent of the smallest spacing, largest finite value) per stats dtype
 _GRID = {
@@ -51,21 +53,9 @@ def quantize_cpu(x, bits, group_size, seed, stochastic, stats_dtype):
     mant, min_exp, fmax = _GRID[stats_dtype]
     np_dt = np.float64 if cdt == torch.float64 else np.float32
     consts = np.array([float((1 << bits) - 1), 1.0, 0.5, fmax, 0.0], dtype=np_dt)
-    # per-group min/max by torch (vectorised, NaN-propagating), the rest in numba
-    lo = torch.empty(g, dtype=cdt)
-    hi = torch.empty(g, dtype=cdt)
-    nf = n // group_size
-    if nf:
-        full = xc[: nf * group_size].view(nf, group_size)
-        torch.amin(full, dim=1, out=lo[:nf])
-        torch.amax(full, dim=1, out=hi[:nf])
-    if nf < g:
-        tail = xc[nf * group_size:]
-        lo[nf] = tail.amin()
-        hi[nf] = tail.amax()
     _set_threads()
     _numba.quantize_kernel(
-        xc.numpy(), lo.numpy(), hi.numpy(), bits, group_size, chunk_groups(group_size), np.uint64(seed),
+        xc.numpy(), bits, group_size, chunk_groups(group_size), np.uint64(seed),
         bool(stochastic), mant, min_exp, fmax, consts, packed.numpy(), m.numpy(), s.numpy(),
     )
     return packed, m.to(stats_dtype), s.to(stats_dtype)
@@ -82,4 +72,89 @@ def dequantize_cpu(packed, mins, scales, bits, group_size, numel, dtype):
         packed.contiguous().numpy(), mins.to(cdt).contiguous().numpy(),
         scales.to(cdt).contiguous().numpy(), bits, group_size, chunk_groups(group_size), out.numpy(),
     )
+    return out if cdt == dtype else out.to(dtype)
+
+
+def _np_dtype(cdt: torch.dtype):
+    return np.float64 if cdt == torch.float64 else np.float32
+
+
+def affine_codes_cpu(x, mins, scales, bits, rowlen, per_col, offset, seed, stochastic):
+    """Packed codes, bit-identical to :func:`fewbit.quant._reference.affine_codes_reference`."""
+    n = x.numel()
+    packed = torch.empty((packed_nbytes(n, bits),), dtype=torch.uint8)
+    if n == 0:
+        return packed
+    cdt = compute_dtype(x.dtype)
+    consts = np.array([float((1 << bits) - 1), 0.5, 0.0, float(offset)], dtype=_np_dtype(cdt))
+    _set_threads()
+    _numba.affine_codes_kernel(
+        x.detach().reshape(-1).to(cdt).contiguous().numpy(), mins.to(cdt).contiguous().numpy(),
+        scales.to(cdt).contiguous().numpy(), rowlen, bool(per_col), np.uint64(seed), bool(stochastic),
+        bits, consts, packed.numpy(),
+    )
+    return packed
+
+
+def affine_decode_cpu(packed, mins, scales, bits, rowlen, per_col, offset, numel, dtype):
+    """``(numel,)`` of ``dtype``, bit-identical to :func:`fewbit.quant._reference.affine_decode_reference`."""
+    cdt = compute_dtype(dtype)
+    out = torch.empty(numel, dtype=cdt)
+    if numel:
+        _set_threads()
+        _numba.affine_decode_kernel(
+            packed.contiguous().numpy(), mins.to(cdt).contiguous().numpy(), scales.to(cdt).contiguous().numpy(),
+            rowlen, bool(per_col), bits, np.array([float(offset)], dtype=_np_dtype(cdt)), out.numpy(),
+        )
+    return out if cdt == dtype else out.to(dtype)
+
+
+def block_mean_cpu(x, bh, bw):
+    """DIVISION's block means, bit-identical to :func:`fewbit.quant._reference.block_mean_reference`."""
+    cdt = compute_dtype(x.dtype)
+    a, h, w, i = x.shape
+    out = torch.empty((a, -(-h // bh), -(-w // bw), i), dtype=cdt)
+    if out.numel() and x.numel():
+        _set_threads()
+        _numba.block_mean_kernel(x.detach().to(cdt).contiguous().numpy(), bh, bw, out.numpy())
+    return out
+
+
+def division_encode_cpu(x, lfc, bh, bw, bits, seed):
+    """``(packed, mins, scales)``, bit-identical to
+    :func:`fewbit.quant._reference.division_encode_reference` (fused: two passes over ``x``,
+    the residual never materialised)."""
+    cdt = compute_dtype(x.dtype)
+    a, h, w, i = x.shape
+    n = x.numel()
+    packed = torch.empty(packed_nbytes(n, bits), dtype=torch.uint8)
+    if n == 0:
+        zero = torch.zeros(1)
+        return packed, zero, zero.clone()
+    xf = x.detach().to(cdt).contiguous().reshape(-1).numpy()
+    lf = lfc.to(cdt).contiguous().numpy()
+    tasks = a * lf.shape[1]
+    lo, hi, ok = np.empty(tasks, xf.dtype), np.empty(tasks, xf.dtype), np.empty(tasks, np.bool_)
+    _set_threads()
+    _numba.division_minmax_kernel(xf, lf, h, w, i, bh, bw, lo, hi, ok)
+    nan = float("nan")
+    lohi = torch.tensor([lo.min(), hi.max()] if ok.all() else [nan, nan], dtype=cdt)
+    mins, scales, _ = ref.group_stats_reference(lohi, bits, 2, torch.float32)
+    consts = np.array([float((1 << bits) - 1), 0.0, float(mins[0]), float(scales[0])], dtype=_np_dtype(cdt))
+    codes = np.empty(n, np.uint8)
+    _numba.division_codes_kernel(xf, lf, h, w, i, bh, bw, np.uint64(seed), bits, consts, codes, packed.numpy())
+    return packed, mins, scales
+
+
+def division_decode_cpu(packed, lfc, mins, scales, bh, bw, bits, h, w, dtype):
+    """``(A, h, w, I)`` of ``dtype``, bit-identical to
+    :func:`fewbit.quant._reference.division_decode_reference`."""
+    cdt = compute_dtype(dtype)
+    a, _, _, i = lfc.shape
+    out = torch.empty((a, h, w, i), dtype=cdt)
+    if out.numel():
+        consts = np.array([float(mins[0]), float(scales[0])], dtype=_np_dtype(cdt))
+        _set_threads()
+        _numba.division_decode_kernel(packed.contiguous().numpy(), lfc.to(cdt).contiguous().numpy(), h, w, i,
+                                      bh, bw, bits, consts, np.empty(out.numel(), np.uint8), out.view(-1).numpy())
     return out if cdt == dtype else out.to(dtype)

@@ -3,8 +3,8 @@
 They implement exactly the steps of :mod:`fewbit.quant._reference` (docs/method.md §7), so the
 stored stats and the packed codes are bit-identical to the reference for both rounding
 modes (the noise is the same counter-based hash). Per chunk of groups (about 16K
-elements, one prange iteration): the stats of each group from its min/max (computed before
-by torch's vectorised amin/amax), the codes of each group into a scratch buffer (branch-free
+elements, one prange iteration): the stats of each group from its min/max (computed in the
+same pass, :func:`minmax`: a compare-and-select loop runs at memory speed), the codes of each group into a scratch buffer (branch-free
 loops that LLVM vectorises), then packed by the few-bit ops' packer
 (:func:`fewbit.ops._cpu_kernels.pack_codes`, the docs/method.md §6 stream; a chunk starts on
 a byte boundary). Arithmetic is in the dtype of ``x`` (float32 or float64); no fastmath, so
@@ -66,13 +66,63 @@ def _prev_on_grid(v, mant_bits, min_exp, fmax):
     return _floor_to_grid(math.ldexp(f - 2.0 ** -53, e), mant_bits, min_exp, fmax)  # v - 1 ulp64
 
 
+@njit(inline="always", cache=True)
+def minmax(xs):
+    """``(lo, hi, finite)`` of a non-empty 1-D array: its min and max, and whether every
+    value is finite (a NaN is skipped by the compare-and-select loop, so it is reported
+    through ``finite``; an infinity shows in ``lo``/``hi`` and clears ``finite`` too)."""
+    lo = xs[0]
+    hi = xs[0]
+    nan = False
+    for i in range(xs.shape[0]):
+        v = xs[i]
+        lo = v if v < lo else lo
+        hi = v if v > hi else hi
+        nan |= v != v
+    return lo, hi, not nan and (lo - lo) == 0 and (hi - hi) == 0
+
+
+@njit(inline="always", cache=True)
+def affine_stats(lo, hi, mant_bits, min_exp, fmax, consts, out_m, out_s, g):
+    """Stored ``(m, s)`` of one group from its ``lo``/``hi`` (both finite), into
+    ``out_m[g]``/``out_s[g]`` (NaN if not representable): docs/method.md §7 steps 2-3, as
+    :func:`fewbit.quant._reference.group_stats_reference`. ``consts`` as in :func:`quantize_kernel`."""
+    levels = consts[0]
+    one = consts[1]
+    fmax_c = consts[3]
+    out_m[g] = _floor_to_grid(np.float64(lo), mant_bits, min_exp, fmax)
+    m = out_m[g]  # the stored value, in the dtype of x
+    ok = np.isfinite(m)
+    if ok:
+        # Every intermediate goes through out_s[g] so that it is rounded to the
+        # dtype of x exactly as torch rounds it (numba may widen scalars).
+        out_s[g] = hi - m
+        rng = out_s[g]
+        ok = np.isfinite(rng)
+        if ok:
+            out_s[g] = one
+            if rng > 0:
+                out_s[g] = levels / rng
+                if np.isinf(out_s[g]):
+                    out_s[g] = fmax_c
+            out_s[g] = _floor_to_grid(np.float64(out_s[g]), mant_bits, min_exp, fmax)
+            # the division rounds to nearest: step down once if r * s > levels
+            # (product rounded in the dtype of x, as in the codes loop)
+            out_m[g] = rng * out_s[g]
+            if out_m[g] > levels:
+                out_s[g] = _prev_on_grid(np.float64(out_s[g]), mant_bits, min_exp, fmax)
+            out_m[g] = m
+            ok = out_s[g] > 0
+    if not ok:
+        out_m[g] = np.nan
+        out_s[g] = np.nan
+
+
 @njit(parallel=True, error_model="numpy", cache=True)
-def quantize_kernel(x, lo_arr, hi_arr, bits, group_size, chunk_groups, seed, stochastic, mant_bits,
+def quantize_kernel(x, bits, group_size, chunk_groups, seed, stochastic, mant_bits,
                     min_exp, fmax, consts, out_packed, out_m, out_s):
     """Fill ``out_packed`` (uint8), ``out_m``/``out_s`` (dtype of x, values on the stats grid).
 
-    ``lo_arr``/``hi_arr``: per-group min and max of ``x`` (NaN-propagating, computed by
-    torch's vectorised ``amin``/``amax``: a scalar min/max loop does not vectorise here).
     ``consts`` (dtype of x) = [2**bits - 1, 1, 0.5, largest finite stats value, 0]: typed
     constants, so float32 arithmetic is never promoted to float64 by a Python literal.
     """
@@ -83,43 +133,17 @@ def quantize_kernel(x, lo_arr, hi_arr, bits, group_size, chunk_groups, seed, sto
     s0 = np.uint64(seed) & _MASK32
     s1 = (np.uint64(seed) >> np.uint64(32)) & _MASK32
     levels = consts[0]
-    one = consts[1]
     half = consts[2]
-    fmax_c = consts[3]
     zero = consts[4]
     for c in prange(n_chunks):
         g0 = c * chunk_groups
         g1 = min(g0 + chunk_groups, n_groups)
-        # 1. stats of every group of the chunk
+        # 1. stats of every group of the chunk, from its min and max
         for g in range(g0, g1):
-            lo = lo_arr[g]
-            hi = hi_arr[g]
-            ok = (lo - lo) == zero and (hi - hi) == zero  # both finite (not NaN, not inf)
+            lo, hi, ok = minmax(x[g * G:min(g * G + G, n)])
             if ok:
-                out_m[g] = _floor_to_grid(np.float64(lo), mant_bits, min_exp, fmax)
-                m = out_m[g]  # the stored value, in the dtype of x
-                ok = np.isfinite(m)
-                if ok:
-                    # Every intermediate goes through out_s[g] so that it is rounded to the
-                    # dtype of x exactly as torch rounds it (numba may widen scalars).
-                    out_s[g] = hi - m
-                    rng = out_s[g]
-                    ok = np.isfinite(rng)
-                    if ok:
-                        out_s[g] = one
-                        if rng > 0:
-                            out_s[g] = levels / rng
-                            if np.isinf(out_s[g]):
-                                out_s[g] = fmax_c
-                        out_s[g] = _floor_to_grid(np.float64(out_s[g]), mant_bits, min_exp, fmax)
-                        # the division rounds to nearest: step down once if r * s > levels
-                        # (product rounded in the dtype of x, as in the codes loop)
-                        out_m[g] = rng * out_s[g]
-                        if out_m[g] > levels:
-                            out_s[g] = _prev_on_grid(np.float64(out_s[g]), mant_bits, min_exp, fmax)
-                        out_m[g] = m
-                        ok = out_s[g] > 0
-            if not ok:
+                affine_stats(lo, hi, mant_bits, min_exp, fmax, consts, out_m, out_s, g)
+            else:
                 out_m[g] = np.nan
                 out_s[g] = np.nan
         # 2. codes of the chunk into a scratch buffer (branch-free loops that vectorise),
@@ -175,3 +199,229 @@ def dequantize_kernel(packed, m_arr, s_arr, bits, group_size, chunk_groups, out)
             ys = out[a:b]
             for i in range(b - a):
                 ys[i] = m + np.float32(cs[i]) / s
+
+
+# --- the compressors of fewbit.quant.compressors (docs/compression.md §3-4) --------------
+
+#: Elements per parallel chunk of the affine kernels (a multiple of 8: whole bytes of codes).
+AFFINE_CHUNK = 16384
+
+
+@njit(parallel=True, error_model="numpy", cache=True)
+def affine_codes_kernel(x, m_arr, s_arr, rowlen, per_col, seed, stochastic, bits, consts, out_packed):
+    """Codes of :func:`fewbit.quant._reference.affine_codes_reference` into ``out_packed``.
+
+    ``x`` flat (float32 or float64), viewed as rows of ``rowlen``; stats ``m_arr``/``s_arr``
+    (dtype of x) per row, or per column if ``per_col``. ``consts`` (dtype of x) = [2**bits
+    - 1, 0.5, 0, offset]. Chunks of :data:`AFFINE_CHUNK` elements, each cut into pieces of
+    one row (constant stats per row, stats read along the row per column: both vectorise).
+    """
+    n = x.shape[0]
+    n_chunks = (n + AFFINE_CHUNK - 1) // AFFINE_CHUNK
+    s0 = np.uint64(seed) & _MASK32
+    s1 = (np.uint64(seed) >> np.uint64(32)) & _MASK32
+    levels = consts[0]
+    half = consts[1]
+    zero = consts[2]
+    off = consts[3]
+    for c in prange(n_chunks):
+        e0 = c * AFFINE_CHUNK
+        e1 = min(e0 + AFFINE_CHUNK, n)
+        sc = np.empty(e1 - e0, np.uint8)
+        e = e0
+        while e < e1:
+            r = e // rowlen
+            c0 = e - r * rowlen
+            k = min(e1, e + rowlen - c0) - e
+            xs = x[e:e + k]
+            cs = sc[e - e0:e - e0 + k]
+            if per_col:
+                ms = m_arr[c0:c0 + k]
+                ss = s_arr[c0:c0 + k]
+                for i in range(k):
+                    u = _uniform(e + i, s0, s1) if stochastic else half
+                    qf = np.floor((xs[i] - ms[i]) * ss[i] + u) + off
+                    qf = qf if qf == qf else zero
+                    cs[i] = np.uint8(min(max(qf, zero), levels))
+            else:
+                mm = m_arr[r]
+                sv = s_arr[r]
+                for i in range(k):
+                    u = _uniform(e + i, s0, s1) if stochastic else half
+                    qf = np.floor((xs[i] - mm) * sv + u) + off
+                    qf = qf if qf == qf else zero
+                    cs[i] = np.uint8(min(max(qf, zero), levels))
+            e += k
+        o0 = e0 * bits // 8
+        pack_codes(sc, out_packed[o0:o0 + ((e1 - e0) * bits + 7) // 8], bits)
+
+
+@njit(parallel=True, error_model="numpy", cache=True)
+def affine_decode_kernel(packed, m_arr, s_arr, rowlen, per_col, bits, consts, out):
+    """``out = m + (q - offset) / s`` (:func:`fewbit.quant._reference.affine_decode_reference`),
+    stats as in :func:`affine_codes_kernel`; ``consts`` (dtype of out) = [offset]."""
+    n = out.shape[0]
+    n_chunks = (n + AFFINE_CHUNK - 1) // AFFINE_CHUNK
+    off = consts[0]
+    for c in prange(n_chunks):
+        e0 = c * AFFINE_CHUNK
+        e1 = min(e0 + AFFINE_CHUNK, n)
+        sc = np.empty(e1 - e0, np.uint8)
+        unpack_codes(packed[e0 * bits // 8:], sc, bits)
+        e = e0
+        while e < e1:
+            r = e // rowlen
+            c0 = e - r * rowlen
+            k = min(e1, e + rowlen - c0) - e
+            ys = out[e:e + k]
+            cs = sc[e - e0:e - e0 + k]
+            if per_col:
+                ms = m_arr[c0:c0 + k]
+                ss = s_arr[c0:c0 + k]
+                for i in range(k):
+                    ys[i] = ms[i] + (cs[i] - off) / ss[i]
+            else:
+                mm = m_arr[r]
+                sv = s_arr[r]
+                for i in range(k):
+                    ys[i] = mm + (cs[i] - off) / sv
+            e += k
+
+
+@njit(parallel=True, error_model="numpy", cache=True)
+def block_mean_kernel(x, bh, bw, out):
+    """DIVISION's block means (:func:`fewbit.quant._reference.block_mean_reference`, the same
+    order of additions): ``x`` ``(A, H, W, I)`` flat rows, ``out`` ``(A, ceil(H / bh),
+    ceil(W / bw), I)``, both float32 or both float64. Per row-block, the column sums
+    accumulate row by row (a vectorised loop along the row), then each block adds its
+    columns. The division by the count is done in float64 and rounded once to float32:
+    the correctly rounded float32 quotient (53 >= 2 * 24 + 2 bits)."""
+    A, H, W, I = x.shape
+    Hb = out.shape[1]
+    Wb = out.shape[2]
+    WI = W * I
+    xf = x.reshape(A * H * WI)
+    for t in prange(A * Hb):
+        a = t // Hb
+        hb = t - a * Hb
+        col = np.zeros(WI, x.dtype)
+        h0 = hb * bh
+        h1 = min(h0 + bh, H)
+        for h in range(h0, h1):
+            row = xf[(a * H + h) * WI:(a * H + h + 1) * WI]
+            for k in range(WI):
+                col[k] += row[k]
+        acc = out[a, hb]
+        acc[:, :] = 0
+        for wb in range(Wb):
+            w0 = wb * bw
+            w1 = min(w0 + bw, W)
+            for w in range(w0, w1):
+                for i in range(I):
+                    acc[wb, i] += col[w * I + i]
+            cnt = (h1 - h0) * (w1 - w0)
+            for i in range(I):
+                acc[wb, i] = acc[wb, i] / cnt
+
+
+@njit(inline="always", cache=True)
+def _upsample_row(lfc_row, bw, W, I, buf):
+    """``buf[w * I + i] = lfc_row[w // bw, i]``: one row of the upsampled block means."""
+    for w in range(W):
+        src = lfc_row[w // bw]
+        for i in range(I):
+            buf[w * I + i] = src[i]
+
+
+# DIVISION's residual, fused (fewbit.quant._reference.division_encode_reference /
+# division_decode_reference, bit for bit): ``xf`` is the flat input (compute dtype) of the view
+# ``(A, H, W, I)``, ``lfc`` ``(A, Hb, Wb, I)`` the stored block means in the compute dtype;
+# one task per row-block ``(a, hb)`` upsamples its means into a row buffer once, then walks
+# its rows: the residual ``x - up`` is never materialised.
+
+
+@njit(parallel=True, error_model="numpy", cache=True)
+def division_minmax_kernel(xf, lfc, H, W, I, bh, bw, out_lo, out_hi, out_ok):
+    """Per row-block: min, max and finiteness of the residual ``x - Upsample(lfc)``."""
+    Hb = lfc.shape[1]
+    WI = W * I
+    for t in prange(out_lo.shape[0]):
+        a = t // Hb
+        hb = t - a * Hb
+        buf = np.empty(WI, xf.dtype)
+        _upsample_row(lfc[a, hb], bw, W, I, buf)
+        h0 = hb * bh
+        lo = xf[(a * H + h0) * WI] - buf[0]
+        hi = lo
+        nan = False
+        for h in range(h0, min(h0 + bh, H)):
+            xs = xf[(a * H + h) * WI:(a * H + h + 1) * WI]
+            for k in range(WI):
+                v = xs[k] - buf[k]
+                lo = v if v < lo else lo
+                hi = v if v > hi else hi
+                nan |= v != v
+        out_lo[t] = lo
+        out_hi[t] = hi
+        out_ok[t] = not nan and (lo - lo) == 0 and (hi - hi) == 0
+
+
+@njit(parallel=True, error_model="numpy", cache=True)
+def division_codes_kernel(xf, lfc, H, W, I, bh, bw, seed, bits, consts, codes, out_packed):
+    """Codes ``floor((x - up - m) * s + u)`` (clamped; 0 for NaN stats) into the scratch
+    ``codes`` (uint8, one per element), then packed. ``consts`` (compute dtype) = [2**bits - 1,
+    0, m, s]."""
+    Hb = lfc.shape[1]
+    WI = W * I
+    n = xf.shape[0]
+    s0 = np.uint64(seed) & _MASK32
+    s1 = (np.uint64(seed) >> np.uint64(32)) & _MASK32
+    levels = consts[0]
+    zero = consts[1]
+    m = consts[2]
+    s = consts[3]
+    for t in prange(lfc.shape[0] * Hb):
+        a = t // Hb
+        hb = t - a * Hb
+        buf = np.empty(WI, xf.dtype)
+        _upsample_row(lfc[a, hb], bw, W, I, buf)
+        h0 = hb * bh
+        for h in range(h0, min(h0 + bh, H)):
+            e0 = (a * H + h) * WI
+            xs = xf[e0:e0 + WI]
+            cs = codes[e0:e0 + WI]
+            for k in range(WI):
+                qf = np.floor(((xs[k] - buf[k]) - m) * s + _uniform(e0 + k, s0, s1))
+                qf = qf if qf == qf else zero
+                cs[k] = np.uint8(min(max(qf, zero), levels))
+    for c in prange((n + AFFINE_CHUNK - 1) // AFFINE_CHUNK):
+        e0 = c * AFFINE_CHUNK
+        e1 = min(e0 + AFFINE_CHUNK, n)
+        o0 = e0 * bits // 8
+        pack_codes(codes[e0:e1], out_packed[o0:o0 + ((e1 - e0) * bits + 7) // 8], bits)
+
+
+@njit(parallel=True, error_model="numpy", cache=True)
+def division_decode_kernel(packed, lfc, H, W, I, bh, bw, bits, consts, codes, out):
+    """``out = up + (m + q / s)`` (flat, compute dtype); ``codes`` a uint8 scratch of one
+    per element; ``consts`` = [m, s]."""
+    Hb = lfc.shape[1]
+    WI = W * I
+    n = out.shape[0]
+    m = consts[0]
+    s = consts[1]
+    for c in prange((n + AFFINE_CHUNK - 1) // AFFINE_CHUNK):
+        e0 = c * AFFINE_CHUNK
+        unpack_codes(packed[e0 * bits // 8:], codes[e0:min(e0 + AFFINE_CHUNK, n)], bits)
+    for t in prange(lfc.shape[0] * Hb):
+        a = t // Hb
+        hb = t - a * Hb
+        buf = np.empty(WI, out.dtype)
+        _upsample_row(lfc[a, hb], bw, W, I, buf)
+        h0 = hb * bh
+        for h in range(h0, min(h0 + bh, H)):
+            e0 = (a * H + h) * WI
+            ys = out[e0:e0 + WI]
+            cs = codes[e0:e0 + WI]
+            for k in range(WI):
+                ys[k] = buf[k] + (m + np.float32(cs[k]) / s)

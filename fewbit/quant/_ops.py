@@ -25,7 +25,8 @@ from fewbit._checks import FLOAT_DTYPES, packed_nbytes
 from fewbit.ops._ops import trace_into_triton
 from fewbit.quant import _reference as ref
 
-__all__ = ["group_quantize", "group_dequantize"]
+__all__ = ["group_quantize", "group_dequantize", "affine_codes", "affine_decode", "block_mean", "division_encode",
+           "division_decode"]
 
 def _check_args(bits: int, group_size: int, dtype: torch.dtype) -> None:
     # as fewbit.ops._ops: a failed check raises through torch._check_value / torch._check_type
@@ -113,3 +114,214 @@ def _group_dequantize_cuda(packed, mins, scales, bits, group_size, numel, dtype)
 
 trace_into_triton(group_quantize, _group_quantize_cuda)
 trace_into_triton(group_dequantize, _group_dequantize_cuda)
+
+
+# --- the compressors of fewbit.quant.compressors (docs/compression.md §3-4) ---------------
+# ``fewbit::affine_codes(x, mins, scales, bits, rowlen, per_col, offset, seed, stochastic)
+# -> packed``: codes from given stats, one pair per row of ``rowlen`` elements or per column
+# (:func:`fewbit.quant._reference.affine_codes_reference`); ``fewbit::affine_decode`` its
+# inverse; ``fewbit::block_mean(x, bh, bw)``: DIVISION's block means of ``x`` (A, H, W, I).
+# Same backends as above.
+
+
+def _check_affine(bits: int, rowlen: int, dtype: torch.dtype) -> None:
+    if not 1 <= bits <= 8:
+        torch._check_value(False, lambda: f"bits must be in 1..8, got {bits}")
+    if rowlen < 1:
+        torch._check_value(False, lambda: f"rowlen must be >= 1, got {rowlen}")
+    if dtype not in FLOAT_DTYPES:
+        torch._check_type(False, lambda: f"dtype must be a floating-point dtype, got {dtype}")
+
+
+def _triton_ok(dtype: torch.dtype, numel: int) -> bool:
+    return dtype != torch.float64 and numel > 0
+
+
+@torch.library.custom_op("fewbit::affine_codes", mutates_args=())
+def affine_codes(
+    x: torch.Tensor, mins: torch.Tensor, scales: torch.Tensor, bits: int, rowlen: int, per_col: bool,
+    offset: int, seed: int, stochastic: bool,
+) -> torch.Tensor:
+    """Default kernel: the pure-torch reference."""
+    _check_affine(bits, rowlen, x.dtype)
+    return ref.affine_codes_reference(x, mins, scales, bits, rowlen, per_col, offset, seed if stochastic else None)
+
+
+@affine_codes.register_fake
+def _(x, mins, scales, bits, rowlen, per_col, offset, seed, stochastic):
+    _check_affine(bits, rowlen, x.dtype)
+    return x.new_empty((packed_nbytes(x.numel(), bits),), dtype=torch.uint8)
+
+
+@affine_codes.register_kernel("cpu")
+def _(x, mins, scales, bits, rowlen, per_col, offset, seed, stochastic):
+    _check_affine(bits, rowlen, x.dtype)
+    from fewbit.quant import _cpu
+
+    return _cpu.affine_codes_cpu(x, mins, scales, bits, rowlen, per_col, offset, seed, stochastic)
+
+
+@affine_codes.register_kernel("cuda")
+def _affine_codes_cuda(x, mins, scales, bits, rowlen, per_col, offset, seed, stochastic):
+    _check_affine(bits, rowlen, x.dtype)
+    if not _triton_ok(x.dtype, x.numel()):
+        return ref.affine_codes_reference(x, mins, scales, bits, rowlen, per_col, offset,
+                                          seed if stochastic else None)
+    from fewbit.quant import _triton  # noqa: F401  (registers fewbit::*_triton)
+
+    return torch.ops.fewbit.affine_codes_triton(x, mins, scales, bits, rowlen, per_col, offset, seed, stochastic)
+
+
+@torch.library.custom_op("fewbit::affine_decode", mutates_args=())
+def affine_decode(
+    packed: torch.Tensor, mins: torch.Tensor, scales: torch.Tensor, bits: int, rowlen: int, per_col: bool,
+    offset: int, numel: int, dtype: torch.dtype,
+) -> torch.Tensor:
+    """Default kernel: the pure-torch reference."""
+    _check_affine(bits, rowlen, dtype)
+    return ref.affine_decode_reference(packed, mins, scales, bits, rowlen, per_col, offset, numel, dtype)
+
+
+@affine_decode.register_fake
+def _(packed, mins, scales, bits, rowlen, per_col, offset, numel, dtype):
+    _check_affine(bits, rowlen, dtype)
+    return packed.new_empty((numel,), dtype=dtype)
+
+
+@affine_decode.register_kernel("cpu")
+def _(packed, mins, scales, bits, rowlen, per_col, offset, numel, dtype):
+    _check_affine(bits, rowlen, dtype)
+    from fewbit.quant import _cpu
+
+    return _cpu.affine_decode_cpu(packed, mins, scales, bits, rowlen, per_col, offset, numel, dtype)
+
+
+@affine_decode.register_kernel("cuda")
+def _affine_decode_cuda(packed, mins, scales, bits, rowlen, per_col, offset, numel, dtype):
+    _check_affine(bits, rowlen, dtype)
+    if not _triton_ok(dtype, numel):
+        return ref.affine_decode_reference(packed, mins, scales, bits, rowlen, per_col, offset, numel, dtype)
+    from fewbit.quant import _triton  # noqa: F401
+
+    return torch.ops.fewbit.affine_decode_triton(packed, mins, scales, bits, rowlen, per_col, offset, numel, dtype)
+
+
+def _check_block(x: torch.Tensor, bh: int, bw: int) -> None:
+    if x.dim() != 4:
+        torch._check_value(False, lambda: f"x must be 4-D (A, H, W, I), got shape {tuple(x.shape)}")
+    if bh < 1 or bw < 1:
+        torch._check_value(False, lambda: f"block sizes must be >= 1, got ({bh}, {bw})")
+    if x.dtype not in FLOAT_DTYPES:
+        torch._check_type(False, lambda: f"x must be floating-point, got {x.dtype}")
+
+
+@torch.library.custom_op("fewbit::block_mean", mutates_args=())
+def block_mean(x: torch.Tensor, bh: int, bw: int) -> torch.Tensor:
+    """Default kernel: the pure-torch reference."""
+    _check_block(x, bh, bw)
+    return ref.block_mean_reference(x, bh, bw)
+
+
+@block_mean.register_fake
+def _(x, bh, bw):
+    _check_block(x, bh, bw)
+    a, h, w, i = x.shape
+    return x.new_empty((a, (h + bh - 1) // bh, (w + bw - 1) // bw, i), dtype=ref.compute_dtype(x.dtype))
+
+
+@block_mean.register_kernel("cpu")
+def _(x, bh, bw):
+    _check_block(x, bh, bw)
+    from fewbit.quant import _cpu
+
+    return _cpu.block_mean_cpu(x, bh, bw)
+
+
+@block_mean.register_kernel("cuda")
+def _block_mean_cuda(x, bh, bw):
+    _check_block(x, bh, bw)
+    if not _triton_ok(x.dtype, x.numel()):
+        return ref.block_mean_reference(x, bh, bw)
+    from fewbit.quant import _triton  # noqa: F401
+
+    return torch.ops.fewbit.block_mean_triton(x, bh, bw)
+
+
+trace_into_triton(affine_codes, _affine_codes_cuda)
+trace_into_triton(affine_decode, _affine_decode_cuda)
+trace_into_triton(block_mean, _block_mean_cuda)
+
+
+# ``fewbit::division_encode(x, lfc, bh, bw, bits, seed) -> (packed, mins, scales)`` and
+# ``fewbit::division_decode(packed, lfc, mins, scales, bh, bw, bits, h, w, dtype) -> x_hat``:
+# DIVISION's residual (:func:`fewbit.quant._reference.division_encode_reference`); on CPU
+# fused in numba, on CUDA the reference's steps with the Triton codes kernels.
+
+
+@torch.library.custom_op("fewbit::division_encode", mutates_args=())
+def division_encode(
+    x: torch.Tensor, lfc: torch.Tensor, bh: int, bw: int, bits: int, seed: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Default kernel: the pure-torch reference."""
+    _check_block(x, bh, bw)
+    _check_affine(bits, 1, x.dtype)
+    return ref.division_encode_reference(x, lfc, bh, bw, bits, seed)
+
+
+@division_encode.register_fake
+def _(x, lfc, bh, bw, bits, seed):
+    _check_block(x, bh, bw)
+    _check_affine(bits, 1, x.dtype)
+    return (x.new_empty((packed_nbytes(x.numel(), bits),), dtype=torch.uint8),
+            x.new_empty((1,), dtype=torch.float32), x.new_empty((1,), dtype=torch.float32))
+
+
+@division_encode.register_kernel("cpu")
+def _(x, lfc, bh, bw, bits, seed):
+    _check_block(x, bh, bw)
+    _check_affine(bits, 1, x.dtype)
+    from fewbit.quant import _cpu
+
+    return _cpu.division_encode_cpu(x, lfc, bh, bw, bits, seed)
+
+
+@division_encode.register_kernel("cuda")
+def _division_encode_cuda(x, lfc, bh, bw, bits, seed):
+    _check_block(x, bh, bw)
+    _check_affine(bits, 1, x.dtype)
+
+    def codes(h, m, s, bits, rowlen, per_col, offset, seed):
+        return affine_codes(h, m, s, bits, rowlen, per_col, offset, seed, True)
+
+    return ref.division_encode_reference(x, lfc, bh, bw, bits, seed, affine_codes=codes)
+
+
+@torch.library.custom_op("fewbit::division_decode", mutates_args=())
+def division_decode(
+    packed: torch.Tensor, lfc: torch.Tensor, mins: torch.Tensor, scales: torch.Tensor, bh: int, bw: int,
+    bits: int, h: int, w: int, dtype: torch.dtype,
+) -> torch.Tensor:
+    """Default kernel: the pure-torch reference."""
+    _check_affine(bits, 1, dtype)
+    return ref.division_decode_reference(packed, lfc, mins, scales, bh, bw, bits, h, w, dtype)
+
+
+@division_decode.register_fake
+def _(packed, lfc, mins, scales, bh, bw, bits, h, w, dtype):
+    _check_affine(bits, 1, dtype)
+    return lfc.new_empty((lfc.shape[0], h, w, lfc.shape[3]), dtype=dtype)
+
+
+@division_decode.register_kernel("cpu")
+def _(packed, lfc, mins, scales, bh, bw, bits, h, w, dtype):
+    _check_affine(bits, 1, dtype)
+    from fewbit.quant import _cpu
+
+    return _cpu.division_decode_cpu(packed, lfc, mins, scales, bh, bw, bits, h, w, dtype)
+
+
+@division_decode.register_kernel("cuda")
+def _division_decode_cuda(packed, lfc, mins, scales, bh, bw, bits, h, w, dtype):
+    _check_affine(bits, 1, dtype)
+    return ref.division_decode_reference(packed, lfc, mins, scales, bh, bw, bits, h, w, dtype,
+                                         affine_decode=affine_decode)

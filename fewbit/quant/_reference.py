@@ -52,6 +52,12 @@ __all__ = [
     "group_quantize_reference",
     "dequantize_reference",
     "compute_dtype",
+    "affine_codes_reference",
+    "affine_decode_reference",
+    "block_mean_reference",
+    "upsample_blocks",
+    "division_encode_reference",
+    "division_decode_reference",
 ]
 
 #: Bits per element the group quantizer supports (whole codes per byte: 8, 4, 2 or 1).
@@ -232,3 +238,120 @@ def dequantize_reference(
     m = mins.to(cdt)[gidx]
     s = scales.to(cdt)[gidx]
     return (m + q / s).to(dtype)
+
+
+# ---------------------------------------------------------------------------------------
+# The compressors of fewbit.quant.compressors (docs/compression.md §3-4): their pure-torch
+# definitions. Two shared pieces: stochastic codes from given stats (one per row or one per
+# column of a flat tensor viewed as rows), and DIVISION's block means in a fixed order.
+# ---------------------------------------------------------------------------------------
+
+
+def stats_index(numel: int, rowlen: int, per_col: bool, device=None) -> torch.Tensor:
+    """Index of the stats of every flat element ``e``: ``e % rowlen`` (one pair per column of
+    the ``(numel // rowlen, rowlen)`` view) if ``per_col``, else ``e // rowlen`` (per row)."""
+    e = torch.arange(numel, device=device)
+    return e % rowlen if per_col else e // rowlen
+
+
+def affine_codes_reference(
+    x: torch.Tensor, mins: torch.Tensor, scales: torch.Tensor, bits: int, rowlen: int,
+    per_col: bool, offset: int, seed: int | None,
+) -> torch.Tensor:
+    """Packed codes ``q = clamp(floor((x - m) * s + u) + offset, 0, 2**bits - 1)`` of a flat
+    ``x`` with the stats ``(m, s)`` of :func:`stats_index` (float32, or float64 for float64
+    ``x``); a NaN stat gives code 0. ``offset`` shifts signed codes (symmetric quantizers)
+    into ``[0, 2**bits)``. Returns ``(ceil(numel * bits / 8),)`` uint8 (docs/method.md §6)."""
+    cdt = compute_dtype(x.dtype)
+    n = x.numel()
+    g = stats_index(n, rowlen, per_col, x.device)
+    m, s = mins.to(cdt)[g], scales.to(cdt)[g]
+    u = (torch.full((n,), 0.5, dtype=cdt, device=x.device) if seed is None
+         else uniform_noise(n, seed, device=x.device).to(cdt))
+    v = torch.floor((x.reshape(-1).to(cdt) - m) * s + u) + offset
+    v = torch.where(torch.isnan(v), torch.zeros_like(v), v)
+    return pack_reference(v.clamp(0, (1 << bits) - 1).to(torch.int64), bits)
+
+
+def affine_decode_reference(
+    packed: torch.Tensor, mins: torch.Tensor, scales: torch.Tensor, bits: int, rowlen: int,
+    per_col: bool, offset: int, numel: int, dtype: torch.dtype,
+) -> torch.Tensor:
+    """Inverse of :func:`affine_codes_reference`: ``m + (q - offset) / s``, ``(numel,)`` in ``dtype``."""
+    cdt = compute_dtype(dtype)
+    q = unpack_reference(packed, bits, numel).to(cdt)
+    g = stats_index(numel, rowlen, per_col, packed.device)
+    return (mins.to(cdt)[g] + (q - offset) / scales.to(cdt)[g]).to(dtype)
+
+
+def block_mean_reference(x: torch.Tensor, bh: int, bw: int) -> torch.Tensor:
+    """DIVISION's low-frequency part: means of ``bh x bw`` blocks over dims 1 and 2 of
+    ``x`` ``(A, H, W, I)``, ``(A, ceil(H / bh), ceil(W / bw), I)`` in the compute dtype.
+
+    The definition every backend follows bit for bit (one rounding per addition, sums
+    starting at +0): per column ``w`` of a block, its rows summed in increasing order (the
+    column sums of a row-block vectorise along the row); then the block's column sums
+    added in increasing ``w``; the mean is ``sum / count``, ``count`` the number of elements
+    present (a last block cut by the border is averaged over what is there: "ceil"
+    pooling, DIVISION's padding left out).
+    """
+    cdt = compute_dtype(x.dtype)
+    a, h, w, i = x.shape
+    hb, wb = -(-h // bh), -(-w // bw)
+    xp = torch.zeros(a, hb * bh, wb * bw, i, dtype=cdt, device=x.device)
+    xp[:, :h, :w] = x.to(cdt)  # padding zeros: s + 0 == s (s is never -0: sums start at +0)
+    xr = xp.view(a, hb, bh, wb, bw, i)
+    col = torch.zeros(a, hb, wb, bw, i, dtype=cdt, device=x.device)
+    for r in range(bh):
+        col = col + xr[:, :, r]
+    acc = torch.zeros(a, hb, wb, i, dtype=cdt, device=x.device)
+    for c in range(bw):
+        acc = acc + col[:, :, :, c]
+    rows = (h - torch.arange(hb, device=x.device) * bh).clamp(max=bh)
+    cols = (w - torch.arange(wb, device=x.device) * bw).clamp(max=bw)
+    count = (rows[:, None] * cols[None, :]).to(cdt)
+    return acc / count[None, :, :, None]
+
+
+def upsample_blocks(lfc: torch.Tensor, bh: int, bw: int, h: int, w: int) -> torch.Tensor:
+    """``lfc`` ``(A, Hb, Wb, I)`` repeated over its ``bh x bw`` blocks, cut to ``(A, h, w, I)``
+    (nearest upsampling)."""
+    up = lfc.repeat_interleave(bh, dim=1).repeat_interleave(bw, dim=2)
+    return up[:, :h, :w]
+
+
+def division_encode_reference(x, lfc, bh, bw, bits, seed, affine_codes=affine_codes_reference):
+    """DIVISION's residual ``HFC = x - Upsample(lfc)`` quantized per tensor (docs/compression.md §3).
+
+    Args:
+        x: ``(A, H, W, I)`` input (its view, :func:`fewbit.quant.compressors.division_view`).
+        lfc: ``(A, ceil(H / bh), ceil(W / bw), I)`` the *stored* block means (read in the
+            compute dtype: the residual is taken from what decompression will add back).
+        bits: bits per element of the codes.
+        seed: 64-bit noise seed (stochastic rounding).
+        affine_codes: the codes kernel (this reference's, or a backend's with its signature).
+
+    Returns:
+        ``(packed, mins, scales)``: the codes (docs/method.md §6 stream) and the ``(1,)``
+        float32 ``m``, ``s`` of the residual (the group quantizer's rule for its min and
+        max, docs/method.md §7; NaN if the residual has a NaN or an infinity).
+    """
+    cdt = compute_dtype(x.dtype)
+    a, h, w, i = x.shape
+    hfc = (x.to(cdt) - upsample_blocks(lfc.to(cdt), bh, bw, h, w)).reshape(-1)
+    if hfc.numel() == 0:
+        zero = torch.zeros(1, device=x.device)
+        return torch.empty(0, dtype=torch.uint8, device=x.device), zero, zero.clone()
+    mins, scales, _ = group_stats_reference(torch.stack(torch.aminmax(hfc)), bits, 2, torch.float32)
+    return affine_codes(hfc, mins, scales, bits, hfc.numel(), False, 0, seed), mins, scales
+
+
+def division_decode_reference(packed, lfc, mins, scales, bh, bw, bits, h, w, dtype,
+                              affine_decode=affine_decode_reference):
+    """``x_hat = Upsample(lfc) + (m + q / s)``: ``(A, h, w, I)`` in ``dtype`` (inverse of
+    :func:`division_encode_reference`; ``affine_decode`` as its ``affine_codes``)."""
+    cdt = compute_dtype(dtype)
+    up = upsample_blocks(lfc.to(cdt), bh, bw, h, w)
+    n = up.numel()
+    hfc = affine_decode(packed, mins, scales, bits, max(n, 1), False, 0, n, cdt)
+    return (up + hfc.view(up.shape)).to(dtype)

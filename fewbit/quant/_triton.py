@@ -229,3 +229,129 @@ def _group_dequantize_op(
     numel: int, dtype: torch.dtype,
 ) -> torch.Tensor:
     return dequantize(packed, mins, scales, bits, group_size, numel, dtype)
+
+
+# --- the compressors of fewbit.quant.compressors (docs/compression.md §3-4) --------------
+# Codes from given stats (one pair per row or per column) and DIVISION's block means, as
+# fewbit.quant._reference.affine_codes_reference / affine_decode_reference /
+# block_mean_reference (same rounding: div_rn, no FMA contraction).
+
+
+@triton.jit(do_not_specialize=["seed0", "seed1"])
+def _affine_codes_kernel(x_ptr, m_ptr, s_ptr, out_ptr, n, rowlen, seed0, seed1, levels, offset,
+                         PER_COL: tl.constexpr, STOCHASTIC: tl.constexpr, BITS: tl.constexpr,
+                         BLOCK_W: tl.constexpr):
+    w, e = _groups(BLOCK_W)
+    msk = e < n
+    if PER_COL:
+        g = e % rowlen
+    else:
+        g = e // rowlen
+    m = tl.load(m_ptr + g, mask=msk, other=0.0)
+    s = tl.load(s_ptr + g, mask=msk, other=1.0)
+    x = tl.load(x_ptr + e, mask=msk, other=0.0).to(tl.float32)
+    if STOCHASTIC:
+        u = _uniform(e, seed0.to(tl.uint32), seed1.to(tl.uint32))
+    else:
+        u = tl.full([BLOCK_W, 8], 0.5, tl.float32)
+    qf = tl.floor((x - m) * s + u) + offset
+    qf = tl.where(qf == qf, qf, 0.0)  # a NaN stat: code 0
+    qf = tl.minimum(tl.maximum(qf, 0.0), levels)
+    qf = tl.where(msk, qf, 0.0)  # codes past n are 0
+    _pack_store(qf.to(tl.int32), w, out_ptr, n, BITS)
+
+
+@triton.jit
+def _affine_decode_kernel(p_ptr, m_ptr, s_ptr, out_ptr, n, rowlen, offset,
+                          PER_COL: tl.constexpr, BITS: tl.constexpr, BLOCK_W: tl.constexpr):
+    w, e = _groups(BLOCK_W)
+    q = _load_unpack(p_ptr, w, n, BITS)
+    msk = e < n
+    if PER_COL:
+        g = e % rowlen
+    else:
+        g = e // rowlen
+    m = tl.load(m_ptr + g, mask=msk, other=0.0)
+    s = tl.load(s_ptr + g, mask=msk, other=1.0)
+    y = m + tl.math.div_rn(q.to(tl.float32) - offset, s)
+    tl.store(out_ptr + e, y, mask=msk)  # float32; the caller casts (torch rounds to nearest)
+
+
+@triton.jit
+def _block_mean_kernel(x_ptr, out_ptr, n_out, H, W, I, Hb, Wb,
+                       BH: tl.constexpr, BW: tl.constexpr, BLOCK: tl.constexpr):
+    o = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    msk = o < n_out
+    i = o % I
+    wb = (o // I) % Wb
+    hb = (o // (I * Wb)) % Hb
+    a = o // (I * Wb * Hb)
+    acc = tl.zeros([BLOCK], tl.float32)
+    for c in range(BW):  # each column's rows summed in order, then the columns in order
+        w_ = wb * BW + c
+        col = tl.zeros([BLOCK], tl.float32)
+        for r in range(BH):
+            h = hb * BH + r
+            ok = msk & (h < H) & (w_ < W)
+            col += tl.load(x_ptr + ((a * H + h) * W + w_) * I + i, mask=ok, other=0.0).to(tl.float32)
+        acc += col
+    cnt = (tl.minimum(H - hb * BH, BH) * tl.minimum(W - wb * BW, BW)).to(tl.float32)
+    tl.store(out_ptr + o, tl.math.div_rn(acc, cnt), mask=msk)
+
+
+def affine_codes(x, mins, scales, bits, rowlen, per_col, offset, seed, stochastic, *, block_w=256):
+    """Launch :func:`_affine_codes_kernel` on a flat contiguous ``x`` (float16/bfloat16/float32)."""
+    n = x.numel()
+    packed = torch.empty(packed_nbytes(n, bits), dtype=torch.uint8, device=x.device)
+    if n:
+        wrap_triton(_affine_codes_kernel)[(triton.cdiv(-(-n // 8), block_w),)](
+            x, mins.to(torch.float32).contiguous(), scales.to(torch.float32).contiguous(), packed, n, rowlen,
+            _as_int32(seed), _as_int32(seed >> 32), float((1 << bits) - 1), float(offset),
+            PER_COL=bool(per_col), STOCHASTIC=bool(stochastic), BITS=bits, BLOCK_W=block_w,
+            enable_fp_fusion=False,
+        )
+    return packed
+
+
+def affine_decode(packed, mins, scales, bits, rowlen, per_col, offset, numel, dtype, *, block_w=256):
+    """Launch :func:`_affine_decode_kernel`: ``(numel,)`` of ``dtype`` (float16/bfloat16/float32)."""
+    out = torch.empty(numel, dtype=torch.float32, device=packed.device)
+    if numel:
+        wrap_triton(_affine_decode_kernel)[(triton.cdiv(-(-numel // 8), block_w),)](
+            packed, mins.to(torch.float32).contiguous(), scales.to(torch.float32).contiguous(), out, numel,
+            rowlen, float(offset), PER_COL=bool(per_col), BITS=bits, BLOCK_W=block_w, enable_fp_fusion=False,
+        )
+    return out.to(dtype)
+
+
+def block_mean(x, bh, bw, *, block=1024):
+    """Launch :func:`_block_mean_kernel` on ``x`` ``(A, H, W, I)``: float32 means."""
+    a, h, w, i = x.shape
+    out = torch.empty((a, -(-h // bh), -(-w // bw), i), dtype=torch.float32, device=x.device)
+    if out.numel() and x.numel():
+        wrap_triton(_block_mean_kernel)[(triton.cdiv(out.numel(), block),)](
+            x.contiguous(), out, out.numel(), h, w, i, out.shape[1], out.shape[2],
+            BH=bh, BW=bw, BLOCK=block, enable_fp_fusion=False,
+        )
+    return out
+
+
+@triton_op("fewbit::affine_codes_triton", mutates_args=())
+def _affine_codes_op(
+    x: torch.Tensor, mins: torch.Tensor, scales: torch.Tensor, bits: int, rowlen: int, per_col: bool,
+    offset: int, seed: int, stochastic: bool,
+) -> torch.Tensor:
+    return affine_codes(x, mins, scales, bits, rowlen, per_col, offset, seed, stochastic)
+
+
+@triton_op("fewbit::affine_decode_triton", mutates_args=())
+def _affine_decode_op(
+    packed: torch.Tensor, mins: torch.Tensor, scales: torch.Tensor, bits: int, rowlen: int, per_col: bool,
+    offset: int, numel: int, dtype: torch.dtype,
+) -> torch.Tensor:
+    return affine_decode(packed, mins, scales, bits, rowlen, per_col, offset, numel, dtype)
+
+
+@triton_op("fewbit::block_mean_triton", mutates_args=())
+def _block_mean_op(x: torch.Tensor, bh: int, bw: int) -> torch.Tensor:
+    return block_mean(x, bh, bw)

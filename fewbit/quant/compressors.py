@@ -14,16 +14,33 @@ and the ``fewbit memory`` command do.
 Compressors:
     ``"group"`` :class:`GroupQuantizer` -- ActNN's group-wise quantizer (docs/method.md §7).
     ``"keep"`` :class:`Keep` -- the tensor as it is (a choice of the per-tensor policies).
+    ``"division"`` :class:`Division` -- DIVISION's exact block means + a Q-bit residual
+    (docs/compression.md §3).
+    ``"outlier"`` :class:`OutlierSeparated` -- Adacc's outlier channels kept exact, the rest
+    row-wise INT4 (docs/compression.md §4).
+    ``"channelwise"`` :class:`ChannelWise` -- symmetric, one scale per channel (q, k, v).
+    ``"softmax"`` :class:`Softmax` -- a fixed grid on [0, 1] for probabilities.
+
+Each new compressor has a pure-torch definition (``compress_reference``, kernels of
+:mod:`fewbit.quant._reference`) that the numba (CPU) and Triton (CUDA) kernels match bit
+for bit for the same generator state.
 """
 
 from __future__ import annotations
 
 import abc
-from typing import ClassVar, Protocol, runtime_checkable
+import math
+from typing import Callable, ClassVar, NamedTuple, Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["Compressed", "Compressor", "GroupQuantizer", "Keep", "COMPRESSORS", "get_compressor"]
+from fewbit._checks import check_bits, check_positive_int
+from fewbit.quant import _reference as _ref
+
+__all__ = [
+    "Compressed", "Compressor", "GroupQuantizer", "Keep", "Division", "OutlierSeparated", "ChannelWise",
+    "Softmax", "COMPRESSORS", "get_compressor",
+]
 
 
 @runtime_checkable
@@ -158,8 +175,445 @@ class Keep(Compressor):
         return float(x.element_size())
 
 
+class _Kernels(NamedTuple):
+    """The kernels a compressor runs: the torch.library ops (numba on CPU, Triton on CUDA)
+    or their pure-torch definitions (:mod:`fewbit.quant._reference`)."""
+
+    block_mean: Callable
+    affine_codes: Callable
+    affine_decode: Callable
+    division_encode: Callable
+    division_decode: Callable
+
+
+def _ops() -> _Kernels:
+    ops = torch.ops.fewbit
+    return _Kernels(ops.block_mean, ops.affine_codes, ops.affine_decode, ops.division_encode, ops.division_decode)
+
+
+_REFERENCE = _Kernels(
+    _ref.block_mean_reference,
+    lambda x, m, s, bits, rowlen, per_col, offset, seed, stochastic: _ref.affine_codes_reference(
+        x, m, s, bits, rowlen, per_col, offset, seed if stochastic else None),
+    _ref.affine_decode_reference,
+    _ref.division_encode_reference,
+    _ref.division_decode_reference,
+)
+
+
+def _seed(generator: torch.Generator | None) -> int:
+    from fewbit.quant import _draw_seed, _validate_generator
+
+    _validate_generator(generator)
+    return _draw_seed(generator)
+
+
+def _range_stats(lo: torch.Tensor, hi: torch.Tensor, bits: int):
+    """Per-tensor float32 ``(m, s)`` (shape ``(1,)``) for values in ``[lo, hi]``: the group
+    quantizer's rule (docs/method.md §7 steps 2-3, ``m`` rounded down, ``s`` stepped down so
+    that ``(x - m) * s <= 2**bits - 1`` as computed); NaN for a non-finite ``lo``/``hi``."""
+    m, s, _ = _ref.group_stats_reference(torch.stack([lo, hi]), bits, 2, torch.float32)
+    return m, s
+
+
+class _Affine:
+    """Codes ``q`` of a flat tensor and its stats: ``x_hat = m + (q - offset) / s``, stats
+    per row of ``rowlen`` or per column (:func:`fewbit.quant._reference.affine_codes_reference`)."""
+
+    __slots__ = ("packed", "mins", "scales", "bits", "rowlen", "per_col", "offset", "numel")
+
+    def __init__(self, packed, mins, scales, bits, rowlen, per_col, offset, numel):
+        self.packed, self.mins, self.scales = packed, mins, scales
+        self.bits, self.rowlen, self.per_col, self.offset, self.numel = bits, rowlen, per_col, offset, numel
+
+    @classmethod
+    def encode(cls, k: _Kernels, x, mins, scales, bits, rowlen, per_col, offset, seed):
+        rowlen = max(rowlen, 1)
+        packed = k.affine_codes(x.reshape(-1), mins, scales, bits, rowlen, per_col, offset, seed, True)
+        return cls(packed, mins, scales, bits, rowlen, per_col, offset, x.numel())
+
+    def decode(self, k: _Kernels, dtype: torch.dtype) -> torch.Tensor:
+        return k.affine_decode(self.packed, self.mins, self.scales, self.bits, self.rowlen, self.per_col,
+                               self.offset, self.numel, dtype)
+
+
+def _nbytes(*tensors: torch.Tensor) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _check_supported(comp: Compressor, x: torch.Tensor, need: str) -> None:
+    from fewbit._checks import check_float_tensor
+
+    check_float_tensor(x, "x")
+    if not comp.supports(x):
+        raise ValueError(f"the {comp.name!r} compressor needs {need}; got a tensor of shape {tuple(x.shape)}")
+
+
+# --------------------------------------------------------------------------------------------
+# DIVISION (Wang et al., "Division: memory efficient training via dual activation precision",
+# ICML 2023, sec. 4, eq. 5-7; docs/compression.md §3)
+# --------------------------------------------------------------------------------------------
+
+
+def division_view(shape: torch.Size, block: int):
+    """``((A, H, W, I), (bh, bw))``: how :class:`Division` views a tensor of ``shape``.
+
+    4-D and more (conv maps ``(N, C, H, W)``, ``(N, C, D, H, W)``): 2-D ``block x block``
+    pooling over the last two dims, ``A`` = the product of the others, ``I = 1``. 2-D and 3-D
+    (token sequences ``(B, T, C)``, ``(T, C)``): 1-D pooling of ``block`` tokens over dim
+    -2, ``W = 1``, ``I`` = the channels (dim -1).
+    """
+    if len(shape) >= 4:
+        return (math.prod(shape[:-2]), shape[-2], shape[-1], 1), (block, block)
+    return (math.prod(shape[:-2]), shape[-2], 1, shape[-1]), (block, 1)
+
+
+class _DivisionCompressed:
+    """:class:`Division`'s handle: the block means (input dtype) and the residual's codes."""
+
+    __slots__ = ("lfc", "hfc", "view", "block", "shape", "dtype", "_k")
+
+    def __init__(self, lfc, hfc, view, block, shape, dtype, kernels):
+        self.lfc, self.hfc, self.view, self.block, self.shape, self.dtype = lfc, hfc, view, block, shape, dtype
+        self._k = kernels
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(self.lfc, self.hfc.packed, self.hfc.mins, self.hfc.scales)
+
+    def decompress(self) -> torch.Tensor:
+        q = self.hfc
+        y = self._k.division_decode(q.packed, self.lfc, q.mins, q.scales, *self.block, q.bits, self.view[1],
+                                    self.view[2], self.dtype)
+        return y.reshape(self.shape)
+
+
+class Division(Compressor):
+    """DIVISION: an exact low-frequency part and a ``bits``-bit high-frequency part.
+
+    ``LFC = AvgPool_B(x)`` (block and stride ``block``) is kept exactly, in the dtype of
+    ``x`` (computed in float32, or float64 for float64; float16/bfloat16 means are rounded
+    to the input dtype and the residual is taken from the rounded means, so the
+    reconstruction stays unbiased). ``HFC = x - Upsample(LFC)`` is quantized per tensor
+    with stochastic rounding: ``q = floor((HFC - m) * s + u)``, ``m = min HFC`` (rounded
+    down to float32), ``s = (2**bits - 1) / (max HFC - m)`` (float32, the rule of
+    docs/method.md §7: ``Δ = 1 / s``), ``u ~ U[0, 1)`` the counter-based noise; backward
+    gets ``x_hat = Upsample(LFC) + m + q / s``, ``E[x_hat] = x`` (DIVISION eq. 5-7).
+
+    Pooling: 4-D and more (conv maps ``(N, C, H, W)``): ``block x block`` over the last two
+    dims; 2-D and 3-D (token sequences ``(B, T, C)``): ``block`` tokens over dim -2 (the
+    token dim of batch-first sequences), channels untouched. A size that ``block`` does not
+    divide ends with a partial block averaged over the elements present (:func:`division_view`,
+    :func:`fewbit.quant._reference.block_mean_reference`).
+
+    Bytes per element (``x`` float32, sizes divisible by ``block``): ``4 / block**2 + bits /
+    8`` (2-D pooling; ``4 / block`` for 1-D) plus 8 bytes per tensor (``m``, ``s``): 0.5625
+    at ``block = 8``, ``bits = 2``, a 12.8x reduction (DIVISION Thm. 2, docs/compression.md §3).
+
+    Non-finite input: a NaN or infinity anywhere makes ``m``/``s`` NaN: the whole tensor
+    decompresses to NaN (never a finite wrong value).
+
+    Args:
+        block: pooling block ``B`` (>= 1; 8 in DIVISION).
+        bits: ``Q``, bits per element of the residual: 1, 2, 4 or 8 (2 in DIVISION).
+
+    Raises:
+        ValueError: ``block < 1`` or ``bits`` not allowed (construction); :meth:`compress`
+            of a tensor with fewer than 2 dims.
+    """
+
+    name = "division"
+
+    def __init__(self, block: int = 8, bits: int = 2) -> None:
+        self.block = check_positive_int(block, "block")
+        self.bits = check_bits(bits, allowed=_ref.SUPPORTED_BITS)
+
+    def supports(self, x: torch.Tensor) -> bool:
+        """Tensors of 2 or more dims (1-D tensors have no spatial or token dim to pool)."""
+        return x.dim() >= 2
+
+    def compress(self, x, *, generator=None) -> _DivisionCompressed:
+        return self._compress(x, generator, _ops())
+
+    def compress_reference(self, x, *, generator=None) -> _DivisionCompressed:
+        """:meth:`compress` with the pure-torch kernels (the definition; same result bit for bit)."""
+        return self._compress(x, generator, _REFERENCE)
+
+    def _compress(self, x, generator, k: _Kernels) -> _DivisionCompressed:
+        _check_supported(self, x, "at least 2 dims")
+        seed = _seed(generator)
+        view, block = division_view(x.shape, self.block)
+        x4 = x.detach().reshape(view)
+        lfc = k.block_mean(x4, *block).to(x.dtype)
+        packed, m, s = k.division_encode(x4, lfc, *block, self.bits, seed)
+        q = _Affine(packed, m, s, self.bits, max(x.numel(), 1), False, 0, x.numel())
+        return _DivisionCompressed(lfc, q, view, block, x.shape, x.dtype, k)
+
+    def bytes_per_element(self, x: torch.Tensor) -> float:
+        n = max(x.numel(), 1)
+        view, (bh, bw) = division_view(x.shape, self.block) if x.dim() >= 2 else ((1, n, 1, 1), (self.block, 1))
+        a, h, w, i = view
+        lfc = a * -(-h // bh) * -(-w // bw) * i * x.element_size()
+        return (lfc + -(-n * self.bits // 8) + 8) / n
+
+
+# --------------------------------------------------------------------------------------------
+# Adacc (Chen et al., "Adaptive Compression and Activation Checkpointing for LLM Memory
+# Management", 2025, sec. 4.1; docs/compression.md §4)
+# --------------------------------------------------------------------------------------------
+
+
+def outlier_channels(x: torch.Tensor, z: float) -> torch.Tensor:
+    """Adacc's outlier channels of ``x`` (channels = dim -1): ``S_i = sum |x[..., i]|``
+    (float32, float64 for float64), ``z_i = (S_i - mean S) / std S`` (``std`` with Bessel's
+    correction), the channels with ``z_i > z`` as sorted int32 indices. No channel is an
+    outlier when ``std S`` is 0 or not finite (``z_i`` NaN)."""
+    cdt = _ref.compute_dtype(x.dtype)
+    S = x.reshape(-1, x.shape[-1]).abs().sum(dim=0, dtype=cdt)
+    zs = (S - S.mean()) / S.std()
+    return torch.nonzero(zs > z).reshape(-1).to(torch.int32)
+
+
+class _OutlierCompressed:
+    """:class:`OutlierSeparated`'s handle: outlier columns exact, the rest group-quantized."""
+
+    __slots__ = ("rest", "exact", "index", "shape", "dtype", "_dequantize")
+
+    def __init__(self, rest, exact, index, shape, dtype, dequantize):
+        self.rest, self.exact, self.index, self.shape, self.dtype = rest, exact, index, shape, dtype
+        self._dequantize = dequantize
+
+    @property
+    def nbytes(self) -> int:
+        return self.rest.nbytes + _nbytes(self.exact, self.index)
+
+    def decompress(self) -> torch.Tensor:
+        y = self._dequantize(self.rest).view(-1, self.shape[-1])
+        if self.index.numel():
+            y[:, self.index.long()] = self.exact
+        return y.reshape(self.shape)
+
+
+class OutlierSeparated(Compressor):
+    """Adacc's outlier-separated compressor (Linear, LayerNorm, GELU inputs).
+
+    Channels (dim -1) whose ``z``-score of ``S_i = sum |x[..., i]|`` exceeds ``z``
+    (:func:`outlier_channels`) are kept exactly, in the input dtype, with their int32
+    indices, and set to zero in a copy of ``x``; the copy is quantized row-wise (one row =
+    one position's ``C`` channels, in its own layout, no transpose) by the group quantizer
+    with ``group_size = C``, ``bits`` bits and bfloat16 row stats (docs/method.md §7:
+    stochastic, unbiased; a non-finite row decompresses to NaN). Kernels: those of
+    :func:`fewbit.quant.quantize` (numba / Triton); the selection is torch.
+
+    Bytes per element (:meth:`bytes_per_element` is the figure without outliers: it does
+    not read values): ``bits / 8 + 4 / C`` (row stats), plus, per outlier channel,
+    ``(rows * itemsize + 4) / numel``.
+
+    Args:
+        z: z-score threshold (3 in Adacc).
+        bits: bits per element of the rest: 1, 2, 4 or 8 (INT4 in Adacc).
+
+    Raises:
+        ValueError: ``z`` not finite, ``bits`` not allowed; :meth:`compress` of a tensor
+            with fewer than 2 dims.
+    """
+
+    name = "outlier"
+
+    def __init__(self, z: float = 3.0, bits: int = 4) -> None:
+        if isinstance(z, bool) or not isinstance(z, (int, float)) or not math.isfinite(z):
+            raise ValueError(f"z must be a finite number, got {z!r}")
+        self.z = float(z)
+        self.bits = check_bits(bits, allowed=_ref.SUPPORTED_BITS)
+
+    def supports(self, x: torch.Tensor) -> bool:
+        """Tensors of 2 or more dims (rows of channels)."""
+        return x.dim() >= 2
+
+    def compress(self, x, *, generator=None) -> _OutlierCompressed:
+        from fewbit.quant import dequantize, quantize
+
+        return self._compress(x, generator, quantize, dequantize)
+
+    def compress_reference(self, x, *, generator=None) -> _OutlierCompressed:
+        """:meth:`compress` with the pure-torch kernels (same result bit for bit)."""
+        from fewbit.quant import dequantize_reference, quantize_reference
+
+        return self._compress(x, generator, quantize_reference, dequantize_reference)
+
+    def _compress(self, x, generator, quantize, dequantize) -> _OutlierCompressed:
+        _check_supported(self, x, "at least 2 dims")
+        c = x.shape[-1]
+        h = x.detach().reshape(-1, c)
+        index = outlier_channels(h, self.z) if h.numel() else torch.zeros(0, dtype=torch.int32, device=x.device)
+        exact = h[:, index.long()].contiguous()
+        if index.numel():
+            h = h.clone()
+            h[:, index.long()] = 0
+        rest = quantize(h, self.bits, group_size=max(c, 1), generator=generator)
+        return _OutlierCompressed(rest, exact, index, x.shape, x.dtype, dequantize)
+
+    def bytes_per_element(self, x: torch.Tensor) -> float:
+        n = max(x.numel(), 1)
+        rows = -(-n // max(x.shape[-1] if x.dim() else 1, 1))
+        return (-(-n * self.bits // 8) + 4 * rows) / n
+
+
+class _ChannelCompressed:
+    __slots__ = ("codes", "shape", "dtype", "_k")
+
+    def __init__(self, codes, shape, dtype, kernels):
+        self.codes, self.shape, self.dtype, self._k = codes, shape, dtype, kernels
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(self.codes.packed, self.codes.scales)  # the mins are 0 (not stored)
+
+    def decompress(self) -> torch.Tensor:
+        return self.codes.decode(self._k, self.dtype).reshape(self.shape)
+
+
+class ChannelWise(Compressor):
+    """Symmetric quantization with one scale per channel (Adacc's compressor for q, k, v).
+
+    Per channel ``c`` (dim -1): ``a_c = max |x[..., c]|``, ``L = 2**(bits-1) - 1``,
+    ``s_c = L / a_c`` in float32, rounded down (and stepped down once if ``a_c * s_c > L``
+    as computed: the rule of docs/method.md §7, ``s_c = 1`` for ``a_c = 0``); ``q =
+    floor(x * s_c + u)`` in ``[-L, L]`` stored as ``q + L`` in ``bits`` bits; ``x_hat = q /
+    s_c`` (0 is exact). Stochastic rounding: unbiased. A channel holding a NaN or infinity
+    decompresses to NaN (that channel only).
+
+    Default 8 bits: fewbit's attention keeps q and k at 8 bits because softmax exponentiates
+    their quantization noise (docs/compression.md §1: 9x the gradient noise of eager
+    attention at 4 bits); Adacc's INT4 for q, k, v is ``bits=4``.
+
+    Bytes per element: ``bits / 8`` plus ``4 * C / numel`` (one float32 scale per channel).
+
+    Args:
+        bits: 2, 4 or 8.
+
+    Raises:
+        ValueError: ``bits`` not allowed; :meth:`compress` of a tensor with fewer than 2 dims.
+    """
+
+    name = "channelwise"
+
+    def __init__(self, bits: int = 8) -> None:
+        self.bits = check_bits(bits, allowed=(2, 4, 8))
+
+    def supports(self, x: torch.Tensor) -> bool:
+        """Tensors of 2 or more dims (channels = dim -1, one scale each)."""
+        return x.dim() >= 2
+
+    def compress(self, x, *, generator=None) -> _ChannelCompressed:
+        return self._compress(x, generator, _ops())
+
+    def compress_reference(self, x, *, generator=None) -> _ChannelCompressed:
+        """:meth:`compress` with the pure-torch kernels (same result bit for bit)."""
+        return self._compress(x, generator, _REFERENCE)
+
+    def _compress(self, x, generator, k: _Kernels) -> _ChannelCompressed:
+        _check_supported(self, x, "at least 2 dims")
+        seed = _seed(generator)
+        c = x.shape[-1]
+        cdt = _ref.compute_dtype(x.dtype)
+        flat = x.detach().reshape(-1)
+        if flat.numel():
+            a = flat.view(-1, c).abs().amax(dim=0).to(cdt)  # NaN-propagating
+        else:
+            a = torch.zeros(c, dtype=cdt, device=x.device)
+        # per channel, the rule of docs/method.md §7 on the range [0, a] at L levels (m = 0)
+        pairs = torch.stack([torch.zeros_like(a), a], dim=1).reshape(-1)
+        _, s, _ = _ref.group_stats_reference(pairs, self.bits - 1, 2, torch.float32)
+        zeros = torch.zeros_like(s)
+        offset = (1 << (self.bits - 1)) - 1
+        codes = _Affine.encode(k, flat, zeros, s, self.bits, c, True, offset, seed)
+        return _ChannelCompressed(codes, x.shape, x.dtype, k)
+
+    def bytes_per_element(self, x: torch.Tensor) -> float:
+        n = max(x.numel(), 1)
+        return (-(-n * self.bits // 8) + 4 * (x.shape[-1] if x.dim() else 1)) / n
+
+
+class _SoftmaxCompressed:
+    __slots__ = ("codes", "shape", "dtype", "_k")
+
+    def __init__(self, codes, shape, dtype, kernels):
+        self.codes, self.shape, self.dtype, self._k = codes, shape, dtype, kernels
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(self.codes.packed, self.codes.mins, self.codes.scales)
+
+    @property
+    def fixed_grid(self) -> bool:
+        """Whether the fixed grid ``k / (2**bits - 1)`` was used (values in [0, 1])."""
+        return bool(self.codes.mins.eq(0).all() and self.codes.scales.eq((1 << self.codes.bits) - 1).all())
+
+    def decompress(self) -> torch.Tensor:
+        return self.codes.decode(self._k, self.dtype).reshape(self.shape)
+
+
+class Softmax(Compressor):
+    """Asymmetric quantization on the fixed grid of [0, 1] (Adacc's compressor for softmax
+    outputs and attention scores).
+
+    ``q = floor(x * (2**bits - 1) + u)``, ``x_hat = q / (2**bits - 1)``: 0 and 1 are exact,
+    no statistics are needed, stochastic rounding is unbiased. A tensor with a value
+    outside [0, 1] falls back to its own range (``m = min``, ``s = (2**bits - 1) / (max -
+    m)``, the rule of docs/method.md §7): still unbiased, never clipped; a NaN or infinity
+    makes the whole tensor decompress to NaN. The check costs one min/max pass and no
+    device synchronisation (the choice is made on device). A per-row max scale would cut
+    the noise of long rows with a small max, at 4 bytes per row: not done.
+
+    Bytes per element: ``bits / 8`` plus 8 bytes per tensor (the two float32 stats, fixed
+    or not, so that the handle is one shape).
+
+    Args:
+        bits: 1, 2, 4 or 8 (default 4).
+
+    Raises:
+        ValueError: ``bits`` not allowed.
+    """
+
+    name = "softmax"
+
+    def __init__(self, bits: int = 4) -> None:
+        self.bits = check_bits(bits, allowed=_ref.SUPPORTED_BITS)
+
+    def compress(self, x, *, generator=None) -> _SoftmaxCompressed:
+        return self._compress(x, generator, _ops())
+
+    def compress_reference(self, x, *, generator=None) -> _SoftmaxCompressed:
+        """:meth:`compress` with the pure-torch kernels (same result bit for bit)."""
+        return self._compress(x, generator, _REFERENCE)
+
+    def _compress(self, x, generator, k: _Kernels) -> _SoftmaxCompressed:
+        _check_supported(self, x, "a floating tensor")
+        seed = _seed(generator)
+        cdt = _ref.compute_dtype(x.dtype)
+        flat = x.detach().reshape(-1)
+        levels = float((1 << self.bits) - 1)
+        m = torch.zeros(1, device=x.device)
+        s = torch.full((1,), levels, device=x.device)
+        if flat.numel():
+            lo, hi = torch.aminmax(flat.to(cdt))
+            m_own, s_own = _range_stats(lo, hi, self.bits)
+            fixed = (lo >= 0) & (hi <= 1)  # False for NaN
+            m, s = torch.where(fixed, m, m_own), torch.where(fixed, s, s_own)
+        codes = _Affine.encode(k, flat, m, s, self.bits, flat.numel(), False, 0, seed)
+        return _SoftmaxCompressed(codes, x.shape, x.dtype, k)
+
+    def bytes_per_element(self, x: torch.Tensor) -> float:
+        n = max(x.numel(), 1)
+        return (-(-n * self.bits // 8) + 8) / n
+
+
 #: name -> Compressor class, for :func:`get_compressor` (``Config``, the ``memory`` CLI).
-COMPRESSORS: dict[str, type[Compressor]] = {"group": GroupQuantizer, "keep": Keep}
+COMPRESSORS: dict[str, type[Compressor]] = {
+    "group": GroupQuantizer, "keep": Keep, "division": Division, "outlier": OutlierSeparated,
+    "channelwise": ChannelWise, "softmax": Softmax,
+}
 
 
 def get_compressor(name: str, **options) -> Compressor:

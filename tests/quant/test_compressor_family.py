@@ -1,0 +1,374 @@
+"""The compressor family of fewbit.quant.compressors (docs/compression.md §3-4): DIVISION,
+Adacc's outlier-separated and channel-wise compressors, the softmax grid.
+
+Per compressor: the numba kernels equal the pure-torch definition bit for bit (codes, stats,
+reconstruction), the Triton kernels too (under TRITON_INTERPRET=1, in a subprocess), the
+mean of many decompressions is the input (3 sigma, fixed seeds), noise is fresh per call
+and reproducible from a generator state, a layer's gradient through
+``ActivationCompressor(compressor=...)`` is unbiased (tests/quant/test_gradient_statistics.py's
+checks), the bytes are those stated, and a non-finite input never gives a finite wrong value.
+"""
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from fewbit.quant import ActivationCompressor
+from fewbit.quant.compressors import (
+    ChannelWise, Division, OutlierSeparated, Softmax, division_view, get_compressor, outlier_channels,
+)
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from test_gradient_statistics import DRAWS, _gradients, failures, t_level  # noqa: E402
+
+NEW = ("division", "outlier", "channelwise", "softmax")
+
+
+def gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def sample(name, shape, dtype=torch.float32, seed=0):
+    """A tensor ``name`` is meant for: probabilities for softmax, planted outlier channels
+    (3 and 17 where there are more than 17, 40x larger) for the outlier compressor, a smooth
+    map plus noise otherwise."""
+    x = torch.randn(shape, generator=gen(seed), dtype=torch.float64)
+    if name == "softmax":
+        x = x.softmax(-1)
+    elif name == "outlier":
+        x[..., 3] *= 40
+        if shape[-1] > 17:
+            x[..., 17] *= 40
+    elif name == "division":
+        x = x + 4 * torch.linspace(-1, 1, shape[-1], dtype=torch.float64)
+    return x.to(dtype)
+
+
+def same(a, b):
+    return torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
+
+
+SHAPES = [(4, 8, 16, 16), (3, 5, 13, 11), (2, 37, 24), (45, 24)]
+
+
+@pytest.mark.parametrize("name", NEW)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_kernels_equal_the_reference_bit_for_bit(name, dtype):
+    comp = get_compressor(name)
+    for shape in SHAPES:
+        x = sample(name, shape, dtype)
+        a = comp.compress(x, generator=gen(7))
+        b = comp.compress_reference(x, generator=gen(7))
+        for attr in ("lfc", "exact", "index"):
+            if hasattr(a, attr):
+                assert torch.equal(getattr(a, attr), getattr(b, attr)), (shape, attr)
+        qa = getattr(a, "hfc", getattr(a, "codes", None)) or a.rest
+        qb = getattr(b, "hfc", getattr(b, "codes", None)) or b.rest
+        assert torch.equal(qa.packed, qb.packed), shape
+        assert same(qa.mins, qb.mins) and same(qa.scales, qb.scales), shape
+        ya, yb = a.decompress(), b.decompress()
+        assert ya.dtype == dtype and ya.shape == x.shape and same(ya, yb), shape
+        assert a.nbytes == b.nbytes
+
+
+def grid_step(name, c, shape):
+    """Per element, the spacing of the grid its value is rounded on (0: kept exactly)."""
+    if name == "division":
+        return torch.full(shape, 1 / c.hfc.scales.item())
+    if name in ("softmax", "channelwise"):
+        return (1 / c.codes.scales.double()).expand(shape[-1] if name == "channelwise" else 1).expand(shape)
+    step = (1 / c.rest.scales.double())[:, None].expand(-1, shape[-1]).clone()
+    step[:, c.index.long()] = 0
+    return step.reshape(shape)
+
+
+def assert_unbiased(x, draws, step):
+    """Stochastic rounding on a grid of spacing ``step``: a draw has variance <= step**2 / 4
+    per element, so ``z = (mean - x) sqrt(N) / (step / 2)`` has ``E[z**2] <= 1`` and (mean of
+    N Bernoullis, near normal) ``|z| < 6`` for every element; along x's direction and a
+    random one the mean is within 3 standard errors (t-tests of test_gradient_statistics);
+    elements on no grid (step 0) are exact."""
+    x, draws, step = x.double().flatten(), draws.double(), step.double().flatten()
+    n = draws.shape[0]
+    err = draws.mean(0) - x
+    exact = step == 0
+    assert torch.equal(draws[:, exact], x[exact].expand(n, -1))
+    z = err[~exact] * math.sqrt(n) / (step[~exact] / 2)
+    assert z.abs().max() < 6, z.abs().max()
+    assert (z**2).mean() < 1.1, (z**2).mean()
+    level = t_level(n, 2)
+    for d in (x, torch.randn(x.shape, generator=gen(1), dtype=torch.float64)):
+        p = draws @ (d / d.norm())
+        t = (p.mean() - x @ (d / d.norm())) / (p.std() / math.sqrt(n))
+        assert abs(t) < level, (t, level)
+
+
+@pytest.mark.parametrize("name", NEW)
+def test_mean_of_decompressions_is_the_input(name):
+    comp = get_compressor(name, bits=2 if name != "channelwise" else 4)
+    x = sample(name, (4, 8, 16, 24))
+    g = gen(11)
+    handles = [comp.compress(x, generator=g) for _ in range(128)]
+    draws = torch.stack([h.decompress().flatten() for h in handles])
+    assert_unbiased(x, draws, grid_step(name, handles[0], x.shape))
+    assert draws.std(dim=0).mean() > 0  # stochastic: the draws differ
+
+
+def test_unbiasedness_check_has_power():
+    """Replayed noise (the same generator state every call) is biased and caught."""
+    x = sample("division", (4, 8, 16, 24))
+    c = Division(bits=2).compress(x, generator=gen(3))
+    draws = torch.stack([Division(bits=2).compress(x, generator=gen(3)).decompress().flatten() for _ in range(64)])
+    with pytest.raises(AssertionError):
+        assert_unbiased(x, draws, grid_step("division", c, x.shape))
+
+
+@pytest.mark.parametrize("name", NEW)
+def test_fresh_noise_and_reproducible_codes(name):
+    comp = get_compressor(name)
+    x = sample(name, (4, 8, 16, 24))
+    torch.manual_seed(0)
+    a = comp.compress(x).decompress()
+    b = comp.compress(x).decompress()
+    assert not torch.equal(a, b)  # no generator: fresh noise per call
+    torch.manual_seed(0)
+    assert torch.equal(comp.compress(x).decompress(), a)  # torch.manual_seed reproduces it
+    assert torch.equal(comp.compress(x, generator=gen(5)).decompress(),
+                       comp.compress(x, generator=gen(5)).decompress())
+
+
+def _layer_cases():
+    conv = (lambda: nn.Conv2d(3, 8, 3, padding=1), (4, 3, 16, 16), ())
+    linear = (lambda: nn.Linear(64, 48), (32, 64), ())
+    return {
+        "division-conv2d": (Division(bits=2), *conv),
+        "division-linear": (Division(bits=2), *linear),
+        "outlier-linear": (OutlierSeparated(), *linear),
+        "channelwise-linear": (ChannelWise(bits=4), *linear),
+        "channelwise-conv2d": (ChannelWise(bits=4), *conv),
+        # sigmoid saves its output (in [0, 1]), the Linear reads the same tensor; sigmoid's
+        # backward y (1 - y) is nonlinear in it: the input gradient's bias is second order
+        "softmax-sigmoid-linear": (Softmax(bits=4), lambda: nn.Sequential(nn.Sigmoid(), nn.Linear(64, 48)),
+                                   (32, 64), ("input",)),
+    }
+
+
+@pytest.mark.parametrize("case", list(_layer_cases()))
+def test_layer_gradient_is_unbiased(case):
+    comp, factory, shape, second_order = _layer_cases()[case]
+    torch.manual_seed(0)
+    module = factory()
+    x = torch.randn(shape, generator=gen(1)).requires_grad_()
+    with torch.no_grad():
+        grad_out = torch.randn_like(module(x))
+    exact = _gradients(module, x, grad_out)
+    act = ActivationCompressor(compressor=comp, min_numel=0, generator=gen(100))
+    rows = [_gradients(module, x, grad_out, act) for _ in range(DRAWS)]
+    assert act.stats.compressed >= DRAWS
+    samples = {n: torch.stack([r[n] for r in rows]) for n in exact}
+    flat = torch.cat([samples[n] for n in exact], dim=1)
+    assert not torch.equal(flat[0], flat[1])
+    bad = failures(exact, samples, second_order=second_order)
+    assert not bad, (case, bad)
+
+
+# --- bytes ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("block,bits", [(8, 2), (4, 4), (2, 1)])
+def test_division_bytes_per_element(block, bits):
+    """(4 / B**2 + Q / 8) bytes per float32 element when the sizes divide, plus the two
+    per-tensor stats; 1-D pooling of sequences: 4 / B + Q / 8."""
+    comp = Division(block, bits)
+    x = torch.randn(2, 4, 8 * block, 4 * block)
+    c = comp.compress(x, generator=gen(0))
+    n = x.numel()
+    assert c.nbytes == n * (4 / block**2 + bits / 8) + 8 == comp.bytes_per_element(x) * n
+    assert c.lfc.shape == (2 * 4, 8, 4, 1) and c.lfc.dtype == torch.float32
+    seq = torch.randn(3, 16 * block, 24)
+    c = comp.compress(seq, generator=gen(0))
+    assert c.nbytes == seq.numel() * (4 / block + bits / 8) + 8 == comp.bytes_per_element(seq) * seq.numel()
+    half = x.to(torch.bfloat16)  # means kept in the input dtype
+    assert comp.compress(half, generator=gen(0)).nbytes == n * (2 / block**2 + bits / 8) + 8
+
+
+def test_division_views_and_partial_blocks():
+    assert division_view((2, 3, 10, 12), 8) == ((6, 10, 12, 1), (8, 8))
+    assert division_view((2, 3, 4, 10, 12), 8) == ((24, 10, 12, 1), (8, 8))
+    assert division_view((2, 30, 5), 8) == ((2, 30, 1, 5), (8, 1))
+    assert division_view((30, 5), 8) == ((1, 30, 1, 5), (8, 1))
+    # a partial last block is averaged over the elements present
+    x = torch.arange(2 * 10 * 12, dtype=torch.float32).reshape(1, 2, 10, 12)
+    c = Division(8, 8).compress(x, generator=gen(0))
+    assert c.lfc.shape == (2, 2, 2, 1)
+    assert torch.allclose(c.lfc[0, 1, 1, 0], x[0, 0, 8:, 8:].mean())
+    assert torch.allclose(c.lfc[1, 0, 1, 0], x[0, 1, :8, 8:].mean())
+
+
+def test_division_reaches_its_rate_on_a_cnn():
+    """DIVISION (B = 8, Q = 2) on the conv maps of a small CNN: 12.8x less than float32
+    (DIVISION Thm. 2), up to the 8 bytes of stats per tensor."""
+    torch.manual_seed(0)
+    cnn = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 16, 3, padding=1), nn.ReLU(),
+                        nn.Conv2d(16, 4, 3, padding=1))
+    act = ActivationCompressor(compressor=Division(8, 2), min_numel=0)
+    x = torch.randn(8, 3, 32, 32, requires_grad=True)
+    with act:
+        cnn(x).square().mean().backward()
+    assert act.stats.compressed == 3  # x and the two ReLU outputs (each also a conv input: saved once)
+    assert 12.7 < act.stats.ratio <= 12.8, act.stats.ratio
+
+
+def test_outlier_keeps_the_planted_channels_exactly():
+    x = sample("outlier", (6, 20, 32))
+    comp = OutlierSeparated()
+    assert outlier_channels(x, 3.0).tolist() == [3, 17]
+    c = comp.compress(x, generator=gen(0))
+    assert c.index.dtype == torch.int32 and c.index.tolist() == [3, 17]
+    y = c.decompress()
+    assert torch.equal(y[..., [3, 17]], x[..., [3, 17]])
+    rows = 6 * 20
+    # 4 bits per element, bf16 min and scale per row, the exact columns and their indices
+    assert c.nbytes == x.numel() // 2 + 4 * rows + 2 * (rows * 4 + 4)
+    assert comp.bytes_per_element(x) * x.numel() == x.numel() // 2 + 4 * rows
+    # separation pays: the rest's noise is that of the Gaussian channels, not of the outliers
+    plain = get_compressor("group", bits=4, group_size=32).compress(x, generator=gen(0)).decompress()
+    keep = torch.ones(32, dtype=torch.bool)
+    keep[[3, 17]] = False
+    assert (y - x)[..., keep].abs().mean() < 0.2 * (plain - x)[..., keep].abs().mean()
+    # no outlier in Gaussian data of many channels; none possible in few channels
+    assert outlier_channels(torch.randn(64, 8), 3.0).numel() == 0
+
+
+def test_channelwise_is_symmetric_per_channel():
+    x = sample("channelwise", (16, 24)) * torch.logspace(-3, 3, 24)
+    comp = ChannelWise(bits=4)
+    c = comp.compress(x, generator=gen(0))
+    y = c.decompress()
+    a = x.abs().amax(0)
+    assert (y.abs() <= a * (1 + 1e-6)).all()  # never beyond a channel's own range
+    assert ((y - x).abs() <= a / 7 * (1 + 1e-6)).all()  # one step, 2 * a / (2**4 - 2)
+    assert torch.equal(comp.compress(torch.zeros(4, 24), generator=gen(0)).decompress(), torch.zeros(4, 24))
+    assert c.nbytes == x.numel() // 2 + 24 * 4 == comp.bytes_per_element(x) * x.numel()
+
+
+def test_softmax_grid_and_fallback():
+    comp = Softmax(bits=4)
+    p = sample("softmax", (8, 40))
+    c = comp.compress(p, generator=gen(0))
+    assert c.fixed_grid
+    y = c.decompress()
+    assert torch.equal(y * 15, (y * 15).round()) and (y >= 0).all() and (y <= 1).all()
+    one_hot = torch.eye(8)
+    assert torch.equal(comp.compress(one_hot, generator=gen(0)).decompress(), one_hot)  # 0 and 1 exact
+    # outside [0, 1]: the tensor's own range, still unbiased (never clipped)
+    x = p * 3 - 0.5
+    c = comp.compress(x, generator=gen(0))
+    assert not c.fixed_grid
+    g = gen(1)
+    draws = torch.stack([comp.compress(x, generator=g).decompress().flatten() for _ in range(256)])
+    assert_unbiased(x, draws, grid_step("softmax", c, x.shape))
+    assert c.nbytes == x.numel() // 2 + 8 == comp.bytes_per_element(x) * x.numel()
+
+
+# --- non-finite input -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_input_decompresses_to_nan(bad):
+    x = sample("division", (2, 3, 16, 16))
+    x[1, 2, 5, 7] = bad
+    assert Division().compress(x, generator=gen(0)).decompress().isnan().all()
+    assert Softmax().compress(x.softmax(-1).nan_to_num(bad), generator=gen(0)).decompress().isnan().all()
+    # channel-wise: the channel (dim -1) holding it; outlier: the row holding it
+    y = ChannelWise().compress(x, generator=gen(0)).decompress()
+    assert y[..., 7].isnan().all() and not y[..., :7].isnan().any() and not y[..., 8:].isnan().any()
+    y = OutlierSeparated().compress(x, generator=gen(0)).decompress()
+    assert y[1, 2, 5].isnan().all() and y.isnan().sum() == 16
+
+
+# --- arguments ----------------------------------------------------------------------------
+
+
+def test_bad_options_and_unsupported_tensors_are_clear_errors():
+    with pytest.raises(ValueError, match="block must be an integer >= 1, got 0"):
+        Division(block=0)
+    with pytest.raises(ValueError, match="bits must be one of"):
+        Division(bits=3)
+    with pytest.raises(ValueError, match="bits must be one of .*got 1"):
+        ChannelWise(bits=1)
+    with pytest.raises(ValueError, match="z must be a finite number"):
+        OutlierSeparated(z=float("nan"))
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        get_compressor("division", group_size=4)
+    for comp in (Division(), OutlierSeparated(), ChannelWise()):
+        assert not comp.supports(torch.zeros(5)) and comp.supports(torch.zeros(5, 2))
+        with pytest.raises(ValueError, match=f"the '{comp.name}' compressor needs at least 2 dims; got .*\\(5,\\)"):
+            comp.compress(torch.zeros(5))
+    with pytest.raises(TypeError, match="x must be a floating"):
+        Softmax().compress(torch.zeros(5, dtype=torch.int64))
+    with pytest.raises(TypeError, match="generator must be a torch.Generator"):
+        Division().compress(torch.zeros(5, 5), generator=0)
+
+
+def test_empty_tensors():
+    for name in NEW:
+        x = torch.zeros(0, 8)
+        y = get_compressor(name).compress(x, generator=gen(0)).decompress()
+        assert y.shape == x.shape
+
+
+# --- Triton kernels (interpreter) ------------------------------------------------------
+
+
+@pytest.mark.skipif(__import__("importlib").util.find_spec("triton") is None, reason="triton is not installed")
+def test_triton_kernels_equal_the_reference_interpreted():
+    from test_triton import _interpreter_broken_reason
+
+    reason = _interpreter_broken_reason()
+    if reason:
+        pytest.skip(reason)
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(HERE / "triton_interp_compressors.py")]
+    r = subprocess.run(cmd, cwd=HERE.parent.parent, env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    assert " passed" in r.stdout and "skipped" not in r.stdout.split("\n")[-2]
+
+
+@pytest.mark.cuda
+def test_cuda_equals_cpu():
+    if not torch.cuda.is_available():
+        pytest.skip("CUDA is not available on this machine")
+    for name in NEW:
+        comp = get_compressor(name)
+        for dtype in (torch.float32, torch.bfloat16, torch.float64):
+            x = sample(name, (4, 8, 16, 24), dtype)
+            a = comp.compress(x, generator=gen(3)).decompress()
+            b = comp.compress(x.cuda(), generator=gen(3)).decompress().cpu()
+            assert same(a, b), (name, dtype)
+
+
+def test_opcheck(device):
+    """The compressors' torch.library ops: schema, fake kernels, dispatch."""
+    x = torch.randn(2, 13, 11, 3, device=device)
+    torch.library.opcheck(torch.ops.fewbit.block_mean.default, (x, 4, 3))
+    lfc = torch.ops.fewbit.block_mean(x, 4, 3)
+    torch.library.opcheck(torch.ops.fewbit.division_encode.default, (x, lfc, 4, 3, 2, 17))
+    p, m, s = torch.ops.fewbit.division_encode(x, lfc, 4, 3, 2, 17)
+    torch.library.opcheck(torch.ops.fewbit.division_decode.default, (p, lfc, m, s, 4, 3, 2, 13, 11, torch.float32))
+    flat = x.reshape(-1)
+    scales = torch.rand(3, device=device) + 0.5
+    mins = torch.zeros(3, device=device)
+    for per_col in (True, False):
+        args = (flat, mins, scales, 4, 3 if per_col else flat.numel() // 3, per_col, 7, 5, True)
+        torch.library.opcheck(torch.ops.fewbit.affine_codes.default, args)
+        packed = torch.ops.fewbit.affine_codes(*args)
+        torch.library.opcheck(torch.ops.fewbit.affine_decode.default,
+                              (packed, mins, scales, 4, args[4], per_col, 7, flat.numel(), torch.float32))

@@ -1,0 +1,59 @@
+"""The compressors' Triton kernels (fewbit.quant._triton: affine codes/decode, block means)
+against the pure-torch definitions, through the compressors themselves; run by
+tests/quant/test_compressor_family.py in a subprocess with TRITON_INTERPRET=1 (CPU tensors,
+small sizes, large blocks). Not collected by the main suite (no ``test_`` prefix)."""
+
+import os
+import sys
+
+import pytest
+import torch
+
+if os.environ.get("TRITON_INTERPRET") != "1":  # pragma: no cover - guarded by the caller
+    pytest.skip("needs TRITON_INTERPRET=1 (run through tests/quant/test_compressor_family.py)",
+                allow_module_level=True)
+
+from fewbit.quant import _reference as ref  # noqa: E402
+from fewbit.quant import _triton as T  # noqa: E402
+from fewbit.quant.compressors import _REFERENCE, _Kernels, get_compressor  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))
+from test_compressor_family import NEW, same, sample  # noqa: E402
+
+def _codes(*a):
+    return T.affine_codes(*a, block_w=4096)
+
+
+def _decode(*a):
+    return T.affine_decode(*a, block_w=4096)
+
+
+def _division_encode(x, lfc, bh, bw, bits, seed):  # the steps of fewbit::division_encode on CUDA
+    return ref.division_encode_reference(x, lfc, bh, bw, bits, seed,
+                                         affine_codes=lambda *a: _codes(*a, True))
+
+
+def _division_decode(*a):
+    return ref.division_decode_reference(*a, affine_decode=_decode)
+
+
+TRITON = _Kernels(lambda x, bh, bw: T.block_mean(x, bh, bw, block=4096), _codes, _decode, _division_encode,
+                  _division_decode)
+
+
+@pytest.mark.parametrize("name", [n for n in NEW if n != "outlier"])  # outlier: the group quantizer's kernels
+def test_bit_exact_vs_reference(name):
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for shape in ((2, 3, 13, 11), (2, 37, 24), (4, 8, 16, 16)):
+            comp = get_compressor(name, bits=2 if name != "channelwise" else 4)
+            x = sample(name, shape, dtype)
+            if name == "division":
+                x.view(-1)[5] = float("nan") if shape == (2, 37, 24) else x.view(-1)[5]
+            a = comp._compress(x, torch.Generator().manual_seed(9), TRITON)
+            b = comp._compress(x, torch.Generator().manual_seed(9), _REFERENCE)
+            qa = getattr(a, "hfc", None) or a.codes
+            qb = getattr(b, "hfc", None) or b.codes
+            assert torch.equal(qa.packed, qb.packed), (name, dtype, shape)
+            if hasattr(a, "lfc"):
+                assert same(a.lfc, b.lfc), (name, dtype, shape)
+            assert same(a.decompress(), b.decompress()), (name, dtype, shape)
