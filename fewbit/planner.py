@@ -6,7 +6,7 @@ planner chooses one option and minimises the time added to a training step subje
 
     M_static + M_outside + sum_b n_b * (sum_g bytes[g, choice_g] + input_b * z_b) + M_recompute <= budget
 
-(Adacc, Zhang et al., 2024, eq. 4-8; docs/compression.md §4), solved exactly with
+(Adacc eq. 4-8; docs/compression.md §4), solved exactly with
 ``scipy.optimize.milp`` (HiGHS). Repeated blocks of one type (same class, same structure)
 share one policy, so the problem has one variable per (block type, tensor group, option).
 
@@ -44,7 +44,7 @@ Static memory is measured, not guessed: parameters + gradients + optimizer state
 final norm, loss) + on CUDA the transient memory of a step (its ``max_memory_allocated``
 above the static and saved bytes).
 
-Policy evolution (Adacc §4.3): :class:`Replanner` re-profiles at steps 1, 2, 4, 8, ... and
+Policy evolution (Adacc): :class:`Replanner` re-profiles at steps 1, 2, 4, 8, ... and
 re-plans when a measured compression rate drifts by more than a tolerance.
 
 Example:
@@ -340,10 +340,6 @@ class ModelProfile:
 # --------------------------------------------------------------------------- applying a policy
 
 
-class _Hooks(torch.autograd.graph.saved_tensors_hooks):
-    pass
-
-
 def _identity_pack(t: torch.Tensor) -> torch.Tensor:
     return t.detach()  # a detached alias: no reference cycle through a saved output
 
@@ -357,18 +353,11 @@ class _State:
 
     def __init__(self, plan: "Plan") -> None:
         self.plan = plan
-        self.handles: list = []
         self.blocks: list[nn.Module] = []
         self.replaced: list[tuple[nn.Module, str, nn.Module]] = []  # (parent, name, original)
         self.compressors: dict[str, Any] = {}
         self.checkpoint_hooks: list = []  # the checkpoint's (pack, unpack) per running block
         self.patched_loss = False
-
-    def __getstate__(self):  # deep copies get no state: apply again
-        return {}
-
-    def __setstate__(self, state):
-        self.__init__(None)
 
 
 class _GroupHook:
@@ -385,9 +374,9 @@ class _GroupHook:
             ctx = self.state.compressors[o.name]
         elif o.kind == "recompute":
             top = self.state.checkpoint_hooks[-1] if self.state.checkpoint_hooks else None
-            ctx = _Hooks(*top) if top is not None else None
+            ctx = torch.autograd.graph.saved_tensors_hooks(*top) if top is not None else None
         else:  # keep, fewbit (the fewbit module saves its codes; keep them)
-            ctx = _Hooks(_identity_pack, _identity_unpack)
+            ctx = torch.autograd.graph.saved_tensors_hooks(_identity_pack, _identity_unpack)
         if ctx is not None:
             ctx.__enter__()
         self.stack.append(ctx)
@@ -476,8 +465,12 @@ def remove_plan(model: nn.Module) -> bool:
     state = vars(model).get(_STATE_ATTR)
     if state is None:
         return False
-    for h in state.handles:
-        h.remove()
+    for m in model.modules():  # by type, not by handle: a deep copy of a planned model works too
+        for hooks in (m._forward_pre_hooks, m._forward_hooks):
+            for k, h in list(hooks.items()):
+                if isinstance(getattr(h, "__self__", None), _GroupHook):
+                    del hooks[k]
+                    m._forward_hooks_always_called.pop(k, None)
     for block in state.blocks:
         vars(block).pop("forward", None)
     for parent, name, original in state.replaced:
@@ -542,8 +535,8 @@ def _apply_choices(model: nn.Module, plan: "Plan") -> _State:
                         parent._modules[child] = new
                         state.replaced.append((parent, child, module))
                         module = new
-                state.handles.append(module.register_forward_pre_hook(hook.pre))
-                state.handles.append(module.register_forward_hook(hook.post, always_call=True))
+                module.register_forward_pre_hook(hook.pre)
+                module.register_forward_hook(hook.post, always_call=True)
             forward = block.forward
             if checkpointed:
                 try:
@@ -714,7 +707,7 @@ def _capture(work: nn.Module, blocks, batch, loss_fn, groups):
             def pre(m, args, _p=pack, _k=key, _act=groups[btype][rel]):
                 if _act and args and isinstance(args[0], torch.Tensor):
                     act_in.setdefault(_k, args[0].detach())
-                ctx = _Hooks(_p, _identity_unpack)
+                ctx = torch.autograd.graph.saved_tensors_hooks(_p, _identity_unpack)
                 ctx.__enter__()
                 stack.append(ctx)
 
@@ -1189,10 +1182,8 @@ def solve(prof: ModelProfile, budget_bytes: int | None, *, accuracy_weight: floa
     for key, j in index.items():
         if key[0] == "x" and x[j] > 0.5:
             choices[key[1]][key[2]] = key[3]
-    seconds = float(sum(cost[j] * x[j] for j in range(nv) if var[j][0] != "x" or True))
     peak = fixed + sum(mem.get(j, 0.0) * x[j] for j in range(nv))
-    # the accuracy penalty is not time: take it out of the reported seconds
-    seconds = _added_time(prof, choices)
+    seconds = _added_time(prof, choices)  # without the accuracy tie-break, which is not time
     return choices, seconds, int(round(peak))
 
 
@@ -1331,7 +1322,7 @@ def apply_plan(model: nn.Module, plan: Plan):
 class Replanner:
     """Re-profile on an exponential back-off schedule and re-plan when compression rates drift.
 
-    Adacc §4.3: outliers (hence compression rates) move early in training. Call
+    As Adacc's policy evolution: outliers (hence compression rates) move early in training. Call
     :meth:`step` once per training step (after the optimizer step); at steps 1, 2, 4, 8, ...
     the model is profiled again (on a copy, with the current weights) and, if any compressed
     group's rate (planned bytes / saved bytes) differs from the plan's by more than

@@ -233,6 +233,26 @@ def test_fewbit_option_replaces_activation_and_remove_restores(prof, batch):
     assert not planner.remove_plan(model)
 
 
+def test_deep_copy_of_planned_model(prof, batch):
+    """A deep copy carries the plan (its own hooks, compressors, checkpointed forwards); removing
+    it from the copy leaves the original planned."""
+    p = choices_plan(prof, {"ln_1": "quant8", "mlp.act": "recompute"})
+    # not the fused loss: a deep copy of a model patched by patch_causal_lm_ keeps closures that
+    # point at the original's lm_head (fewbit.losses; reported)
+    p = dataclasses.replace(p, fused_cross_entropy=False)
+    model = make_model()
+    fewbit.convert_(model, p)
+    clone = copy.deepcopy(model)
+    (rep_a, g_a), (rep_b, g_b) = measured(model, batch), measured(clone, batch)
+    assert rep_a.saved_bytes == rep_b.saved_bytes and rep_a.loss == rep_b.loss
+    for n in g_a:
+        torch.testing.assert_close(g_a[n], g_b[n], msg=n)
+    assert planner.remove_plan(clone)
+    assert len(clone.transformer.h[0].ln_1._forward_pre_hooks) == 0
+    assert len(model.transformer.h[0].ln_1._forward_pre_hooks) == 1
+    assert "forward" in vars(model.transformer.h[0])
+
+
 def test_trained_loss_close_to_vanilla(prof, batch):
     """A few SGD steps under the 1/4 plan follow the unplanned run."""
     p = planner.plan_from_profile(prof, int(0.25 * prof.vanilla_peak_bytes))
