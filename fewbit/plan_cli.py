@@ -90,6 +90,7 @@ def plan(model_name, budget, seq_len, batch, layers, hidden, device, optimizer, 
 
     import torch
 
+    # the device, config and sequence checks are those of `fewbit memory` (memory_cli.memory)
     if device.startswith("cuda") and not torch.cuda.is_available():
         _fail("--device cuda given but CUDA is not available")
     try:

@@ -578,11 +578,9 @@ def _copy_unplanned(model: nn.Module) -> nn.Module:
 
 
 def _call(model: nn.Module, batch: Any) -> Any:
-    if isinstance(batch, Mapping):
-        return model(**batch)
-    if isinstance(batch, (tuple, list)):
-        return model(*batch)
-    return model(batch)
+    from fewbit.memory import _call as call
+
+    return call(model, batch)
 
 
 def _sync(device: torch.device) -> None:
@@ -1240,6 +1238,7 @@ def plan_from_profile(prof: ModelProfile, memory_budget: Any, *, accuracy_weight
     return _make_plan(prof, choices, budget)
 
 
+# plan() repeats profile()'s keyword arguments on purpose: it is profile() followed by the solve.
 def plan(
     model: nn.Module,
     example_batch: Any,
