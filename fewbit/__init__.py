@@ -42,6 +42,10 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     # Fused linear + cross-entropy for language-model heads
     "losses": ("fewbit.losses", None),
     "linear_cross_entropy": ("fewbit.losses", "linear_cross_entropy"),
+    # Memory-budget planner
+    "planner": ("fewbit.planner", None),
+    "plan": ("fewbit.planner", "plan"),
+    "Plan": ("fewbit.planner", "Plan"),
 }
 
 __all__ = [
@@ -58,6 +62,8 @@ __all__ = [
     "memory",
     # losses
     "losses", "linear_cross_entropy",
+    # planner
+    "planner", "plan", "Plan",
 ]
 
 

@@ -41,6 +41,7 @@ import click
 from fewbit import __version__
 from fewbit._checks import check_bits, is_int
 from fewbit.memory_cli import memory
+from fewbit.plan_cli import plan
 from fewbit.table import Table, TableFormatError, atomic_output
 
 __all__ = ["cli", "main"]
@@ -824,6 +825,7 @@ def _plot(name: str, act: Any, params: Mapping[str, float], tables: Mapping[int,
 
 
 cli.add_command(memory)
+cli.add_command(plan)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -126,6 +126,10 @@ class Config:
             ``saved_bits="auto"`` only ``"group"``.
         adapt_interval: ``saved_bits="auto"``: steps (``adapt`` calls) between two GACT
             re-plans, >= 1 (default 1000).
+        fused_cross_entropy: compute a Hugging Face ``*ForCausalLM`` model's loss (when
+            ``labels`` are passed) with the exact chunked linear + cross-entropy of
+            :func:`fewbit.losses.patch_causal_lm_`, so the logits are never saved for
+            backward (docs/compression.md §5). Converting again with ``False`` undoes it.
 
     Raises:
         ValueError: naming the field, for any value outside the ranges above.
@@ -140,6 +144,7 @@ class Config:
     average_bits: float | None = None
     compressor: str = "group"
     adapt_interval: int = 1000
+    fused_cross_entropy: bool = False
 
     def __post_init__(self) -> None:
         if self.activation_bits is not None:
@@ -172,6 +177,8 @@ class Config:
         object.__setattr__(self, "min_numel", check_positive_int(self.min_numel, "min_numel", minimum=0))
         if not isinstance(self.stochastic, bool):
             raise ValueError(f"stochastic must be True or False, got {self.stochastic!r}")
+        if not isinstance(self.fused_cross_entropy, bool):
+            raise ValueError(f"fused_cross_entropy must be True or False, got {self.fused_cross_entropy!r}")
         layers = self.layers
         if isinstance(layers, str):
             layers = (layers,)
@@ -203,6 +210,9 @@ class ConversionSummary:
         compressed: ``{fqn: kind}`` of modules whose forward runs inside the compressor.
         compressor: the shared :class:`fewbit.quant.ActivationCompressor` (its ``stats``
             count bytes before/after), or ``None`` when ``saved_bits`` is ``None``.
+        fused_cross_entropy: whether the model's loss is the fused linear + cross-entropy
+            (``config.fused_cross_entropy``).
+        plan: the :class:`fewbit.Plan` applied by ``convert_(model, plan)``, else ``None``.
     """
 
     model: nn.Module
@@ -212,6 +222,8 @@ class ConversionSummary:
     unsupported: dict[str, str] = field(default_factory=dict)
     compressed: dict[str, str] = field(default_factory=dict)
     compressor: Any = None
+    fused_cross_entropy: bool = False
+    plan: Any = None
 
     def __str__(self) -> str:
         c = self.config
@@ -238,6 +250,10 @@ class ConversionSummary:
                 f"  compressing saved tensors of {len(self.compressed)} module(s) ({shown}) at "
                 f"{how}, group_size={c.group_size}"
             )
+        if self.fused_cross_entropy:
+            lines.append("  loss: fused linear + cross-entropy (no saved logits)")
+        if self.plan is not None:
+            lines.append(str(self.plan))
         return "\n".join(lines)
 
 
@@ -662,6 +678,28 @@ def compressor_of(model: nn.Module):
         if isinstance(hook, _StepHook):
             return hook.shared.compressor
     return None
+#: Set on a model whose fused loss :func:`convert_` installed (a re-conversion may undo only that one).
+_FUSED_CE_ATTR = "_fewbit_convert_fused_ce"
+
+
+def _is_causal_lm(model: nn.Module) -> bool:
+    """A Hugging Face ``*ForCausalLM`` (or GPT-2-style ``*LMHeadModel``) model."""
+    cls = type(model)
+    return (cls.__module__ or "").startswith("transformers") and cls.__name__.endswith(("ForCausalLM", "LMHeadModel"))
+
+
+def _set_fused_cross_entropy(model: nn.Module, config: Config, summary: ConversionSummary) -> None:
+    """Phase 3 of :func:`convert_`: patch (or unpatch) the loss of a causal LM."""
+    from fewbit.losses import patch_causal_lm_, unpatch_causal_lm_
+
+    ours = bool(vars(model).get(_FUSED_CE_ATTR))
+    if config.fused_cross_entropy and not ours:
+        patch_causal_lm_(model)
+        model.__dict__[_FUSED_CE_ATTR] = True
+    elif not config.fused_cross_entropy and ours:
+        unpatch_causal_lm_(model)
+        del model.__dict__[_FUSED_CE_ATTR]
+    summary.fused_cross_entropy = config.fused_cross_entropy
 
 
 def _check_arguments(model: Any, config: Any, bits: Any, filter_fn: Any) -> Config:
@@ -678,7 +716,13 @@ def _check_arguments(model: Any, config: Any, bits: Any, filter_fn: Any) -> Conf
     if config is None:
         config = Config() if bits is None else Config(activation_bits=bits)
     elif not isinstance(config, Config):
-        raise TypeError(f"config must be a fewbit.Config, got {type(config).__name__}")
+        raise TypeError(f"config must be a fewbit.Config or a fewbit.Plan, got {type(config).__name__}")
+    if config.fused_cross_entropy and not _is_causal_lm(model):
+        raise ValueError(f"fused_cross_entropy=True needs a Hugging Face *ForCausalLM model, got "
+                         f"{type(model).__name__}")
+    if config.fused_cross_entropy and not vars(model).get(_FUSED_CE_ATTR) and hasattr(model, "_fewbit_fused_cross_entropy"):
+        raise ValueError(f"fused_cross_entropy=True: model ({type(model).__name__}) is already patched by "
+                         "fewbit.losses.patch_causal_lm_; call unpatch_causal_lm_ first")
     if filter_fn is not None and not callable(filter_fn):
         raise TypeError(f"filter_fn must be callable(module, fqn) -> bool or None, got {type(filter_fn).__name__}")
     return config
@@ -689,7 +733,7 @@ def _check_arguments(model: Any, config: Any, bits: Any, filter_fn: Any) -> Conf
 
 def convert_(
     model: nn.Module,
-    config: Config | None = None,
+    config: "Config | Plan | None" = None,
     *,
     bits: int | None = None,
     filter_fn: Callable[[nn.Module, str], bool] | None = None,
@@ -710,7 +754,8 @@ def convert_(
             also inside ``nn.DataParallel``, ``DistributedDataParallel`` or a
             ``torch.compile`` wrapper, or a ``torch.fx.GraphModule``; not TorchScript.
         config: what to do; default ``Config()`` (3-bit activations, no saved-tensor
-            compression).
+            compression). A :class:`fewbit.Plan` (from :func:`fewbit.plan`) applies that plan
+            instead (:func:`fewbit.planner.apply_plan`; ``bits`` and ``filter_fn`` must be None).
         bits: shortcut for ``Config(activation_bits=bits)``; not together with ``config``.
         filter_fn: ``filter_fn(module, fqn) -> bool``; only modules for which it returns
             True are replaced or hooked (default: all). ``fqn`` is the dotted name from
@@ -726,12 +771,20 @@ def convert_(
         TypeError: if ``model`` is not an ``nn.Module`` or is a TorchScript module
             (``torch.jit.script``/``trace``: compiled, nothing in it can be replaced),
             ``config`` is not a :class:`Config`, or ``filter_fn`` is not callable.
-        ValueError: if both ``config`` and ``bits`` are given, or ``bits`` is out of range.
+        ValueError: if both ``config`` and ``bits`` are given, or ``bits`` is out of range;
+            ``config.fused_cross_entropy`` for a model that is not a Hugging Face causal LM.
 
     Example:
         >>> summary = fewbit.convert_(model, fewbit.Config(activation_bits=3, saved_bits=4))
         >>> print(summary)
     """
+    if type(config).__name__ == "Plan" and type(config).__module__ == "fewbit.planner":
+        if bits is not None or filter_fn is not None:
+            raise ValueError("convert_(model, plan) takes neither bits nor filter_fn: the plan says what to do")
+        _check_arguments(model, None, None, None)
+        from fewbit.planner import apply_plan
+
+        return apply_plan(model, config)
     config = _check_arguments(model, config, bits, filter_fn)
 
     def selected(m: nn.Module, fqn: str) -> bool:
@@ -741,4 +794,5 @@ def convert_(
     if config.activation_bits is not None:
         _replace_activations(model, config.activation_bits, selected, summary)
     _install_compression_hooks(model, config, selected, summary)
+    _set_fused_cross_entropy(model, config, summary)
     return summary

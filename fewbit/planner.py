@@ -1,0 +1,1393 @@
+"""Fit a training step into a memory budget: profiler, MILP planner, :class:`Plan` (Adacc).
+
+What users want is "train this model in this much memory, as fast as possible". For every
+tensor group that a repeated block (a GPT-2 ``transformer.h.N``) saves for backward, the
+planner chooses one option and minimises the time added to a training step subject to
+
+    M_static + M_outside + sum_b n_b * (sum_g bytes[g, choice_g] + input_b * z_b) + M_recompute <= budget
+
+(Adacc eq. 4-8; docs/compression.md §4), solved exactly with
+``scipy.optimize.milp`` (HiGHS). Repeated blocks of one type (same class, same structure)
+share one policy, so the problem has one variable per (block type, tensor group, option).
+
+Granularity and options (:data:`DEFAULT_OPTIONS`, data-driven: :func:`get_option` parses a name):
+
+- a *tensor group* is what one module of the block saves while it is the innermost running
+  module (``attn.c_attn``: the input of the qkv projection; ``attn``: what the attention's own
+  forward saves, e.g. SDPA's q, k, v, output and logsumexp; ``mlp.act``: the activation's
+  input; ``ln_1``: the norm's input and statistics; dropout masks);
+- ``keep``: saved as it is;
+- ``quant<b>`` (b in 1, 2, 4, 8): the module runs inside a :class:`fewbit.quant.ActivationCompressor`
+  (group quantizer, docs/method.md §7);
+- ``fewbit<b>`` (pointwise activation modules only): replaced by the fewbit module that keeps a
+  b-bit code per element (Novikov et al., "Few-bit Backward", ICML 2023);
+- ``recompute``: not saved; the block runs under ``torch.utils.checkpoint.checkpoint(...,
+  use_reentrant=False)`` and what the group saves goes to the checkpoint, so backward re-runs
+  the block's forward up to the last recomputed group (``early_stop``). The block input is the
+  checkpoint: it is kept. Groups that keep or compress inside a checkpointed block push their
+  own saved-tensor hooks in a forward pre-hook, on top of the checkpoint's, so what they save is
+  stored (compressed or not) and not recomputed; groups that recompute inside such a module
+  push the checkpoint's hooks back.
+
+Cost model (seconds per training step, all measured by :func:`profile`): recomputing costs the
+block's forward time up to the end of the last recomputed group (a chain of binaries
+``z_g >= z_{g+1}``, ``z_g >= x[g, recompute]``); compressing costs the measured pack + unpack
+time, twice for groups re-run by the recomputation; a fewbit activation costs the measured
+difference of its forward + backward to the original's. The memory that a recomputation
+materialises during backward (the recomputed groups of one block) is counted in the peak.
+A small penalty ``accuracy_weight * forward_time * share * (2**bits - 1)**-2`` (the relative
+variance of a b-bit rounding step) breaks ties towards more bits.
+
+Static memory is measured, not guessed: parameters + gradients + optimizer state
+(``optimizer="adamw"``: two fp32-sized tensors per parameter, as ``torch.optim.AdamW``;
+``"sgd"``: none; ``"sgd_momentum"``: one) + what is saved outside the blocks (embeddings,
+final norm, loss) + on CUDA the transient memory of a step (its ``max_memory_allocated``
+above the static and saved bytes).
+
+Policy evolution (Adacc): :class:`Replanner` re-profiles at steps 1, 2, 4, 8, ... and
+re-plans when a measured compression rate drifts by more than a tolerance.
+
+Example:
+    >>> plan = fewbit.plan(model, batch, memory_budget="2GiB")
+    >>> print(plan)
+    >>> fewbit.convert_(model, plan)
+    >>> plan.save("plan.json"); plan = fewbit.Plan.load("plan.json")
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import inspect
+import json
+import math
+import re
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from fewbit._checks import check_positive_int, is_int
+from fewbit.convert import _is_causal_lm
+
+__all__ = [
+    "Option",
+    "DEFAULT_OPTIONS",
+    "OPTIMIZER_STATES",
+    "get_option",
+    "parse_budget",
+    "find_blocks",
+    "GroupProfile",
+    "BlockProfile",
+    "ModelProfile",
+    "profile",
+    "GroupChoice",
+    "BlockPolicy",
+    "Plan",
+    "plan",
+    "solve",
+    "apply_plan",
+    "remove_plan",
+    "Replanner",
+    "PLAN_VERSION",
+]
+
+#: Version of :meth:`Plan.to_json`'s format.
+PLAN_VERSION = 1
+
+#: Optimizer state per parameter, in multiples of the parameter's bytes.
+OPTIMIZER_STATES: dict[str, int] = {"adamw": 2, "adam": 2, "sgd": 0, "sgd_momentum": 1, "none": 0}
+
+#: Options the planner considers when none are given.
+DEFAULT_OPTIONS: tuple[str, ...] = ("keep", "quant8", "quant4", "quant2", "fewbit3", "recompute")
+
+_STATE_ATTR = "_fewbit_plan_state"
+
+
+# --------------------------------------------------------------------------- options
+
+
+@dataclass(frozen=True)
+class Option:
+    """One way to treat a tensor group.
+
+    Attributes:
+        name: ``"keep"``, ``"recompute"``, ``"quant<bits>"`` or ``"fewbit<bits>"``.
+        kind: ``"keep"``, ``"recompute"``, ``"quant"`` (group quantizer) or ``"fewbit"``
+            (few-bit activation; pointwise activation modules only).
+        bits: bits per element of ``quant``/``fewbit``; ``None`` otherwise.
+    """
+
+    name: str
+    kind: str
+    bits: int | None = None
+
+    @property
+    def noise(self) -> float:
+        """Relative variance of one rounding step, ``(2**bits - 1)**-2`` (0 for exact options)."""
+        return 0.0 if self.bits is None else (2.0**self.bits - 1.0) ** -2
+
+    def applies_to(self, activation: bool) -> bool:
+        """Whether the option can be used for a group (``fewbit`` needs an activation module)."""
+        return self.kind != "fewbit" or activation
+
+
+def get_option(name: str) -> Option:
+    """Parse an option name (:data:`DEFAULT_OPTIONS`; ``quant1/2/4/8``, ``fewbit1`` .. ``fewbit8``).
+
+    Raises:
+        ValueError: naming ``options`` and the allowed forms.
+    """
+    from fewbit.quant import SUPPORTED_BITS
+
+    if isinstance(name, str):
+        if name in ("keep", "recompute"):
+            return Option(name, name)
+        m = re.fullmatch(r"(quant|fewbit)(\d+)", name)
+        if m:
+            kind, bits = m.group(1), int(m.group(2))
+            allowed = SUPPORTED_BITS if kind == "quant" else range(1, 9)
+            if bits in allowed:
+                return Option(name, kind, bits)
+    raise ValueError(
+        "options must be 'keep', 'recompute', 'quant<bits>' with bits in (1, 2, 4, 8) or "
+        f"'fewbit<bits>' with bits in 1..8, got {name!r}")
+
+
+def _options(names: Iterable[str] | None) -> list[Option]:
+    if names is None:
+        names = DEFAULT_OPTIONS
+    if isinstance(names, str):
+        names = (names,)
+    opts = []
+    for n in names:
+        o = get_option(n)
+        if o not in opts:
+            opts.append(o)
+    if not any(o.kind == "keep" for o in opts):
+        opts.insert(0, Option("keep", "keep"))
+    return opts
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_budget(value: Any, name: str = "memory_budget") -> int | float:
+    """Bytes from ``2GiB``, ``512MB``, ``1.5 GiB`` or an int; a fraction for ``"50%"``.
+
+    Returns:
+        int bytes, or a float in (0, 1] for a percentage (of the vanilla peak).
+
+    Raises:
+        ValueError: naming ``name``, for anything else or a value that is not positive.
+    """
+    if is_int(value) and not isinstance(value, bool):
+        if value <= 0:
+            raise ValueError(f"{name} must be positive, got {value!r}")
+        return int(value)
+    if isinstance(value, str):
+        m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(%|[kKmMgGtT]?i?[bB]?)\s*", value)
+        if m and m.group(2) == "%":
+            frac = float(m.group(1)) / 100.0
+            if 0 < frac <= 1:
+                return frac
+        elif m and m.group(2).lower() in _UNITS:
+            n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+            if n > 0:
+                return n
+    raise ValueError(
+        f"{name} must be a positive number of bytes (an int, or a string such as '2GiB', '512MB', "
+        f"'1.5GB') or a percentage of the unplanned peak in (0, 100] such as '50%', got {value!r}")
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+# --------------------------------------------------------------------------- blocks
+
+
+def _signature(m: nn.Module) -> tuple:
+    return (type(m).__qualname__,) + tuple(
+        (n, type(s).__qualname__, tuple(tuple(p.shape) for p in s.parameters(recurse=False)))
+        for n, s in m.named_modules())
+
+
+def find_blocks(model: nn.Module) -> list[tuple[str, list[str]]]:
+    """The repeated blocks of ``model``: ``[(block type, [fqn, ...]), ...]``.
+
+    Blocks are the children of ``nn.ModuleList``s (not nested in another block) that have
+    submodules; those of one class and one structure (names, classes, parameter shapes) form a
+    block type, which gets one policy.
+
+    Raises:
+        ValueError: if the model has no such blocks.
+    """
+    types: dict[tuple, list[str]] = {}
+    names: dict[tuple, str] = {}
+    taken: list[str] = []
+    for fqn, m in model.named_modules():
+        if not isinstance(m, nn.ModuleList) or any(fqn.startswith(p) for p in taken):
+            continue
+        for i, child in enumerate(m):
+            if child is None or not any(True for _ in child.children()):
+                continue
+            cfqn = f"{fqn}.{i}" if fqn else str(i)
+            sig = _signature(child)
+            types.setdefault(sig, []).append(cfqn)
+            names.setdefault(sig, type(child).__name__)
+            taken.append(cfqn + ".")
+    if not types:
+        raise ValueError(f"model ({type(model).__name__}) has no repeated blocks (children of an nn.ModuleList "
+                         "with submodules) to plan for")
+    out = []
+    seen: dict[str, int] = {}
+    for sig, fqns in types.items():
+        base = names[sig]
+        k = seen.get(base, 0)
+        seen[base] = k + 1
+        out.append((base if k == 0 else f"{base}#{k}", fqns))
+    return out
+
+
+# --------------------------------------------------------------------------- profile data
+
+
+@dataclass
+class GroupProfile:
+    """One tensor group of a block type.
+
+    Attributes:
+        name: fqn of the saving module relative to the block (``""``: the block's own forward).
+        module_type: its class name.
+        activation: a pointwise activation module (``fewbit<b>`` options apply).
+        order: position of the module's first call in the block's forward.
+        end_time: seconds from the block's start to the end of this module's forward.
+        options: ``{option name: [bytes kept per block, added seconds per block]}``
+            (``keep``: the saved bytes and 0; ``recompute``: 0 bytes, the cost is in ``end_time``).
+    """
+
+    name: str
+    module_type: str
+    activation: bool
+    order: int
+    end_time: float
+    options: dict[str, list[float]] = field(default_factory=dict)
+
+    @property
+    def bytes(self) -> int:
+        return int(self.options["keep"][0])
+
+
+@dataclass
+class BlockProfile:
+    """A block type: its blocks, input bytes, forward time and tensor groups (in call order)."""
+
+    block_type: str
+    blocks: list[str]
+    input_bytes: int
+    forward_time: float
+    groups: list[GroupProfile]
+
+
+@dataclass
+class ModelProfile:
+    """One measured training step (:func:`profile`). Bytes are bytes; times seconds.
+
+    Attributes:
+        parameter_bytes / gradient_bytes / optimizer_bytes: static memory (optimizer state
+            from :data:`OPTIMIZER_STATES`).
+        outside_bytes: saved for backward outside the blocks (embeddings, final norm, loss).
+        transient_bytes: on CUDA, the step's ``max_memory_allocated`` above static + saved
+            (workspaces, gradients in flight); 0 on CPU.
+        saved_bytes: everything saved for backward by the unplanned step.
+        step_time: median seconds of an unplanned forward + backward.
+    """
+
+    blocks: list[BlockProfile]
+    parameter_bytes: int
+    gradient_bytes: int
+    optimizer_bytes: int
+    outside_bytes: int
+    transient_bytes: int
+    saved_bytes: int
+    step_time: float
+    optimizer: str
+    device: str
+    fused_cross_entropy: bool
+    options: list[str]
+    group_size: int
+    min_numel: int
+
+    @property
+    def static_bytes(self) -> int:
+        return self.parameter_bytes + self.gradient_bytes + self.optimizer_bytes + self.transient_bytes
+
+    @property
+    def vanilla_peak_bytes(self) -> int:
+        """Static memory + everything the unplanned step saves."""
+        return self.static_bytes + self.saved_bytes
+
+
+# --------------------------------------------------------------------------- applying a policy
+
+
+def _identity_pack(t: torch.Tensor) -> torch.Tensor:
+    return t.detach()  # a detached alias: no reference cycle through a saved output
+
+
+def _identity_unpack(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+class _State:
+    """What :func:`apply_plan` did to a model, so that :func:`remove_plan` can undo it."""
+
+    def __init__(self, plan: "Plan") -> None:
+        self.plan = plan
+        self.blocks: list[nn.Module] = []
+        self.replaced: list[tuple[nn.Module, str, nn.Module]] = []  # (parent, name, original)
+        self.compressors: dict[str, Any] = {}
+        self.checkpoint_hooks: list = []  # the checkpoint's (pack, unpack) per running block
+        self.patched_loss = False
+
+
+class _GroupHook:
+    """Forward pre-hook / hook (always called) pushing the saved-tensor hooks of one group."""
+
+    def __init__(self, state: _State, option: Option) -> None:
+        self.state = state
+        self.option = option
+        self.stack: list = []
+
+    def pre(self, module, args):
+        o = self.option
+        if o.kind == "quant":
+            ctx = self.state.compressors[o.name]
+        elif o.kind == "recompute":
+            top = self.state.checkpoint_hooks[-1] if self.state.checkpoint_hooks else None
+            ctx = torch.autograd.graph.saved_tensors_hooks(*top) if top is not None else None
+        else:  # keep, fewbit (the fewbit module saves its codes; keep them)
+            ctx = torch.autograd.graph.saved_tensors_hooks(_identity_pack, _identity_unpack)
+        if ctx is not None:
+            ctx.__enter__()
+        self.stack.append(ctx)
+
+    def post(self, module, args, output):
+        if self.stack:
+            ctx = self.stack.pop()
+            if ctx is not None:
+                ctx.__exit__(None, None, None)
+
+
+class _HoldInput(torch.autograd.Function):
+    """Identity that saves its input: the checkpoint holds the block input, this makes it visible
+    to saved-tensor hooks (fewbit.memory counts it)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+_CACHE_ARGS = ("past_key_values", "past_key_value", "layer_past")
+
+
+def _checkpointed_forward(state: _State, block: nn.Module, forward: Callable, root: _GroupHook | None,
+                          signature: inspect.Signature | None, *args, **kwargs):
+    def run(*a, **k):
+        state.checkpoint_hooks.append(torch._C._autograd._top_saved_tensors_default_hooks(False))
+        try:
+            if root is not None:
+                root.pre(block, a)
+            try:
+                return forward(*a, **k)
+            finally:
+                if root is not None:
+                    root.post(block, a, None)
+        finally:
+            state.checkpoint_hooks.pop()
+
+    if not torch.is_grad_enabled():
+        return forward(*args, **kwargs)
+    if signature is not None:  # as transformers' GradientCheckpointingLayer: no cache while recomputing
+        try:
+            bound = signature.bind_partial(*args, **kwargs)
+        except TypeError:
+            bound = None
+        if bound is not None:
+            changed = False
+            for name in _CACHE_ARGS:
+                if bound.arguments.get(name) is not None:
+                    bound.arguments[name] = None
+                    changed = True
+            if bound.arguments.get("use_cache"):
+                bound.arguments["use_cache"] = False
+                changed = True
+            if changed:
+                args, kwargs = bound.args, bound.kwargs
+    args = list(args)
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor) and a.is_floating_point():
+            args[i] = _HoldInput.apply(a)
+            break
+    from torch.utils.checkpoint import checkpoint
+
+    return checkpoint(run, *args, use_reentrant=False, **kwargs)
+
+
+def _plain_forward(block: nn.Module, forward: Callable, root: _GroupHook, *args, **kwargs):
+    root.pre(block, args)
+    try:
+        return forward(*args, **kwargs)
+    finally:
+        root.post(block, args, None)
+
+
+def remove_plan(model: nn.Module) -> bool:
+    """Undo :func:`apply_plan` in place (hooks, block forwards, fewbit activations, fused loss).
+
+    Returns:
+        Whether a plan was applied.
+    """
+    state = vars(model).get(_STATE_ATTR)
+    if state is None:
+        return False
+    for m in model.modules():  # by type, not by handle: a deep copy of a planned model works too
+        for hooks in (m._forward_pre_hooks, m._forward_hooks):
+            for k, h in list(hooks.items()):
+                if isinstance(getattr(h, "__self__", None), _GroupHook):
+                    del hooks[k]
+                    m._forward_hooks_always_called.pop(k, None)
+    for block in state.blocks:
+        vars(block).pop("forward", None)
+    for parent, name, original in state.replaced:
+        parent._modules[name] = original
+    if state.patched_loss:
+        from fewbit.losses import unpatch_causal_lm_
+
+        if hasattr(model, "_fewbit_fused_cross_entropy"):
+            unpatch_causal_lm_(model)
+    del model.__dict__[_STATE_ATTR]
+    return True
+
+
+def _apply_choices(model: nn.Module, plan: "Plan") -> _State:
+    """Install ``plan``'s choices on ``model`` (any earlier plan removed first)."""
+    from fewbit import modules as fm
+    from fewbit.convert import _torch_factories, _hf_factories
+    from fewbit.quant import ActivationCompressor
+
+    remove_plan(model)
+    state = _State(plan)
+    named = dict(model.named_modules())
+    for bp in plan.blocks:  # check everything before touching the model
+        for fqn in bp.blocks:
+            if fqn not in named:
+                raise ValueError(f"plan does not fit the model: it has no module {fqn!r} (block type {bp.block_type})")
+            for g in bp.groups:
+                if g.name and f"{fqn}.{g.name}" not in named:
+                    raise ValueError(f"plan does not fit the model: it has no module {fqn}.{g.name}")
+    if plan.fused_cross_entropy and not hasattr(model, "_fewbit_fused_cross_entropy"):
+        from fewbit.losses import patch_causal_lm_
+
+        patch_causal_lm_(model)
+        state.patched_loss = True
+    factories = _torch_factories()
+    factories.update(_hf_factories()[0])
+    for bp in plan.blocks:
+        for g in bp.groups:
+            o = get_option(g.option)
+            if o.kind == "quant" and o.name not in state.compressors:
+                state.compressors[o.name] = ActivationCompressor(
+                    o.bits, group_size=plan.group_size, min_numel=plan.min_numel)
+        checkpointed = bp.checkpoint
+        for fqn in bp.blocks:
+            block = named[fqn]
+            root = None
+            for g in bp.groups:
+                o = get_option(g.option)
+                hook = _GroupHook(state, o)
+                if not g.name:
+                    root = hook
+                    continue
+                mfqn = f"{fqn}.{g.name}"
+                module = named[mfqn]
+                if o.kind == "fewbit" and not isinstance(module, (fm._FewBit, fm.FewBitActivation)):
+                    factory = factories.get(type(module))
+                    new = factory(module, o.bits) if factory is not None else None
+                    if isinstance(new, nn.Module):
+                        parent_name, _, child = mfqn.rpartition(".")
+                        parent = named[parent_name] if parent_name else model
+                        new.train(module.training)
+                        parent._modules[child] = new
+                        state.replaced.append((parent, child, module))
+                        module = new
+                module.register_forward_pre_hook(hook.pre)
+                module.register_forward_hook(hook.post, always_call=True)
+            forward = block.forward
+            if checkpointed:
+                try:
+                    sig = inspect.signature(forward)
+                except (TypeError, ValueError):
+                    sig = None
+                block.forward = functools.partial(_checkpointed_forward, state, block, forward, root, sig)
+            elif root is not None:
+                block.forward = functools.partial(_plain_forward, block, forward, root)
+            else:
+                continue
+            state.blocks.append(block)
+    model.__dict__[_STATE_ATTR] = state
+    return state
+
+
+# --------------------------------------------------------------------------- profiling
+
+
+def _copy_unplanned(model: nn.Module) -> nn.Module:
+    """A deep copy of ``model`` without its plan and without a fused-loss patch (the patch's
+    closures would still point at the original); both are put back on ``model``."""
+    from fewbit.losses import patch_causal_lm_, unpatch_causal_lm_
+
+    state = vars(model).get(_STATE_ATTR)
+    patch = getattr(model, "_fewbit_fused_cross_entropy", None)
+    if state is not None:
+        remove_plan(model)
+        patch = getattr(model, "_fewbit_fused_cross_entropy", None)
+    if patch is not None:
+        unpatch_causal_lm_(model)
+    try:
+        return copy.deepcopy(model)
+    finally:
+        if patch is not None:
+            patch_causal_lm_(model, chunk_size=patch.chunk_size, grad_in_forward=patch.grad_in_forward)
+        if state is not None:
+            _apply_choices(model, state.plan)
+
+
+def _call(model: nn.Module, batch: Any) -> Any:
+    from fewbit.memory import _call as call
+
+    return call(model, batch)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _step(model: nn.Module, batch: Any, loss_fn: Callable) -> torch.Tensor:
+    with torch.enable_grad():
+        loss = loss_fn(_call(model, batch))
+        loss.backward()
+    return loss.detach()
+
+
+def _recorded_step(model: nn.Module, batch: Any, loss_fn: Callable):
+    from fewbit.memory import SavedTensorRecorder
+
+    rec = SavedTensorRecorder(model)
+    with torch.enable_grad():
+        with rec:
+            loss = loss_fn(_call(model, batch))
+        loss.backward()
+    model.zero_grad(set_to_none=True)
+    return rec
+
+
+def _uniform_plan(prof_blocks: list[BlockProfile], groups: dict[str, list[str]], option: str, base: "Plan") -> "Plan":
+    blocks = []
+    for bp in prof_blocks:
+        gs = [GroupChoice(n, "", option, 0, 0, 0.0) for n in groups[bp.block_type]]
+        blocks.append(BlockPolicy(bp.block_type, bp.blocks, option == "recompute", 0, gs))
+    return Plan(budget_bytes=0, blocks=blocks, static_bytes=0, outside_bytes=0, predicted_peak_bytes=0,
+                predicted_step_time=0.0, vanilla_peak_bytes=0, vanilla_step_time=0.0,
+                fused_cross_entropy=False, optimizer=base.optimizer, group_size=base.group_size,
+                min_numel=base.min_numel)
+
+
+def _block_timings(work: nn.Module, blocks: list[tuple[str, list[str]]], batch, loss_fn, device, repeats):
+    """Per block type (its first block): ``{relative fqn: (order, end time)}``, forward time, input
+    bytes, the saved tensors per group, and the median step time."""
+    named = dict(work.named_modules())
+    ends: dict[str, dict[str, list[float]]] = {t: {} for t, _ in blocks}
+    order: dict[str, dict[str, int]] = {t: {} for t, _ in blocks}
+    fwd: dict[str, list[float]] = {t: [] for t, _ in blocks}
+    inputs: dict[str, int] = {}
+    start: dict[str, float] = {}
+    handles = []
+    for btype, fqns in blocks:
+        block = named[fqns[0]]
+
+        def bpre(m, args, kwargs, _t=btype):
+            _sync(device)
+            start[_t] = time.perf_counter()
+            x = next((a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)), None)
+            inputs[_t] = 0 if x is None else x.untyped_storage().nbytes()
+
+        def bpost(m, args, out, _t=btype):
+            _sync(device)
+            fwd[_t].append(time.perf_counter() - start[_t])
+
+        handles.append(block.register_forward_pre_hook(bpre, with_kwargs=True))
+        handles.append(block.register_forward_hook(bpost, always_call=True))
+        for rel, sub in block.named_modules():
+            if not rel:
+                continue
+
+            def pre(m, args, _t=btype, _r=rel):
+                order[_t].setdefault(_r, len(order[_t]))
+
+            def post(m, args, out, _t=btype, _r=rel):
+                _sync(device)
+                ends[_t].setdefault(_r, []).append(time.perf_counter() - start[_t])
+
+            handles.append(sub.register_forward_pre_hook(pre))
+            handles.append(sub.register_forward_hook(post, always_call=True))
+    steps = []
+    kept: dict[str, dict[str, list[float]]] = {t: {} for t, _ in blocks}
+    try:
+        for i in range(repeats + 1):
+            for v in ends.values():
+                for lst in v.values():
+                    lst.clear()
+            _sync(device)
+            t0 = time.perf_counter()
+            _step(work, batch, loss_fn)
+            _sync(device)
+            work.zero_grad(set_to_none=True)
+            if i:  # the first run warms up
+                steps.append(time.perf_counter() - t0)
+                for t in ends:
+                    for r, lst in ends[t].items():
+                        kept[t].setdefault(r, []).append(max(lst) if lst else 0.0)
+    finally:
+        for h in handles:
+            h.remove()
+    out = {}
+    for t, _ in blocks:
+        e = {r: statistics.median(v) for r, v in kept[t].items()}
+        out[t] = ({r: (order[t][r], e.get(r, 0.0)) for r in order[t]},
+                  statistics.median(fwd[t][-repeats:]) if fwd[t] else 0.0, inputs.get(t, 0))
+    return out, statistics.median(steps)
+
+
+def _capture(work: nn.Module, blocks, batch, loss_fn, groups):
+    """Run a forward of ``work`` and return the tensors each group of each block type's first block
+    saves (originals, to be compressed by the timing code) and the inputs of its activation modules."""
+    named = dict(work.named_modules())
+    saved: dict[tuple[str, str], list[torch.Tensor]] = {}
+    act_in: dict[tuple[str, str], torch.Tensor] = {}
+    handles, stack = [], []
+    for btype, fqns in blocks:
+        block = named[fqns[0]]
+        for rel, sub in block.named_modules():
+            if rel not in groups[btype]:
+                continue
+            key = (btype, rel)
+
+            def pack(t, _k=key):
+                saved.setdefault(_k, []).append(t)
+                return t.detach()
+
+            def pre(m, args, _p=pack, _k=key, _act=groups[btype][rel]):
+                if _act and args and isinstance(args[0], torch.Tensor):
+                    act_in.setdefault(_k, args[0].detach())
+                ctx = torch.autograd.graph.saved_tensors_hooks(_p, _identity_unpack)
+                ctx.__enter__()
+                stack.append(ctx)
+
+            def post(m, args, out):
+                if stack:
+                    stack.pop().__exit__(None, None, None)
+
+            handles.append(sub.register_forward_pre_hook(pre))
+            handles.append(sub.register_forward_hook(post, always_call=True))
+    try:
+        with torch.enable_grad():
+            loss = loss_fn(_call(work, batch))
+        del loss
+    finally:
+        for h in handles:
+            h.remove()
+    return saved, act_in
+
+
+def _median_time(fn: Callable[[], Any], device, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _compress_time(tensors: list[torch.Tensor], option: Option, plan_like, device, repeats) -> float:
+    from fewbit.quant import ActivationCompressor
+
+    if not tensors:
+        return 0.0
+    comp = ActivationCompressor(option.bits, group_size=plan_like.group_size, min_numel=plan_like.min_numel)
+
+    def run():
+        comp._cache.clear()  # time every tensor, as a fresh step does
+        for t in tensors:
+            comp._unpack(comp._pack(t))
+
+    return _median_time(run, device, repeats)
+
+
+def _fewbit_time(module: nn.Module, x: torch.Tensor, option: Option, factories, device, repeats) -> float | None:
+    factory = factories.get(type(module))
+    new = factory(module, option.bits) if factory is not None else None
+    if not isinstance(new, nn.Module):
+        return None
+
+    def fb(m):
+        def run():
+            xi = x.detach().requires_grad_(True)
+            m(xi).sum().backward()
+        return run
+
+    return max(0.0, _median_time(fb(new), device, repeats) - _median_time(fb(module), device, repeats))
+
+
+def profile(
+    model: nn.Module,
+    example_batch: Any,
+    *,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    options: Iterable[str] | None = None,
+    optimizer: str = "adamw",
+    fused_cross_entropy: bool | None = None,
+    group_size: int = 256,
+    min_numel: int = 4096,
+    repeats: int = 3,
+) -> ModelProfile:
+    """Measure one training step of ``model`` per block and tensor group (Adacc's profile).
+
+    The model is not changed: the measurements run on a deep copy (gradients land there).
+    Saved bytes come from :class:`fewbit.memory.SavedTensorRecorder` (exact, deduplicated), per
+    option from a step with every group under that option; recompute times from forward hooks
+    (end of each module's forward, from the block's start; median of ``repeats`` steps);
+    compress + decompress times from the compressor run on the tensors the first block saves;
+    fewbit activations from their forward + backward against the original module's.
+
+    Args:
+        model: an ``nn.Module`` with repeated blocks (:func:`find_blocks`).
+        example_batch: a tensor, tuple (``model(*batch)``) or mapping (``model(**batch)``).
+        loss_fn: ``loss_fn(output) -> scalar``; default ``output.loss`` (Hugging Face with labels).
+        options: option names (:data:`DEFAULT_OPTIONS`).
+        optimizer: one of :data:`OPTIMIZER_STATES` (static memory of its state).
+        fused_cross_entropy: compute a Hugging Face ``*ForCausalLM``'s loss with
+            :func:`fewbit.losses.patch_causal_lm_` (no saved logits); ``None``: when the model
+            is one and ``example_batch`` has ``labels``.
+        group_size, min_numel: of the group quantizer (:class:`fewbit.quant.ActivationCompressor`).
+        repeats: timed steps (after one warm-up), >= 1.
+
+    Returns:
+        A :class:`ModelProfile`.
+
+    Raises:
+        ValueError: bad ``optimizer``, ``options``, ``repeats``, ``group_size``, ``min_numel``;
+            a model without repeated blocks; ``fused_cross_entropy=True`` for a model that is not
+            a Hugging Face causal LM.
+    """
+    from fewbit.convert import _hf_factories, _torch_factories
+    from fewbit.memory import _default_loss, is_activation_module
+
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if optimizer not in OPTIMIZER_STATES:
+        raise ValueError(f"optimizer must be one of {tuple(OPTIMIZER_STATES)}, got {optimizer!r}")
+    opts = _options(options)
+    repeats = check_positive_int(repeats, "repeats")
+    group_size = check_positive_int(group_size, "group_size")
+    min_numel = check_positive_int(min_numel, "min_numel", minimum=0)
+    loss_fn = loss_fn or _default_loss
+    has_labels = isinstance(example_batch, Mapping) and example_batch.get("labels") is not None
+    if fused_cross_entropy is None:
+        fused_cross_entropy = _is_causal_lm(model) and has_labels
+    elif fused_cross_entropy and not _is_causal_lm(model):
+        raise ValueError(f"fused_cross_entropy=True needs a Hugging Face *ForCausalLM model, got {type(model).__name__}")
+    blocks = find_blocks(model)
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+
+    work = _copy_unplanned(model)
+    if fused_cross_entropy and not hasattr(work, "_fewbit_fused_cross_entropy"):
+        from fewbit.losses import patch_causal_lm_
+
+        patch_causal_lm_(work)
+    named = dict(work.named_modules())
+
+    # 1. the unplanned step: saved bytes per module, peak
+    if device.type == "cuda":
+        _sync(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base_alloc = torch.cuda.memory_allocated(device)
+    rec = _recorded_step(work, example_batch, loss_fn)
+    transient = 0
+    n_params = sum(p.numel() * p.element_size() for p in work.parameters())
+    if device.type == "cuda":
+        _sync(device)
+        peak = torch.cuda.max_memory_allocated(device) - base_alloc
+        transient = max(0, int(peak) - rec.saved_bytes - n_params)  # gradients are allocated in the step
+    by_module = dict(rec.by_module)
+
+    # groups: modules of the first block that save something, in call order
+    timings, step_time = _block_timings(work, blocks, example_batch, loss_fn, device, repeats)
+    groups: dict[str, dict[str, bool]] = {}
+    block_profiles: list[BlockProfile] = []
+    inside = 0
+    for btype, fqns in blocks:
+        rel_bytes: dict[str, int] = {}
+        for fqn in fqns:
+            for name, b in by_module.items():
+                if name == fqn or name.startswith(fqn + "."):
+                    rel = name[len(fqn) + 1:] if name != fqn else ""
+                    rel_bytes[rel] = max(rel_bytes.get(rel, 0), b)
+                    inside += b
+        times, fwd_time, in_bytes = timings[btype]
+        gs = []
+        for rel, b in rel_bytes.items():
+            if b <= 0:
+                continue
+            mod = named[f"{fqns[0]}.{rel}"] if rel else named[fqns[0]]
+            o, end = times.get(rel, (-1, fwd_time))
+            gs.append(GroupProfile(rel, type(mod).__name__, is_activation_module(mod), o, end,
+                                   {"keep": [b, 0.0]}))
+        gs.sort(key=lambda g: (g.end_time, g.order))
+        groups[btype] = {g.name: g.activation for g in gs}
+        block_profiles.append(BlockProfile(btype, list(fqns), in_bytes, fwd_time, gs))
+    outside = rec.saved_bytes - inside
+
+    # 2. bytes per option: one recorded step with every group under it
+    like = Plan(budget_bytes=0, blocks=[], static_bytes=0, outside_bytes=0, predicted_peak_bytes=0,
+                predicted_step_time=0.0, vanilla_peak_bytes=0, vanilla_step_time=0.0,
+                fused_cross_entropy=False, optimizer=optimizer, group_size=group_size, min_numel=min_numel)
+    group_names = {t: list(g) for t, g in groups.items()}
+    for o in opts:
+        if o.kind in ("keep", "recompute"):
+            continue
+        trial = copy.deepcopy(work) if o.kind == "fewbit" else work
+        _apply_choices(trial, _uniform_plan(block_profiles, group_names, o.name, like))
+        try:
+            r = _recorded_step(trial, example_batch, loss_fn)
+        finally:
+            remove_plan(trial)
+        for bp in block_profiles:
+            for g in bp.groups:
+                if not o.applies_to(g.activation):
+                    continue
+                b = max(r.by_module.get(f"{fqn}.{g.name}" if g.name else fqn, 0) for fqn in bp.blocks)
+                g.options[o.name] = [b, 0.0]
+        del trial
+
+    # 3. times: compress + decompress on the real tensors, fewbit against the original
+    saved, act_in = _capture(work, blocks, example_batch, loss_fn, groups)
+    factories = _torch_factories()
+    factories.update(_hf_factories()[0])
+    for bp in block_profiles:
+        for g in bp.groups:
+            for o in opts:
+                if o.name not in g.options or o.kind in ("keep", "recompute"):
+                    continue
+                if o.kind == "quant":
+                    g.options[o.name][1] = _compress_time(saved.get((bp.block_type, g.name), []), o, like,
+                                                          device, repeats)
+                else:
+                    x = act_in.get((bp.block_type, g.name))
+                    mod = named[f"{bp.blocks[0]}.{g.name}"]
+                    t = None if x is None else _fewbit_time(mod, x, o, factories, device, repeats)
+                    if t is None:
+                        del g.options[o.name]
+                    else:
+                        g.options[o.name][1] = t
+            if any(o.kind == "recompute" for o in opts):
+                g.options["recompute"] = [0, 0.0]
+    del saved, act_in, work
+
+    return ModelProfile(
+        blocks=block_profiles, parameter_bytes=n_params, gradient_bytes=sum(
+            p.numel() * p.element_size() for p in model.parameters() if p.requires_grad),
+        optimizer_bytes=OPTIMIZER_STATES[optimizer] * sum(
+            p.numel() * p.element_size() for p in model.parameters() if p.requires_grad),
+        outside_bytes=max(0, outside), transient_bytes=transient, saved_bytes=rec.saved_bytes,
+        step_time=step_time, optimizer=optimizer, device=str(device),
+        fused_cross_entropy=bool(fused_cross_entropy), options=[o.name for o in opts],
+        group_size=group_size, min_numel=min_numel)
+
+
+# --------------------------------------------------------------------------- plan
+
+
+@dataclass
+class GroupChoice:
+    """The option chosen for one tensor group (per block of the type).
+
+    Attributes:
+        name: fqn relative to the block; module_type: class name; option: option name;
+        saved_bytes: bytes it saves unplanned; planned_bytes: bytes it keeps under the plan;
+        added_time: seconds it adds per block (pack + unpack, fewbit), recompute excluded.
+    """
+
+    name: str
+    module_type: str
+    option: str
+    saved_bytes: int
+    planned_bytes: int
+    added_time: float
+
+
+@dataclass
+class BlockPolicy:
+    """The policy shared by the blocks of one type.
+
+    Attributes:
+        block_type: class name; blocks: their fqns; checkpoint: whether the blocks run under
+        ``torch.utils.checkpoint`` (some group recomputes); input_bytes: the block input kept as
+        the checkpoint; recompute_time: seconds per block of re-running the forward; groups.
+    """
+
+    block_type: str
+    blocks: list[str]
+    checkpoint: bool
+    input_bytes: int
+    groups: list[GroupChoice]
+    recompute_time: float = 0.0
+
+
+@dataclass
+class Plan:
+    """What :func:`plan` chose; apply it with ``fewbit.convert_(model, plan)``.
+
+    Attributes:
+        budget_bytes: the memory budget (bytes).
+        blocks: one :class:`BlockPolicy` per block type.
+        static_bytes: parameters + gradients + optimizer state (+ CUDA transient memory).
+        outside_bytes: saved outside the blocks.
+        predicted_peak_bytes: static + outside + the blocks' planned bytes + checkpoint inputs +
+            one block's recomputed bytes.
+        predicted_step_time / vanilla_step_time: seconds per forward + backward, planned / not.
+        vanilla_peak_bytes: static + everything an unplanned step saves.
+        fused_cross_entropy: the loss is computed by :func:`fewbit.losses.patch_causal_lm_`.
+        optimizer, group_size, min_numel, device: as profiled.
+        version: :data:`PLAN_VERSION`.
+    """
+
+    budget_bytes: int
+    blocks: list[BlockPolicy]
+    static_bytes: int
+    outside_bytes: int
+    predicted_peak_bytes: int
+    predicted_step_time: float
+    vanilla_peak_bytes: int
+    vanilla_step_time: float
+    fused_cross_entropy: bool
+    optimizer: str
+    group_size: int
+    min_numel: int
+    device: str = "cpu"
+    version: int = PLAN_VERSION
+
+    @property
+    def predicted_saved_bytes(self) -> int:
+        """Bytes the planned step keeps for backward (the budget minus static memory, at most)."""
+        return self.predicted_peak_bytes - self.static_bytes
+
+    def rates(self) -> dict[tuple[str, str], float]:
+        """``{(block type, group): planned bytes / saved bytes}`` of the compressed groups."""
+        return {(b.block_type, g.name): g.planned_bytes / g.saved_bytes
+                for b in self.blocks for g in b.groups
+                if g.saved_bytes and get_option(g.option).kind in ("quant", "fewbit")}
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_json(self, indent: int | None = 1) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Plan":
+        """Inverse of :meth:`to_dict`.
+
+        Raises:
+            ValueError: for another format version or missing/unknown fields.
+        """
+        if not isinstance(d, Mapping):
+            raise ValueError(f"a plan must be a JSON object, got {type(d).__name__}")
+        if d.get("version") != PLAN_VERSION:
+            raise ValueError(f"plan format version {d.get('version')!r} is not supported (expected {PLAN_VERSION})")
+        try:
+            d = dict(d)
+            d["blocks"] = [BlockPolicy(**{**b, "groups": [GroupChoice(**g) for g in b["groups"]]})
+                           for b in d["blocks"]]
+            p = cls(**d)
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"not a fewbit plan: {e}") from None
+        for b in p.blocks:
+            for g in b.groups:
+                get_option(g.option)
+        return p
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"not a fewbit plan (invalid JSON: {e})") from None
+        return cls.from_dict(d)
+
+    def save(self, path: str | Path) -> None:
+        """Write :meth:`to_json` to ``path``."""
+        Path(path).write_text(self.to_json() + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Plan":
+        return cls.from_json(Path(path).read_text())
+
+    def __str__(self) -> str:
+        lines = [
+            f"fewbit plan: budget {_fmt_bytes(self.budget_bytes)}, predicted peak "
+            f"{_fmt_bytes(self.predicted_peak_bytes)} (unplanned {_fmt_bytes(self.vanilla_peak_bytes)}), "
+            f"predicted step {self.predicted_step_time * 1e3:.1f} ms (unplanned {self.vanilla_step_time * 1e3:.1f} ms)",
+            f"  static {_fmt_bytes(self.static_bytes)} (parameters, gradients, {self.optimizer} state), "
+            f"saved outside blocks {_fmt_bytes(self.outside_bytes)}, fused cross-entropy "
+            f"{'on' if self.fused_cross_entropy else 'off'}",
+        ]
+        for b in self.blocks:
+            lines.append(f"  {b.block_type} x{len(b.blocks)} ({b.blocks[0]} ...): "
+                         + (f"checkpointed, input {_fmt_bytes(b.input_bytes)} kept, recompute "
+                            f"{b.recompute_time * 1e3:.2f} ms/block" if b.checkpoint else "not checkpointed"))
+            w = max([len(g.name or "<block>") for g in b.groups] + [6])
+            lines.append(f"    {'tensors':<{w}}  {'module':<16} {'choice':<10} {'saved':>11} {'kept':>11} {'added':>9}")
+            for g in b.groups:
+                lines.append(f"    {g.name or '<block>':<{w}}  {g.module_type[:16]:<16} {g.option:<10} "
+                             f"{_fmt_bytes(g.saved_bytes):>11} {_fmt_bytes(g.planned_bytes):>11} "
+                             f"{g.added_time * 1e3:>6.2f} ms")
+        return "\n".join(lines)
+
+
+def _objective_terms(prof: ModelProfile, accuracy_weight: float):
+    """Variables of the MILP: x[b, g, o] binaries, z[b, g] chain binaries, w[b, g, o] (compress
+    re-run) binaries, and one continuous T (recomputed bytes, transient)."""
+    var: list[tuple] = []
+    cost: list[float] = []
+    index: dict[tuple, int] = {}
+
+    def add(key, c):
+        index[key] = len(var)
+        var.append(key)
+        cost.append(c)
+
+    for bi, bp in enumerate(prof.blocks):
+        n = len(bp.blocks)
+        total = sum(g.bytes for g in bp.groups) or 1
+        prev = 0.0
+        for gi, g in enumerate(bp.groups):
+            for name, (_, t) in g.options.items():
+                o = get_option(name)
+                pen = accuracy_weight * bp.forward_time * (g.bytes / total) * o.noise
+                add(("x", bi, gi, name), n * (t + pen))
+                if o.kind == "quant":
+                    add(("w", bi, gi, name), n * t)
+            add(("z", bi, gi), n * max(0.0, g.end_time - prev))
+            prev = max(prev, g.end_time)
+    add(("T",), 0.0)
+    return var, cost, index
+
+
+def solve(prof: ModelProfile, budget_bytes: int | None, *, accuracy_weight: float = 1.0):
+    """Solve the MILP for ``prof`` under ``budget_bytes`` (``None``: minimise memory instead).
+
+    Returns:
+        ``(choices, seconds, bytes)``: ``choices[block index][group index] = option name``, the
+        added seconds per step, and the predicted peak bytes; ``None`` if infeasible.
+    """
+    import numpy as np
+    from scipy.optimize import LinearConstraint, milp
+    from scipy.sparse import lil_matrix
+
+    var, cost, index = _objective_terms(prof, accuracy_weight)
+    nv = len(var)
+    rows, lo, hi = [], [], []
+
+    def row(coefs: dict[int, float], lb: float, ub: float):
+        rows.append(coefs)
+        lo.append(lb)
+        hi.append(ub)
+
+    mem = {}
+    fixed = prof.static_bytes + prof.outside_bytes
+    for bi, bp in enumerate(prof.blocks):
+        n = len(bp.blocks)
+        rec_bytes = {}
+        for gi, g in enumerate(bp.groups):
+            row({index[("x", bi, gi, o)]: 1.0 for o in g.options}, 1, 1)
+            z = index[("z", bi, gi)]
+            if ("x", bi, gi, "recompute") in index:
+                row({z: 1.0, index[("x", bi, gi, "recompute")]: -1.0}, 0, np.inf)  # z >= x_rec
+                rec_bytes[index[("x", bi, gi, "recompute")]] = float(g.bytes)
+            if gi + 1 < len(bp.groups):
+                row({z: 1.0, index[("z", bi, gi + 1)]: -1.0}, 0, np.inf)  # z_g >= z_{g+1}
+            for o, (b, _) in g.options.items():
+                mem[index[("x", bi, gi, o)]] = mem.get(index[("x", bi, gi, o)], 0.0) + n * b
+                if ("w", bi, gi, o) in index:  # w >= x + z - 1
+                    row({index[("w", bi, gi, o)]: 1.0, index[("x", bi, gi, o)]: -1.0, z: -1.0}, -1, np.inf)
+        if bp.groups:
+            z0 = index[("z", bi, 0)]
+            mem[z0] = mem.get(z0, 0.0) + n * bp.input_bytes
+        rec_bytes[index[("T",)]] = -1.0
+        row(rec_bytes, -np.inf, 0)  # T >= recomputed bytes of one block
+    mem[index[("T",)]] = mem.get(index[("T",)], 0.0) + 1.0
+    c = np.array(cost, dtype=float)
+    if budget_bytes is not None:
+        row(mem, -np.inf, float(budget_bytes - fixed))
+    else:
+        c = np.array([mem.get(i, 0.0) for i in range(nv)], dtype=float)
+        c += 1e-9 * np.array(cost) / max(max(cost), 1e-12) * max(c.max(), 1.0)  # among min-memory, fastest
+    A = lil_matrix((len(rows), nv))
+    for r, coefs in enumerate(rows):
+        for j, v in coefs.items():
+            A[r, j] = v
+    integrality = np.ones(nv)
+    integrality[index[("T",)]] = 0
+    ub = np.ones(nv)
+    ub[index[("T",)]] = np.inf
+    from scipy.optimize import Bounds
+
+    res = milp(c, integrality=integrality, bounds=Bounds(np.zeros(nv), ub),
+               constraints=LinearConstraint(A.tocsr(), np.array(lo), np.array(hi)))
+    if res.x is None or res.status not in (0,):
+        return None
+    x = res.x
+    choices = [[None] * len(bp.groups) for bp in prof.blocks]
+    for key, j in index.items():
+        if key[0] == "x" and x[j] > 0.5:
+            choices[key[1]][key[2]] = key[3]
+    peak = fixed + sum(mem.get(j, 0.0) * x[j] for j in range(nv))
+    seconds = _added_time(prof, choices)  # without the accuracy tie-break, which is not time
+    return choices, seconds, int(round(peak))
+
+
+def _added_time(prof: ModelProfile, choices: list[list[str]]) -> float:
+    total = 0.0
+    for bp, ch in zip(prof.blocks, choices):
+        last = max((i for i, o in enumerate(ch) if o == "recompute"), default=-1)
+        rec = max((g.end_time for g in bp.groups[: last + 1]), default=0.0)
+        t = rec
+        for i, (g, o) in enumerate(zip(bp.groups, ch)):
+            tt = g.options[o][1]
+            t += tt * (2 if i <= last and get_option(o).kind == "quant" else 1)
+        total += len(bp.blocks) * t
+    return total
+
+
+def _make_plan(prof: ModelProfile, choices: list[list[str]], budget_bytes: int) -> Plan:
+    blocks = []
+    peak = prof.static_bytes + prof.outside_bytes
+    worst_rec = 0
+    for bp, ch in zip(prof.blocks, choices):
+        gs = [GroupChoice(g.name, g.module_type, o, g.bytes, int(g.options[o][0]), float(g.options[o][1]))
+              for g, o in zip(bp.groups, ch)]
+        last = max((i for i, o in enumerate(ch) if o == "recompute"), default=-1)
+        ck = last >= 0
+        rec_time = max((g.end_time for g in bp.groups[: last + 1]), default=0.0)
+        blocks.append(BlockPolicy(bp.block_type, list(bp.blocks), ck, bp.input_bytes if ck else 0, gs, rec_time))
+        peak += len(bp.blocks) * (sum(g.planned_bytes for g in gs) + (bp.input_bytes if ck else 0))
+        worst_rec = max(worst_rec, sum(g.saved_bytes for g in gs if g.option == "recompute"))
+    return Plan(budget_bytes=int(budget_bytes), blocks=blocks, static_bytes=prof.static_bytes,
+                outside_bytes=prof.outside_bytes, predicted_peak_bytes=int(peak + worst_rec),
+                predicted_step_time=prof.step_time + _added_time(prof, choices),
+                vanilla_peak_bytes=prof.vanilla_peak_bytes, vanilla_step_time=prof.step_time,
+                fused_cross_entropy=prof.fused_cross_entropy, optimizer=prof.optimizer,
+                group_size=prof.group_size, min_numel=prof.min_numel, device=prof.device)
+
+
+def plan_from_profile(prof: ModelProfile, memory_budget: Any, *, accuracy_weight: float = 1.0) -> Plan:
+    """Solve the MILP for a measured :class:`ModelProfile` (see :func:`plan`)."""
+    budget = parse_budget(memory_budget)
+    if isinstance(budget, float):
+        budget = int(budget * prof.vanilla_peak_bytes)
+    if not (isinstance(accuracy_weight, (int, float)) and accuracy_weight >= 0 and math.isfinite(accuracy_weight)):
+        raise ValueError(f"accuracy_weight must be a finite number >= 0, got {accuracy_weight!r}")
+    sol = solve(prof, budget, accuracy_weight=accuracy_weight)
+    if sol is None:
+        smallest = solve(prof, None)
+        need = smallest[2] if smallest is not None else None
+        raise ValueError(
+            f"memory_budget {_fmt_bytes(budget)} ({budget} bytes) is below what any plan achieves: the "
+            f"smallest feasible budget is {_fmt_bytes(need)} ({need} bytes; static {_fmt_bytes(prof.static_bytes)}, "
+            f"saved outside the blocks {_fmt_bytes(prof.outside_bytes)})")
+    choices, _, _ = sol
+    return _make_plan(prof, choices, budget)
+
+
+# plan() repeats profile()'s keyword arguments on purpose: it is profile() followed by the solve.
+def plan(
+    model: nn.Module,
+    example_batch: Any,
+    memory_budget: Any,
+    *,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    options: Iterable[str] | None = None,
+    optimizer: str = "adamw",
+    fused_cross_entropy: bool | None = None,
+    group_size: int = 256,
+    min_numel: int = 4096,
+    accuracy_weight: float = 1.0,
+    repeats: int = 3,
+) -> Plan:
+    """Plan a training step of ``model`` that fits ``memory_budget`` and is as fast as possible.
+
+    Profiles one step (:func:`profile`) and solves Adacc's MILP (docs/compression.md §4) with
+    ``scipy.optimize.milp``: per tensor group of each repeated block type keep / compress
+    (``quant<b>``, ``fewbit<b>``) / recompute, minimising the added step time subject to
+    ``static + saved <= memory_budget``. Apply the result with ``fewbit.convert_(model, plan)``.
+
+    Args:
+        model: an ``nn.Module`` with repeated blocks (GPT-2's ``transformer.h``); not changed.
+        example_batch: a batch as the model takes it (tensor, tuple or mapping, e.g.
+            ``{"input_ids", "labels"}``).
+        memory_budget: bytes (int), a string (``"2GiB"``, ``"512MB"``) or a percentage of the
+            unplanned peak (``"50%"``).
+        loss_fn, options, optimizer, fused_cross_entropy, group_size, min_numel, repeats: as
+            :func:`profile`.
+        accuracy_weight: weight (>= 0) of the tie-break towards more bits (module docstring).
+
+    Returns:
+        A :class:`Plan` (print it; ``save``/``load``; ``predicted_peak_bytes``,
+        ``predicted_step_time``).
+
+    Raises:
+        ValueError: a malformed argument (named), or a budget below the smallest feasible one
+            (the message gives it in bytes).
+    """
+    budget = parse_budget(memory_budget)  # check before the (slow) profile
+    prof = profile(model, example_batch, loss_fn=loss_fn, options=options, optimizer=optimizer,
+                   fused_cross_entropy=fused_cross_entropy, group_size=group_size, min_numel=min_numel,
+                   repeats=repeats)
+    return plan_from_profile(prof, budget if isinstance(budget, int) else memory_budget,
+                             accuracy_weight=accuracy_weight)
+
+
+def apply_plan(model: nn.Module, plan: Plan):
+    """Apply ``plan`` to ``model`` in place (what ``fewbit.convert_(model, plan)`` does).
+
+    An earlier plan is removed first. Returns a :class:`fewbit.ConversionSummary` whose ``plan``
+    is ``plan``, ``replaced`` the fewbit activations and ``compressed`` ``{fqn: option}``.
+
+    Raises:
+        TypeError: ``plan`` is not a :class:`Plan`.
+        ValueError: the plan names modules the model does not have.
+    """
+    from fewbit.convert import Config, ConversionSummary
+
+    if not isinstance(plan, Plan):
+        raise TypeError(f"plan must be a fewbit.Plan, got {type(plan).__name__}")
+    state = _apply_choices(model, plan)
+    summary = ConversionSummary(model=model, config=Config(activation_bits=None,
+                                                           fused_cross_entropy=plan.fused_cross_entropy))
+    summary.plan = plan
+    for parent, name, original in state.replaced:
+        fqn = next(f for f, m in model.named_modules() if m is parent._modules[name])
+        summary.replaced[fqn] = (type(original).__name__, repr(parent._modules[name]))
+    for bp in plan.blocks:
+        for fqn in bp.blocks:
+            for g in bp.groups:
+                if get_option(g.option).kind == "quant":
+                    summary.compressed[f"{fqn}.{g.name}" if g.name else fqn] = g.option
+    return summary
+
+
+# --------------------------------------------------------------------------- policy evolution
+
+
+class Replanner:
+    """Re-profile on an exponential back-off schedule and re-plan when compression rates drift.
+
+    As Adacc's policy evolution: outliers (hence compression rates) move early in training. Call
+    :meth:`step` once per training step (after the optimizer step); at steps 1, 2, 4, 8, ...
+    the model is profiled again (on a copy, with the current weights) and, if any compressed
+    group's rate (planned bytes / saved bytes) differs from the plan's by more than
+    ``tolerance`` (relative), a new plan is solved and applied to the model.
+
+    Args:
+        model: the model, with ``plan`` applied (it is applied here if not).
+        plan: the current :class:`Plan`.
+        example_batch: the batch to profile with (``step`` may pass a newer one).
+        tolerance: relative rate change that triggers a re-plan (> 0).
+        profiler: ``profiler(model, batch) -> ModelProfile``; default :func:`profile` with the
+            plan's settings (``**plan_kwargs`` are passed to it).
+
+    Attributes:
+        plan: the plan in force; history: ``[(step, replanned: bool, max drift)]``.
+    """
+
+    def __init__(self, model: nn.Module, plan: Plan, example_batch: Any, *, tolerance: float = 0.1,
+                 profiler: Callable[[nn.Module, Any], ModelProfile] | None = None, **plan_kwargs) -> None:
+        if not isinstance(plan, Plan):
+            raise TypeError(f"plan must be a fewbit.Plan, got {type(plan).__name__}")
+        if not (isinstance(tolerance, (int, float)) and tolerance > 0):
+            raise ValueError(f"tolerance must be a number > 0, got {tolerance!r}")
+        self.model = model
+        self.plan = plan
+        self.batch = example_batch
+        self.tolerance = float(tolerance)
+        self.history: list[tuple[int, bool, float]] = []
+        self._plan_kwargs = plan_kwargs
+        self._profiler = profiler or (lambda m, b: profile(
+            m, b, optimizer=self.plan.optimizer, fused_cross_entropy=self.plan.fused_cross_entropy,
+            group_size=self.plan.group_size, min_numel=self.plan.min_numel, **self._plan_kwargs))
+        if vars(model).get(_STATE_ATTR) is None or vars(model)[_STATE_ATTR].plan is not plan:
+            apply_plan(model, plan)
+
+    @staticmethod
+    def due(step: int) -> bool:
+        """Whether ``step`` (>= 1) is on the schedule 1, 2, 4, 8, ..."""
+        return step >= 1 and step & (step - 1) == 0
+
+    def step(self, step: int, example_batch: Any = None) -> Plan | None:
+        """Re-profile at scheduled steps; return the new plan when it was re-planned, else None."""
+        step = check_positive_int(step, "step")
+        if not self.due(step):
+            return None
+        if example_batch is not None:
+            self.batch = example_batch
+        prof = self._profiler(self.model, self.batch)
+        now = _make_plan(prof, [[_choice_in(self.plan, bp.block_type, g) for g in bp.groups]
+                                for bp in prof.blocks], self.plan.budget_bytes)
+        old, new = self.plan.rates(), now.rates()
+        drift = max((abs(new[k] - r) / r for k, r in old.items() if k in new and r > 0), default=0.0)
+        replanned = False
+        if drift > self.tolerance:
+            plan = plan_from_profile(prof, self.plan.budget_bytes)
+            apply_plan(self.model, plan)
+            self.plan = plan
+            replanned = True
+        self.history.append((step, replanned, drift))
+        return self.plan if replanned else None
+
+
+def _choice_in(p: Plan, block_type: str, g: GroupProfile) -> str:
+    for b in p.blocks:
+        if b.block_type == block_type:
+            for c in b.groups:
+                if c.name == g.name and c.option in g.options:
+                    return c.option
+    return "keep"

@@ -1,0 +1,418 @@
+"""fewbit.plan: profiler, MILP planner, Plan (JSON), applying a plan, Replanner (docs/compression.md §4)."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import time
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("scipy")
+
+import fewbit  # noqa: E402
+from fewbit import planner  # noqa: E402
+from fewbit.memory import saved_tensor_report  # noqa: E402
+
+CFG = dict(n_layer=2, n_embd=64, n_head=2, vocab_size=100, n_positions=32)
+
+
+def make_model(seed: int = 0, **over) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    cfg = transformers.GPT2Config(**{**CFG, **over})
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+@pytest.fixture(scope="module")
+def batch():
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, CFG["vocab_size"], (8, 32), generator=g)
+    return {"input_ids": ids, "labels": ids}
+
+
+@pytest.fixture(scope="module")
+def prof(batch):
+    torch.manual_seed(0)
+    return planner.profile(make_model(), batch, optimizer="sgd", repeats=1)
+
+
+def choices_plan(prof, choice: dict[str, str], default: str = "keep") -> fewbit.Plan:
+    """A plan with the given options per group (the MILP's output format), not solved."""
+    choices = [[choice.get(g.name, default) for g in bp.groups] for bp in prof.blocks]
+    return planner._make_plan(prof, choices, budget_bytes=prof.vanilla_peak_bytes)
+
+
+def measured(model, batch, seed=1):
+    torch.manual_seed(seed)
+    rep = saved_tensor_report(model, batch)
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return rep, grads
+
+
+# ----------------------------------------------------------------------------- small pieces
+
+
+@pytest.mark.parametrize("value, expected", [
+    (1000, 1000), ("2GiB", 2 * 2**30), ("512MB", 512 * 10**6), ("1.5 KiB", 1536), ("7b", 7),
+    ("3 gib", 3 * 2**30), ("50%", 0.5), ("100%", 1.0),
+])
+def test_parse_budget(value, expected):
+    assert planner.parse_budget(value) == expected
+
+
+@pytest.mark.parametrize("value", ["", "2 parsecs", "-1GiB", "0", 0, -5, 1.5, True, None, "150%", "0%", "GiB"])
+def test_parse_budget_rejects(value):
+    with pytest.raises(ValueError, match="memory_budget"):
+        planner.parse_budget(value)
+
+
+def test_get_option():
+    assert planner.get_option("quant4") == planner.Option("quant4", "quant", 4)
+    assert planner.get_option("fewbit3").kind == "fewbit"
+    for bad in ("quant3", "fewbit9", "zip", 4):
+        with pytest.raises(ValueError, match="options"):
+            planner.get_option(bad)
+
+
+def test_find_blocks():
+    blocks = planner.find_blocks(make_model())
+    assert blocks == [("GPT2Block", ["transformer.h.0", "transformer.h.1"])]
+    with pytest.raises(ValueError, match="no repeated blocks"):
+        planner.find_blocks(torch.nn.Linear(3, 3))
+
+
+def test_profile_groups_and_static(prof):
+    """The groups are GPT-2's per-block savers, in call order; static memory is 2x parameters for
+    SGD (parameters + gradients); the profile counts exactly what the unplanned step saves."""
+    (bp,) = prof.blocks
+    names = [g.name for g in bp.groups]
+    for name in ("ln_1", "attn.c_attn", "attn", "attn.c_proj", "ln_2", "mlp.c_fc", "mlp.act", "mlp.c_proj"):
+        assert name in names
+    assert names.index("ln_1") < names.index("attn.c_attn") < names.index("ln_2") < names.index("mlp.act")
+    model = make_model()
+    n = sum(p.numel() * 4 for p in model.parameters())
+    assert prof.parameter_bytes == n and prof.gradient_bytes == n and prof.optimizer_bytes == 0
+    assert bp.input_bytes == 8 * 32 * 64 * 4
+    act = next(g for g in bp.groups if g.name == "mlp.act")
+    assert act.bytes >= 8 * 32 * 256 * 4 and act.activation  # gelu_new saves its intermediates too
+    assert "fewbit3" in act.options
+    assert "fewbit3" not in next(g for g in bp.groups if g.name == "ln_1").options
+    # quant options keep fewer bytes, and their timing was measured
+    for g in bp.groups:
+        assert g.options["quant4"][0] <= g.bytes and g.options["quant4"][1] > 0
+    total = prof.outside_bytes + sum(g.bytes for g in bp.groups) * len(bp.blocks)
+    assert total == prof.saved_bytes
+
+
+# ----------------------------------------------------------------------------- planning under a budget
+
+
+@pytest.mark.parametrize("fraction", [0.5, 0.25])
+def test_plan_fits_budget(prof, batch, fraction):
+    """Under 1/2 and 1/4 of the unplanned peak, the measured saved bytes (fewbit.memory's counter)
+    stay within budget - static, and equal the prediction."""
+    budget = int(fraction * prof.vanilla_peak_bytes)
+    p = planner.plan_from_profile(prof, budget)
+    assert p.budget_bytes == budget and p.predicted_peak_bytes <= budget
+    model = make_model()
+    summary = fewbit.convert_(model, p)
+    assert summary.plan is p
+    rep, _ = measured(model, batch)
+    assert rep.saved_bytes <= budget - p.static_bytes
+    assert abs(rep.saved_bytes - p.predicted_saved_bytes) <= 0.01 * p.predicted_saved_bytes
+
+
+def test_percent_budget(prof):
+    p = planner.plan_from_profile(prof, "50%")
+    assert p.budget_bytes == int(0.5 * prof.vanilla_peak_bytes)
+
+
+def test_infeasible_budget_names_smallest(prof):
+    with pytest.raises(ValueError, match=r"smallest feasible budget is .*\((\d+) bytes") as e:
+        planner.plan_from_profile(prof, 1000)
+    import re
+
+    smallest = int(re.search(r"smallest feasible budget is [^(]*\((\d+) bytes", str(e.value)).group(1))
+    assert smallest > prof.static_bytes + prof.outside_bytes
+    p = planner.plan_from_profile(prof, smallest)  # exactly the smallest is feasible
+    assert p.predicted_peak_bytes <= smallest
+    with pytest.raises(ValueError, match="smallest feasible"):
+        planner.plan_from_profile(prof, smallest - 1)
+
+
+def test_plan_only_recompute_checkpoints_blocks(prof, batch):
+    """With only keep/recompute available the MILP checkpoints; the result runs and fits."""
+    restricted = copy.deepcopy(prof)
+    for bp in restricted.blocks:
+        for g in bp.groups:
+            g.options = {k: v for k, v in g.options.items() if k in ("keep", "recompute")}
+    budget = int(0.7 * prof.vanilla_peak_bytes)  # a recomputed block is materialised in backward
+    p = planner.plan_from_profile(restricted, budget)
+    assert p.blocks[0].checkpoint and any(g.option == "recompute" for g in p.blocks[0].groups)
+    model = make_model()
+    fewbit.convert_(model, p)
+    rep, _ = measured(model, batch)
+    assert prof.static_bytes + rep.saved_bytes <= budget
+
+
+# ----------------------------------------------------------------------------- applying: exactness
+
+
+def test_recompute_gradients_exact(prof, batch):
+    """Recompute (non-reentrant checkpoint, early stop) changes no gradient: dropout masks are
+    replayed from the saved RNG state. Both a partial and a whole-block recompute."""
+    ref = make_model()
+    rep0, g0 = measured(ref, batch)
+    for choice, default in (({"ln_2": "recompute", "mlp.c_fc": "recompute", "mlp.act": "recompute"}, "keep"),
+                            ({}, "recompute")):
+        p = choices_plan(prof, choice, default)
+        assert p.blocks[0].checkpoint
+        model = make_model()
+        fewbit.convert_(model, p)
+        rep, g = measured(model, batch)
+        assert rep.loss == rep0.loss
+        for n in g0:
+            torch.testing.assert_close(g[n], g0[n], rtol=1e-5, atol=1e-6, msg=n)
+        predicted = p.predicted_saved_bytes - sum(  # the recomputation's transient is not saved
+            g.saved_bytes for g in p.blocks[0].groups if g.option == "recompute")
+        # the kept block input is counted once more by the plan when ln_1 keeps it too (conservative)
+        slack = 0 if default == "recompute" else 2 * p.blocks[0].input_bytes
+        assert predicted - slack <= rep.saved_bytes <= predicted
+        assert rep.saved_bytes < rep0.saved_bytes
+
+
+def test_compress_inside_checkpoint(prof, batch):
+    """Groups that compress inside a checkpointed block are compressed (their bytes shrink, they are
+    not recomputed), the later groups are recomputed. The recomputation replays the RNG (dropout
+    masks and the compressor's seeds), so the gradients equal those of the same compression
+    without recomputation."""
+    compress = {"ln_1": "quant8", "attn.c_attn": "quant8", "attn": "quant4", "ln_2": "quant8"}
+    p = choices_plan(prof, {**compress, "mlp.c_fc": "recompute", "mlp.act": "recompute"})
+    q = choices_plan(prof, compress)
+    assert p.blocks[0].checkpoint and not q.blocks[0].checkpoint
+    runs = []
+    for plan_ in (None, q, p):
+        model = make_model()
+        if plan_ is not None:
+            fewbit.convert_(model, plan_)
+        else:
+            fewbit.losses.patch_causal_lm_(model)
+        runs.append(measured(model, batch))
+    (rep0, g0), (rep_q, g_q), (rep, g) = runs
+    assert rep.loss == rep_q.loss
+    for n in g_q:
+        torch.testing.assert_close(g[n], g_q[n], rtol=1e-5, atol=1e-6, msg=n)
+    predicted = p.predicted_saved_bytes - sum(x.saved_bytes for x in p.blocks[0].groups if x.option == "recompute")
+    assert rep.saved_bytes == predicted  # ln_1 compresses: the checkpointed input is counted once
+    assert rep.by_category["compressed"] > 0
+    assert rep.saved_bytes < rep_q.saved_bytes < rep0.saved_bytes
+
+
+def test_fewbit_option_replaces_activation_and_remove_restores(prof, batch):
+    model = make_model()
+    keys = list(model.state_dict())
+    original_act = model.transformer.h[0].mlp.act
+    p = choices_plan(prof, {"mlp.act": "fewbit3", "mlp.c_proj": "recompute"})
+    fewbit.convert_(model, p)
+    assert isinstance(model.transformer.h[0].mlp.act, (fewbit.FormulaActivation, fewbit.FewBitActivation))
+    assert model.transformer.h[0].mlp.act.bits == 3
+    fewbit.convert_(model, p)  # again: hooks are not stacked
+    hooks = len(model.transformer.h[0].ln_1._forward_pre_hooks)
+    assert hooks == 1
+    assert list(model.state_dict()) == keys
+    rep, _ = measured(model, batch)
+    assert rep.activation_bytes < 2 * (8 * 32 * 256 * 4) // 8  # 2 blocks of 3-bit codes, not 32-bit floats
+    assert planner.remove_plan(model)
+    assert model.transformer.h[0].mlp.act is original_act
+    assert "forward" not in vars(model.transformer.h[0])
+    assert len(model.transformer.h[0].ln_1._forward_pre_hooks) == 0
+    assert not planner.remove_plan(model)
+
+
+def test_deep_copy_of_planned_model(prof, batch):
+    """A deep copy carries the plan (its own hooks, compressors, checkpointed forwards); removing
+    it from the copy leaves the original planned."""
+    p = choices_plan(prof, {"ln_1": "quant8", "mlp.act": "recompute"})
+    # not the fused loss: a deep copy of a model patched by patch_causal_lm_ keeps closures that
+    # point at the original's lm_head (fewbit.losses; reported)
+    p = dataclasses.replace(p, fused_cross_entropy=False)
+    model = make_model()
+    fewbit.convert_(model, p)
+    clone = copy.deepcopy(model)
+    (rep_a, g_a), (rep_b, g_b) = measured(model, batch), measured(clone, batch)
+    assert rep_a.saved_bytes == rep_b.saved_bytes and rep_a.loss == rep_b.loss
+    for n in g_a:
+        torch.testing.assert_close(g_a[n], g_b[n], msg=n)
+    assert planner.remove_plan(clone)
+    assert len(clone.transformer.h[0].ln_1._forward_pre_hooks) == 0
+    assert len(model.transformer.h[0].ln_1._forward_pre_hooks) == 1
+    assert "forward" in vars(model.transformer.h[0])
+
+
+def test_trained_loss_close_to_vanilla(prof, batch):
+    """A few SGD steps under the 1/4 plan follow the unplanned run."""
+    p = planner.plan_from_profile(prof, int(0.25 * prof.vanilla_peak_bytes))
+    losses = []
+    for planned in (False, True):
+        model = make_model()
+        if planned:
+            fewbit.convert_(model, p)
+        else:
+            fewbit.losses.patch_causal_lm_(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        torch.manual_seed(3)
+        run = []
+        for _ in range(6):
+            loss = model(**batch).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            run.append(loss.item())
+        losses.append(run)
+    assert losses[0][-1] < losses[0][0] - 0.2  # it trains
+    for a, b in zip(*losses):
+        assert b == pytest.approx(a, rel=0.03)
+
+
+# ----------------------------------------------------------------------------- Plan object
+
+
+def test_json_round_trip(prof, tmp_path):
+    p = planner.plan_from_profile(prof, "30%")
+    q = fewbit.Plan.from_json(p.to_json())
+    assert q == p
+    p.save(tmp_path / "p.json")
+    assert fewbit.Plan.load(tmp_path / "p.json") == p
+    text = str(p)
+    assert "predicted peak" in text and "mlp.act" in text and "choice" in text
+    d = json.loads(p.to_json())
+    d["version"] = 99
+    with pytest.raises(ValueError, match="version 99"):
+        fewbit.Plan.from_dict(d)
+    d["version"] = planner.PLAN_VERSION
+    d["blocks"][0]["groups"][0]["option"] = "zip"
+    with pytest.raises(ValueError, match="options"):
+        fewbit.Plan.from_dict(d)
+    with pytest.raises(ValueError, match="invalid JSON"):
+        fewbit.Plan.from_json("{")
+
+
+def test_plan_does_not_fit_other_model(prof):
+    p = planner.plan_from_profile(prof, "50%")
+    other = make_model(n_layer=1)
+    with pytest.raises(ValueError, match="transformer.h.1"):
+        fewbit.convert_(other, p)
+    assert planner.remove_plan(other) is False  # nothing was touched
+    with pytest.raises(ValueError, match="neither bits nor filter_fn"):
+        fewbit.convert_(make_model(), p, bits=3)
+
+
+def test_plan_end_to_end_and_argument_errors(batch):
+    model = make_model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    p = fewbit.plan(model, batch, memory_budget="40%", repeats=1, options=("keep", "quant4", "recompute"))
+    assert isinstance(p, fewbit.Plan)
+    assert all(g.option in ("keep", "quant4", "recompute") for g in p.blocks[0].groups)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # model untouched
+    assert not hasattr(model, "_fewbit_fused_cross_entropy") and "forward" not in vars(model.transformer.h[0])
+    with pytest.raises(ValueError, match="memory_budget"):
+        fewbit.plan(model, batch, memory_budget="lots")
+    with pytest.raises(ValueError, match="optimizer"):
+        fewbit.plan(model, batch, memory_budget="1GiB", optimizer="lion")
+    with pytest.raises(ValueError, match="options"):
+        fewbit.plan(model, batch, memory_budget="1GiB", options=("quant3",))
+    with pytest.raises(ValueError, match="fused_cross_entropy"):
+        fewbit.plan(torch.nn.Sequential(torch.nn.ModuleList([torch.nn.Sequential(torch.nn.Linear(2, 2))])),
+                    torch.randn(2, 2), memory_budget="1GiB", fused_cross_entropy=True)
+
+
+def test_milp_solves_gpt2_sized_problem_fast(prof):
+    """GPT-2 small's per-block tensor list (the same GPT2Block groups), 12 blocks, bytes scaled to
+    n_embd 768, seq 1024: the MILP solve takes < 1 s."""
+    big = copy.deepcopy(prof)
+    (bp,) = big.blocks
+    scale = (768 / 64) * (1024 / 32)
+    bp.blocks = [f"transformer.h.{i}" for i in range(12)]
+    bp.input_bytes = int(bp.input_bytes * scale)
+    for g in bp.groups:
+        g.options = {k: [int(b * scale), t * scale] for k, (b, t) in g.options.items()}
+        g.end_time *= scale
+    big.parameter_bytes = big.gradient_bytes = 124_000_000 * 4
+    big.optimizer_bytes = 2 * big.parameter_bytes
+    big.saved_bytes = big.outside_bytes + 12 * sum(g.bytes for g in bp.groups)
+    t0 = time.perf_counter()
+    p = planner.plan_from_profile(big, int(big.static_bytes + 0.25 * (big.saved_bytes)))
+    elapsed = time.perf_counter() - t0
+    assert p.predicted_peak_bytes <= p.budget_bytes
+    assert elapsed < 1.0, elapsed
+
+
+# ----------------------------------------------------------------------------- policy evolution
+
+
+def test_replanner_schedule_and_drift(prof, batch):
+    assert [s for s in range(1, 40) if planner.Replanner.due(s)] == [1, 2, 4, 8, 16, 32]
+    p = planner.plan_from_profile(prof, "30%")
+    assert p.rates()
+    drift = {"factor": 1.0}
+    calls = []
+
+    def profiler(model, b):
+        calls.append(b)
+        q = copy.deepcopy(prof)
+        for bp in q.blocks:
+            for g in bp.groups:
+                for k, v in g.options.items():
+                    if k.startswith(("quant", "fewbit")):
+                        v[0] = int(v[0] * drift["factor"])
+        return q
+
+    model = make_model()
+    r = planner.Replanner(model, p, batch, tolerance=0.1, profiler=profiler)
+    assert vars(model)[planner._STATE_ATTR].plan is p  # applied
+    assert r.step(1) is None and r.step(3) is None  # no drift; 3 is not scheduled
+    assert len(calls) == 1
+    drift["factor"] = 1.5  # compressed tensors got 50% bigger (more outliers)
+    new = r.step(2)
+    assert new is not None and r.plan is new and new is not p
+    assert vars(model)[planner._STATE_ATTR].plan is new
+    assert new.predicted_peak_bytes <= p.budget_bytes
+    assert r.history[-1][1] and r.history[-1][2] == pytest.approx(0.5, rel=0.01)
+    assert r.step(4) is None  # same rates as the new plan
+    with pytest.raises(ValueError, match="tolerance"):
+        planner.Replanner(model, p, batch, tolerance=0)
+
+
+# ----------------------------------------------------------------------------- fused CE in convert_
+
+
+def test_convert_fused_cross_entropy():
+    """Same loss and gradients as the unconverted model, the logits no longer saved; a
+    re-conversion with False undoes it; not for other models."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 100, (4, 32), generator=g)
+    ref = make_model(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    rep0 = saved_tensor_report(ref, {"input_ids": ids, "labels": ids})
+    model = make_model(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    summary = fewbit.convert_(model, fewbit.Config(activation_bits=None, fused_cross_entropy=True))
+    assert summary.fused_cross_entropy and "fused" in str(summary)
+    rep = saved_tensor_report(model, {"input_ids": ids, "labels": ids})
+    assert rep.loss == pytest.approx(rep0.loss, rel=1e-6)
+    for (n, p0), p in zip(ref.named_parameters(), model.parameters()):
+        torch.testing.assert_close(p.grad, p0.grad, rtol=1e-4, atol=1e-6, msg=n)
+    logits_bytes = 4 * 32 * 100 * 4
+    assert rep0.saved_bytes - rep.saved_bytes >= logits_bytes
+    assert model(ids).logits is not None
+    assert model(ids, labels=ids).logits is None
+    fewbit.convert_(model, fewbit.Config(activation_bits=None, fused_cross_entropy=False))
+    assert model(ids, labels=ids).logits is not None
+    assert not hasattr(model, "_fewbit_fused_cross_entropy")
+    with pytest.raises(ValueError, match="fused_cross_entropy"):
+        fewbit.convert_(torch.nn.Linear(2, 2), fewbit.Config(fused_cross_entropy=True))
+    with pytest.raises(ValueError, match="fused_cross_entropy"):
+        fewbit.Config(fused_cross_entropy="yes")
+    assert dataclasses.fields(fewbit.Config)[-1].name == "fused_cross_entropy"

@@ -1,0 +1,54 @@
+"""``fewbit plan`` (fewbit/plan_cli.py), in-process with click's CliRunner; tiny GPT-2 configs."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("scipy")
+
+from test_cli import assert_one_line_error, run  # noqa: E402
+
+import fewbit  # noqa: E402
+
+TINY = ("--model", "gpt2", "--layers", "1", "--hidden", "32", "--seq-len", "16", "--batch", "2",
+        "--repeats", "1", "--optimizer", "sgd")
+
+
+def test_plan_cli_prints_plan_and_measured_peak(tmp_path):
+    out = tmp_path / "plan.json"
+    r = run("plan", *TINY, "--budget", "100%", "--output", out)
+    assert r.exit_code == 0, r.output
+    assert "fewbit plan: budget" in r.stdout and "transformer.h.0" in r.stdout and "mlp.act" in r.stdout
+    m = re.search(r"measured peak ([\d.]+) MiB .* vs predicted ([\d.]+) MiB; budget ([\d.]+) MiB: within", r.stdout)
+    assert m, r.stdout
+    measured, predicted, budget = map(float, m.groups())
+    assert measured <= budget and measured <= predicted + 0.01
+    p = fewbit.Plan.load(out)
+    assert p.blocks[0].blocks == ["transformer.h.0"]
+    # an existing --output is never overwritten
+    before = out.read_text()
+    assert_one_line_error(run("plan", *TINY, "--budget", "100%", "--output", out), "--output", "not overwriting")
+    assert out.read_text() == before
+
+
+def test_plan_cli_infeasible_budget_is_one_line():
+    line = assert_one_line_error(run("plan", *TINY, "--budget", "1000"), "--budget", "smallest feasible budget")
+    assert re.search(r"\(\d+ bytes", line)
+
+
+@pytest.mark.parametrize("args, needles", [
+    (("--model", "gpt9", "--budget", "1GiB"), ("unknown model",)),
+    (("--model", "gpt2", "--budget", "lots"), ("--budget", "'lots'")),
+    (("--model", "gpt2", "--budget", "1GiB", "--options", "keep,zip"), ("--options", "'zip'")),
+    (("--model", "gpt2", "--budget", "1GiB", "--device", "nonsense"), ("--device",)),
+])
+def test_plan_cli_argument_errors(args, needles):
+    assert_one_line_error(run("plan", *args), *needles)
+
+
+def test_plan_cli_requires_budget():
+    r = run("plan", "--model", "gpt2")
+    assert r.exit_code != 0 and "--budget" in r.output
