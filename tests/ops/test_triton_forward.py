@@ -33,7 +33,9 @@ def _fused_model(inplace: bool):
     from fewbit.ops import table_tensors
 
     table = load_table("gelu", 3)
-    borders, codes, _ = table_tensors(table, "cpu", torch.float32)
+    # copies: table_tensors' tensors are shared by every call of the process, and tracing
+    # with buffers that alias them changed them (later GELU gradients in the suite were wrong)
+    borders, codes, _ = (t.clone() for t in table_tensors(table, "cpu", torch.float32))
 
     class Model(torch.nn.Module):
         """Linear -> fused GELU forward (y and codes in one launch) -> Linear."""
