@@ -26,15 +26,21 @@ print(json.dumps({"cpu_s": time.process_time() - c0, "wall_s": time.perf_counter
 
 @pytest.mark.slow  # the first process compiles two kernels (~10 s idle, minutes on a loaded machine)
 def test_second_process_loads_kernels_from_disk(tmp_path: Path):
-    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "numba"), "OMP_NUM_THREADS": "1"}
-    runs = []
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "numba"), "OMP_NUM_THREADS": "1",
+           "NUMBA_DEBUG_CACHE": "1"}
+    runs, logs = [], []
     for _ in range(2):
         proc = subprocess.run([sys.executable, "-c", _CHILD], env=env, capture_output=True, text=True, timeout=1200)
         assert proc.returncode == 0, proc.stderr[-3000:]
         runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+        logs.append(proc.stdout)
+    # numba's own log: the first process saved both kernels, the second loaded them
+    for kernel in ("encode_serial", "decode_mul_serial"):
+        assert any("data saved" in line and kernel in line for line in logs[0].splitlines()), logs[0][-2000:]
+        assert any("data loaded" in line and kernel in line for line in logs[1].splitlines()), logs[1][-2000:]
     files = [p.name for p in (tmp_path / "numba").rglob("*") if p.is_file()]
     assert any(n.endswith(".nbi") for n in files) and any(n.endswith(".nbc") for n in files), files
     # CPU time of the process, not wall time: a loaded machine must not make this flaky.
     cold, warm = runs[0]["cpu_s"], runs[1]["cpu_s"]
-    assert warm < 1.0, runs
+    assert warm < 2.5, runs  # ~1.0 s of CPU measured on a loaded 2-core VM (cache loads, torch probes)
     assert cold > 3 * warm, runs  # the first process did compile (else the test proves nothing)
