@@ -33,7 +33,7 @@ def test_second_process_loads_kernels_from_disk(tmp_path: Path):
         proc = subprocess.run([sys.executable, "-c", _CHILD], env=env, capture_output=True, text=True, timeout=1200)
         assert proc.returncode == 0, proc.stderr[-3000:]
         runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
-        logs.append(proc.stdout)
+        logs.append(proc.stdout + proc.stderr)
     # numba's own log: the first process saved both kernels, the second loaded them
     for kernel in ("encode_serial", "decode_mul_serial"):
         assert any("data saved" in line and kernel in line for line in logs[0].splitlines()), logs[0][-2000:]
