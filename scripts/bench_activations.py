@@ -3,19 +3,28 @@
 
 For every activation x dtype x size x bits this times ``fewbit.ops.pointwise`` (and the
 ``fewbit`` module, e.g. ``fewbit.GELU``, when fewbit.modules provides it) and the torch
-function / module, in the same run (warm-up first, median of ``--repeat`` runs), and
-prints ratios fewbit / torch (< 1 is faster), the saved-for-backward bytes ratio, and on
-CUDA the forward's GB/s next to a plain copy's. Machine, versions, threads and the
+function / module, eager and (unless ``--no-compile``) under ``torch.compile``, in the same
+run (warm-up first, median of ``--repeat`` round-robin runs), and prints per mode
+(forward, backward, forward+backward) the time, the ratio to torch eager and to
+``torch.compile`` of torch's module (< 1 is faster), the effective GB/s (bytes each
+candidate must move: input, output, gradients, packed codes) and its % of a same-size
+copy's GB/s, and the saved-for-backward bytes ratio. Then the host time per call: the
+time of a call on a one-element input (CPU: the kernels' work is ~0) or, on CUDA, of the
+launches without a synchronize. Machine, versions, threads, load and the
 transparent-huge-pages setting are printed first: CPU timings on a shared VM are noisy.
+``--json PATH`` writes all of it as one JSON document.
 
-Example:
+Examples:
     python scripts/bench_activations.py --activations gelu --dtypes float32 \\
-        --sizes 24 --bits 3 --mode full --threads 2
+        --sizes 24 --bits 3 --mode all --threads 2
+    python scripts/bench_activations.py --device cuda --dtypes float32 bfloat16 float16 \\
+        --sizes 16 18 20 22 24 26 28 --mode all --json bench.json
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import statistics
@@ -152,61 +161,125 @@ def _candidates(name: str, bits: int, table):
     return cands
 
 
-def run(args) -> None:
+def _bytes_moved(mode: str, n: int, esize: int, bits: int, is_fewbit: bool) -> int:
+    """Bytes a candidate must read and write: forward x -> y (+ packed codes for fewbit),
+    backward (grad, x) -> grad_x for torch, (grad, codes) -> grad_x for fewbit."""
+    codes = (n * bits + 7) // 8
+    fwd = 2 * n * esize + (codes if is_fewbit else 0)
+    bwd = 2 * n * esize + (codes if is_fewbit else n * esize)
+    return {"forward": fwd, "backward": bwd, "full": fwd + bwd}[mode]
+
+
+def _host_us(fn, device: torch.device, mode: str, calls: int = 200, dtype=torch.float32) -> float:
+    """Median µs of CPU time of this thread per call of ``fn`` on a one-element input,
+    without synchronizing: the host's (Python, dispatch, launch) time, the kernels' own
+    work being ~0. CPU time, not wall time, so that other processes on a shared machine
+    do not count."""
+    x0 = torch.randn(1, device=device, dtype=dtype)
+    g = torch.ones_like(x0)
+    per = []
+    for rep in range(7):
+        xs = [x0.detach().requires_grad_() for _ in range(calls)]
+        t0 = time.thread_time()
+        for x in xs:
+            y = fn(x)
+            if mode == "full":
+                y.backward(g)
+        per.append((time.thread_time() - t0) / calls * 1e6)
+        del xs
+    _sync(device)
+    return statistics.median(per[2:])
+
+
+def _compiled(fn):
+    import torch._dynamo
+
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    return torch.compile(fn)
+
+
+def run(args) -> dict:
     device = torch.device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(f"# machine: {_machine()}")
-    print(f"# versions: {_versions()}")
-    print(f"# device: {device}" + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""))
-    print(f"# torch threads: {torch.get_num_threads()}; THP: {_thp()}")
-    print(f"# timings: median of {args.repeat} round-robin runs after 2 warm-ups; ratios are fewbit / torch baseline "
-          "of the same run (< 1: fewbit faster). Shared VMs are noisy.")
+    load = os.getloadavg() if hasattr(os, "getloadavg") else None
+    meta = {
+        "machine": _machine(), "versions": _versions(), "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "threads": torch.get_num_threads(), "thp": _thp(), "loadavg": load, "repeat": args.repeat,
+        "compile": not args.no_compile,
+    }
+    print(f"# machine: {meta['machine']}")
+    print(f"# versions: {meta['versions']}")
+    print(f"# device: {device}" + (f" ({meta['device_name']})" if meta["device_name"] else ""))
+    print(f"# torch threads: {meta['threads']}; THP: {meta['thp']}; load average: {load}")
+    print(f"# timings: median of {args.repeat} round-robin runs after 2 warm-ups; ratio: to torch eager, "
+          "cratio: to torch.compile of torch's module (< 1: faster); GB/s of the bytes each candidate must "
+          "move, %copy: of a same-size copy. Shared VMs are noisy.")
     modes = ["forward", "backward", "full"] if args.mode == "all" else [args.mode]
-    header = f"{'activation':<10} {'dtype':<9} {'n':>6} {'bits':>4} {'candidate':<22} " + " ".join(
-        f"{m + ' ms':>12} {'ratio':>6}" for m in modes
+    header = f"{'activation':<10} {'dtype':<9} {'n':>5} {'bits':>4} {'candidate':<30} " + " ".join(
+        f"{m[:4] + ' ms':>10} {'ratio':>6} {'cratio':>6} {'GB/s':>7} {'%copy':>6}" for m in modes
     ) + f" {'saved B':>12} {'ratio':>7}"
-    if device.type == "cuda":
-        header += f" {'fwd GB/s':>9} {'copy GB/s':>9}"
     print(header)
+    rows, host = [], []
     for name in args.activations:
         for bits in args.bits:
             table = _table(name, bits)
             for dt_name in args.dtypes:
                 dtype = getattr(torch, dt_name)
+                cands = _candidates(name, bits, table)
+                if not args.no_compile:
+                    cands += [(f"compile({label})", _compiled(fn), is_fewbit) for label, fn, is_fewbit in cands
+                              if not label.startswith("torch.")]
                 for p in args.sizes:
                     n = 1 << p
                     x0 = torch.randn(n, device=device, dtype=torch.float32).to(dtype)
                     g = torch.randn_like(x0)
                     copy_t = _median_time(lambda s: s.copy_(x0), device, args.repeat,
                                           setup=lambda: torch.empty_like(x0))
-                    cands = _candidates(name, bits, table)
+                    copy_gbs = 2 * n * x0.element_size() / copy_t / 1e9
                     # Round-robin: every repeat times each candidate once, so that load
                     # changes on a shared machine hit all candidates alike.
-                    times = {(label, m): [] for label, _, _ in cands for m in modes + ["fwd_gbs"]}
+                    times = {(label, m): [] for label, _, _ in cands for m in modes}
                     for rep in range(args.repeat + 2):
                         for label, fn, is_fewbit in cands:
                             for m in modes:
                                 times[(label, m)].append(_time_once(m, fn, x0, g, device))
-                    base = {}
+                    med = {k: statistics.median(v[2:]) for k, v in times.items()}
+                    eager_base = next(label for label, _, f in cands if not f and not label.startswith("compile"))
+                    base_label = next((label for label, _, f in cands if not f and label.startswith("compile(nn.")),
+                                      None)
                     for label, fn, is_fewbit in cands:
-                        row = f"{name:<10} {dt_name:<9} {'2^' + str(p):>6} {bits:>4} {label:<22} "
+                        row = {"activation": name, "dtype": dt_name, "log2_n": p, "n": n, "bits": bits,
+                               "candidate": label, "fewbit": is_fewbit, "compiled": label.startswith("compile"),
+                               "copy_gbs": copy_gbs}
                         cells = []
                         for m in modes:
-                            t = statistics.median(times[(label, m)][2:])
-                            if not is_fewbit and m not in base:
-                                base[m] = t
-                            cells.append(f"{t * 1e3:>12.2f} {t / base[m]:>6.2f}")
+                            t = med[(label, m)]
+                            ratio = t / med[(eager_base, m)]
+                            cratio = t / med[(base_label, m)] if base_label else None
+                            gbs = _bytes_moved(m, n, x0.element_size(), bits, is_fewbit) / t / 1e9
+                            row[m] = {"ms": t * 1e3, "ratio_eager": ratio, "ratio_compile": cratio,
+                                      "gbs": gbs, "pct_copy": 100 * gbs / copy_gbs}
+                            cr = f"{cratio:>6.2f}" if cratio is not None else f"{'-':>6}"
+                            cells.append(f"{t * 1e3:>10.3f} {ratio:>6.2f} {cr} {gbs:>7.1f} {100 * gbs / copy_gbs:>6.0f}")
                         saved = _saved_bytes(fn, x0.detach().requires_grad_())
-                        if not is_fewbit and "saved" not in base:
-                            base["saved"] = saved
-                        row += " ".join(cells) + f" {saved:>12d} {saved / max(base['saved'], 1):>7.3f}"
-                        if device.type == "cuda":
-                            fwd_t = _median_time(lambda x: fn(x), device, args.repeat,
-                                                 setup=lambda: x0.detach().requires_grad_())
-                            moved = 2 * n * x0.element_size() + (n * bits + 7) // 8 * is_fewbit
-                            row += f" {moved / fwd_t / 1e9:>9.1f} {2 * n * x0.element_size() / copy_t / 1e9:>9.1f}"
-                        print(row, flush=True)
+                        base_saved = _saved_bytes(cands[0][1], x0.detach().requires_grad_())
+                        row["saved_bytes"], row["saved_ratio"] = saved, saved / max(base_saved, 1)
+                        print(f"{name:<10} {dt_name:<9} {'2^' + str(p):>5} {bits:>4} {label:<30} " + " ".join(cells)
+                              + f" {saved:>12d} {row['saved_ratio']:>7.3f}", flush=True)
+                        rows.append(row)
+                if not args.no_host:
+                    for label, fn, is_fewbit in cands:
+                        if label.startswith("compile"):
+                            continue
+                        h = {"activation": name, "dtype": dt_name, "bits": bits, "candidate": label,
+                             "forward_us": _host_us(fn, device, "forward", dtype=dtype),
+                             "full_us": _host_us(fn, device, "full", dtype=dtype)}
+                        host.append(h)
+                        print(f"# host per call, {name} {dt_name} {label}: forward {h['forward_us']:.1f} µs, "
+                              f"forward+backward {h['full_us']:.1f} µs", flush=True)
+    return {"meta": meta, "results": rows, "host": host}
 
 
 def main(argv=None) -> int:
@@ -221,6 +294,9 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=0, help="torch (and numba) threads; 0: torch's default")
     ap.add_argument("--repeat", type=int, default=5, help="timed runs per measurement (median)")
+    ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile candidates")
+    ap.add_argument("--no-host", action="store_true", help="skip the host-time-per-call measurement")
+    ap.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     args = ap.parse_args(argv)
     try:
         from fewbit.activations import get_activation
@@ -235,11 +311,16 @@ def main(argv=None) -> int:
                 raise ValueError(f"sizes are log2 element counts in 0..34, got {p}")
         if args.repeat < 1:
             raise ValueError(f"repeat must be >= 1, got {args.repeat}")
+        if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
+            raise ValueError(f"--json: directory of {args.json!r} does not exist")
         dev = torch.device(args.device)
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device cuda requested but CUDA is not available")
-        run(args)
-    except (ValueError, RuntimeError) as exc:
+        result = run(args)
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump(result, fh, indent=1)
+    except (ValueError, RuntimeError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0

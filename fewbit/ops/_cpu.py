@@ -35,13 +35,40 @@ if "NUMBA_THREADING_LAYER" not in os.environ:
 from fewbit._checks import packed_nbytes  # noqa: E402
 from fewbit.ops import _cpu_kernels  # noqa: E402
 
-__all__ = ["encode_cpu", "decode_mul_cpu"]
+__all__ = ["encode_cpu", "decode_mul_cpu", "kernel_arrays", "encode_arrays", "decode_mul_arrays"]
+
+
+#: Inputs of fewer elements run on the calling thread (the ``*_serial`` kernels): below
+#: a few chunks a parallel launch costs more than it saves.
+SERIAL_MAX = 4 * _cpu_kernels._CHUNK
 
 
 def _set_threads() -> None:
     want = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
     if numba.get_num_threads() != want:
         numba.set_num_threads(want)
+
+
+def _parallel(n: int) -> bool:
+    """Whether an input of ``n`` elements runs on numba's pool (its threads then set to
+    torch's, capped by ``NUMBA_NUM_THREADS``), else on the calling thread."""
+    _set_threads()  # also for serial calls: numba's threads follow torch's on every call
+    return n > SERIAL_MAX and numba.get_num_threads() > 1
+
+
+def kernel_arrays(
+    borders: torch.Tensor, codes: torch.Tensor, values: torch.Tensor
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The table as the arrays the kernels take: ``borders`` as given (the compare
+    dtype), ``codes`` int64, ``values`` float64 if they are float64, else float32.
+
+    Made once per table, device and dtype by the eager path (fewbit.ops._pointwise), so
+    that a call converts nothing."""
+    b = borders.detach().contiguous().numpy()
+    c = codes.detach().to(torch.int64).contiguous().numpy()
+    v = values.detach()
+    v = v.to(torch.float64 if v.dtype == torch.float64 else torch.float32).contiguous().numpy()
+    return b, c, v
 
 
 def encode_cpu(
@@ -57,6 +84,13 @@ def encode_cpu(
         ``(packed, count)``: ``count`` is the number of NaN and +-inf elements of ``x``
         if ``count_nonfinite``, else 0.
     """
+    b = borders.detach().contiguous().numpy()
+    c = codes.detach().to(torch.int64).contiguous().numpy()
+    return encode_arrays(x, b, c, bits, count_nonfinite)
+
+
+def encode_arrays(x: torch.Tensor, b: np.ndarray, c: np.ndarray, bits: int, count_nonfinite: bool) -> tuple[torch.Tensor, int]:
+    """:func:`encode_cpu` with the table already as kernel arrays (:func:`kernel_arrays`)."""
     n = x.numel()
     out = torch.empty((packed_nbytes(n, bits),), dtype=torch.uint8)
     if n == 0:
@@ -68,10 +102,8 @@ def encode_cpu(
         xa = x.to(torch.float32).numpy()
     else:
         xa = x.numpy()
-    b = borders.detach().contiguous().numpy()
-    c = codes.detach().to(torch.int64).contiguous().numpy()
-    _set_threads()
-    count = _cpu_kernels.encode(xa, b, c, out.numpy(), bits, count_nonfinite)
+    kernel = _cpu_kernels.encode if _parallel(n) else _cpu_kernels.encode_serial
+    count = kernel(xa, b, c, out.numpy(), bits, count_nonfinite)
     return out, int(count)
 
 
@@ -84,6 +116,15 @@ def decode_mul_cpu(
     float16 grads are upcast to float32 with torch, multiplied, and rounded back with
     torch (one round-to-nearest-even); bfloat16 is handled in the kernel.
     """
+    v = values.detach().to(torch.float64 if grad.dtype == torch.float64 else torch.float32).contiguous().numpy()
+    return decode_mul_arrays(grad, packed, v, bits, select_zero)
+
+
+def decode_mul_arrays(
+    grad: torch.Tensor, packed: torch.Tensor, v: np.ndarray, bits: int, select_zero: bool
+) -> torch.Tensor:
+    """:func:`decode_mul_cpu` with ``values`` already a kernel array in the compute dtype
+    of ``grad`` (float64 for float64, else float32; :func:`kernel_arrays`)."""
     n = grad.numel()
     dtype = grad.dtype
     out = torch.empty(grad.shape, dtype=dtype)
@@ -91,7 +132,6 @@ def decode_mul_cpu(
         return out
     g = grad.detach().reshape(-1).contiguous()
     p = packed.detach().reshape(-1).contiguous().numpy()
-    v = values.detach().to(torch.float64 if dtype == torch.float64 else torch.float32).contiguous().numpy()
     if dtype == torch.bfloat16:
         ga = g.view(torch.int16).numpy().view(np.uint16)
         oa = out.view(torch.int16).numpy().reshape(-1).view(np.uint16)
@@ -101,8 +141,8 @@ def decode_mul_cpu(
         oa = tmp.numpy()
     else:
         ga, oa = g.numpy(), out.numpy().reshape(-1)
-    _set_threads()
-    _cpu_kernels.decode_mul(ga, p, v, oa, bits, select_zero)
+    kernel = _cpu_kernels.decode_mul if _parallel(n) else _cpu_kernels.decode_mul_serial
+    kernel(ga, p, v, oa, bits, select_zero)
     if dtype == torch.float16:
         out.copy_(tmp.view(grad.shape))
     return out

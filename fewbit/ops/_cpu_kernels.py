@@ -211,6 +211,18 @@ def encode(x, borders, codes, out, bits, count_nonfinite):
     Returns the number of non-finite elements of ``x`` if ``count_nonfinite``, else 0
     (counted per chunk while the chunk is in cache; fewbit.ops._nonfinite).
     """
+    return _encode_body(x, borders, codes, out, bits, count_nonfinite)
+
+
+@njit(error_model="numpy", cache=True, nogil=True)
+def encode_serial(x, borders, codes, out, bits, count_nonfinite):
+    """:func:`encode` on the calling thread only, for small inputs: a parallel launch
+    costs microseconds, and on a loaded machine a wait for a descheduled worker."""
+    return _encode_body(x, borders, codes, out, bits, count_nonfinite)
+
+
+@njit(inline="always")
+def _encode_body(x, borders, codes, out, bits, count_nonfinite):
     n = x.shape[0]
     nfull = n // 8 * 8
     nb = borders.shape[0]
@@ -413,6 +425,17 @@ def _mul_lut(gf, cb, values, prod, bits, zsel):
 def decode_mul(g, packed, values, out, bits, select_zero):
     """``out = g * values[code]`` (1-D; float32/float64, or bf16 bits as uint16 with
     float32 values); with ``select_zero``, +0 where the level is 0."""
+    _decode_mul_body(g, packed, values, out, bits, select_zero)
+
+
+@njit(error_model="numpy", cache=True, nogil=True)
+def decode_mul_serial(g, packed, values, out, bits, select_zero):
+    """:func:`decode_mul` on the calling thread only (small inputs, see :func:`encode_serial`)."""
+    _decode_mul_body(g, packed, values, out, bits, select_zero)
+
+
+@njit(inline="always")
+def _decode_mul_body(g, packed, values, out, bits, select_zero):
     n = g.shape[0]
     nchunks = (n + _CHUNK - 1) // _CHUNK
     for ch in prange(nchunks):

@@ -8,6 +8,7 @@ element; backward ``grad_x = grad_y * values[c]``.
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import Callable, Mapping
 
 import torch
@@ -15,7 +16,7 @@ import torch
 from fewbit._checks import check_float_tensor
 from fewbit.activations import ACTIVATIONS, ALIASES, canonical_params, get_activation, import_callable
 from fewbit.ops import _ops  # noqa: F401  (registers fewbit::encode / fewbit::decode_mul)
-from fewbit.ops._nonfinite import CAPACITY, derive_grad_rules, nonfinite_record_reference
+from fewbit.ops._nonfinite import CAPACITY, derive_grad_rules, nonfinite_record_reference, patch_reference
 from fewbit.ops._reference import compute_dtype, round_down_to_float32
 from fewbit.table import Table
 
@@ -219,20 +220,15 @@ class _NoSecondDerivative(torch.autograd.Function):
 
 def _forward(x, borders, codes, values, patch, bits, fn, params, inplace, classes, capacity, select_zero, what,
              anchor):
-    """``(y, packed, record)``: codes (and the non-finite record) from the exact ``x``,
-    before any in-place write; then ``y = fn(x)``."""
+    """``(y, packed, record)`` through the ``torch.ops.fewbit`` ops (torch.compile and
+    torch.func; eager calls take :class:`_FewBitPointwiseDirect`): codes (and the
+    non-finite record, of a fixed ``capacity``) from the exact ``x``, before any in-place
+    write; then ``y = fn(x)``."""
     record = None
     if classes == 0:
         packed = torch.ops.fewbit.encode(x, borders, codes, bits)
-    elif capacity >= 0:  # fixed capacity: count unknown on the host (CUDA, compile)
+    else:  # fixed capacity: no data-dependent Python (CUDA, compile, torch.func)
         packed, record = torch.ops.fewbit.encode_nonfinite(x, borders, codes, bits, classes, capacity)
-    else:  # CPU eager: counted in the encode pass; listed (pure torch) only if any
-        packed, record = torch.ops.fewbit.encode_nonfinite(x, borders, codes, bits, classes, 0)
-        count = record.item()  # capacity 0: the record is just the count
-        if count == 0:
-            record = None
-        elif count <= CAPACITY:
-            record = nonfinite_record_reference(x, classes, count)
     y = fn(x, **params)
     if inplace:
         x.copy_(y)
@@ -254,15 +250,27 @@ def _save(ctx, inputs, packed, record) -> None:
     ctx.anchor = anchor
 
 
-def _backward(ctx, grad_output):
+def _unpack_saved(ctx) -> tuple:
+    """``(packed, values, record, patch)`` as saved by :func:`_save` or the direct node."""
     saved = ctx.saved_tensors
-    packed, values = saved[0], saved[1]
-    record, patch = (saved[2], saved[3]) if len(saved) > 2 else (None, None)
+    return (saved[0], saved[1]) + ((saved[2], saved[3]) if len(saved) > 2 else (None, None))
+
+
+def _backward_graph(grad_output, packed, values, record, patch, bits, select_zero, what, anchor):
+    """The backward when a graph of it is being built (``create_graph=True``,
+    ``torch.func``): differentiable in ``grad_output``; for a fitted table (``what`` set)
+    differentiating it again raises (:class:`_NoSecondDerivative`)."""
+    grad_input = DecodeMul.apply(grad_output, packed, values, bits, record, patch, select_zero)
+    if what is not None:
+        grad_input = _NoSecondDerivative.apply(grad_input, anchor, what)
+    return grad_input
+
+
+def _backward(ctx, grad_output):
+    packed, values, record, patch = _unpack_saved(ctx)
     if torch.is_grad_enabled():  # a graph of the backward is being built
-        grad_input = DecodeMul.apply(grad_output, packed, values, ctx.bits, record, patch, ctx.select_zero)
-        if ctx.what is not None:
-            grad_input = _NoSecondDerivative.apply(grad_input, ctx.anchor, ctx.what)
-        return grad_input
+        return _backward_graph(grad_output, packed, values, record, patch, ctx.bits, ctx.select_zero, ctx.what,
+                               ctx.anchor)
     return torch.ops.fewbit.decode_mul(grad_output, packed, values, ctx.bits, record, patch, ctx.select_zero)
 
 
@@ -392,25 +400,179 @@ def _apply(
         # cannot be rebased), run by a self-copy that writes nothing: raise before the
         # input is touched, with torch's message.
         input.copy_(input)
+    transforms = _transforms_active()
+    if not compiling and not transforms:
+        plan = _plan(table, fn, full, input.dtype, input.device)
+        return _FewBitPointwiseDirect.apply(input, plan, torch_fn, full, inplace, _anchor(input, plan.what))
     select_zero, classes, patch_id, what = _prepare(fn, tuple(full.items()), table, input.dtype, input.device)
     borders, codes, values = table_tensors(table, input.device, input.dtype)
     patch = _patch_tensor(patch_id, values.device, values.dtype) if classes else None
-    # CPU eager: the count is on the host for free, record exactly; else a fixed capacity
-    # (CUDA: no host sync; torch.compile and torch.func: no data-dependent Python).
-    transforms = _transforms_active()
-    host_count = input.device.type == "cpu" and not compiling and not transforms
-    capacity = -1 if host_count else CAPACITY
-    anchor = None
-    if what is not None:
-        # Double backward must raise for a fitted table (no f'' from codes). An empty
-        # copy of a slice of x carries x's autograd history into the backward (no data,
-        # nothing of x saved), so the guard is on the path to x; one small op per call.
-        anchor = torch.narrow_copy(input.reshape(-1) if input.dim() == 0 else input, 0, 0, 0)
-    args = (input, borders, codes, values, patch, table.bits, torch_fn, full, inplace, classes, capacity,
-            select_zero, what, anchor)
+    # torch.compile and torch.func: a fixed record capacity (no data-dependent Python)
+    args = (input, borders, codes, values, patch, table.bits, torch_fn, full, inplace, classes, CAPACITY,
+            select_zero, what, _anchor(input, what))
     if transforms:
         return _FewBitPointwise.apply(*args)[0]
     return _FewBitPointwiseEager.apply(*args)
+
+
+def _anchor(input: torch.Tensor, what) -> torch.Tensor | None:
+    """For a fitted table (``what`` set), an empty copy of a slice of ``input``: it
+    carries ``input``'s autograd history into the backward (no data, nothing of ``input``
+    saved), so that :class:`_NoSecondDerivative` lies on the path to ``input`` and double
+    backward raises (no f'' from codes); one small op per call."""
+    if what is None:
+        return None
+    return torch.narrow_copy(input.reshape(-1) if input.dim() == 0 else input, 0, 0, 0)
+
+
+# --------------------------------------------------------------------------- eager path
+# Eager calls (no torch.compile, no torch.func transform) skip the torch.library
+# dispatcher (tens of microseconds of Python per call, docs/kernels.md) and call the
+# backend kernels directly, with the table already in the form each backend reads,
+# made once per (table, fn, params, dtype, device) and cached here.
+
+
+class _Plan:
+    """Everything a direct call needs for one setting, made once (:func:`_plan`)."""
+
+    __slots__ = ("fn", "params", "bits", "values", "patch", "select_zero", "classes", "what", "backend", "kb", "kc",
+                 "kv")
+
+    def __init__(self, table: Table, fn: str, full: Mapping[str, float], dtype: torch.dtype, device: torch.device,
+                 backend: str):
+        select_zero, classes, patch_id, what = _prepare(fn, tuple(full.items()), table, dtype, device)
+        borders, codes, values = table_tensors(table, device, dtype)
+        self.fn, self.params, self.bits, self.values = fn, tuple(full.items()), table.bits, values
+        self.patch = _patch_tensor(patch_id, values.device, values.dtype) if classes else None
+        self.select_zero, self.classes, self.what, self.backend = select_zero, classes, what, backend
+        if backend == "numba":
+            from fewbit.ops import _cpu
+
+            self.kb, self.kc, self.kv = _cpu.kernel_arrays(borders, codes, values)
+        else:  # Triton (and its CPU stand-in in the tests): int32 codes, as the kernels read them
+            self.kb, self.kc, self.kv = borders, codes.to(torch.int32), values
+
+
+_plans: dict[int, tuple[weakref.ref, dict[tuple, _Plan]]] = {}
+
+
+def _drop_plans(key: int, ref: weakref.ref) -> None:
+    entry = _plans.get(key)
+    if entry is not None and entry[0] is ref:
+        del _plans[key]
+
+
+def _plan(table: Table, fn: str, full: Mapping[str, float], dtype: torch.dtype, device: torch.device) -> _Plan:
+    """The cached :class:`_Plan` of a setting. Keyed by the table object (its identity,
+    checked through a weak reference, and dropped with it), so a call hashes no
+    borders or values."""
+    entry = _plans.get(id(table))
+    if entry is None or entry[0]() is not table:
+        ref = weakref.ref(table, lambda r, k=id(table): _drop_plans(k, r))
+        entry = _plans[id(table)] = (ref, {})
+    key = (fn, tuple(full.items()), dtype, device)
+    plan = entry[1].get(key)
+    if plan is None:
+        backend = "numba" if device.type == "cpu" else ("triton" if device.type == "cuda" else "reference")
+        plan = entry[1][key] = _Plan(table, fn, full, dtype, device, backend)
+    return plan
+
+
+def _host_record(x: torch.Tensor, classes: int, count: int) -> torch.Tensor | None:
+    """The non-finite record of ``x`` when the encode pass counted ``count`` NaN and inf
+    (fewbit.ops._nonfinite): None if none of ``classes``, all of them listed if they fit
+    in :data:`CAPACITY`, else just their count (the gradient is then all NaN)."""
+    if count == 0:
+        return None
+    record = nonfinite_record_reference(x, classes, 0)
+    k = int(record[0])
+    if k == 0:
+        return None
+    return nonfinite_record_reference(x, classes, k) if k <= CAPACITY else record
+
+
+def _triton():
+    from fewbit.ops import _triton as mod
+
+    return mod
+
+
+def _direct_forward(x, plan: _Plan, torch_fn, full, inplace):
+    """``(y, packed, record)`` of an eager call: the kernels called directly."""
+    if plan.backend == "numba":
+        from fewbit.ops import _cpu
+
+        packed, count = _cpu.encode_arrays(x, plan.kb, plan.kc, plan.bits, plan.classes != 0)
+        record = _host_record(x, plan.classes, count) if count else None
+    elif plan.backend == "triton":
+        return _triton_forward(_triton(), x, plan, torch_fn, full, inplace)
+    else:  # another device: the ops' default (reference) kernels
+        return _forward(x, plan.kb, plan.kc, plan.values, plan.patch, plan.bits, torch_fn, full, inplace,
+                        plan.classes, CAPACITY, plan.select_zero, plan.what, None)
+    y = torch_fn(x, **full)
+    if inplace:
+        return x.copy_(y), packed, record
+    return y, packed, record
+
+
+def _triton_forward(tr, x, plan: _Plan, torch_fn, full, inplace):
+    """The Triton eager forward: one fused kernel where ``tr`` has one for this function
+    (``tr.FUSED_FORWARD``), else the encoder and then torch's function."""
+    if plan.fn in getattr(tr, "FUSED_FORWARD", ()):
+        return tr.forward_encode_triton(x, plan.kb, plan.kc, plan.bits, plan.classes, CAPACITY, plan.fn,
+                                        plan.params, x if inplace else None)
+    record = None
+    if plan.classes:
+        packed, record = tr.encode_nonfinite_triton(x, plan.kb, plan.kc, plan.bits, plan.classes, CAPACITY)
+    else:
+        packed = tr.encode_triton(x, plan.kb, plan.kc, plan.bits)
+    y = torch_fn(x, **full)
+    if inplace:
+        return x.copy_(y), packed, record
+    return y, packed, record
+
+
+def _direct_backward(plan: _Plan, grad, packed, record):
+    if plan.backend == "numba":
+        from fewbit.ops import _cpu
+
+        out = _cpu.decode_mul_arrays(grad, packed, plan.kv, plan.bits, plan.select_zero)
+        return out if record is None else patch_reference(out, grad, record, plan.patch)
+    if plan.backend == "triton":
+        return _triton().decode_mul_triton(grad, packed, plan.kv, plan.bits, nonfinite=record,
+                                           patch=None if record is None else plan.patch,
+                                           select_zero=plan.select_zero)
+    return torch.ops.fewbit.decode_mul(grad, packed, plan.values, plan.bits, record,
+                                       None if record is None else plan.patch, plan.select_zero)
+
+
+class _FewBitPointwiseDirect(torch.autograd.Function):
+    """The eager autograd node: kernels called directly (:func:`_direct_forward`), few
+    arguments; saves what the other two save (packed codes and the shared values; the
+    non-finite record and the shared patch when the input had any)."""
+
+    @staticmethod
+    def forward(ctx, x, plan, torch_fn, full, inplace, anchor):
+        y, packed, record = _direct_forward(x, plan, torch_fn, full, inplace)
+        if inplace:
+            ctx.mark_dirty(x)
+        if record is None:
+            ctx.save_for_backward(packed, plan.values)
+        else:
+            ctx.save_for_backward(packed, plan.values, record, plan.patch)
+        ctx.plan, ctx.anchor = plan, anchor
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        plan = ctx.plan
+        packed, values, record, patch = _unpack_saved(ctx)
+        if torch.is_grad_enabled():  # a graph of the backward is being built
+            grad_input = _backward_graph(grad_output, packed, values, record, patch, plan.bits, plan.select_zero,
+                                         plan.what, ctx.anchor)
+        else:
+            grad_input = _direct_backward(plan, grad_output, packed, record)
+        return grad_input, None, None, None, None, None
 
 
 def encode(input: torch.Tensor, table: Table) -> torch.Tensor:

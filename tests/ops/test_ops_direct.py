@@ -1,0 +1,120 @@
+"""The eager path of fewbit.ops.pointwise: kernels called directly (no torch.library
+dispatcher), the table's kernel-ready form made once per setting, and the Triton branch
+(fused forward when _triton offers one), checked on CPU with a stand-in module."""
+
+from __future__ import annotations
+
+import gc
+import math
+import types
+
+import pytest
+import torch
+
+import fewbit.ops as ops
+from fewbit.ops import _cpu, _pointwise
+from fewbit.resolve import resolve_fn, table_for
+
+
+def _gelu_table(bits=3, dtype=torch.float32):
+    f = resolve_fn("gelu")
+    return table_for(f, bits, f.full_params({}), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("n", [1000, 3 * _cpu.SERIAL_MAX + 13])  # serial and parallel kernels
+def test_eager_calls_kernels_directly(monkeypatch, dtype, n):
+    table = _gelu_table(dtype=dtype)
+    x = torch.randn(n, dtype=torch.float64).to(dtype)
+    x[5] = math.nan
+    g = torch.randn_like(x)
+    b, c, v = ops.table_tensors(table, "cpu", dtype)
+
+    def boom(*a, **k):
+        raise AssertionError("the eager path went through the torch.library op")
+
+    monkeypatch.setattr(_cpu, "encode_cpu", boom)  # what the registered cpu kernels call
+    monkeypatch.setattr(_cpu, "decode_mul_cpu", boom)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    xr = x.clone().requires_grad_()
+    y = ops.pointwise(xr, table, "gelu")
+    y.backward(g)
+    assert torch.equal(y, torch.nn.functional.gelu(x)) or torch.allclose(y, torch.nn.functional.gelu(x),
+                                                                          equal_nan=True, rtol=0, atol=0)
+    want = ops.decode_mul_reference(g, ops.encode_reference(x, b, c, 3), v, 3)
+    want[5] = math.nan  # torch's gradient at a NaN input (fewbit.ops._nonfinite)
+    assert torch.equal(xr.grad.isnan(), want.isnan())
+    ok = ~want.isnan()
+    assert torch.equal(xr.grad[ok], want[ok])
+
+
+def test_plan_made_once_per_setting_and_dropped_with_the_table():
+    table = _gelu_table(bits=2)
+    table = type(table)(**{**table.__dict__})  # a private copy, not the resolver's
+    x = torch.randn(64, requires_grad=True)
+    ops.pointwise(x, table, "gelu")
+    plan = _pointwise._plan(table, "gelu", resolve_fn("gelu").full_params({}), torch.float32, x.device)
+    ops.pointwise(x, table, "gelu").sum().backward()
+    assert _pointwise._plan(table, "gelu", resolve_fn("gelu").full_params({}), torch.float32, x.device) is plan
+    assert plan.kc.dtype.name == "int64" and plan.kb.dtype.name == "float32" and plan.kv.dtype.name == "float32"
+    key = id(table)
+    assert key in _pointwise._plans
+    del table, plan
+    gc.collect()
+    assert key not in _pointwise._plans
+
+
+def _fake_triton(calls):
+    """A stand-in for fewbit.ops._triton on CPU tensors: the reference kernels, with
+    the names and signatures of the contract (forward_encode_triton for FUSED_FORWARD)."""
+
+    def encode_triton(x, borders, codes, bits):
+        calls.append("encode")
+        return ops.encode_reference(x, borders, codes, bits)
+
+    def encode_nonfinite_triton(x, borders, codes, bits, classes, capacity):
+        calls.append("encode_nonfinite")
+        return ops.encode_reference(x, borders, codes, bits), ops.nonfinite_record_reference(x, classes, capacity)
+
+    def forward_encode_triton(x, borders, codes, bits, classes, capacity, fn, params, out):
+        calls.append(("fused", fn, params, out is x))
+        assert codes.dtype == torch.int32
+        packed = ops.encode_reference(x, borders, codes, bits)
+        record = ops.nonfinite_record_reference(x, classes, capacity) if classes else None
+        y = torch.nn.functional.gelu(x, approximate=dict(params).get("approximate", "none"))
+        return (x.copy_(y) if out is not None else y), packed, record
+
+    def decode_mul_triton(grad, packed, values, bits, *, nonfinite=None, patch=None, select_zero=False):
+        calls.append("decode")
+        return torch.ops.fewbit.decode_mul(grad, packed, values, bits, nonfinite, patch, select_zero)
+
+    return types.SimpleNamespace(FUSED_FORWARD=frozenset({"gelu"}), encode_triton=encode_triton,
+                                 encode_nonfinite_triton=encode_nonfinite_triton,
+                                 forward_encode_triton=forward_encode_triton, decode_mul_triton=decode_mul_triton)
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("fn", ["gelu", "silu"])
+def test_triton_branch_fused_when_offered(monkeypatch, fn, inplace):
+    calls = []
+    monkeypatch.setattr(_pointwise, "_triton", lambda: _fake_triton(calls))
+    f = resolve_fn(fn)
+    full = f.full_params({})
+    table = table_for(f, 3, full, torch.float32)
+    plan = _pointwise._Plan(table, f.op_name, full, torch.float32, torch.device("cpu"), "triton")
+    x = torch.randn(100)
+    x[3] = math.inf
+    a = x.clone().requires_grad_()
+    src = a.clone() if inplace else a
+    y = _pointwise._FewBitPointwiseDirect.apply(src, plan, f.callable, full, inplace, None)
+    y.backward(torch.ones_like(y))
+    b = x.clone().requires_grad_()
+    want_y = ops.pointwise(b, table, f.op_name)
+    want_y.backward(torch.ones_like(want_y))
+    assert torch.equal(y.detach(), want_y.detach())
+    torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0, equal_nan=True)  # NaN at the inf input
+    if fn == "gelu":
+        assert calls[0] == ("fused", "gelu", tuple(full.items()), inplace)
+    else:
+        assert calls[0] == "encode_nonfinite"  # silu's rules record +inf; no fused kernel offered
+    assert calls[-1] == "decode"

@@ -1,0 +1,40 @@
+"""scripts/bench_activations.py at tiny sizes: runs, and its --json has the documented keys."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_bench_activations_json(tmp_path):
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, "scripts/bench_activations.py", "--activations", "gelu", "--dtypes", "float32",
+           "--sizes", "3", "--mode", "all", "--threads", "1", "--repeat", "1", "--no-compile", "--json", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert {"machine", "versions", "device", "threads", "thp", "loadavg", "compile"} <= set(doc["meta"])
+    labels = {r["candidate"] for r in doc["results"]}
+    assert {"torch.gelu", "nn.GELU", "fewbit.ops.pointwise", "fewbit.GELU"} <= labels
+    for r in doc["results"]:
+        assert r["log2_n"] == 3 and r["dtype"] == "float32"
+        for mode in ("forward", "backward", "full"):
+            cell = r[mode]
+            assert {"ms", "ratio_eager", "ratio_compile", "gbs", "pct_copy"} == set(cell)
+            assert cell["ms"] > 0 and cell["gbs"] > 0 and cell["ratio_compile"] is None  # --no-compile
+        assert r["saved_bytes"] > 0
+    fewbit = next(r for r in doc["results"] if r["candidate"] == "fewbit.GELU")
+    assert fewbit["saved_ratio"] < 1
+    host = {h["candidate"]: h for h in doc["host"]}
+    assert set(host) == {"torch.gelu", "nn.GELU", "fewbit.ops.pointwise", "fewbit.GELU"}
+    assert all(h["forward_us"] > 0 and h["full_us"] > 0 for h in host.values())
+
+
+def test_bench_activations_bad_json_dir(tmp_path):
+    cmd = [sys.executable, "scripts/bench_activations.py", "--sizes", "3", "--json", str(tmp_path / "no" / "x.json")]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and proc.stderr.startswith("error: --json") and proc.stderr.count("\n") == 1
