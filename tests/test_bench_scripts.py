@@ -1,4 +1,4 @@
-"""scripts/bench_activations.py at tiny sizes: runs, and its --json has the documented keys."""
+"""scripts/bench_activations.py at a small size: runs, and its --json has the documented keys."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_bench_activations_json(tmp_path):
     out = tmp_path / "bench.json"
     cmd = [sys.executable, "scripts/bench_activations.py", "--activations", "gelu", "--dtypes", "float32",
-           "--sizes", "3", "--mode", "all", "--threads", "1", "--repeat", "1", "--no-compile", "--json", str(out)]
+           "--sizes", "8", "--mode", "all", "--threads", "1", "--repeat", "1", "--no-compile", "--json", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads(out.read_text())
@@ -21,14 +21,16 @@ def test_bench_activations_json(tmp_path):
     labels = {r["candidate"] for r in doc["results"]}
     assert {"torch.gelu", "nn.GELU", "fewbit.ops.pointwise", "fewbit.GELU"} <= labels
     for r in doc["results"]:
-        assert r["log2_n"] == 3 and r["dtype"] == "float32"
+        assert r["log2_n"] == 8 and r["dtype"] == "float32"
         for mode in ("forward", "backward", "full"):
             cell = r[mode]
             assert {"ms", "ratio_eager", "ratio_compile", "gbs", "pct_copy"} == set(cell)
             assert cell["ms"] > 0 and cell["gbs"] > 0 and cell["ratio_compile"] is None  # --no-compile
         assert r["saved_bytes"] > 0
     fewbit = next(r for r in doc["results"] if r["candidate"] == "fewbit.GELU")
-    assert fewbit["saved_ratio"] < 1
+    # 2^8 elements: 96 bytes of 3-bit codes + the 32-byte shared values table, against 1 KiB
+    # (at 2^3 the shared table alone outweighs the input)
+    assert fewbit["saved_ratio"] < 0.2
     host = {h["candidate"]: h for h in doc["host"]}
     assert set(host) == {"torch.gelu", "nn.GELU", "fewbit.ops.pointwise", "fewbit.GELU"}
     assert all(h["forward_us"] > 0 and h["full_us"] > 0 for h in host.values())
