@@ -93,10 +93,30 @@ def loss_of(kind: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> to
     return nn.functional.cross_entropy(model(x), y)
 
 
+#: Where :func:`make_plan` keeps the plan of each model kind (set by the test and by
+#: :func:`run_rank`): the planner picks by measured step times, which vary from process to
+#: process on a busy machine, so every rank and every single-process reference must load
+#: the one plan made first, or they would train different plans.
+PLAN_DIR: str | None = None
+
+
 def make_plan(model: nn.Module, kind: str):
     """A ``fewbit.plan`` for ``model`` (the planner of issue 12, when it is there): half of
     the saved bytes of a vanilla step as activation budget on top of params, grads and AdamW
-    state. Only called when ``hasattr(fewbit, "plan")``."""
+    state; loaded from :data:`PLAN_DIR` when made there before. Only called when
+    ``hasattr(fewbit, "plan")``."""
+    import fewbit
+
+    path = os.path.join(PLAN_DIR, f"plan-{kind}.json") if PLAN_DIR else None
+    if path is not None and os.path.exists(path):
+        return fewbit.Plan.load(path)
+    made = _make_plan(model, kind)
+    if path is not None:
+        made.save(path)
+    return made
+
+
+def _make_plan(model: nn.Module, kind: str):
     import fewbit
     from fewbit.memory import SavedTensorRecorder
 
@@ -262,6 +282,8 @@ def run_rank(rank: int, world: int, workdir: str, jobs: list, backend: str = "gl
     """Entry point of spawned process ``rank``: join the group through a FileStore in
     ``workdir``, run ``jobs`` (``Job`` or ``("noise", (seed0, seed1))``), write
     ``workdir/rank<rank>.pt``."""
+    global PLAN_DIR
+    PLAN_DIR = workdir  # the plans the test made before spawning (make_plan)
     os.environ.setdefault("NUMBA_NUM_THREADS", "1")
     torch.set_num_threads(1)
     import faulthandler

@@ -90,9 +90,13 @@ def ranks(tmp_path_factory):
     """Results of every distributed job, per rank (one spawn for the module). The references
     run first: the first CPU use of the numba kernels compiles them (a minute or more on a busy
     machine) and caches them on disk, so the ranks load them instead of compiling twice at once."""
+    workdir = tmp_path_factory.mktemp("dist")
     for model in ("gpt2", "cnn"):
         _reference(W.Job(model, "stoch"))
-    return _spawn(DET_JOBS + STOCH_JOBS + PLAN_JOBS + NOISE_JOBS, tmp_path_factory.mktemp("dist"))
+    if HAS_PLAN:  # one plan for the ranks and the references (W.PLAN_DIR)
+        W.PLAN_DIR = str(workdir)
+        W.make_plan(W.build_model("gpt2"), "gpt2")
+    return _spawn(DET_JOBS + STOCH_JOBS + PLAN_JOBS + NOISE_JOBS, workdir)
 
 
 def _result(ranks, key):
