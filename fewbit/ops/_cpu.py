@@ -51,9 +51,18 @@ def _set_threads() -> None:
 
 def _parallel(n: int) -> bool:
     """Whether an input of ``n`` elements runs on numba's pool (its threads then set to
-    torch's, capped by ``NUMBA_NUM_THREADS``), else on the calling thread."""
-    _set_threads()  # also for serial calls: numba's threads follow torch's on every call
-    return n > SERIAL_MAX and numba.get_num_threads() > 1
+    torch's, capped by ``NUMBA_NUM_THREADS``), else on the calling thread. Serial calls
+    leave the pool alone (asking numba for its thread count costs microseconds a call)."""
+    if n <= SERIAL_MAX:
+        return False
+    _set_threads()
+    return numba.get_num_threads() > 1
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """``t`` detached and flattened; no copy when it is contiguous."""
+    t = t.detach()
+    return t.view(-1) if t.is_contiguous() else t.reshape(-1).contiguous()
 
 
 def kernel_arrays(
@@ -95,7 +104,7 @@ def encode_arrays(x: torch.Tensor, b: np.ndarray, c: np.ndarray, bits: int, coun
     out = torch.empty((packed_nbytes(n, bits),), dtype=torch.uint8)
     if n == 0:
         return out, 0
-    x = x.detach().reshape(-1).contiguous()
+    x = _flat(x)
     if x.dtype == torch.bfloat16:
         xa = x.view(torch.int16).numpy()
     elif x.dtype == torch.float16:
@@ -130,8 +139,8 @@ def decode_mul_arrays(
     out = torch.empty(grad.shape, dtype=dtype)
     if n == 0:
         return out
-    g = grad.detach().reshape(-1).contiguous()
-    p = packed.detach().reshape(-1).contiguous().numpy()
+    g = _flat(grad)
+    p = _flat(packed).numpy()
     if dtype == torch.bfloat16:
         ga = g.view(torch.int16).numpy().view(np.uint16)
         oa = out.view(torch.int16).numpy().reshape(-1).view(np.uint16)

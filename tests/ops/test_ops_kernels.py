@@ -205,14 +205,19 @@ def test_single_interval_and_unrolled_paddings(dtype):
 
 
 def test_numba_threads_follow_torch():
+    """Calls that run on numba's pool set its threads to torch's (serial calls, at most
+    ``_cpu.SERIAL_MAX`` elements, do not touch the pool)."""
     numba = pytest.importorskip("numba")
+    from fewbit.ops import _cpu
+
+    n = 4 * (_cpu.SERIAL_MAX + 1)
     old = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        ops.encode(torch.randn(100), random_table(2))
+        ops.encode(torch.randn(n), random_table(2))
         assert numba.get_num_threads() == 1
         torch.set_num_threads(min(2, numba.config.NUMBA_NUM_THREADS))
-        ops.decode_mul(torch.randn(100), torch.zeros(25, dtype=torch.uint8), random_table(2))
+        ops.decode_mul(torch.randn(n), torch.zeros(n // 4, dtype=torch.uint8), random_table(2))
         assert numba.get_num_threads() == min(2, numba.config.NUMBA_NUM_THREADS)
     finally:
         torch.set_num_threads(old)
