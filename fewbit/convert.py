@@ -124,8 +124,9 @@ class Config:
             outlier-separated for linear/norm inputs, channel-wise for q/k/v, softmax for
             attention probabilities; :class:`fewbit.quant.policies.AdaccPolicy`). With
             ``saved_bits="auto"`` only ``"group"``.
-        adapt_interval: ``saved_bits="auto"``: steps (``adapt`` calls) between two GACT
-            re-plans, >= 1 (default 1000).
+        adapt_interval: ``saved_bits="auto"``: the longest gap, in steps (``adapt``
+            calls), between two GACT re-plans, >= 1 (default 1000); re-plans come at calls
+            1, 2, 4, 8, ... until the gap reaches it.
         fused_cross_entropy: compute a Hugging Face ``*ForCausalLM`` model's loss (when
             ``labels`` are passed) with the exact chunked linear + cross-entropy of
             :func:`fewbit.losses.patch_causal_lm_`, so the logits are never saved for

@@ -184,8 +184,18 @@ def test_user_loop_adapt_interval_keeps_grads_and_rng():
         opt.zero_grad()
         nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
-    assert planned == [True, False, True, False, True]
+    assert planned == [True, True, False, True, False]  # calls 1, 2, 4 (gap doubles up to 2)
     assert comp.records and all(r.bits == comp.policy.bits[i] for i, r in comp.records.items())
+
+
+def test_replan_gaps_double_up_to_adapt_interval():
+    model = _mlp()
+    comp = fewbit.convert_(model, fewbit.Config(saved_bits="auto", average_bits=2, adapt_interval=8,
+                                                 min_numel=0)).compressor
+    x = torch.randn(8, 32)
+    y = torch.randint(0, 10, (8,))
+    calls = [n for n in range(1, 41) if comp.adapt(model, lambda: nn.functional.cross_entropy(model(x), y))]
+    assert calls == [1, 2, 4, 8, 16, 24, 32, 40]
 
 
 def test_alert_when_compression_variance_dominates():
