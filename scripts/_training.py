@@ -225,7 +225,7 @@ def train_loop(
         x, y = task.next_batch()
         t0 = time.perf_counter()
         rec.reset()
-        if comp is not None:  # GACT re-plans every adapt_interval steps; others: no-op
+        if comp is not None:  # GACT re-plans when due (doubling gaps); others: no-op
             comp.adapt(model, lambda: task.forward_loss(model, x, y))
         with step_ctx(), rec:
             loss = task.forward_loss(model, x, y)
