@@ -10,8 +10,9 @@ Each script keeps its model, its data and its defaults; everything else lives he
     (``fewbit.convert_``; Novikov et al., "Few-bit Backward", ICML 2023);
   - ``actnn2``: the paper's ActNN baseline: only the activation functions' saved inputs
     are group-quantized to 2 bits (``fewbit.compress_activations`` inside each activation);
-  - ``fewbit3+quant4``: fewbit 3-bit activations and every other saved tensor quantized
-    to 4 bits (docs/method.md §7);
+  - ``fewbit3+quant4``, ``fewbit3+quant2``: fewbit 3-bit activations and every other saved
+    tensor quantized to 4 (2) bits (docs/method.md §7; ``+quant2`` is the uniform baseline of
+    ``gact2``);
 
 - seeding and building a model for a (variant, seed) (:func:`prepare_model`);
 - the AdamW loop with warm-up + cosine learning rate, exact saved-bytes counting, the
@@ -38,7 +39,7 @@ import torch
 from torch import nn
 
 VARIANTS = ("vanilla", "fewbit1", "fewbit2", "fewbit3", "fewbit4", "actnn2", "fewbit3+quant4",
-            "gact2", "gact4", "division", "adacc")
+            "fewbit3+quant2", "gact2", "gact4", "division", "adacc")
 
 #: Saved-tensor compression variants (docs/compression.md §2-§4): fewbit 3-bit activations and
 #: ``fewbit.Config`` compression fields.
@@ -114,8 +115,8 @@ def check_variant(variant: str) -> str:
 def apply_variant(model: nn.Module, variant: str) -> StepContext:
     """Convert ``model`` in place for ``variant``; return a factory of the per-step context.
 
-    ``fewbitB``: ``fewbit.convert_(model, Config(activation_bits=B))``; ``fewbit3+quant4``:
-    ``Config(activation_bits=3, saved_bits=4)`` (linear/conv/norm/attention saved tensors
+    ``fewbitB``: ``fewbit.convert_(model, Config(activation_bits=B))``; ``fewbit3+quantQ``:
+    ``Config(activation_bits=3, saved_bits=Q)`` (linear/conv/norm/attention saved tensors
     group-quantized); ``gact2``/``gact4``: ``Config(activation_bits=3, saved_bits="auto",
     average_bits=2/4)`` (:func:`train_loop` calls ``adapt`` before each step); ``division``:
     ``saved_bits=2, compressor="division"``; ``adacc``: ``saved_bits=4, compressor="adacc"``; ``actnn2``: activation modules wrapped in
@@ -141,7 +142,7 @@ def apply_variant(model: nn.Module, variant: str) -> StepContext:
         fewbit.convert_(model, fewbit.Config(activation_bits=3, **_POLICY_VARIANTS[variant]))
         return null
     bits = int(variant[len("fewbit")])
-    saved_bits = 4 if variant.endswith("+quant4") else None
+    saved_bits = int(variant[-1]) if "+quant" in variant else None
     summary = fewbit.convert_(model, fewbit.Config(activation_bits=bits, saved_bits=saved_bits))
     if not summary.replaced:
         raise RuntimeError(f"{variant}: fewbit.convert_ replaced no activation")

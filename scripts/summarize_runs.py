@@ -32,7 +32,8 @@ from pathlib import Path
 from typing import Iterable
 
 _NAME = re.compile(r"^(?P<task>[A-Za-z0-9]+)_(?P<variant>.+)_seed(?P<seed>\d+)\.csv$")
-_ORDER = ("vanilla", "fewbit1", "fewbit2", "fewbit3", "fewbit4", "actnn2", "fewbit3+quant4")
+_ORDER = ("vanilla", "fewbit1", "fewbit2", "fewbit3", "fewbit4", "actnn2", "fewbit3+quant4",
+          "fewbit3+quant2", "gact2", "gact4", "division", "adacc")
 
 
 def _rank(variant: str) -> tuple:

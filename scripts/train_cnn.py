@@ -2,7 +2,7 @@
 """Train a small CNN (GELU, SiLU and ReLU activations) on scikit-learn's digits.
 
 The variants and the training loop are those of ``train_lm.py`` (``scripts/_training.py``:
-vanilla, fewbit1..4, actnn2, fewbit3+quant4).
+vanilla, fewbit1..4, actnn2, fewbit3+quant4, fewbit3+quant2, gact2, gact4, division, adacc).
 The digits images (1797 8x8 greyscale, shipped with scikit-learn, nothing downloaded) are
 upsampled to 16x16 so the conv layers have some spatial extent; split: fixed permutation,
 20 % validation.

@@ -8,8 +8,10 @@ Variants (``--variants``; defined, with the training loop, in ``scripts/_trainin
   (``fewbit.convert_``; Novikov et al., "Few-bit Backward", ICML 2023);
 - ``actnn2``: the paper's ActNN baseline: only the activation functions' saved inputs are
   group-quantized to 2 bits (``fewbit.compress_activations`` inside each activation);
-- ``fewbit3+quant4``: fewbit 3-bit activations and every other saved tensor quantized to
-  4 bits (docs/method.md §7).
+- ``fewbit3+quant4``, ``fewbit3+quant2``: fewbit 3-bit activations and every other saved
+  tensor quantized to 4 (2) bits (docs/method.md §7);
+- ``gact2``, ``gact4``, ``division``, ``adacc``: the adaptive compressors
+  (docs/compression.md §2-§4).
 
 Each (variant, seed) writes ``OUT/lm_<variant>_seed<seed>.csv`` with columns
 ``step, train_loss, val_loss, accuracy, step_time_s, peak_saved_bytes`` (loss in nats per
