@@ -15,6 +15,7 @@ way when ``labels`` are passed.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass, field
 from typing import Any
@@ -402,6 +403,93 @@ def _causal_lm_fused_loss(patch: _Patch, hidden: torch.Tensor, labels: torch.Ten
     return loss
 
 
+@functools.lru_cache(maxsize=None)
+def _forward_signature(cls: type) -> inspect.Signature | None:
+    try:
+        return inspect.signature(cls.forward)
+    except (TypeError, ValueError):
+        return None
+
+
+class _HeadForward:
+    """The patched ``lm_head.forward``: the hidden states themselves while a forward with
+    labels runs (recorded for the loss), else the head's own forward."""
+
+    def __init__(self, patch: _Patch) -> None:
+        self.patch = patch
+
+    def __call__(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        patch = self.patch
+        if patch.active and patch.active[-1]:
+            patch.hidden = hidden_states
+            return hidden_states
+        return type(patch.head).forward(patch.head, hidden_states)
+
+
+class _LossFunction:
+    """The patched ``model.loss_function``: the fused loss on the recorded hidden states while
+    a forward with labels runs, else the model's loss function from before patching."""
+
+    def __init__(self, patch: _Patch) -> None:
+        self.patch = patch
+
+    def __call__(self, logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100,
+                 shift_labels=None, **kwargs):
+        patch = self.patch
+        if patch.active and patch.active[-1]:
+            if logits is None or logits is not patch.hidden:
+                raise RuntimeError(
+                    "the model's loss function did not get the output of its lm_head unchanged, so "
+                    "the fused cross-entropy cannot compute it; call fewbit.losses.unpatch_causal_lm_(model)")
+            return _causal_lm_fused_loss(patch, logits, labels, vocab_size, num_items_in_batch,
+                                         ignore_index, shift_labels)
+        return patch.fallback(logits, labels, vocab_size, num_items_in_batch=num_items_in_batch,
+                              ignore_index=ignore_index, shift_labels=shift_labels, **kwargs)
+
+
+class _PreHook:
+    """Forward pre-hook of the patched model: notes whether this forward has labels, and
+    refuses to run with an output embedding other than the patched one."""
+
+    def __init__(self, patch: _Patch) -> None:
+        self.patch = patch
+
+    def __call__(self, module, args, kwargs):
+        patch = self.patch
+        signature = _forward_signature(type(module))
+        try:
+            labels = signature.bind_partial(module, *args, **kwargs).arguments.get("labels")
+        except (TypeError, AttributeError):
+            labels = kwargs.get("labels")
+        if labels is not None and module.get_output_embeddings() is not patch.head:
+            raise RuntimeError(
+                f"{type(module).__name__}'s output embedding was replaced after "
+                "fewbit.losses.patch_causal_lm_; call fewbit.losses.unpatch_causal_lm_(model) before "
+                "replacing it and patch the model again after")
+        patch.active.append(labels is not None)
+
+
+class _PostHook:
+    """Forward hook of the patched model: drops the hidden states it returned as logits."""
+
+    def __init__(self, patch: _Patch) -> None:
+        self.patch = patch
+
+    def __call__(self, module, args, kwargs, output):
+        patch = self.patch
+        if not patch.active:
+            return None
+        active = patch.active.pop()
+        hidden, patch.hidden = patch.hidden, None
+        if not active or hidden is None:
+            return None
+        if isinstance(output, tuple):
+            return tuple(o for o in output if o is not hidden)
+        if getattr(output, "logits", None) is hidden:
+            return type(output)(**{k: v for k, v in output.items() if k != "logits"})
+        return None
+
+
 def patch_causal_lm_(model: nn.Module, *, chunk_size: int | None = None, grad_in_forward: bool = False) -> nn.Module:
     """Make a Hugging Face ``*ForCausalLM`` model compute its loss with :func:`linear_cross_entropy`.
 
@@ -465,10 +553,7 @@ def patch_causal_lm_(model: nn.Module, *, chunk_size: int | None = None, grad_in
         check_positive_int(chunk_size, "chunk_size")
     if not isinstance(grad_in_forward, bool):
         raise ValueError(f"grad_in_forward must be True or False, got {grad_in_forward!r}")
-    try:
-        signature = inspect.signature(type(model).forward)
-    except (TypeError, ValueError):
-        signature = None
+    signature = _forward_signature(type(model))
     if signature is None or "labels" not in signature.parameters:
         raise ValueError(f"model ({type(model).__name__}).forward takes no 'labels' argument")
 
@@ -476,52 +561,13 @@ def patch_causal_lm_(model: nn.Module, *, chunk_size: int | None = None, grad_in
     patch = _Patch(head=head, chunk_size=chunk_size, grad_in_forward=grad_in_forward,
                    fallback=model.loss_function, had_loss_function=had,
                    previous_loss_function=vars(model).get("_loss_function"))
-    head_forward = type(head).forward
-
-    def forward(hidden_states: torch.Tensor) -> torch.Tensor:
-        if patch.active and patch.active[-1]:
-            patch.hidden = hidden_states
-            return hidden_states
-        return head_forward(head, hidden_states)
-
-    def loss_function(logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100,
-                      shift_labels=None, **kwargs):
-        if patch.active and patch.active[-1]:
-            if logits is None or logits is not patch.hidden:
-                raise RuntimeError(
-                    f"{type(model).__name__}'s loss function did not get the output of its lm_head "
-                    "unchanged, so the fused cross-entropy cannot compute it; call "
-                    "fewbit.losses.unpatch_causal_lm_(model)")
-            return _causal_lm_fused_loss(patch, logits, labels, vocab_size, num_items_in_batch,
-                                         ignore_index, shift_labels)
-        return patch.fallback(logits, labels, vocab_size, num_items_in_batch=num_items_in_batch,
-                              ignore_index=ignore_index, shift_labels=shift_labels, **kwargs)
-
-    def pre_hook(module, args, kwargs):
-        try:
-            labels = signature.bind_partial(module, *args, **kwargs).arguments.get("labels")
-        except TypeError:
-            labels = kwargs.get("labels")
-        patch.active.append(labels is not None)
-
-    def post_hook(module, args, kwargs, output):
-        if not patch.active:
-            return None
-        active = patch.active.pop()
-        hidden, patch.hidden = patch.hidden, None
-        if not active or hidden is None:
-            return None
-        if isinstance(output, tuple):
-            return tuple(o for o in output if o is not hidden)
-        if getattr(output, "logits", None) is hidden:
-            return type(output)(**{k: v for k, v in output.items() if k != "logits"})
-        return None
-
-    head.forward = forward
-    model.loss_function = loss_function
+    # Callable objects, not closures: copy.deepcopy(model) maps their ``patch`` (and its head)
+    # to the copy's, and torch.save / pickle can store them.
+    head.forward = _HeadForward(patch)
+    model.loss_function = _LossFunction(patch)
     patch.handles = [
-        model.register_forward_pre_hook(pre_hook, with_kwargs=True),
-        model.register_forward_hook(post_hook, with_kwargs=True, always_call=True),
+        model.register_forward_pre_hook(_PreHook(patch), with_kwargs=True),
+        model.register_forward_hook(_PostHook(patch), with_kwargs=True, always_call=True),
     ]
     setattr(model, _PATCH_ATTR, patch)
     return model

@@ -557,24 +557,15 @@ def _apply_choices(model: nn.Module, plan: "Plan") -> _State:
 
 
 def _copy_unplanned(model: nn.Module) -> nn.Module:
-    """A deep copy of ``model`` without its plan and without a fused-loss patch (the patch's
-    closures would still point at the original); both are put back on ``model``."""
-    from fewbit.losses import patch_causal_lm_, unpatch_causal_lm_
+    """A deep copy of ``model`` without its plan and without a fused-loss patch; ``model``
+    itself is not touched (both undo on a deep copy, which carries its own hooks and patch)."""
+    from fewbit.losses import unpatch_causal_lm_
 
-    state = vars(model).get(_STATE_ATTR)
-    patch = getattr(model, "_fewbit_fused_cross_entropy", None)
-    if state is not None:
-        remove_plan(model)
-        patch = getattr(model, "_fewbit_fused_cross_entropy", None)
-    if patch is not None:
-        unpatch_causal_lm_(model)
-    try:
-        return copy.deepcopy(model)
-    finally:
-        if patch is not None:
-            patch_causal_lm_(model, chunk_size=patch.chunk_size, grad_in_forward=patch.grad_in_forward)
-        if state is not None:
-            _apply_choices(model, state.plan)
+    work = copy.deepcopy(model)
+    remove_plan(work)
+    if hasattr(work, "_fewbit_fused_cross_entropy"):
+        unpatch_causal_lm_(work)
+    return work
 
 
 def _call(model: nn.Module, batch: Any) -> Any:

@@ -8,6 +8,9 @@ error plus one epsilon of the dtype times the largest value (flash-attention's r
 
 from __future__ import annotations
 
+import copy
+import io
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -411,6 +414,74 @@ def test_patch_causal_lm_saves_no_logits():
     assert before.saved_bytes - after.saved_bytes == logits_bytes
     assert after.by_module[""] < 2 * 16 * 32 * 4 + 2 * 16 * 8 + 8
     assert after.loss == pytest.approx(before.loss, rel=1e-6)
+
+
+def _untied_gpt2():
+    model = _gpt2()
+    model.config.tie_word_embeddings = False
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
+    return model
+
+
+def test_patch_causal_lm_deepcopy_uses_its_own_head():
+    """A deep copy of a patched model computes its loss and gradients with its own head,
+    hooks and loss function (before the fix its head's forward and loss were the
+    original's closures)."""
+    torch.manual_seed(0)
+    model = patch_causal_lm_(_untied_gpt2())
+    copy_ = copy.deepcopy(model)
+    with torch.no_grad():
+        copy_.lm_head.weight.mul_(3.0)
+    ids = torch.randint(0, 97, (2, 10))
+    out, grads = _step(copy_, input_ids=ids, labels=ids)
+    ref_model = unpatch_causal_lm_(copy.deepcopy(copy_))
+    ref, ref_grads = _step(ref_model, input_ids=ids, labels=ids)
+    assert out.logits is None
+    torch.testing.assert_close(out.loss, ref.loss, rtol=1e-6, atol=1e-6)
+    for name in ref_grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-5, atol=1e-6, msg=name)
+    assert model.lm_head.weight.grad is None  # the original was not touched
+    # the copy can be unpatched on its own; the original stays patched
+    unpatch_causal_lm_(copy_)
+    assert copy_(input_ids=ids, labels=ids).logits is not None
+    assert model(input_ids=ids, labels=ids).logits is None
+
+
+def test_patch_causal_lm_pickles():
+    """torch.save / torch.load of a patched model keeps it patched and exact (the closures of
+    an earlier build could not be pickled)."""
+    torch.manual_seed(0)
+    model = patch_causal_lm_(_gpt2(), chunk_size=5)
+    ids = torch.randint(0, 97, (2, 10))
+    ref, ref_grads = _step(model, input_ids=ids, labels=ids)
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    out, grads = _step(loaded, input_ids=ids, labels=ids)
+    assert out.logits is None
+    torch.testing.assert_close(out.loss, ref.loss, rtol=0, atol=0)
+    for name in ref_grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], rtol=0, atol=0, msg=name)
+    assert loaded.lm_head.weight is loaded.transformer.wte.weight  # tying survives
+    unpatch_causal_lm_(loaded)
+    assert loaded(input_ids=ids, labels=ids).logits is not None
+
+
+def test_patch_causal_lm_refuses_a_replaced_head():
+    """Replacing the output embedding after patching is an error at the next forward with
+    labels, not a loss computed with the old head (a deep copy of the head carries the
+    patched forward along)."""
+    torch.manual_seed(0)
+    model = patch_causal_lm_(_untied_gpt2())
+    ids = torch.randint(0, 97, (2, 10))
+    new_head = copy.deepcopy(model.lm_head)
+    with torch.no_grad():
+        new_head.weight.mul_(3.0)
+    model.lm_head = new_head
+    with pytest.raises(RuntimeError, match="output embedding was replaced"):
+        model(input_ids=ids, labels=ids)
+    assert model(input_ids=ids).logits.shape == (2, 10, 97)  # without labels: no fused loss
 
 
 def test_patch_causal_lm_refusals():

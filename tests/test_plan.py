@@ -237,9 +237,7 @@ def test_deep_copy_of_planned_model(prof, batch):
     """A deep copy carries the plan (its own hooks, compressors, checkpointed forwards); removing
     it from the copy leaves the original planned."""
     p = choices_plan(prof, {"ln_1": "quant8", "mlp.act": "recompute"})
-    # not the fused loss: a deep copy of a model patched by patch_causal_lm_ keeps closures that
-    # point at the original's lm_head (fewbit.losses; reported)
-    p = dataclasses.replace(p, fused_cross_entropy=False)
+    assert p.fused_cross_entropy  # the copy carries its own fused-loss patch too
     model = make_model()
     fewbit.convert_(model, p)
     clone = copy.deepcopy(model)
@@ -251,6 +249,25 @@ def test_deep_copy_of_planned_model(prof, batch):
     assert len(clone.transformer.h[0].ln_1._forward_pre_hooks) == 0
     assert len(model.transformer.h[0].ln_1._forward_pre_hooks) == 1
     assert "forward" in vars(model.transformer.h[0])
+    with torch.no_grad():  # the copy's loss uses the copy's head
+        clone.lm_head.weight.mul_(2.0)
+    assert measured(clone, batch)[0].loss != measured(model, batch)[0].loss
+
+
+def test_planning_a_planned_model_leaves_it_untouched(prof, batch):
+    """fewbit.plan on a planned, patched model works on a copy: the model keeps its hooks,
+    block forwards and fused-loss patch, the very same objects."""
+    p = choices_plan(prof, {"ln_1": "quant8", "mlp.act": "recompute"})
+    model = make_model()
+    fewbit.convert_(model, p)
+    hooks = dict(model.transformer.h[0].ln_1._forward_pre_hooks)
+    block_forward = vars(model.transformer.h[0])["forward"]
+    patch = model._fewbit_fused_cross_entropy
+    fewbit.plan(model, batch, memory_budget="60%", repeats=1, options=("keep", "quant4", "recompute"))
+    assert dict(model.transformer.h[0].ln_1._forward_pre_hooks) == hooks
+    assert vars(model.transformer.h[0])["forward"] is block_forward
+    assert model._fewbit_fused_cross_entropy is patch
+    assert model.lm_head.forward.patch is patch
 
 
 def test_trained_loss_close_to_vanilla(prof, batch):
