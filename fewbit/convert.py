@@ -120,7 +120,8 @@ class Config:
             gradient sensitivity, re-planned by ``summary.compressor.adapt(model, closure)``.
         compressor: how saved tensors are compressed (docs/compression.md): ``"group"``
             (ActNN group quantizer, default), ``"division"`` (DIVISION: exact block means +
-            ``saved_bits``-bit residual) or ``"adacc"`` (Adacc's layer-specific choice:
+            ``saved_bits``-bit residual; 1-D tensors get the group quantizer at
+            ``saved_bits``) or ``"adacc"`` (Adacc's layer-specific choice:
             outlier-separated for linear/norm inputs, channel-wise for q/k/v, softmax for
             attention probabilities; :class:`fewbit.quant.policies.AdaccPolicy`). With
             ``saved_bits="auto"`` only ``"group"``.
@@ -573,7 +574,7 @@ class _SharedCompressor:
 def _policy(c: Config):
     """The per-tensor policy for ``c`` (fewbit.quant.policies; fewbit.quant.gact)."""
     from fewbit.quant.compressors import get_compressor
-    from fewbit.quant.policies import AdaccPolicy, FixedPolicy
+    from fewbit.quant.policies import AdaccPolicy, FixedPolicy, fallback_compressor
 
     if c.saved_bits == "auto":
         from fewbit.quant.gact import GACTPolicy
@@ -582,8 +583,9 @@ def _policy(c: Config):
                           stochastic=c.stochastic)
     if c.compressor == "adacc":
         return AdaccPolicy(c.saved_bits, group_size=c.group_size)
-    if c.compressor == "division":
-        return FixedPolicy(get_compressor("division", bits=c.saved_bits))
+    if c.compressor == "division":  # 1-D tensors: the group quantizer at the same bits
+        division = get_compressor("division", bits=c.saved_bits)
+        return FixedPolicy(division, fallback_compressor(division, group_size=c.group_size, stochastic=c.stochastic))
     return FixedPolicy(get_compressor("group", bits=c.saved_bits, group_size=c.group_size, stochastic=c.stochastic))
 
 

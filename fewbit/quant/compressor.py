@@ -151,6 +151,10 @@ def _two_valued_scale(t: torch.Tensor) -> torch.Tensor | None:
     return c
 
 
+#: Floating dtypes the compressors take; other floating tensors (float8) are kept exact.
+_COMPRESSIBLE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
 def _is_parameter(t: torch.Tensor) -> bool:
     """nn.Parameter, a leaf that requires grad, or a view of one (e.g. ``weight.t()``)."""
     for u in (t, t._base):
@@ -389,7 +393,7 @@ class ActivationCompressor:
         if _is_parameter(t):
             return self._skip(t, "parameter")
         is_bool = t.dtype == torch.bool
-        if not (t.is_floating_point() or is_bool):
+        if not (is_bool or t.dtype in _COMPRESSIBLE_DTYPES):  # ints, complex, float8: exact
             return self._skip(t, "dtype")
         if t.numel() < max(self.min_numel, 1):
             return self._skip(t, "small")
@@ -448,6 +452,12 @@ class ActivationCompressor:
         self._index += 1
         self.policy.observe(info)
         compressor = self.compressor if forced and not self.policy.decides_qk else self.policy.choose(t, info)
+        if compressor.name != "keep" and not compressor.supports(t):
+            # a policy that hands a tensor to a compressor that cannot take it: kept exact,
+            # never an error in the middle of the user's forward
+            from fewbit.quant.compressors import Keep
+
+            compressor = Keep()
         if compressor.name == "keep":
             qt = None
         else:

@@ -29,7 +29,7 @@ import torch
 
 from fewbit.quant.compressors import Compressor, get_compressor
 
-__all__ = ["SavedTensorInfo", "Policy", "FixedPolicy", "AdaccPolicy", "compressor_bits"]
+__all__ = ["SavedTensorInfo", "Policy", "FixedPolicy", "AdaccPolicy", "compressor_bits", "fallback_compressor"]
 
 
 @dataclass(frozen=True)
@@ -109,23 +109,53 @@ class Policy(abc.ABC):
         return f"{type(self).__name__}(default={self.default!r})"
 
 
-class FixedPolicy(Policy):
-    """Every tensor gets ``compressor`` (``fewbit.Config(compressor="group"|"division")``)."""
+def fallback_compressor(compressor: Compressor, *, group_size: int = 256, stochastic: bool = True) -> Compressor:
+    """What :class:`FixedPolicy` uses for a tensor ``compressor`` does not support
+    (``compressor.supports(x)`` False, e.g. a 1-D tensor for DIVISION): the group quantizer
+    (ActNN) at the compressor's ``bits`` (its residual or code width), or, for a compressor
+    without ``bits`` in 1, 2, 4, 8, the tensor kept exact (:class:`Keep`)."""
+    from fewbit.quant.compressors import Keep
 
-    def __init__(self, compressor: Compressor) -> None:
+    bits = getattr(compressor, "bits", None)
+    if compressor.name in ("keep", "group") or bits not in (1, 2, 4, 8):
+        return Keep()
+    return get_compressor("group", bits=bits, group_size=group_size, stochastic=stochastic)
+
+
+class FixedPolicy(Policy):
+    """Every tensor gets ``compressor`` (``fewbit.Config(compressor="group"|"division")``),
+    or ``fallback`` where ``compressor.supports(x)`` is False.
+
+    Args:
+        compressor: the compressor of every supported tensor.
+        fallback: the compressor of the others; default :func:`fallback_compressor`
+            (DIVISION at Q bits: the group quantizer at Q bits, so a 1-D tensor costs
+            about what DIVISION would, never an error in the middle of a forward).
+
+    Raises:
+        TypeError: ``compressor`` or ``fallback`` is not a
+            :class:`~fewbit.quant.compressors.Compressor`.
+    """
+
+    def __init__(self, compressor: Compressor, fallback: Compressor | None = None) -> None:
         if not isinstance(compressor, Compressor):
             raise TypeError(f"compressor must be a fewbit.quant.compressors.Compressor, got {type(compressor).__name__}")
+        if fallback is None:
+            fallback = fallback_compressor(compressor)
+        elif not isinstance(fallback, Compressor):
+            raise TypeError(f"fallback must be a fewbit.quant.compressors.Compressor, got {type(fallback).__name__}")
         self.compressor = compressor
+        self.fallback = fallback
 
     @property
     def default(self) -> Compressor:
         return self.compressor
 
     def choose(self, x, info):
-        return self.compressor
+        return self.compressor if self.compressor.supports(x) else self.fallback
 
     def __repr__(self) -> str:
-        return f"FixedPolicy({self.compressor!r})"
+        return f"FixedPolicy({self.compressor!r}, fallback={self.fallback!r})"
 
 
 class AdaccPolicy(Policy):
