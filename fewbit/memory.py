@@ -483,6 +483,7 @@ def compare(
     variants: Iterable[str] = VARIANTS,
     average_bits: float | None = None,
     compressor: str = "group",
+    fused_cross_entropy: bool = False,
 ) -> dict[str, dict[str, Any]]:
     """Saved-for-backward memory of one step for the vanilla and fewbit variants.
 
@@ -496,7 +497,9 @@ def compare(
       ``min_numel`` and those saved by the loss are kept as they are). With
       ``saved_bits="auto"`` the bits come from GACT's sensitivity on ``inputs`` (one
       ``summary.compressor.adapt`` call before the counted step; docs/compression.md §2);
-      ``compressor`` picks DIVISION or Adacc's compressors instead of the group quantizer.
+      ``compressor`` picks DIVISION or Adacc's compressors instead of the group quantizer;
+      ``fused_cross_entropy`` also computes a Hugging Face causal LM's loss with the exact
+      chunked linear + cross-entropy (no saved logits; docs/compression.md §5).
 
     Each variant gets a fresh model from ``model_factory`` (seeded with 0 before each call).
 
@@ -510,6 +513,7 @@ def compare(
         variants: which of :data:`VARIANTS` to run.
         average_bits: GACT's budget with ``saved_bits="auto"`` (``fewbit.Config``).
         compressor: ``"group"``, ``"division"`` or ``"adacc"`` (``fewbit.Config``).
+        fused_cross_entropy: ``fewbit.Config(fused_cross_entropy=...)`` of "fewbit+quant".
 
     Returns:
         ``{variant: {"saved_bytes", "activation_bytes", "compressed_bytes", "other_bytes",
@@ -530,7 +534,7 @@ def compare(
     group_size = check_positive_int(group_size, "group_size")
     quant_config = fewbit.Config(  # validates saved_bits, average_bits, compressor
         activation_bits=bits, saved_bits=saved_bits, group_size=group_size, average_bits=average_bits,
-        compressor=compressor,
+        compressor=compressor, fused_cross_entropy=fused_cross_entropy,
     )
     variants = tuple(variants)
     for v in variants:

@@ -243,6 +243,9 @@ def _positive(ctx, param, value):
               callback=lambda ctx, param, value: _choice("--compressor", value, ("group", "division", "adacc")),
               help="group (ActNN), division (DIVISION) or adacc (Adacc's per-layer compressors).")
 @click.option("--group-size", default=256, show_default=True, type=int, callback=_positive)
+@click.option("--fused-cross-entropy", is_flag=True,
+              help="Causal LMs: fewbit+quant computes the loss with the exact chunked linear + "
+                   "cross-entropy, so the logits are not saved.")
 @click.option("--layers", default=None, type=int, callback=_positive,
               help="Override the number of layers of the default config.")
 @click.option("--hidden", default=None, type=int, callback=_positive,
@@ -251,20 +254,24 @@ def _positive(ctx, param, value):
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 @click.option("--progress/--no-progress", default=True, show_default=True,
               help="Show a progress bar on stderr.")
-def memory(model_name, seq_len, batch, bits, saved_bits, average_bits, compressor, group_size, layers, hidden,
-           device, as_json, progress):
+def memory(model_name, seq_len, batch, bits, saved_bits, average_bits, compressor, group_size, fused_cross_entropy,
+           layers, hidden, device, as_json, progress):
     """Memory saved for backward by one training step of a Hugging Face model.
 
     The model is built from the default config of its transformers class with random
     weights (no download). Three variants: vanilla; fewbit (activations keep BITS-bit
     codes, Novikov et al. ICML 2023); fewbit+quant (and every other saved tensor is
     group-quantized to SAVED_BITS bits, ActNN-style; or compressed by --compressor; or, with
-    --saved-bits auto, at GACT's per-tensor bits averaging --average-bits). The per-tensor
+    --saved-bits auto, at GACT's per-tensor bits averaging --average-bits; with
+    --fused-cross-entropy, a causal LM's logits are not saved either). The per-tensor
     bits of fewbit+quant follow the table.
     """
     key = model_name.lower()
     if key not in MODELS:
         _fail(f"unknown model {model_name!r}; supported: {', '.join(MODELS)}")
+    if fused_cross_entropy and MODELS[key].kind != "causal":
+        causal = ", ".join(k for k, v in MODELS.items() if v.kind == "causal")
+        _fail(f"--fused-cross-entropy needs a causal LM ({causal}), got {key}")
     from fewbit._checks import TABLE_BITS  # imports torch
     from fewbit.quant import SUPPORTED_BITS
 
@@ -325,7 +332,7 @@ def memory(model_name, seq_len, batch, bits, saved_bits, average_bits, compresso
         bar.set_postfix_str(stages[0])
         res = fm.compare(_CopyFactory(lambda: model_cls(cfg), dev, bar, stages), inputs, bits=bits,
                          saved_bits=saved_bits, group_size=group_size, average_bits=average_bits,
-                         compressor=compressor)
+                         compressor=compressor, fused_cross_entropy=fused_cross_entropy)
         bar.update(1)
         bar.refresh()  # update() redraws only after tqdm's mininterval: show the last step
     except (MemoryError, torch.OutOfMemoryError) as exc:
@@ -351,7 +358,7 @@ def memory(model_name, seq_len, batch, bits, saved_bits, average_bits, compresso
         title = (f"{key}: {n_params / 1e6:.1f}M parameters, {cfg.num_hidden_layers} layers, "
                  f"batch {batch}, {seq} tokens, bits {bits}, saved-bits {saved_bits}"
                  f"{f' (average {average_bits:g})' if saved_bits == 'auto' else ''}, compressor {compressor}, "
-                 f"group {group_size}, device {device}")
+                 f"group {group_size}{', fused cross-entropy' if fused_cross_entropy else ''}, device {device}")
         click.echo(_format_table(title, res))
         click.echo(_format_bits(res["fewbit+quant"]))
 

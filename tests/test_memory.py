@@ -177,6 +177,21 @@ def test_cli_json_tiny_gpt2():
     assert res["fewbit+quant"]["saved_bytes"] < res["fewbit"]["saved_bytes"] < res["vanilla"]["saved_bytes"]
 
 
+def test_cli_fused_cross_entropy_drops_the_logits():
+    """--fused-cross-entropy: fewbit+quant no longer saves the (tokens, vocab) logits and
+    log-softmax; the other variants are unchanged."""
+    args = ["--model", "gpt2", "--layers", "1", "--hidden", "64", "--seq-len", "32", "--json"]
+    plain, fused = _run(args), _run(args + ["--fused-cross-entropy"])
+    assert plain.exit_code == 0 and fused.exit_code == 0, plain.output + fused.output
+    a, b = json.loads(plain.stdout), json.loads(fused.stdout)
+    assert a["vanilla"]["saved_bytes"] == b["vanilla"]["saved_bytes"]
+    vocab = 50257
+    # float32 logits + float32 log-softmax of 32 tokens (at least one (32, vocab) tensor)
+    assert a["fewbit+quant"]["saved_bytes"] - b["fewbit+quant"]["saved_bytes"] >= 32 * vocab * 4
+    assert b["fewbit+quant"]["saved_ratio"] > 5 * a["fewbit+quant"]["saved_ratio"]
+    assert abs(a["fewbit+quant"]["loss"] - b["fewbit+quant"]["loss"]) < 0.5  # same step, other noise
+
+
 def test_cli_table_vit():
     r = _run(["--model", "vit", "--layers", "1", "--hidden", "64"])
     assert r.exit_code == 0, r.output
@@ -191,6 +206,7 @@ def test_cli_table_vit():
     (["--model", "gpt2", "--average-bits", "2"], "--average-bits is only used with --saved-bits auto"),
     (["--model", "gpt2", "--saved-bits", "auto", "--average-bits", "0.5"], "--average-bits must be in 1..32"),
     (["--model", "gpt2", "--compressor", "zip"], "Invalid value for '--compressor'"),
+    (["--model", "bert", "--fused-cross-entropy"], "--fused-cross-entropy needs a causal LM (gpt2, opt, llama, bloom), got bert"),
     (["--model", "bert", "--seq-len", "100000"], "--seq-len must be <= 512 for bert, got 100000"),
     (["--model", "llama", "--batch", "64", "--seq-len", "2048"], "GiB available"),
 ])
