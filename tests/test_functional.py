@@ -513,3 +513,30 @@ def test_user_function_fitted_lazily(tmp_path, monkeypatch):
     torch.testing.assert_close(x.grad, reference_grad(g, x.detach(), table), atol=0, rtol=0)
     with pytest.raises(TypeError, match="not importable"):
         FF.activation(x, lambda t: t * 2)
+
+
+def test_repeated_gradient_calls_are_checked_like_the_first():
+    """Gradient calls of a setting already resolved skip the resolution (fewbit.resolve.CALLS),
+    not the checks: bad bits, another dtype or a non-float input still raise, and
+    clear_table_cache forgets the settings."""
+    from fewbit.resolve import CALLS
+
+    x = torch.randn(8, requires_grad=True)
+    y0 = FF.gelu(x, bits=3)
+    y1 = FF.gelu(x, bits=3)
+    assert torch.equal(y0, y1) and any(k[0] == "gelu" and k[2] == 3 for k in CALLS)
+    for bad in (3.0, True, 9):
+        with pytest.raises(ValueError, match="bits must be an integer in 1..8"):
+            FF.gelu(x, bits=bad)
+    with pytest.raises(TypeError):
+        FF.gelu(torch.arange(8), bits=3)
+    with pytest.raises(ValueError, match="approximate"):
+        FF.gelu(x, approximate="fast", bits=3)
+    g = torch.randn(8)
+    (a,) = torch.autograd.grad(FF.gelu(x, bits=3), x, g)
+    (b,) = torch.autograd.grad(FF.gelu(x.double(), bits=3), x, g.double())  # another dtype
+    torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    fewbit.functional.clear_table_cache()
+    assert not CALLS
+    (c,) = torch.autograd.grad(FF.gelu(x, bits=3), x, g)
+    assert torch.equal(a, c)

@@ -103,6 +103,19 @@ def test_y_close_to_torch_cpu(fn, dtype):
     x = _inputs(dtype, 8191, seed=1)
     y = _triton.forward_encode_triton(x, b, c, 3, 0, 0, fn, {})[0]
     expect = TORCH_FN[fn](x)
+    # torch's vectorised CPU GELU turns +inf into NaN and the largest finite x into +inf on
+    # some CPUs (AVX-512 builds; it multiplies in another order); its scalar path gives +inf
+    # at +inf, and the CUDA formula, like the kernel, x itself near the top of the range
+    # (test_y_bit_exact_to_the_cuda_formula covers those): +-inf against the scalar path,
+    # the top of the range (|x| >= max / 4) left out here
+    inf = torch.isinf(x)
+    if bool(inf.any()):
+        expect[inf] = torch.cat([TORCH_FN[fn](v.reshape(1)) for v in x[inf]])
+    top = torch.isfinite(x) & (x.abs() >= torch.finfo(x.dtype).max / 4)
+    # and where y is subnormal in float32 (|x| < 2 * tiny): some builds flush it to zero
+    sub = (x != 0) & (x.abs() < 2 * torch.finfo(torch.float32).tiny)
+    keep = ~(top | sub)
+    x, y, expect = x[keep], y[keep], expect[keep]
     assert torch.equal(y.isnan(), expect.isnan()) and torch.equal(y.isinf(), expect.isinf())
     fin = torch.isfinite(expect)
     assert torch.equal(y[~fin & ~expect.isnan()], expect[~fin & ~expect.isnan()])
