@@ -31,6 +31,8 @@ import torch
 import torch.nn.functional as F
 
 from fewbit._checks import check_bits, check_float_tensor
+from fewbit.ops._pointwise import _apply, _apply_planned, _plan, _transforms_active
+from fewbit.resolve import CALLS as _CALLS
 from fewbit.resolve import (  # noqa: F401  (re-exported: public names, and private ones tests use)
     FIT_OPTIONS,
     _TABLES,
@@ -94,8 +96,6 @@ def _needs_grad(input: torch.Tensor) -> bool:
 
 def _pointwise(input: torch.Tensor, table: Table, f: ResolvedFn, params: dict[str, float], inplace: bool) -> torch.Tensor:
     # input checked, f resolved, table matched here: fewbit.ops does none of it again
-    from fewbit.ops._pointwise import _apply
-
     return _apply(input, table, f.op_name, f.callable, params, inplace)
 
 
@@ -107,6 +107,20 @@ def _registry(
     inplace: bool,
     torch_call: Callable[[], torch.Tensor],
 ) -> torch.Tensor:
+    # A gradient call of a setting (name, params, bits, dtype, device) already checked and
+    # resolved once goes straight to the op with its cached plan: the checks of the first
+    # call hold for it (dtype and device are in the key; bits must be an int, so 3.0 or
+    # True are checked as the first time).
+    if type(bits) is int and torch.is_grad_enabled() and type(input) is torch.Tensor and input.requires_grad:
+        try:
+            key = (name, tuple(params.items()), bits, input.dtype, input.device)
+            hit = _CALLS.get(key)
+        except TypeError:  # an unhashable parameter: checked below
+            key = hit = None
+        if hit is not None:
+            return _apply_planned(input, hit[0], hit[1], hit[2], hit[3], inplace, hit[4])
+    else:
+        key = None
     check_float_tensor(input)
     bits = check_bits(bits)
     f = _resolve_fn(name)
@@ -114,6 +128,9 @@ def _registry(
     if not _needs_grad(input):
         return torch_call()
     table = table_for(f, bits, full, input.dtype)
+    if key is not None and not torch.compiler.is_compiling() and not _transforms_active():
+        plan = _plan(table, f.op_name, full, input.dtype, input.device, f.callable)
+        _CALLS[key] = (table, f.op_name, f.callable, full, plan)
     return _pointwise(input, table, f, full, inplace)
 
 

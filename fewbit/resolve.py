@@ -79,6 +79,10 @@ class TableFittedWarning(UserWarning):
 
 
 _TABLES: dict[tuple, Table] = {}
+#: ``(name, params items, bits, dtype) -> (table, op name, callable, full params)``: what a
+#: gradient call of a registry function (fewbit.functional) resolves, made once per
+#: setting; cleared with :data:`_TABLES`.
+CALLS: dict[tuple, tuple] = {}
 _LOCK = threading.RLock()
 
 
@@ -218,6 +222,7 @@ def clear_table_cache() -> None:
     """Forget the tables loaded in memory (files on disk are kept)."""
     with _LOCK:
         _TABLES.clear()
+        CALLS.clear()
 
 
 def _params_tuple(params: Mapping[str, float]) -> tuple:

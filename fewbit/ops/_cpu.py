@@ -101,9 +101,12 @@ def encode_cpu(
 def encode_arrays(x: torch.Tensor, b: np.ndarray, c: np.ndarray, bits: int, count_nonfinite: bool) -> tuple[torch.Tensor, int]:
     """:func:`encode_cpu` with the table already as kernel arrays (:func:`kernel_arrays`)."""
     n = x.numel()
-    out = torch.empty((packed_nbytes(n, bits),), dtype=torch.uint8)
+    out = torch.empty(packed_nbytes(n, bits), dtype=torch.uint8)
     if n == 0:
         return out, 0
+    if (x.dtype == torch.float32 or x.dtype == torch.float64) and x.is_contiguous():
+        kernel = _cpu_kernels.encode if _parallel(n) else _cpu_kernels.encode_serial
+        return out, int(kernel(x.detach().numpy().reshape(-1), b, c, out.numpy(), bits, count_nonfinite))
     x = _flat(x)
     if x.dtype == torch.bfloat16:
         xa = x.view(torch.int16).numpy()
@@ -136,6 +139,14 @@ def decode_mul_arrays(
     of ``grad`` (float64 for float64, else float32; :func:`kernel_arrays`)."""
     n = grad.numel()
     dtype = grad.dtype
+    if (dtype == torch.float32 or dtype == torch.float64) and grad.is_contiguous():
+        # the common case, with as few calls as possible (microseconds at small sizes)
+        out = torch.empty_like(grad, memory_format=torch.contiguous_format)
+        if n:
+            kernel = _cpu_kernels.decode_mul if _parallel(n) else _cpu_kernels.decode_mul_serial
+            kernel(grad.detach().numpy().reshape(-1), packed.detach().numpy().reshape(-1), v,
+                   out.numpy().reshape(-1), bits, select_zero)
+        return out
     out = torch.empty(grad.shape, dtype=dtype)
     if n == 0:
         return out

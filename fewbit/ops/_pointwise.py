@@ -152,10 +152,12 @@ def _prepare(fn: str, params: tuple, table: Table, dtype: torch.dtype, device: t
 _prepare._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
+_ARE_TRANSFORMS_ACTIVE = getattr(torch._C, "_are_functorch_transforms_active", None)
+
+
 def _transforms_active() -> bool:
     """Whether a torch.func transform (grad, vmap, ...) is running; True if unknown."""
-    active = getattr(torch._C, "_are_functorch_transforms_active", None)
-    return True if active is None else bool(active())
+    return True if _ARE_TRANSFORMS_ACTIVE is None else bool(_ARE_TRANSFORMS_ACTIVE())
 
 
 class DecodeMul(torch.autograd.Function):
@@ -402,8 +404,11 @@ def _apply(
         input.copy_(input)
     transforms = _transforms_active()
     if not compiling and not transforms:
-        plan = _plan(table, fn, full, input.dtype, input.device)
-        return _FewBitPointwiseDirect.apply(input, plan, torch_fn, full, inplace, _anchor(input, plan.what))
+        plan = _plan(table, fn, full, input.dtype, input.device, torch_fn)
+        anchor = _anchor(input, plan.what)
+        if _is_wrapped(input):  # a tensor left over from a torch.func transform: the full apply
+            return _FewBitPointwiseDirect.apply(input, plan, inplace, anchor)
+        return _direct_apply(input, plan, inplace, anchor)
     select_zero, classes, patch_id, what = _prepare(fn, tuple(full.items()), table, input.dtype, input.device)
     borders, codes, values = table_tensors(table, input.device, input.dtype)
     patch = _patch_tensor(patch_id, values.device, values.dtype) if classes else None
@@ -413,6 +418,24 @@ def _apply(
     if transforms:
         return _FewBitPointwise.apply(*args)[0]
     return _FewBitPointwiseEager.apply(*args)
+
+
+def _apply_planned(
+    input: torch.Tensor, table: Table, fn: str, torch_fn: Callable[..., torch.Tensor], full: dict, inplace: bool,
+    plan: _Plan,
+) -> torch.Tensor:
+    """:func:`_apply` for a call that needs the gradient (checked by the caller) whose
+    :class:`_Plan` the caller already has (:mod:`fewbit.functional` keeps it per setting,
+    device included): the eager node at once, or :func:`_apply` under torch.compile or a
+    torch.func transform."""
+    if torch.compiler.is_compiling() or _transforms_active():
+        return _apply(input, table, fn, torch_fn, full, inplace)
+    if inplace:
+        input.copy_(input)  # torch's in-place checks, as in _apply
+    anchor = _anchor(input, plan.what)
+    if _is_wrapped(input):
+        return _FewBitPointwiseDirect.apply(input, plan, inplace, anchor)
+    return _direct_apply(input, plan, inplace, anchor)
 
 
 def _anchor(input: torch.Tensor, what) -> torch.Tensor | None:
@@ -436,13 +459,16 @@ class _Plan:
     """Everything a direct call needs for one setting, made once (:func:`_plan`)."""
 
     __slots__ = ("fn", "params", "bits", "values", "patch", "select_zero", "classes", "what", "backend", "kb", "kc",
-                 "kv")
+                 "kv", "torch_fn", "full")
 
     def __init__(self, table: Table, fn: str, full: Mapping[str, float], dtype: torch.dtype, device: torch.device,
-                 backend: str):
+                 backend: str, torch_fn: Callable[..., torch.Tensor] | None = None):
         select_zero, classes, patch_id, what = _prepare(fn, tuple(full.items()), table, dtype, device)
         borders, codes, values = table_tensors(table, device, dtype)
         self.fn, self.params, self.bits, self.values = fn, tuple(full.items()), table.bits, values
+        # the forward function and its keyword arguments (part of the plan's key)
+        self.torch_fn = torch_fn if torch_fn is not None else _resolve_fn(fn)[0]
+        self.full = dict(full)
         self.patch = _patch_tensor(patch_id, values.device, values.dtype) if classes else None
         self.select_zero, self.classes, self.what, self.backend = select_zero, classes, what, backend
         if backend == "numba":
@@ -462,7 +488,8 @@ def _drop_plans(key: int, ref: weakref.ref) -> None:
         del _plans[key]
 
 
-def _plan(table: Table, fn: str, full: Mapping[str, float], dtype: torch.dtype, device: torch.device) -> _Plan:
+def _plan(table: Table, fn: str, full: Mapping[str, float], dtype: torch.dtype, device: torch.device,
+          torch_fn: Callable[..., torch.Tensor] | None = None) -> _Plan:
     """The cached :class:`_Plan` of a setting. Keyed by the table object (its identity,
     checked through a weak reference, and dropped with it), so a call hashes no
     borders or values."""
@@ -470,11 +497,11 @@ def _plan(table: Table, fn: str, full: Mapping[str, float], dtype: torch.dtype, 
     if entry is None or entry[0]() is not table:
         ref = weakref.ref(table, lambda r, k=id(table): _drop_plans(k, r))
         entry = _plans[id(table)] = (ref, {})
-    key = (fn, tuple(full.items()), dtype, device)
+    key = (fn, tuple(full.items()), dtype, device, torch_fn)
     plan = entry[1].get(key)
     if plan is None:
         backend = "numba" if device.type == "cpu" else ("triton" if device.type == "cuda" else "reference")
-        plan = entry[1][key] = _Plan(table, fn, full, dtype, device, backend)
+        plan = entry[1][key] = _Plan(table, fn, full, dtype, device, backend, torch_fn)
     return plan
 
 
@@ -497,8 +524,9 @@ def _triton():
     return mod
 
 
-def _direct_forward(x, plan: _Plan, torch_fn, full, inplace):
+def _direct_forward(x, plan: _Plan, inplace):
     """``(y, packed, record)`` of an eager call: the kernels called directly."""
+    torch_fn, full = plan.torch_fn, plan.full
     if plan.backend == "numba":
         from fewbit.ops import _cpu
 
@@ -552,8 +580,8 @@ class _FewBitPointwiseDirect(torch.autograd.Function):
     non-finite record and the shared patch when the input had any)."""
 
     @staticmethod
-    def forward(ctx, x, plan, torch_fn, full, inplace, anchor):
-        y, packed, record = _direct_forward(x, plan, torch_fn, full, inplace)
+    def forward(ctx, x, plan, inplace, anchor):
+        y, packed, record = _direct_forward(x, plan, inplace)
         if inplace:
             ctx.mark_dirty(x)
         if record is None:
@@ -572,7 +600,18 @@ class _FewBitPointwiseDirect(torch.autograd.Function):
                                          plan.what, ctx.anchor)
         else:
             grad_input = _direct_backward(plan, grad_output, packed, record)
-        return grad_input, None, None, None, None, None
+        return grad_input, None, None, None
+
+
+# Eager calls with no torch.func transform active apply the node with torch's C++
+# ``_FunctionBase.apply``: ``torch.autograd.Function.apply`` adds only what transforms need
+# (it unwraps dead functorch wrappers, then calls the same), microseconds of Python a call.
+_direct_apply = super(torch.autograd.Function, _FewBitPointwiseDirect).apply
+
+
+def _is_wrapped(t: torch.Tensor) -> bool:
+    check = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
+    return True if check is None else bool(check(t))
 
 
 def encode(input: torch.Tensor, table: Table) -> torch.Tensor:

@@ -53,9 +53,10 @@ def test_plan_made_once_per_setting_and_dropped_with_the_table():
     table = type(table)(**{**table.__dict__})  # a private copy, not the resolver's
     x = torch.randn(64, requires_grad=True)
     ops.pointwise(x, table, "gelu")
-    plan = _pointwise._plan(table, "gelu", resolve_fn("gelu").full_params({}), torch.float32, x.device)
+    f = resolve_fn("gelu")
+    plan = _pointwise._plan(table, "gelu", f.full_params({}), torch.float32, x.device, f.callable)
     ops.pointwise(x, table, "gelu").sum().backward()
-    assert _pointwise._plan(table, "gelu", resolve_fn("gelu").full_params({}), torch.float32, x.device) is plan
+    assert _pointwise._plan(table, "gelu", f.full_params({}), torch.float32, x.device, f.callable) is plan
     assert plan.kc.dtype.name == "int64" and plan.kb.dtype.name == "float32" and plan.kv.dtype.name == "float32"
     key = id(table)
     assert key in _pointwise._plans
@@ -106,12 +107,13 @@ def test_triton_branch_fused_when_offered(monkeypatch, fn, inplace):
     x[3] = math.inf
     a = x.clone().requires_grad_()
     src = a.clone() if inplace else a
-    y = _pointwise._FewBitPointwiseDirect.apply(src, plan, f.callable, full, inplace, None)
+    y = _pointwise._direct_apply(src, plan, inplace, None)
     y.backward(torch.ones_like(y))
     b = x.clone().requires_grad_()
     want_y = ops.pointwise(b, table, f.op_name)
     want_y.backward(torch.ones_like(want_y))
-    assert torch.equal(y.detach(), want_y.detach())
+    # bit for bit; torch's vectorised CPU GELU gives NaN at +inf on some CPUs (scalar: inf)
+    torch.testing.assert_close(y.detach(), want_y.detach(), rtol=0, atol=0, equal_nan=True)
     torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0, equal_nan=True)  # NaN at the inf input
     if fn == "gelu":
         assert calls[0] == ("fused", "gelu", tuple(full.items()), inplace)
