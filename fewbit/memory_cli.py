@@ -54,6 +54,31 @@ def _fail(msg: str) -> None:
     raise click.ClickException(msg)
 
 
+def _model_setup(key: str, layers: int | None, hidden: int | None, seq_len: int, device: str):
+    """The checks and the config shared by ``fewbit memory`` and ``fewbit plan``:
+    ``(torch device, spec, config, tokens per example, model class)``; a bad ``--device``
+    or a ``--seq-len`` above the model's positions is a one-line error."""
+    import torch
+
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        _fail("--device cuda given but CUDA is not available")
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        _fail(f"--device must be a torch device such as cpu or cuda, got {device!r}")
+
+    import transformers
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    spec = MODELS[key]
+    cfg = _make_config(key, layers, hidden)
+    max_pos = _max_positions(cfg)
+    if spec.kind != "image" and max_pos is not None and seq_len > max_pos:
+        _fail(f"--seq-len must be <= {max_pos} for {key}, got {seq_len}")
+    return dev, spec, cfg, _seq_tokens(cfg, spec.kind, seq_len), getattr(transformers, spec.model)
+
+
 def _make_config(name: str, layers: int | None, hidden: int | None):
     import transformers
 
@@ -294,26 +319,10 @@ def memory(model_name, seq_len, batch, bits, saved_bits, average_bits, compresso
 
     import torch
 
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        _fail("--device cuda given but CUDA is not available")
-    try:
-        dev = torch.device(device)
-    except RuntimeError:
-        _fail(f"--device must be a torch device such as cpu or cuda, got {device!r}")
-
-    import transformers
-    from transformers.utils import logging as hf_logging
+    dev, spec, cfg, seq, model_cls = _model_setup(key, layers, hidden, seq_len, device)
 
     from fewbit import memory as fm
 
-    hf_logging.set_verbosity_error()
-    spec = MODELS[key]
-    cfg = _make_config(key, layers, hidden)
-    max_pos = _max_positions(cfg)
-    if spec.kind != "image" and max_pos is not None and seq_len > max_pos:
-        _fail(f"--seq-len must be <= {max_pos} for {key}, got {seq_len}")
-    seq = _seq_tokens(cfg, spec.kind, seq_len)
-    model_cls = getattr(transformers, spec.model)
     with torch.device("meta"):
         n_params = sum(p.numel() for p in model_cls(cfg).parameters())
     need = _estimate_bytes(key, cfg, n_params, batch, seq)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import click
 
-from fewbit.memory_cli import MODELS, _fail, _inputs, _make_config, _max_positions, _positive, _seq_tokens
+from fewbit.memory_cli import MODELS, _fail, _inputs, _model_setup, _positive
 
 __all__ = ["plan"]
 
@@ -90,28 +90,11 @@ def plan(model_name, budget, seq_len, batch, layers, hidden, device, optimizer, 
 
     import torch
 
-    # the device, config and sequence checks are those of `fewbit memory` (memory_cli.memory)
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        _fail("--device cuda given but CUDA is not available")
-    try:
-        dev = torch.device(device)
-    except RuntimeError:
-        _fail(f"--device must be a torch device such as cpu or cuda, got {device!r}")
-
-    import transformers
-    from transformers.utils import logging as hf_logging
-
     import fewbit
 
-    hf_logging.set_verbosity_error()
-    spec = MODELS[key]
-    cfg = _make_config(key, layers, hidden)
-    max_pos = _max_positions(cfg)
-    if spec.kind != "image" and max_pos is not None and seq_len > max_pos:
-        _fail(f"--seq-len must be <= {max_pos} for {key}, got {seq_len}")
-    seq = _seq_tokens(cfg, spec.kind, seq_len)
+    dev, _, cfg, _, model_cls = _model_setup(key, layers, hidden, seq_len, device)  # as `fewbit memory`
     torch.manual_seed(0)
-    model = getattr(transformers, spec.model)(cfg).to(dev)
+    model = model_cls(cfg).to(dev)
     model.train()
     inputs = _inputs(key, cfg, batch, seq_len, dev)
     try:

@@ -52,3 +52,15 @@ def test_plan_cli_argument_errors(args, needles):
 def test_plan_cli_requires_budget():
     r = run("plan", "--model", "gpt2")
     assert r.exit_code != 0 and "--budget" in r.output
+
+
+@pytest.mark.parametrize("args", [
+    ("--model", "bert", "--seq-len", "100000"),
+    ("--model", "gpt2", "--device", "nonsense"),
+])
+def test_memory_and_plan_share_the_model_checks(args):
+    """`fewbit memory` and `fewbit plan` build the model through one set-up
+    (memory_cli._model_setup): the same bad input gets the same one-line error."""
+    a = assert_one_line_error(run("memory", *args))
+    b = assert_one_line_error(run("plan", *args, "--budget", "1GiB"))
+    assert a == b
