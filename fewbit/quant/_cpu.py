@@ -141,8 +141,7 @@ def division_encode_cpu(x, lfc, bh, bw, bits, seed):
     lohi = torch.tensor([lo.min(), hi.max()] if ok.all() else [nan, nan], dtype=cdt)
     mins, scales, _ = ref.group_stats_reference(lohi, bits, 2, torch.float32)
     consts = np.array([float((1 << bits) - 1), 0.0, float(mins[0]), float(scales[0])], dtype=_np_dtype(cdt))
-    codes = np.empty(n, np.uint8)
-    _numba.division_codes_kernel(xf, lf, h, w, i, bh, bw, np.uint64(seed), bits, consts, codes, packed.numpy())
+    _numba.division_codes_kernel(xf, lf, h, w, i, bh, bw, np.uint64(seed), bits, consts, packed.numpy())
     return packed, mins, scales
 
 
@@ -156,5 +155,5 @@ def division_decode_cpu(packed, lfc, mins, scales, bh, bw, bits, h, w, dtype):
         consts = np.array([float(mins[0]), float(scales[0])], dtype=_np_dtype(cdt))
         _set_threads()
         _numba.division_decode_kernel(packed.contiguous().numpy(), lfc.to(cdt).contiguous().numpy(), h, w, i,
-                                      bh, bw, bits, consts, np.empty(out.numel(), np.uint8), out.view(-1).numpy())
+                                      bh, bw, bits, consts, out.view(-1).numpy())
     return out if cdt == dtype else out.to(dtype)

@@ -342,7 +342,9 @@ def _upsample_row(lfc_row, bw, W, I, buf):
 
 @njit(parallel=True, error_model="numpy", cache=True)
 def division_minmax_kernel(xf, lfc, H, W, I, bh, bw, out_lo, out_hi, out_ok):
-    """Per row-block: min, max and finiteness of the residual ``x - Upsample(lfc)``."""
+    """Per row-block: min, max and finiteness of the residual ``x - Upsample(lfc)``.
+    Reduced per column first (``lov``, ``hiv``, ``bad``: independent lanes, so the loop
+    vectorises), then across the columns; min and max do not depend on the order."""
     Hb = lfc.shape[1]
     WI = W * I
     for t in prange(out_lo.shape[0]):
@@ -351,26 +353,35 @@ def division_minmax_kernel(xf, lfc, H, W, I, bh, bw, out_lo, out_hi, out_ok):
         buf = np.empty(WI, xf.dtype)
         _upsample_row(lfc[a, hb], bw, W, I, buf)
         h0 = hb * bh
-        lo = xf[(a * H + h0) * WI] - buf[0]
-        hi = lo
-        nan = False
-        for h in range(h0, min(h0 + bh, H)):
+        e0 = (a * H + h0) * WI
+        lov = xf[e0:e0 + WI] - buf
+        hiv = lov.copy()
+        bad = lov - lov  # NaN where a residual is NaN or infinite
+        for h in range(h0 + 1, min(h0 + bh, H)):
             xs = xf[(a * H + h) * WI:(a * H + h + 1) * WI]
             for k in range(WI):
                 v = xs[k] - buf[k]
-                lo = v if v < lo else lo
-                hi = v if v > hi else hi
-                nan |= v != v
+                lov[k] = v if v < lov[k] else lov[k]
+                hiv[k] = v if v > hiv[k] else hiv[k]
+                bad[k] += v - v
+        lo = lov[0]
+        hi = hiv[0]
+        nan = False
+        for k in range(WI):
+            lo = lov[k] if lov[k] < lo else lo
+            hi = hiv[k] if hiv[k] > hi else hi
+            nan |= bad[k] != 0
         out_lo[t] = lo
         out_hi[t] = hi
         out_ok[t] = not nan and (lo - lo) == 0 and (hi - hi) == 0
 
 
 @njit(parallel=True, error_model="numpy", cache=True)
-def division_codes_kernel(xf, lfc, H, W, I, bh, bw, seed, bits, consts, codes, out_packed):
-    """Codes ``floor((x - up - m) * s + u)`` (clamped; 0 for NaN stats) into the scratch
-    ``codes`` (uint8, one per element), then packed. ``consts`` (compute dtype) = [2**bits - 1,
-    0, m, s]."""
+def division_codes_kernel(xf, lfc, H, W, I, bh, bw, seed, bits, consts, out_packed):
+    """Codes ``floor((x - up - m) * s + u)`` (clamped; 0 for NaN stats), packed. One task per
+    chunk of :data:`AFFINE_CHUNK` elements (whole bytes of codes): its codes go to a
+    chunk-sized scratch in cache and are packed at once; the upsampled means of a row are
+    rebuilt only when the row-block changes. ``consts`` (compute dtype) = [2**bits - 1, 0, m, s]."""
     Hb = lfc.shape[1]
     WI = W * I
     n = xf.shape[0]
@@ -380,31 +391,38 @@ def division_codes_kernel(xf, lfc, H, W, I, bh, bw, seed, bits, consts, codes, o
     zero = consts[1]
     m = consts[2]
     s = consts[3]
-    for t in prange(lfc.shape[0] * Hb):
-        a = t // Hb
-        hb = t - a * Hb
-        buf = np.empty(WI, xf.dtype)
-        _upsample_row(lfc[a, hb], bw, W, I, buf)
-        h0 = hb * bh
-        for h in range(h0, min(h0 + bh, H)):
-            e0 = (a * H + h) * WI
-            xs = xf[e0:e0 + WI]
-            cs = codes[e0:e0 + WI]
-            for k in range(WI):
-                qf = np.floor(((xs[k] - buf[k]) - m) * s + _uniform(e0 + k, s0, s1))
-                qf = qf if qf == qf else zero
-                cs[k] = np.uint8(min(max(qf, zero), levels))
     for c in prange((n + AFFINE_CHUNK - 1) // AFFINE_CHUNK):
         e0 = c * AFFINE_CHUNK
         e1 = min(e0 + AFFINE_CHUNK, n)
+        sc = np.empty(e1 - e0, np.uint8)
+        buf = np.empty(WI, xf.dtype)
+        cur = -1
+        e = e0
+        while e < e1:
+            row = e // WI
+            a = row // H
+            hb = (row - a * H) // bh
+            if a * Hb + hb != cur:
+                cur = a * Hb + hb
+                _upsample_row(lfc[a, hb], bw, W, I, buf)
+            k0 = e - row * WI
+            L = min(WI - k0, e1 - e)  # this row's elements in the chunk
+            xs = xf[e:e + L]
+            bs = buf[k0:k0 + L]
+            cs = sc[e - e0:e - e0 + L]
+            for j in range(L):
+                qf = np.floor(((xs[j] - bs[j]) - m) * s + _uniform(e + j, s0, s1))
+                qf = qf if qf == qf else zero
+                cs[j] = np.uint8(min(max(qf, zero), levels))
+            e += L
         o0 = e0 * bits // 8
-        pack_codes(codes[e0:e1], out_packed[o0:o0 + ((e1 - e0) * bits + 7) // 8], bits)
+        pack_codes(sc, out_packed[o0:o0 + ((e1 - e0) * bits + 7) // 8], bits)
 
 
 @njit(parallel=True, error_model="numpy", cache=True)
-def division_decode_kernel(packed, lfc, H, W, I, bh, bw, bits, consts, codes, out):
-    """``out = up + (m + q / s)`` (flat, compute dtype); ``codes`` a uint8 scratch of one
-    per element; ``consts`` = [m, s]."""
+def division_decode_kernel(packed, lfc, H, W, I, bh, bw, bits, consts, out):
+    """``out = up + (m + q / s)`` (flat, compute dtype); one task per chunk of
+    :data:`AFFINE_CHUNK` elements, unpacked into a chunk-sized scratch; ``consts`` = [m, s]."""
     Hb = lfc.shape[1]
     WI = W * I
     n = out.shape[0]
@@ -412,16 +430,24 @@ def division_decode_kernel(packed, lfc, H, W, I, bh, bw, bits, consts, codes, ou
     s = consts[1]
     for c in prange((n + AFFINE_CHUNK - 1) // AFFINE_CHUNK):
         e0 = c * AFFINE_CHUNK
-        unpack_codes(packed[e0 * bits // 8:], codes[e0:min(e0 + AFFINE_CHUNK, n)], bits)
-    for t in prange(lfc.shape[0] * Hb):
-        a = t // Hb
-        hb = t - a * Hb
+        e1 = min(e0 + AFFINE_CHUNK, n)
+        sc = np.empty(e1 - e0, np.uint8)
+        unpack_codes(packed[e0 * bits // 8:], sc, bits)
         buf = np.empty(WI, out.dtype)
-        _upsample_row(lfc[a, hb], bw, W, I, buf)
-        h0 = hb * bh
-        for h in range(h0, min(h0 + bh, H)):
-            e0 = (a * H + h) * WI
-            ys = out[e0:e0 + WI]
-            cs = codes[e0:e0 + WI]
-            for k in range(WI):
-                ys[k] = buf[k] + (m + np.float32(cs[k]) / s)
+        cur = -1
+        e = e0
+        while e < e1:
+            row = e // WI
+            a = row // H
+            hb = (row - a * H) // bh
+            if a * Hb + hb != cur:
+                cur = a * Hb + hb
+                _upsample_row(lfc[a, hb], bw, W, I, buf)
+            k0 = e - row * WI
+            L = min(WI - k0, e1 - e)
+            ys = out[e:e + L]
+            bs = buf[k0:k0 + L]
+            cs = sc[e - e0:e - e0 + L]
+            for j in range(L):
+                ys[j] = bs[j] + (m + np.float32(cs[j]) / s)
+            e += L
