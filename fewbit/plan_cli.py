@@ -61,7 +61,8 @@ def _measure(model, batch, optimizer: str, device) -> tuple[int, int, float]:
               type=click.Choice(["adamw", "adam", "sgd", "sgd_momentum"]),
               help="Optimizer whose state counts as static memory.")
 @click.option("--options", "options", default=None, metavar="LIST",
-              help="Comma-separated options per tensor group (default: keep,quant8,quant4,quant2,fewbit3,recompute).")
+              help="Comma-separated options per tensor group, of keep, recompute, quant<b>, division<b>, "
+                   "outlier<b> (b in 1,2,4,8) and fewbit<b> (default: keep,quant8,quant4,quant2,fewbit3,recompute).")
 @click.option("--repeats", default=3, show_default=True, type=int, callback=_positive,
               help="Timed profiling steps.")
 @click.option("--output", type=click.Path(dir_okay=False, path_type=Path), default=None,

@@ -19,6 +19,10 @@ Granularity and options (:data:`DEFAULT_OPTIONS`, data-driven: :func:`get_option
 - ``keep``: saved as it is;
 - ``quant<b>`` (b in 1, 2, 4, 8): the module runs inside a :class:`fewbit.quant.ActivationCompressor`
   (group quantizer, docs/method.md §7);
+- ``division<b>``, ``outlier<b>`` (b in 1, 2, 4, 8): the same with DIVISION (exact 8x8 block
+  means + a b-bit residual) or Adacc's outlier-separated compressor (outlier channels exact,
+  the rest row-wise at b bits) (docs/compression.md §3-4); a tensor they cannot take (1-D)
+  gets the group quantizer at b bits (``fewbit.quant.policies.FixedPolicy``);
 - ``fewbit<b>`` (pointwise activation modules only): replaced by the fewbit module that keeps a
   b-bit code per element (Novikov et al., "Few-bit Backward", ICML 2023);
 - ``recompute``: not saved; the block runs under ``torch.utils.checkpoint.checkpoint(...,
@@ -116,15 +120,32 @@ class Option:
     """One way to treat a tensor group.
 
     Attributes:
-        name: ``"keep"``, ``"recompute"``, ``"quant<bits>"`` or ``"fewbit<bits>"``.
-        kind: ``"keep"``, ``"recompute"``, ``"quant"`` (group quantizer) or ``"fewbit"``
-            (few-bit activation; pointwise activation modules only).
+        name: ``"keep"``, ``"recompute"``, ``"quant<bits>"``, ``"division<bits>"``,
+            ``"outlier<bits>"`` or ``"fewbit<bits>"``.
+        kind: ``"keep"``, ``"recompute"``, ``"quant"`` (compressed saved tensors) or
+            ``"fewbit"`` (few-bit activation; pointwise activation modules only).
         bits: bits per element of ``quant``/``fewbit``; ``None`` otherwise.
+        compressor: for ``quant``, the compressor's registry name
+            (:func:`fewbit.quant.compressors.get_compressor`): ``"group"``, ``"division"``
+            or ``"outlier"``.
     """
 
     name: str
     kind: str
     bits: int | None = None
+    compressor: str | None = None
+
+    def activation_compressor(self, group_size: int, min_numel: int):
+        """A :class:`fewbit.quant.ActivationCompressor` for a ``quant`` option."""
+        from fewbit.quant import ActivationCompressor
+        from fewbit.quant.compressors import get_compressor
+        from fewbit.quant.policies import FixedPolicy, fallback_compressor
+
+        if self.compressor in (None, "group"):
+            return ActivationCompressor(self.bits, group_size=group_size, min_numel=min_numel)
+        comp = get_compressor(self.compressor, bits=self.bits)
+        return ActivationCompressor(policy=FixedPolicy(comp, fallback_compressor(comp, group_size=group_size)),
+                                    min_numel=min_numel)
 
     @property
     def noise(self) -> float:
@@ -147,15 +168,17 @@ def get_option(name: str) -> Option:
     if isinstance(name, str):
         if name in ("keep", "recompute"):
             return Option(name, name)
-        m = re.fullmatch(r"(quant|fewbit)(\d+)", name)
+        m = re.fullmatch(r"(quant|division|outlier|fewbit)(\d+)", name)
         if m:
             kind, bits = m.group(1), int(m.group(2))
-            allowed = SUPPORTED_BITS if kind == "quant" else range(1, 9)
+            allowed = range(1, 9) if kind == "fewbit" else SUPPORTED_BITS
             if bits in allowed:
-                return Option(name, kind, bits)
+                if kind == "fewbit":
+                    return Option(name, kind, bits)
+                return Option(name, "quant", bits, "group" if kind == "quant" else kind)
     raise ValueError(
-        "options must be 'keep', 'recompute', 'quant<bits>' with bits in (1, 2, 4, 8) or "
-        f"'fewbit<bits>' with bits in 1..8, got {name!r}")
+        "options must be 'keep', 'recompute', 'quant<bits>', 'division<bits>' or 'outlier<bits>' with "
+        f"bits in (1, 2, 4, 8), or 'fewbit<bits>' with bits in 1..8, got {name!r}")
 
 
 def _options(names: Iterable[str] | None) -> list[Option]:
@@ -488,7 +511,6 @@ def _apply_choices(model: nn.Module, plan: "Plan") -> _State:
     """Install ``plan``'s choices on ``model`` (any earlier plan removed first)."""
     from fewbit import modules as fm
     from fewbit.convert import _torch_factories, _hf_factories
-    from fewbit.quant import ActivationCompressor
 
     remove_plan(model)
     state = _State(plan)
@@ -511,8 +533,7 @@ def _apply_choices(model: nn.Module, plan: "Plan") -> _State:
         for g in bp.groups:
             o = get_option(g.option)
             if o.kind == "quant" and o.name not in state.compressors:
-                state.compressors[o.name] = ActivationCompressor(
-                    o.bits, group_size=plan.group_size, min_numel=plan.min_numel)
+                state.compressors[o.name] = o.activation_compressor(plan.group_size, plan.min_numel)
         checkpointed = bp.checkpoint
         for fqn in bp.blocks:
             block = named[fqn]
@@ -729,11 +750,10 @@ def _median_time(fn: Callable[[], Any], device, repeats: int) -> float:
 
 
 def _compress_time(tensors: list[torch.Tensor], option: Option, plan_like, device, repeats) -> float:
-    from fewbit.quant import ActivationCompressor
 
     if not tensors:
         return 0.0
-    comp = ActivationCompressor(option.bits, group_size=plan_like.group_size, min_numel=plan_like.min_numel)
+    comp = option.activation_compressor(plan_like.group_size, plan_like.min_numel)
 
     def run():
         comp._cache.clear()  # time every tensor, as a fresh step does
