@@ -327,10 +327,14 @@ def block_mean_kernel(x, bh, bw, out):
 @njit(inline="always", cache=True)
 def _upsample_row(lfc_row, bw, W, I, buf):
     """``buf[w * I + i] = lfc_row[w // bw, i]``: one row of the upsampled block means."""
+    if I == 1:  # conv maps: one channel per position, no inner loop
+        for w in range(W):
+            buf[w] = lfc_row[w // bw, 0]
+        return
     for w in range(W):
-        src = lfc_row[w // bw]
+        wb = w // bw
         for i in range(I):
-            buf[w * I + i] = src[i]
+            buf[w * I + i] = lfc_row[wb, i]
 
 
 # DIVISION's residual, fused (fewbit.quant._reference.division_encode_reference /
