@@ -194,8 +194,63 @@ def test_replan_gaps_double_up_to_adapt_interval():
                                                  min_numel=0)).compressor
     x = torch.randn(8, 32)
     y = torch.randint(0, 10, (8,))
-    calls = [n for n in range(1, 41) if comp.adapt(model, lambda: nn.functional.cross_entropy(model(x), y))]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # one batch throughout: no SGD variance, the alert
+        calls = [n for n in range(1, 41) if comp.adapt(model, lambda: nn.functional.cross_entropy(model(x), y))]
     assert calls == [1, 2, 4, 8, 16, 24, 32, 40]
+
+
+def _batch(gen, n=16):
+    return torch.randn(n, 32, generator=gen), torch.randint(0, 10, (n,), generator=gen)
+
+
+def test_gradient_variance_matches_monte_carlo():
+    """The alert's SGD-variance estimate (pairs of consecutive calls, fresh batches, fixed
+    parameters) against the variance of the vanilla model's minibatch gradient over many
+    batches; 3σ (overlapping pairs: σ of the mean inflated by √2)."""
+    vanilla = _mlp()
+    model = _mlp()
+    comp = fewbit.convert_(model, fewbit.Config(saved_bits="auto", average_bits=8, adapt_interval=1,
+                                                 min_numel=0)).compressor
+    policy = comp.policy
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(30):
+        x, y = _batch(gen)
+        comp.adapt(model, lambda: nn.functional.cross_entropy(model(x), y))
+    est = torch.tensor(policy._variance_pairs, dtype=torch.float64)
+    assert len(est) == 29
+    assert policy.gradient_variance == est[-1]  # the latest pair
+    grads = []
+    for _ in range(400):
+        x, y = _batch(gen)
+        vanilla.zero_grad()
+        nn.functional.cross_entropy(vanilla(x), y).backward()
+        grads.append(torch.cat([p.grad.reshape(-1) for p in vanilla.parameters()]).double())
+    g = torch.stack(grads)
+    per_batch = (g - g.mean(0)).pow(2).sum(1) * len(g) / (len(g) - 1)
+    ref = float(per_batch.mean())
+    sigma = math.sqrt(2) * float(est.std()) / math.sqrt(len(est)) + float(per_batch.std()) / math.sqrt(len(g))
+    assert abs(float(est.mean()) - ref) < 3 * sigma, (float(est.mean()), ref, sigma)
+    assert 3 * sigma < 0.5 * ref  # the test can tell a wrong estimate (the old one was off by >100x)
+
+
+def test_alert_fires_on_the_step_after_a_replan_and_not_at_8_bits():
+    """Doubling schedule: the call after a re-plan measures the SGD variance (one extra
+    forward+backward), so the alert can fire at call 2 already and the estimate does not
+    depend on how far apart the re-plans are."""
+    gen = torch.Generator().manual_seed(0)
+    batches = [_batch(gen, 4096) for _ in range(6)]  # big batches: little SGD noise
+    for bits, loud in ((1, True), (8, False)):
+        model = _mlp()
+        comp = fewbit.convert_(model, fewbit.Config(saved_bits="auto", average_bits=bits, min_numel=0)).compressor
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for x, y in batches[:3]:  # calls 1, 2 (re-plans) and 3 (pair with 2 only)
+                comp.adapt(model, lambda: nn.functional.cross_entropy(model(x), y))
+        fired = [w for w in caught if "compression noise dominates" in str(w.message)]
+        assert len(comp.policy._variance_pairs) == 2
+        assert bool(fired) == loud, (bits, comp.policy.compression_variance, comp.policy.gradient_variance)
+        assert len(fired) <= 1
 
 
 def test_alert_when_compression_variance_dominates():
@@ -256,3 +311,27 @@ def test_attention_q_and_k_stay_at_8_bits(average_bits):
     planned = [r for r in records if r.index in comp.policy.bits]
     elements = sum(math.prod(r.shape) for r in planned)
     assert sum(r.bits * math.prod(r.shape) for r in planned) <= average_bits * elements
+
+
+def test_variance_estimate_is_not_the_training_drift():
+    """One batch throughout, trained between the calls: no SGD noise at all, only the
+    compression's, so the alert must fire. Re-plans at calls 1, 2, 4, 8, 16: an estimate
+    from gradients of calls far apart measured how far training moved the gradient (it
+    was about 100x the compression variance on the GPT-2 of scripts/train_lm.py)."""
+    model = _mlp()
+    comp = fewbit.convert_(model, fewbit.Config(saved_bits="auto", average_bits=2, min_numel=0)).compressor
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    x, y = _batch(torch.Generator().manual_seed(0), 256)
+    fired = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(1, 18):
+            comp.adapt(model, lambda: nn.functional.cross_entropy(model(x), y))
+            fired.append(sum("compression noise dominates" in str(w.message) for w in caught))
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+    policy = comp.policy
+    assert policy.gradient_variance < policy.compression_variance, (policy.gradient_variance,
+                                                                    policy.compression_variance)
+    assert fired[-1] == 1
