@@ -10,7 +10,8 @@ run (warm-up first, median of ``--repeat`` round-robin runs), and prints per mod
 candidate must move: input, output, gradients, packed codes) and its % of a same-size
 copy's GB/s, and the saved-for-backward bytes ratio. Then the host time per call: the
 time of a call on a one-element input (CPU: the kernels' work is ~0) or, on CUDA, of the
-launches without a synchronize. Machine, versions, threads, load and the
+launches without a synchronize; on the CPU also a new process's first call (numba loading in
+the background, and waited for). Machine, versions, threads, load and the
 transparent-huge-pages setting are printed first: CPU timings on a shared VM are noisy.
 ``--json PATH`` writes all of it as one JSON document.
 
@@ -198,10 +199,46 @@ def _compiled(fn):
     return torch.compile(fn)
 
 
+# A new process: imports, then the module's construction (its table) and one forward+backward
+# of fewbit.GELU(bits=3) on 1024 float32 elements, timed; FEWBIT_CPU_KERNELS set by the caller (fewbit.ops._cpu_loader).
+_FIRST_CALL = r"""
+import json, time, torch, fewbit
+t0 = time.perf_counter()
+x = torch.randn(1024, requires_grad=True)
+fewbit.GELU(bits=3)(x).sum().backward()
+t1 = time.perf_counter()
+fewbit.ops.load_cpu_kernels()
+print(json.dumps({"first_call_s": t1 - t0, "loaded_s": time.perf_counter() - t0}))
+"""
+
+
+def first_call(mode: str, runs: int = 3) -> dict:
+    """Wall seconds of a new process's first fewbit.GELU forward+backward on the CPU (median
+    of ``runs`` processes, after one that fills numba's disk cache if it is empty), with the
+    CPU kernels loaded in ``mode`` (``background``: the call runs on the reference kernels
+    while numba loads; ``sync``: it waits for numba), and until the kernels were loaded."""
+    import subprocess
+
+    env = {**os.environ, "FEWBIT_CPU_KERNELS": mode}
+    out = []
+    for _ in range(runs + 1):
+        proc = subprocess.run([sys.executable, "-c", _FIRST_CALL], env=env, capture_output=True, text=True,
+                              timeout=1800)
+        if proc.returncode != 0:
+            raise RuntimeError(f"first-call process failed: {proc.stderr.strip().splitlines()[-1:]}")
+        out.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    out = out[1:]
+    return {k: statistics.median(o[k] for o in out) for k in out[0]}
+
+
 def run(args) -> dict:
     device = torch.device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if device.type == "cpu":
+        import fewbit.ops
+
+        fewbit.ops.load_cpu_kernels()  # time the numba kernels, not the reference that stands in while they load
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
     meta = {
         "machine": _machine(), "versions": _versions(), "device": str(device),
@@ -279,7 +316,14 @@ def run(args) -> dict:
                         host.append(h)
                         print(f"# host per call, {name} {dt_name} {label}: forward {h['forward_us']:.1f} µs, "
                               f"forward+backward {h['full_us']:.1f} µs", flush=True)
-    return {"meta": meta, "results": rows, "host": host}
+    first = {}
+    if not args.no_host and device.type == "cpu":
+        for mode in ("background", "sync"):
+            first[mode] = first_call(mode)
+            print(f"# new process, FEWBIT_CPU_KERNELS={mode}: first fewbit.GELU forward+backward "
+                  f"{first[mode]['first_call_s']:.3f} s, numba kernels loaded after {first[mode]['loaded_s']:.3f} s",
+                  flush=True)
+    return {"meta": meta, "results": rows, "host": host, "first_call": first}
 
 
 def main(argv=None) -> int:

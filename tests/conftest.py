@@ -3,8 +3,16 @@
 Helpers (reference gradients, toy tables) live in ``tests/helpers.py``.
 """
 
-import pytest
-import torch
+import os
+
+# The numba CPU kernels load in the calling thread on their first call, so every CPU test
+# below exercises them, not the reference kernels that stand in while a background load
+# runs (fewbit.ops._cpu_loader; tests/ops/test_cpu_loader.py tests that mode in
+# subprocesses). Subprocesses started by the tests inherit it.
+os.environ.setdefault("FEWBIT_CPU_KERNELS", "sync")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 
 def _devices():

@@ -16,10 +16,13 @@ Layers (Liger-Kernel / bitsandbytes / torchao style):
   definitions every backend matches bit for bit (:mod:`fewbit.ops._nonfinite` for the
   non-finite inputs).
 
-Importing this package imports neither numba nor triton (they load on the first CPU /
-CUDA kernel call) and does not initialise CUDA.
+Importing this package imports neither numba nor triton and does not initialise CUDA.
+Triton loads on the first CUDA kernel call; numba in a background thread started by the
+first CPU kernel call, the reference kernels standing in until it is done
+(:func:`load_cpu_kernels` waits for it; :mod:`fewbit.ops._cpu_loader`).
 """
 
+from fewbit.ops._cpu_loader import load_cpu_kernels
 from fewbit.ops._nonfinite import CAPACITY as NONFINITE_CAPACITY
 from fewbit.ops._nonfinite import GradRules, derive_grad_rules, nonfinite_record_reference, patch_reference
 from fewbit.ops._pointwise import decode_mul, encode, pointwise, table_tensors
@@ -34,6 +37,7 @@ __all__ = [
     # autograd op
     "pointwise",
     # kernels (public for tests and benchmarks)
+    "load_cpu_kernels",
     "encode",
     "decode_mul",
     "table_tensors",

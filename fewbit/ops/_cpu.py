@@ -35,7 +35,7 @@ if "NUMBA_THREADING_LAYER" not in os.environ:
 from fewbit._checks import packed_nbytes  # noqa: E402
 from fewbit.ops import _cpu_kernels  # noqa: E402
 
-__all__ = ["encode_cpu", "decode_mul_cpu", "kernel_arrays", "encode_arrays", "decode_mul_arrays"]
+__all__ = ["encode_cpu", "decode_mul_cpu", "encode_arrays", "decode_mul_arrays", "warm_up"]
 
 
 #: Inputs of fewer elements run on the calling thread (the ``*_serial`` kernels): below
@@ -59,25 +59,30 @@ def _parallel(n: int) -> bool:
     return numba.get_num_threads() > 1
 
 
+def warm_up() -> None:
+    """Call every kernel once on a few elements, in each dtype form the eager path passes
+    (float32, float64, bfloat16 as int16/uint16), serial and parallel: numba loads
+    (or, with an empty cache, compiles) their machine code on a dispatcher's first call
+    (:mod:`fewbit.ops._cpu_loader` runs this in a background thread)."""
+    n = 16
+    bits = 2
+    codes = np.arange(4, dtype=np.int64)
+    out = np.empty(packed_nbytes(n, bits), np.uint8)
+    for xa, ba, va, ga in (
+        (np.zeros(n, np.float32), np.zeros(3, np.float32), np.ones(4, np.float32), np.zeros(n, np.float32)),
+        (np.zeros(n, np.float64), np.zeros(3, np.float64), np.ones(4, np.float64), np.zeros(n, np.float64)),
+        (np.zeros(n, np.int16), np.zeros(3, np.float32), np.ones(4, np.float32), np.zeros(n, np.uint16)),
+    ):
+        for encode, decode in ((_cpu_kernels.encode_serial, _cpu_kernels.decode_mul_serial),
+                               (_cpu_kernels.encode, _cpu_kernels.decode_mul)):
+            encode(xa, ba, codes, out, bits, False)
+            decode(ga, out, va, np.empty_like(ga), bits, False)
+
+
 def _flat(t: torch.Tensor) -> torch.Tensor:
     """``t`` detached and flattened; no copy when it is contiguous."""
     t = t.detach()
     return t.view(-1) if t.is_contiguous() else t.reshape(-1).contiguous()
-
-
-def kernel_arrays(
-    borders: torch.Tensor, codes: torch.Tensor, values: torch.Tensor
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The table as the arrays the kernels take: ``borders`` as given (the compare
-    dtype), ``codes`` int64, ``values`` float64 if they are float64, else float32.
-
-    Made once per table, device and dtype by the eager path (fewbit.ops._pointwise), so
-    that a call converts nothing."""
-    b = borders.detach().contiguous().numpy()
-    c = codes.detach().to(torch.int64).contiguous().numpy()
-    v = values.detach()
-    v = v.to(torch.float64 if v.dtype == torch.float64 else torch.float32).contiguous().numpy()
-    return b, c, v
 
 
 def encode_cpu(
@@ -99,7 +104,7 @@ def encode_cpu(
 
 
 def encode_arrays(x: torch.Tensor, b: np.ndarray, c: np.ndarray, bits: int, count_nonfinite: bool) -> tuple[torch.Tensor, int]:
-    """:func:`encode_cpu` with the table already as kernel arrays (:func:`kernel_arrays`)."""
+    """:func:`encode_cpu` with the table already as kernel arrays (``fewbit.ops._pointwise.kernel_arrays``)."""
     n = x.numel()
     out = torch.empty(packed_nbytes(n, bits), dtype=torch.uint8)
     if n == 0:
@@ -136,7 +141,7 @@ def decode_mul_arrays(
     grad: torch.Tensor, packed: torch.Tensor, v: np.ndarray, bits: int, select_zero: bool
 ) -> torch.Tensor:
     """:func:`decode_mul_cpu` with ``values`` already a kernel array in the compute dtype
-    of ``grad`` (float64 for float64, else float32; :func:`kernel_arrays`)."""
+    of ``grad`` (float64 for float64, else float32; ``fewbit.ops._pointwise.kernel_arrays``)."""
     n = grad.numel()
     dtype = grad.dtype
     if (dtype == torch.float32 or dtype == torch.float64) and grad.is_contiguous():

@@ -237,7 +237,10 @@ def _torch_grad(fn, params, x: torch.Tensor, g: torch.Tensor) -> torch.Tensor | 
             y = fn(xp, **params)
             if not isinstance(y, torch.Tensor) or not y.requires_grad or y.shape != xp.shape:
                 return None  # not differentiable by torch, or not elementwise
-            (gx,) = torch.autograd.grad(y, xp, gp, allow_unused=True)
+            # d/dx sum(y * g) reaches y as 1 * g = g exactly: torch's grad_input for g,
+            # without a grad_outputs tensor (whose shape check imports
+            # torch.fx.experimental.symbolic_shapes and sympy on first use: 0.5 s)
+            (gx,) = torch.autograd.grad((y * gp.to(y.dtype)).sum(), xp, allow_unused=True)
     except Exception as exc:  # a user function that fails on the probe: keep the table's gradient
         warnings.warn(
             f"fewbit: could not evaluate torch's gradient of {getattr(fn, '__name__', fn)} on a 1-D probe "

@@ -23,8 +23,11 @@ Tensor? nonfinite=None, Tensor? patch=None, bool select_zero=False) -> Tensor``
 
 Backends (bitsandbytes / torchao pattern): ``cpu`` (numba, :mod:`fewbit.ops._cpu`),
 ``cuda`` (Triton, :mod:`fewbit.ops._triton`), ``Meta`` through the fake kernels, and the
-pure-torch reference for every other device. A backend whose library is missing raises
-:class:`NotImplementedError` naming what to install; nothing falls back silently.
+pure-torch reference for every other device. The CPU kernels run the reference while
+numba loads in a background thread (:mod:`fewbit.ops._cpu_loader`: same codes and
+gradients; if numba cannot be loaded, a ``RuntimeWarning`` says so once and the reference
+stays; ``FEWBIT_CPU_KERNELS=sync`` raises :class:`NotImplementedError` naming what to
+install instead). A missing Triton raises :class:`NotImplementedError`.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import torch
 from typing import Optional
 
 from fewbit._checks import FLOAT_DTYPES, TABLE_BITS, packed_nbytes
+from fewbit.ops import _cpu_loader
 from fewbit.ops._nonfinite import nonfinite_record_reference, patch_reference
 from fewbit.ops._reference import (
     compute_dtype,
@@ -143,6 +147,8 @@ def _(x, borders, codes, bits):
 @encode_op.register_kernel("cpu")
 def _(x, borders, codes, bits):
     _check_encode(x, borders, codes, bits)
+    if not _cpu_loader.ready():  # numba still loading: the reference, same codes
+        return _encode_reference_path(x, borders, codes, bits)
     from fewbit.ops import _cpu
 
     return _cpu.encode_cpu(x, _cmp_borders(x, borders), codes, bits)[0]
@@ -178,6 +184,8 @@ def _(x, borders, codes, bits, classes, capacity):
 def _(x, borders, codes, bits, classes, capacity):
     _check_encode(x, borders, codes, bits)
     _check_nonfinite_args(classes, capacity)
+    if not _cpu_loader.ready():  # numba still loading: the reference
+        return _encode_reference_path(x, borders, codes, bits), nonfinite_record_reference(x, classes, capacity)
     from fewbit.ops import _cpu
 
     packed, count = _cpu.encode_cpu(x, _cmp_borders(x, borders), codes, bits, count_nonfinite=classes != 0)
@@ -219,6 +227,9 @@ def _(grad, packed, values, bits, nonfinite=None, patch=None, select_zero=False)
 @decode_mul_op.register_kernel("cpu")
 def _(grad, packed, values, bits, nonfinite=None, patch=None, select_zero=False):
     _check_decode(grad, packed, values, bits, nonfinite, patch)
+    if not _cpu_loader.ready():  # numba still loading: the reference, same gradient
+        return decode_mul_reference(grad, packed, values, bits, select_zero=select_zero, nonfinite=nonfinite,
+                                    patch=patch)
     from fewbit.ops import _cpu
 
     out = _cpu.decode_mul_cpu(grad, packed, values, bits, select_zero)

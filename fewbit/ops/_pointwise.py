@@ -15,9 +15,11 @@ import torch
 
 from fewbit._checks import check_float_tensor
 from fewbit.activations import ACTIVATIONS, ALIASES, canonical_params, get_activation, import_callable
+from fewbit.ops import _cpu_loader
 from fewbit.ops import _ops  # noqa: F401  (registers fewbit::encode / fewbit::decode_mul)
+from fewbit.ops._ops import _encode_reference_path as encode_reference_path
 from fewbit.ops._nonfinite import CAPACITY, derive_grad_rules, nonfinite_record_reference, patch_reference
-from fewbit.ops._reference import compute_dtype, round_down_to_float32
+from fewbit.ops._reference import compute_dtype, decode_mul_reference, round_down_to_float32
 from fewbit.table import Table
 
 __all__ = ["pointwise", "encode", "decode_mul", "table_tensors", "DecodeMul"]
@@ -459,7 +461,7 @@ class _Plan:
     """Everything a direct call needs for one setting, made once (:func:`_plan`)."""
 
     __slots__ = ("fn", "params", "bits", "values", "patch", "select_zero", "classes", "what", "backend", "kb", "kc",
-                 "kv", "torch_fn", "full")
+                 "kv", "tb", "tc", "tv", "torch_fn", "full")
 
     def __init__(self, table: Table, fn: str, full: Mapping[str, float], dtype: torch.dtype, device: torch.device,
                  backend: str, torch_fn: Callable[..., torch.Tensor] | None = None):
@@ -472,9 +474,13 @@ class _Plan:
         self.patch = _patch_tensor(patch_id, values.device, values.dtype) if classes else None
         self.select_zero, self.classes, self.what, self.backend = select_zero, classes, what, backend
         if backend == "numba":
-            from fewbit.ops import _cpu
-
-            self.kb, self.kc, self.kv = _cpu.kernel_arrays(borders, codes, values)
+            # the kernels' arrays (numpy views, so a call converts nothing) and the same
+            # tensors for the reference kernels that stand in while numba loads
+            self.tb = borders.detach().contiguous()  # already in the compare dtype
+            self.tc = codes.detach().to(torch.int64).contiguous()
+            v = values.detach()
+            self.tv = v.to(torch.float64 if v.dtype == torch.float64 else torch.float32).contiguous()
+            self.kb, self.kc, self.kv = self.tb.numpy(), self.tc.numpy(), self.tv.numpy()
         else:  # Triton (and its CPU stand-in in the tests): int32 codes, as the kernels read them
             self.kb, self.kc, self.kv = borders, codes.to(torch.int32), values
 
@@ -528,9 +534,13 @@ def _direct_forward(x, plan: _Plan, inplace):
     """``(y, packed, record)`` of an eager call: the kernels called directly."""
     torch_fn, full = plan.torch_fn, plan.full
     if plan.backend == "numba":
-        from fewbit.ops import _cpu
+        if _cpu_loader.ready():
+            from fewbit.ops import _cpu
 
-        packed, count = _cpu.encode_arrays(x, plan.kb, plan.kc, plan.bits, plan.classes != 0)
+            packed, count = _cpu.encode_arrays(x, plan.kb, plan.kc, plan.bits, plan.classes != 0)
+        else:  # numba still loading (fewbit.ops._cpu_loader): the reference, same codes
+            packed = encode_reference_path(x, plan.tb, plan.tc, plan.bits)
+            count = int(x.isfinite().logical_not().sum()) if plan.classes else 0
         record = _host_record(x, plan.classes, count) if count else None
     elif plan.backend == "triton":
         return _triton_forward(_triton(), x, plan, torch_fn, full, inplace)
@@ -562,9 +572,12 @@ def _triton_forward(tr, x, plan: _Plan, torch_fn, full, inplace):
 
 def _direct_backward(plan: _Plan, grad, packed, record):
     if plan.backend == "numba":
-        from fewbit.ops import _cpu
+        if _cpu_loader.ready():
+            from fewbit.ops import _cpu
 
-        out = _cpu.decode_mul_arrays(grad, packed, plan.kv, plan.bits, plan.select_zero)
+            out = _cpu.decode_mul_arrays(grad, packed, plan.kv, plan.bits, plan.select_zero)
+        else:  # numba still loading: the reference, same gradient
+            out = decode_mul_reference(grad, packed, plan.tv, plan.bits, select_zero=plan.select_zero)
         return out if record is None else patch_reference(out, grad, record, plan.patch)
     if plan.backend == "triton":
         return _triton().decode_mul_triton(grad, packed, plan.kv, plan.bits, nonfinite=record,
