@@ -838,6 +838,10 @@ def profile(
         raise ValueError(f"fused_cross_entropy=True needs a Hugging Face *ForCausalLM model, got {type(model).__name__}")
     blocks = find_blocks(model)
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    if device.type == "cpu":  # time the numba kernels, not the reference standing in while they load
+        from fewbit.ops import load_cpu_kernels
+
+        load_cpu_kernels()
 
     work = _copy_unplanned(model)
     if fused_cross_entropy and not hasattr(work, "_fewbit_fused_cross_entropy"):

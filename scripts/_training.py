@@ -274,6 +274,10 @@ def train_variant(
     keyword arguments ``loop`` (``steps``, ``lr``, ``warmup``, ``eval_every``) and a progress
     bar titled ``"<kind> <variant> seed <seed>"`` if ``progress``; return the CSV rows."""
     model, step_ctx = prepare_model(variant, seed, build_model, device)
+    if torch.device(device).type == "cpu" and variant != "vanilla":  # step times of the numba kernels from step 1
+        from fewbit.ops import load_cpu_kernels
+
+        load_cpu_kernels()
     return train_loop(model, step_ctx, task, progress=f"{kind} {variant} seed {seed}" if progress else None, **loop)
 
 

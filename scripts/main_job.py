@@ -157,6 +157,10 @@ def time_steps(
             torch.cuda.synchronize(dev)
         return time.perf_counter() - t0
 
+    if dev.type == "cpu":  # time the numba kernels, not the reference standing in while they load
+        from fewbit.ops import load_cpu_kernels
+
+        load_cpu_kernels()
     for variant in variants:
         for _ in range(warmup):
             step(variant)
