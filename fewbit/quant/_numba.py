@@ -16,21 +16,14 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit, prange
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic
 
 from fewbit.ops import _cpu as _  # noqa: F401  (numba imported, its threading layer chosen)
 from fewbit.ops._cpu_kernels import pack_codes, unpack_codes  # the one numba packer
 
 _MASK32 = np.uint64(0xFFFFFFFF)
-
-
-@njit(inline="always", cache=True)
-def _lowbias32(x):
-    x = x ^ (x >> np.uint64(16))
-    x = (x * np.uint64(0x7FEB352D)) & _MASK32
-    x = x ^ (x >> np.uint64(15))
-    x = (x * np.uint64(0x846CA68B)) & _MASK32
-    return x ^ (x >> np.uint64(16))
 
 
 @njit(inline="always", cache=True)
@@ -51,12 +44,42 @@ def _floor_to_grid(v, mant_bits, min_exp, fmax):
     return r
 
 
-@njit(inline="always", cache=True)
-def _uniform(e, s0, s1):
-    """``u`` of flat index ``e`` (:func:`fewbit.quant._reference.uniform_noise`), uint64 words < 2**32."""
-    j = np.uint64(e)
-    h = _lowbias32(_lowbias32((j & _MASK32) ^ s0) ^ s1 ^ (j >> np.uint64(32)))
-    return np.float32(h >> np.uint64(8)) * np.float32(2.0 ** -24)
+@intrinsic
+def _uniform(typingctx, e, s0, s1):
+    """``u`` of flat index ``e`` (:func:`fewbit.quant._reference.uniform_noise`; ``s0``, ``s1``
+    uint64 words < 2**32), float32: the hash of :mod:`fewbit.quant._reference` (two rounds
+    of lowbias32), written as 32-bit LLVM IR. numba widens uint32 arithmetic to 64 bits, so the vectorised loops multiplied
+    8 lanes of 64 bits (``vpmullq``); in 32 bits LLVM multiplies 16 lanes (``vpmulld``):
+    0.76 -> 0.55 ns an element for a codes loop on the CI VM, bit for bit the same
+    (compress + decompress of 2**24 float32, 2 bits, 1 thread: group quantizer 1.14 -> 1.20
+    GB/s, DIVISION 0.89 -> 0.93 GB/s, ``scripts/bench_quant.py``)."""
+    if not isinstance(e, types.Integer):
+        return None
+    sig = types.float32(e, s0, s1)
+
+    def codegen(context, builder, signature, args):
+        e_, s0_, s1_ = args
+        i32 = ir.IntType(32)
+        e_ = builder.sext(e_, ir.IntType(64)) if e_.type.width < 64 else e_
+
+        def c(v):
+            return ir.Constant(i32, v)
+
+        def lowbias32(x):
+            x = builder.xor(x, builder.lshr(x, c(16)))
+            x = builder.mul(x, c(0x7FEB352D))
+            x = builder.xor(x, builder.lshr(x, c(15)))
+            x = builder.mul(x, c(0x846CA68B))
+            return builder.xor(x, builder.lshr(x, c(16)))
+
+        lo = builder.trunc(e_, i32)
+        hi = builder.trunc(builder.lshr(e_, ir.Constant(e_.type, 32)), i32)
+        h = lowbias32(builder.xor(builder.xor(lowbias32(builder.xor(lo, builder.trunc(s0_, i32))),
+                                              builder.trunc(s1_, i32)), hi))
+        f = builder.uitofp(builder.lshr(h, c(8)), ir.FloatType())
+        return builder.fmul(f, ir.Constant(ir.FloatType(), 2.0 ** -24))
+
+    return sig, codegen
 
 
 @njit(inline="always", cache=True)
