@@ -43,7 +43,14 @@ __all__ = ["encode_cpu", "decode_mul_cpu", "encode_arrays", "decode_mul_arrays",
 SERIAL_MAX = 4 * _cpu_kernels._CHUNK
 
 
+_started = False
+
+
 def _set_threads() -> None:
+    global _started
+    if not _started:  # the first parallel call of either family (few-bit ops, quantizers)
+        _started = True
+        warm_up()  # numba's OpenMP layer starts here, torch's thread count kept
     want = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
     if numba.get_num_threads() != want:
         numba.set_num_threads(want)
@@ -60,10 +67,27 @@ def _parallel(n: int) -> bool:
 
 
 def warm_up() -> None:
-    """Call every kernel once on a few elements, in each dtype form the eager path passes
-    (float32, float64, bfloat16 as int16/uint16), serial and parallel: numba loads
-    (or, with an empty cache, compiles) their machine code on a dispatcher's first call
-    (:mod:`fewbit.ops._cpu_loader` runs this in a background thread)."""
+    """Load (or, with an empty cache, compile) every kernel's machine code for each dtype
+    form the eager path passes (float32, float64, bfloat16 as int16/uint16): the serial
+    kernels are called on a few elements, the parallel ones compiled for the same
+    signatures without a launch, so that no parallel region starts from the loader's
+    thread (numba's workqueue layer aborts on concurrent launches;
+    :mod:`fewbit.ops._cpu_loader` runs this in a background thread)."""
+    global _started
+    _started = True
+    threads = torch.get_num_threads()
+    try:
+        _warm_up()
+    finally:
+        # numba's OpenMP layer, when it starts (on loading a parallel kernel), sets the
+        # calling thread's OpenMP thread count, which is torch's: a process that had set
+        # torch.set_num_threads(1) ran torch, and then numba, on every core after its first
+        # parallel fewbit call
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+
+
+def _warm_up() -> None:
     n = 16
     bits = 2
     codes = np.arange(4, dtype=np.int64)
@@ -73,10 +97,12 @@ def warm_up() -> None:
         (np.zeros(n, np.float64), np.zeros(3, np.float64), np.ones(4, np.float64), np.zeros(n, np.float64)),
         (np.zeros(n, np.int16), np.zeros(3, np.float32), np.ones(4, np.float32), np.zeros(n, np.uint16)),
     ):
-        for encode, decode in ((_cpu_kernels.encode_serial, _cpu_kernels.decode_mul_serial),
-                               (_cpu_kernels.encode, _cpu_kernels.decode_mul)):
-            encode(xa, ba, codes, out, bits, False)
-            decode(ga, out, va, np.empty_like(ga), bits, False)
+        enc_args = (xa, ba, codes, out, bits, False)
+        dec_args = (ga, out, va, np.empty_like(ga), bits, False)
+        _cpu_kernels.encode_serial(*enc_args)
+        _cpu_kernels.decode_mul_serial(*dec_args)
+        _cpu_kernels.encode.compile(tuple(numba.typeof(a) for a in enc_args))
+        _cpu_kernels.decode_mul.compile(tuple(numba.typeof(a) for a in dec_args))
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:

@@ -109,3 +109,35 @@ def test_reference_path_is_the_numba_path_in_process(monkeypatch):
             outs.append((y.detach(), xi.grad))
         for a, b in zip(outs[0], outs[1]):
             assert torch.equal(a.view(torch.int32), b.view(torch.int32)), bits  # NaN included
+
+
+_THREADS_CHILD = r"""
+import torch, fewbit
+from torch import nn
+torch.set_num_threads(1)
+m = nn.Sequential(nn.Linear(512, 2048), nn.GELU(), nn.Linear(2048, 512))
+fewbit.convert_(m, fewbit.Config(saved_bits=4, min_numel=0, activation_bits=ACTIVATION_BITS))
+x = torch.randn(512, 512)
+for _ in range(2):
+    m(x).sum().backward()
+fewbit.ops.load_cpu_kernels()
+m(x).sum().backward()  # parallel numba kernels (activation and group quantizer)
+print(torch.get_num_threads())
+"""
+
+
+@pytest.mark.parametrize("mode, activation_bits", [("background", 3), ("sync", 3), ("sync", None)])
+def test_loading_numba_keeps_torchs_thread_count(mode, activation_bits):
+    """numba's OpenMP layer, when it starts, set the calling thread's OpenMP thread count:
+    after torch.set_num_threads(1) the first parallel fewbit call put torch (and numba,
+    which follows torch) on every core (sync mode, the group quantizer alone, and every
+    process before the loader)."""
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("needs 2 cores to tell 1 thread from all of them")
+    env = {**os.environ, "FEWBIT_CPU_KERNELS": mode}
+    env.pop("OMP_NUM_THREADS", None)
+    code = f"ACTIVATION_BITS = {activation_bits}\n" + _THREADS_CHILD
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == "1"
