@@ -51,8 +51,8 @@ def _uniform(typingctx, e, s0, s1):
     of lowbias32), written as 32-bit LLVM IR. numba widens uint32 arithmetic to 64 bits, so the vectorised loops multiplied
     8 lanes of 64 bits (``vpmullq``); in 32 bits LLVM multiplies 16 lanes (``vpmulld``):
     0.76 -> 0.55 ns an element for a codes loop on the CI VM, bit for bit the same
-    (compress + decompress of 2**24 float32, 2 bits, 1 thread: group quantizer 1.14 -> 1.20
-    GB/s, DIVISION 0.89 -> 0.93 GB/s, ``scripts/bench_quant.py``)."""
+    (compress + decompress, 2 bits, 1 thread, ``scripts/bench_quant.py``: group quantizer
+    at 2**20 float32 2.14 -> 2.42 GB/s; at 2**24, bound by page faults, within noise)."""
     if not isinstance(e, types.Integer):
         return None
     sig = types.float32(e, s0, s1)
