@@ -48,9 +48,9 @@ _started = False
 
 def _set_threads() -> None:
     global _started
-    if not _started:  # the first parallel call of either family (few-bit ops, quantizers)
+    if not _started:  # this process's first parallel call of either family (few-bit ops, quantizers)
         _started = True
-        warm_up()  # numba's OpenMP layer starts here, torch's thread count kept
+        warm_up()  # numba's OpenMP layer starts here, torch's thread count kept (cheap if the loader ran)
     want = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
     if numba.get_num_threads() != want:
         numba.set_num_threads(want)
@@ -73,8 +73,6 @@ def warm_up() -> None:
     signatures without a launch, so that no parallel region starts from the loader's
     thread (numba's workqueue layer aborts on concurrent launches;
     :mod:`fewbit.ops._cpu_loader` runs this in a background thread)."""
-    global _started
-    _started = True
     threads = torch.get_num_threads()
     try:
         _warm_up()
@@ -130,7 +128,7 @@ def encode_cpu(
 
 
 def encode_arrays(x: torch.Tensor, b: np.ndarray, c: np.ndarray, bits: int, count_nonfinite: bool) -> tuple[torch.Tensor, int]:
-    """:func:`encode_cpu` with the table already as kernel arrays (``fewbit.ops._pointwise.kernel_arrays``)."""
+    """:func:`encode_cpu` with the table already as kernel arrays (the eager path's ``_Plan.kb``, ``kc``, ``kv``)."""
     n = x.numel()
     out = torch.empty(packed_nbytes(n, bits), dtype=torch.uint8)
     if n == 0:
@@ -167,7 +165,7 @@ def decode_mul_arrays(
     grad: torch.Tensor, packed: torch.Tensor, v: np.ndarray, bits: int, select_zero: bool
 ) -> torch.Tensor:
     """:func:`decode_mul_cpu` with ``values`` already a kernel array in the compute dtype
-    of ``grad`` (float64 for float64, else float32; ``fewbit.ops._pointwise.kernel_arrays``)."""
+    of ``grad`` (float64 for float64, else float32; the eager path's ``_Plan.kv``)."""
     n = grad.numel()
     dtype = grad.dtype
     if (dtype == torch.float32 or dtype == torch.float64) and grad.is_contiguous():
