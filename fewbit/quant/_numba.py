@@ -45,7 +45,7 @@ def _floor_to_grid(v, mant_bits, min_exp, fmax):
 
 
 @intrinsic
-def _uniform(typingctx, e, s0, s1):
+def _uniform32(typingctx, e, s0, s1):
     """``u`` of flat index ``e`` (:func:`fewbit.quant._reference.uniform_noise`; ``s0``, ``s1``
     uint64 words < 2**32), float32: the hash of :mod:`fewbit.quant._reference` (two rounds
     of lowbias32), written as 32-bit LLVM IR. numba widens uint32 arithmetic to 64 bits, so the vectorised loops multiplied
@@ -80,6 +80,13 @@ def _uniform(typingctx, e, s0, s1):
         return builder.fmul(f, ir.Constant(ir.FloatType(), 2.0 ** -24))
 
     return sig, codegen
+
+
+@njit(inline="always", cache=True)
+def _uniform(e, s0, s1):
+    """:func:`_uniform32`, callable from Python too (an intrinsic is usable only inside
+    compiled code); inlined into the kernels, so the same machine code."""
+    return _uniform32(e, s0, s1)
 
 
 @njit(inline="always", cache=True)
