@@ -37,6 +37,7 @@ Saved-tensor compression: :class:`ActivationCompressor` / :func:`compress_activa
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -86,10 +87,7 @@ class QuantizedTensor:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
     @property
     def stats_dtype(self) -> torch.dtype:

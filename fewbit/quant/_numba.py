@@ -237,6 +237,15 @@ def dequantize_kernel(packed, m_arr, s_arr, bits, group_size, chunk_groups, out)
 AFFINE_CHUNK = 16384
 
 
+@njit(inline="always", cache=True)
+def _affine_code(t, u, off, zero, levels):
+    """The code of ``t = (x - m) * s``: ``floor(t + u) + off`` clamped to ``[0, levels]``,
+    0 where it is NaN (a NaN stat); all operands in the dtype of x."""
+    qf = np.floor(t + u) + off
+    qf = qf if qf == qf else zero
+    return np.uint8(min(max(qf, zero), levels))
+
+
 @njit(parallel=True, error_model="numpy", cache=True)
 def affine_codes_kernel(x, m_arr, s_arr, rowlen, per_col, seed, stochastic, bits, consts, out_packed):
     """Codes of :func:`fewbit.quant._reference.affine_codes_reference` into ``out_packed``.
@@ -270,17 +279,13 @@ def affine_codes_kernel(x, m_arr, s_arr, rowlen, per_col, seed, stochastic, bits
                 ss = s_arr[c0:c0 + k]
                 for i in range(k):
                     u = _uniform(e + i, s0, s1) if stochastic else half
-                    qf = np.floor((xs[i] - ms[i]) * ss[i] + u) + off
-                    qf = qf if qf == qf else zero
-                    cs[i] = np.uint8(min(max(qf, zero), levels))
+                    cs[i] = _affine_code((xs[i] - ms[i]) * ss[i], u, off, zero, levels)
             else:
                 mm = m_arr[r]
                 sv = s_arr[r]
                 for i in range(k):
                     u = _uniform(e + i, s0, s1) if stochastic else half
-                    qf = np.floor((xs[i] - mm) * sv + u) + off
-                    qf = qf if qf == qf else zero
-                    cs[i] = np.uint8(min(max(qf, zero), levels))
+                    cs[i] = _affine_code((xs[i] - mm) * sv, u, off, zero, levels)
             e += k
         o0 = e0 * bits // 8
         pack_codes(sc, out_packed[o0:o0 + ((e1 - e0) * bits + 7) // 8], bits)

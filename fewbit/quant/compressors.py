@@ -241,12 +241,46 @@ def _nbytes(*tensors: torch.Tensor) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def _check_supported(comp: Compressor, x: torch.Tensor, need: str) -> None:
-    from fewbit._checks import check_float_tensor
+class _KernelCompressor(Compressor):
+    """A compressor with two sets of kernels: :meth:`compress` runs the ``torch.library``
+    ops (numba on CPU, Triton on CUDA), :meth:`compress_reference` their pure-torch
+    definitions (:mod:`fewbit.quant._reference`); both check ``x`` first. Subclasses set
+    :attr:`min_dim` and implement ``_compress(x, generator, kernels)``."""
 
-    check_float_tensor(x, "x")
-    if not comp.supports(x):
-        raise ValueError(f"the {comp.name!r} compressor needs {need}; got a tensor of shape {tuple(x.shape)}")
+    #: Fewest dims :meth:`compress` takes (pooling and channels need a second dim).
+    min_dim: ClassVar[int] = 0
+
+    def supports(self, x: torch.Tensor) -> bool:
+        """Tensors of :attr:`min_dim` or more dims (DIVISION pools over a spatial or token
+        dim, the channel compressors need rows of channels)."""
+        return x.dim() >= self.min_dim
+
+    def compress(self, x: torch.Tensor, *, generator: torch.Generator | None = None) -> Compressed:
+        """See :meth:`Compressor.compress`.
+
+        Raises:
+            TypeError: ``x`` not a floating tensor, ``generator`` not a torch.Generator.
+            ValueError: ``x`` has fewer than :attr:`min_dim` dims.
+        """
+        self._check(x)
+        return self._compress(x, generator, _ops())
+
+    def compress_reference(self, x: torch.Tensor, *, generator: torch.Generator | None = None) -> Compressed:
+        """:meth:`compress` with the pure-torch kernels (the definition; same result bit for bit)."""
+        self._check(x)
+        return self._compress(x, generator, _REFERENCE)
+
+    def _check(self, x: torch.Tensor) -> None:
+        from fewbit._checks import check_float_tensor
+
+        check_float_tensor(x, "x")
+        if not self.supports(x):
+            raise ValueError(f"the {self.name!r} compressor needs at least {self.min_dim} dims; "
+                             f"got a tensor of shape {tuple(x.shape)}")
+
+    @abc.abstractmethod
+    def _compress(self, x: torch.Tensor, generator: torch.Generator | None, k: _Kernels) -> Compressed:
+        """Compress the checked ``x`` with the kernels ``k``."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -288,7 +322,7 @@ class _DivisionCompressed:
         return y.reshape(self.shape)
 
 
-class Division(Compressor):
+class Division(_KernelCompressor):
     """DIVISION: an exact low-frequency part and a ``bits``-bit high-frequency part.
 
     ``LFC = AvgPool_B(x)`` (block and stride ``block``) is kept exactly, in the dtype of
@@ -323,24 +357,13 @@ class Division(Compressor):
     """
 
     name = "division"
+    min_dim = 2
 
     def __init__(self, block: int = 8, bits: int = 2) -> None:
         self.block = check_positive_int(block, "block")
         self.bits = check_bits(bits, allowed=_ref.SUPPORTED_BITS)
 
-    def supports(self, x: torch.Tensor) -> bool:
-        """Tensors of 2 or more dims (1-D tensors have no spatial or token dim to pool)."""
-        return x.dim() >= 2
-
-    def compress(self, x, *, generator=None) -> _DivisionCompressed:
-        return self._compress(x, generator, _ops())
-
-    def compress_reference(self, x, *, generator=None) -> _DivisionCompressed:
-        """:meth:`compress` with the pure-torch kernels (the definition; same result bit for bit)."""
-        return self._compress(x, generator, _REFERENCE)
-
     def _compress(self, x, generator, k: _Kernels) -> _DivisionCompressed:
-        _check_supported(self, x, "at least 2 dims")
         seed = _seed(generator)
         view, block = division_view(x.shape, self.block)
         x4 = x.detach().reshape(view)
@@ -394,7 +417,7 @@ class _OutlierCompressed:
         return y.reshape(self.shape)
 
 
-class OutlierSeparated(Compressor):
+class OutlierSeparated(_KernelCompressor):
     """Adacc's outlier-separated compressor (Linear, LayerNorm, GELU inputs).
 
     Channels (dim -1) whose ``z``-score of ``S_i = sum |x[..., i]|`` exceeds ``z``
@@ -419,6 +442,7 @@ class OutlierSeparated(Compressor):
     """
 
     name = "outlier"
+    min_dim = 2
 
     def __init__(self, z: float = 3.0, bits: int = 4) -> None:
         if isinstance(z, bool) or not isinstance(z, (int, float)) or not math.isfinite(z):
@@ -426,23 +450,12 @@ class OutlierSeparated(Compressor):
         self.z = float(z)
         self.bits = check_bits(bits, allowed=_ref.SUPPORTED_BITS)
 
-    def supports(self, x: torch.Tensor) -> bool:
-        """Tensors of 2 or more dims (rows of channels)."""
-        return x.dim() >= 2
+    def _compress(self, x, generator, k: _Kernels) -> _OutlierCompressed:
+        import fewbit.quant as Q
 
-    def compress(self, x, *, generator=None) -> _OutlierCompressed:
-        from fewbit.quant import dequantize, quantize
-
-        return self._compress(x, generator, quantize, dequantize)
-
-    def compress_reference(self, x, *, generator=None) -> _OutlierCompressed:
-        """:meth:`compress` with the pure-torch kernels (same result bit for bit)."""
-        from fewbit.quant import dequantize_reference, quantize_reference
-
-        return self._compress(x, generator, quantize_reference, dequantize_reference)
-
-    def _compress(self, x, generator, quantize, dequantize) -> _OutlierCompressed:
-        _check_supported(self, x, "at least 2 dims")
+        ref = k is _REFERENCE
+        quantize = Q.quantize_reference if ref else Q.quantize
+        dequantize = Q.dequantize_reference if ref else Q.dequantize
         c = x.shape[-1]
         h = x.detach().reshape(-1, c)
         index = outlier_channels(h, self.z) if h.numel() else torch.zeros(0, dtype=torch.int32, device=x.device)
@@ -473,7 +486,7 @@ class _ChannelCompressed:
         return self.codes.decode(self._k, self.dtype).reshape(self.shape)
 
 
-class ChannelWise(Compressor):
+class ChannelWise(_KernelCompressor):
     """Symmetric quantization with one scale per channel (Adacc's compressor for q, k, v).
 
     Per channel ``c`` (dim -1): ``a_c = max |x[..., c]|``, ``L = 2**(bits-1) - 1``,
@@ -497,23 +510,12 @@ class ChannelWise(Compressor):
     """
 
     name = "channelwise"
+    min_dim = 2
 
     def __init__(self, bits: int = 8) -> None:
         self.bits = check_bits(bits, allowed=(2, 4, 8))
 
-    def supports(self, x: torch.Tensor) -> bool:
-        """Tensors of 2 or more dims (channels = dim -1, one scale each)."""
-        return x.dim() >= 2
-
-    def compress(self, x, *, generator=None) -> _ChannelCompressed:
-        return self._compress(x, generator, _ops())
-
-    def compress_reference(self, x, *, generator=None) -> _ChannelCompressed:
-        """:meth:`compress` with the pure-torch kernels (same result bit for bit)."""
-        return self._compress(x, generator, _REFERENCE)
-
     def _compress(self, x, generator, k: _Kernels) -> _ChannelCompressed:
-        _check_supported(self, x, "at least 2 dims")
         seed = _seed(generator)
         c = x.shape[-1]
         cdt = _ref.compute_dtype(x.dtype)
@@ -554,7 +556,7 @@ class _SoftmaxCompressed:
         return self.codes.decode(self._k, self.dtype).reshape(self.shape)
 
 
-class Softmax(Compressor):
+class Softmax(_KernelCompressor):
     """Asymmetric quantization on the fixed grid of [0, 1] (Adacc's compressor for softmax
     outputs and attention scores).
 
@@ -581,15 +583,7 @@ class Softmax(Compressor):
     def __init__(self, bits: int = 4) -> None:
         self.bits = check_bits(bits, allowed=_ref.SUPPORTED_BITS)
 
-    def compress(self, x, *, generator=None) -> _SoftmaxCompressed:
-        return self._compress(x, generator, _ops())
-
-    def compress_reference(self, x, *, generator=None) -> _SoftmaxCompressed:
-        """:meth:`compress` with the pure-torch kernels (same result bit for bit)."""
-        return self._compress(x, generator, _REFERENCE)
-
     def _compress(self, x, generator, k: _Kernels) -> _SoftmaxCompressed:
-        _check_supported(self, x, "a floating tensor")
         seed = _seed(generator)
         cdt = _ref.compute_dtype(x.dtype)
         flat = x.detach().reshape(-1)

@@ -23,6 +23,7 @@ compressor reported as ``ActivationCompressor.compressor``).
 from __future__ import annotations
 
 import abc
+import math
 from dataclasses import dataclass
 
 import torch
@@ -60,10 +61,7 @@ class SavedTensorInfo:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
 
 def compressor_bits(compressor: Compressor, dtype: torch.dtype) -> int:
