@@ -118,6 +118,20 @@ def _stats_kernel(x_ptr, m_ptr, s_ptr, n, G, n_groups, levels, fmax,
     tl.store(s_ptr + gi, tl.where(ok, s, float("nan")), mask=gmask)
 
 
+@triton.jit
+def _code(x, m, s, e, seed0, seed1, levels, offset, STOCHASTIC: tl.constexpr, BLOCK_W: tl.constexpr):
+    """float32 codes ``floor((x - m) * s + u) + offset`` clamped to ``[0, levels]``, 0 where
+    that is NaN (a non-finite group or stat); ``u`` the noise of the flat indices ``e``, or
+    0.5 (nearest) if not ``STOCHASTIC``. The group quantizer's and the affine codes' rule."""
+    if STOCHASTIC:
+        u = _uniform(e, seed0.to(tl.uint32), seed1.to(tl.uint32))
+    else:
+        u = tl.full([BLOCK_W, 8], 0.5, tl.float32)
+    qf = tl.floor((x - m) * s + u) + offset
+    qf = tl.where(qf == qf, qf, 0.0)
+    return tl.minimum(tl.maximum(qf, 0.0), levels)
+
+
 @triton.jit(do_not_specialize=["seed0", "seed1"])
 def _codes_kernel(x_ptr, m_ptr, s_ptr, out_ptr, n, G, seed0, seed1, levels,
                   STOCHASTIC: tl.constexpr, BITS: tl.constexpr, BLOCK_W: tl.constexpr):
@@ -127,14 +141,7 @@ def _codes_kernel(x_ptr, m_ptr, s_ptr, out_ptr, n, G, seed0, seed1, levels,
     m = tl.load(m_ptr + g, mask=msk, other=0.0)
     s = tl.load(s_ptr + g, mask=msk, other=1.0)
     x = tl.load(x_ptr + e, mask=msk, other=0.0).to(tl.float32)
-    if STOCHASTIC:
-        u = _uniform(e, seed0.to(tl.uint32), seed1.to(tl.uint32))
-    else:
-        u = tl.full([BLOCK_W, 8], 0.5, tl.float32)
-    t = (x - m) * s
-    qf = tl.floor(t + u)
-    qf = tl.where(qf == qf, qf, 0.0)  # non-finite group: code 0
-    qf = tl.minimum(tl.maximum(qf, 0.0), levels)
+    qf = _code(x, m, s, e, seed0, seed1, levels, 0.0, STOCHASTIC, BLOCK_W)  # non-finite group: 0
     _pack_store(qf.to(tl.int32), w, out_ptr, n, BITS)  # codes past n are 0 (x = m = 0 there)
 
 
@@ -250,13 +257,7 @@ def _affine_codes_kernel(x_ptr, m_ptr, s_ptr, out_ptr, n, rowlen, seed0, seed1, 
     m = tl.load(m_ptr + g, mask=msk, other=0.0)
     s = tl.load(s_ptr + g, mask=msk, other=1.0)
     x = tl.load(x_ptr + e, mask=msk, other=0.0).to(tl.float32)
-    if STOCHASTIC:
-        u = _uniform(e, seed0.to(tl.uint32), seed1.to(tl.uint32))
-    else:
-        u = tl.full([BLOCK_W, 8], 0.5, tl.float32)
-    qf = tl.floor((x - m) * s + u) + offset
-    qf = tl.where(qf == qf, qf, 0.0)  # a NaN stat: code 0
-    qf = tl.minimum(tl.maximum(qf, 0.0), levels)
+    qf = _code(x, m, s, e, seed0, seed1, levels, offset, STOCHASTIC, BLOCK_W)  # a NaN stat: 0
     qf = tl.where(msk, qf, 0.0)  # codes past n are 0
     _pack_store(qf.to(tl.int32), w, out_ptr, n, BITS)
 
