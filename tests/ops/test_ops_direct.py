@@ -107,7 +107,7 @@ def test_triton_branch_fused_when_offered(monkeypatch, fn, inplace):
     x[3] = math.inf
     a = x.clone().requires_grad_()
     src = a.clone() if inplace else a
-    y = _pointwise._direct_apply(src, plan, inplace, None)
+    y = _pointwise._direct(src, plan, inplace)
     y.backward(torch.ones_like(y))
     b = x.clone().requires_grad_()
     want_y = ops.pointwise(b, table, f.op_name)
@@ -120,3 +120,23 @@ def test_triton_branch_fused_when_offered(monkeypatch, fn, inplace):
     else:
         assert calls[0] == "encode_nonfinite"  # silu's rules record +inf; no fused kernel offered
     assert calls[-1] == "decode"
+
+
+@pytest.mark.parametrize("fn", ["gelu", "relu"])
+def test_eager_node_has_one_edge_and_double_backward_still_raises(fn):
+    """The anchor of a fitted table is not an input of the eager node: its only edge is the
+    input's (a backward runs no anchor node), and a graph of the backward still reaches the
+    input through it, so differentiating a fitted table's gradient raises."""
+    f = resolve_fn(fn)
+    table = table_for(f, 3 if fn == "gelu" else 1, f.full_params({}), torch.float64)
+    w = torch.randn(6, 5, dtype=torch.float64, requires_grad=True)
+    h = torch.randn(4, 5, dtype=torch.float64) @ w.t()
+    y = ops.pointwise(h, table, fn)
+    edges = [e for e, _ in y.grad_fn.next_functions if e is not None]
+    assert edges == [h.grad_fn]
+    (gh,) = torch.autograd.grad(y.sum(), h, create_graph=True)
+    if fn == "gelu":
+        with pytest.raises(RuntimeError, match="double backward through gelu"):
+            torch.autograd.grad(gh.square().sum(), w)
+    else:
+        assert not gh.requires_grad  # relu: f'' = 0, the exact gradient has no graph to w
