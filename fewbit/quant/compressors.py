@@ -390,7 +390,10 @@ def outlier_channels(x: torch.Tensor, z: float) -> torch.Tensor:
     """Adacc's outlier channels of ``x`` (channels = dim -1): ``S_i = sum |x[..., i]|``
     (float32, float64 for float64), ``z_i = (S_i - mean S) / std S`` (``std`` with Bessel's
     correction), the channels with ``z_i > z`` as sorted int32 indices. No channel is an
-    outlier when ``std S`` is 0 or not finite (``z_i`` NaN)."""
+    outlier when ``std S`` is 0 or not finite (``z_i`` NaN), or when there is one channel
+    (no spread to measure)."""
+    if x.shape[-1] < 2:
+        return torch.zeros(0, dtype=torch.int32, device=x.device)
     cdt = _ref.compute_dtype(x.dtype)
     S = x.reshape(-1, x.shape[-1]).abs().sum(dim=0, dtype=cdt)
     zs = (S - S.mean()) / S.std()

@@ -264,6 +264,19 @@ def test_outlier_keeps_the_planted_channels_exactly():
     assert outlier_channels(torch.randn(64, 8), 3.0).numel() == 0
 
 
+@pytest.mark.parametrize("shape", [(5, 1), (1, 1), (3, 4, 1)])
+def test_outlier_one_channel_has_no_outlier_and_no_warning(shape):
+    """One channel has no spread: no outlier, and no torch warning (std of one value)."""
+    import warnings
+
+    x = torch.randn(shape, generator=gen(1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert outlier_channels(x, 3.0).numel() == 0
+        c = OutlierSeparated().compress(x, generator=gen(0))
+    assert c.index.numel() == 0 and c.decompress().shape == x.shape
+
+
 def test_channelwise_is_symmetric_per_channel():
     x = sample("channelwise", (16, 24)) * torch.logspace(-3, 3, 24)
     comp = ChannelWise(bits=4)
