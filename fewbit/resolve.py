@@ -38,6 +38,7 @@ from typing import Any, Callable, Mapping, Union
 
 import torch
 
+from fewbit import _traced
 from fewbit._checks import check_bits
 from fewbit.activations import (
     Activation,
@@ -424,6 +425,10 @@ def table_for(f: ResolvedFn, bits: int | None, full: dict[str, float], dtype: to
             rounded as torch rounds them for that dtype (``None``: unrounded); the
             table's ``params`` stay the requested ones.
     """
+    if torch.compiler.is_compiling():
+        # traced by torch.compile: a cache miss (lock, files, maybe a fit) cannot be traced,
+        # and a read of _TABLES would be guarded on the keys it had before the load
+        return getattr(_traced.HOLDER, _table_for_trace(f.name, bits, tuple(full.items()), dtype))
     bits = bits if bits is not None else f.default_bits
     nd = f.table_params(full)
     bp = f.border_params(full, dtype)
@@ -431,6 +436,28 @@ def table_for(f: ResolvedFn, bits: int | None, full: dict[str, float], dtype: to
     table = _TABLES.get(key)
     if table is not None:
         return table
+    return _table_miss(f, bits, full, nd, bp, key)
+
+
+def _table_for_trace(name: str, bits: int, full: tuple, dtype: torch.dtype | None) -> str:
+    """:func:`table_for` from hashable arguments, run by torch.compile once, eagerly, while
+    tracing: the table is held by :mod:`fewbit._traced` and its name returned. Without it
+    a cold cache broke the graph (``fullgraph=True`` raised) on the lock of :func:`table_for`."""
+    f = resolve_fn(name)
+    full = dict(full)
+    bits_ = bits if bits is not None else f.default_bits
+    nd = f.table_params(full)
+    bp = f.border_params(full, dtype)
+    key = (f.name, _params_tuple(nd), bits_, _params_tuple(bp))
+    table = _TABLES.get(key) or _table_miss(f, bits_, full, nd, bp, key)
+    return _traced.hold(("table",) + key, table)
+
+
+_table_for_trace._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
+def _table_miss(f: ResolvedFn, bits: int, full: dict, nd: dict, bp: dict, key: tuple) -> Table:
+    """Steps 1-4 of :func:`table_for` for a table not yet in memory, under the lock."""
     with _LOCK:
         table = _TABLES.get(key)
         if table is not None:

@@ -13,6 +13,7 @@ from typing import Callable, Mapping
 
 import torch
 
+from fewbit import _traced
 from fewbit._checks import check_float_tensor
 from fewbit.activations import ACTIVATIONS, ALIASES, canonical_params, get_activation, import_callable
 from fewbit.ops import _cpu_loader
@@ -124,10 +125,8 @@ def _prepare(fn: str, params: tuple, table: Table, dtype: torch.dtype, device: t
     setting (:func:`fewbit.ops._nonfinite.derive_grad_rules`), cached; ``what`` names a
     fitted table in the double-backward error (``None`` for an exact table).
 
-    It also fills the tensor caches of this setting (table tensors, patch), so the calls
-    that follow only read them: under ``torch.compile`` this function runs once while
-    tracing (a constant), and the traced code then meets no cache miss (whose lock would
-    break the graph).
+    It also fills the tensor caches of this setting (table tensors, patch). Traced code
+    (torch.compile) reaches it only through :func:`_setting_for_trace`.
     """
     key = (fn, params, table.bits, table.borders, table.codes, table.values, table.weight, dtype, device)
     hit = _prepared.get(key)
@@ -149,9 +148,24 @@ def _prepare(fn: str, params: tuple, table: Table, dtype: torch.dtype, device: t
     return hit
 
 
-# What torch.compiler.assume_constant_result(_prepare) does, without importing
+def _setting_for_trace(fn: str, params: tuple, table: Table, dtype: torch.dtype, device: torch.device) -> str:
+    """What the traced path (torch.compile, torch.func) needs of a setting: ``(select_zero,
+    classes, what, borders, codes, values, patch)`` (:func:`_prepare`, :func:`table_tensors`,
+    the patch or None), held by :mod:`fewbit._traced` under the name returned. torch.compile
+    runs it once, eagerly, while tracing (marked below): its caches' locks and torch's
+    autograd probes are never traced, and the traced code reads no cache dict, whose
+    snapshot would miss a setting prepared later in the same trace."""
+    select_zero, classes, patch_id, what = _prepare(fn, params, table, dtype, device)
+    borders, codes, values = table_tensors(table, device, dtype)
+    patch = _patch_tensor(patch_id, values.device, values.dtype) if classes else None
+    key = ("setting", fn, params, table.bits, table.borders, table.codes, table.values, table.weight, dtype,
+           values.device)
+    return _traced.hold(key, (select_zero, classes, what, borders, codes, values, patch))
+
+
+# What torch.compiler.assume_constant_result(_setting_for_trace) does, without importing
 # torch._dynamo (seconds) at ``import fewbit``.
-_prepare._dynamo_marked_constant = True  # type: ignore[attr-defined]
+_setting_for_trace._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 _ARE_TRANSFORMS_ACTIVE = getattr(torch._C, "_are_functorch_transforms_active", None)
@@ -407,9 +421,8 @@ def _apply(
     transforms = _transforms_active()
     if not compiling and not transforms:
         return _direct(input, _plan(table, fn, full, input.dtype, input.device, torch_fn), inplace)
-    select_zero, classes, patch_id, what = _prepare(fn, tuple(full.items()), table, input.dtype, input.device)
-    borders, codes, values = table_tensors(table, input.device, input.dtype)
-    patch = _patch_tensor(patch_id, values.device, values.dtype) if classes else None
+    name = _setting_for_trace(fn, tuple(full.items()), table, input.dtype, input.device)
+    select_zero, classes, what, borders, codes, values, patch = getattr(_traced.HOLDER, name)
     # torch.compile and torch.func: a fixed record capacity (no data-dependent Python)
     args = (input, borders, codes, values, patch, table.bits, torch_fn, full, inplace, classes, CAPACITY,
             select_zero, what, _anchor(input, what))

@@ -1,0 +1,37 @@
+"""Values made once while ``torch.compile`` traces fewbit's code, read back by that code.
+
+A cache miss cannot be traced (a lock, file reads, a fit). fewbit computes such values in a
+function that Dynamo runs eagerly while tracing (marked as
+``torch.compiler.assume_constant_result`` marks a function, ``_dynamo_marked_constant``,
+without importing ``torch._dynamo`` at ``import fewbit``); the function stores the value
+with :func:`hold` and returns its name, a string constant. The traced code reads
+``getattr(HOLDER, name)``: Dynamo reads a plain object's attribute when it traces it, while
+a dict read earlier in the same trace is a snapshot guarded on its keys of then (a table
+loaded later in that trace was missing from it, and the guard failed in the frame that
+made it).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+__all__ = ["HOLDER", "hold"]
+
+
+class _Holder:
+    """One attribute per held value."""
+
+
+HOLDER = _Holder()
+_names: dict[tuple, str] = {}
+_lock = threading.Lock()
+
+
+def hold(key: tuple, value: Any) -> str:
+    """Store ``value`` on :data:`HOLDER` under a name kept for ``key`` (hashable) and return
+    the name; the same key keeps its name, and its latest value."""
+    with _lock:
+        name = _names.setdefault(key, f"v{len(_names)}")
+        setattr(HOLDER, name, value)
+    return name
