@@ -429,6 +429,11 @@ def table_for(f: ResolvedFn, bits: int | None, full: dict[str, float], dtype: to
         # traced by torch.compile: a cache miss (lock, files, maybe a fit) cannot be traced,
         # and a read of _TABLES would be guarded on the keys it had before the load
         return getattr(_traced.HOLDER, _table_for_trace(f.name, bits, tuple(full.items()), dtype))
+    return _table(f, bits, full, dtype)
+
+
+def _table(f: ResolvedFn, bits: int | None, full: dict[str, float], dtype: torch.dtype | None) -> Table:
+    """:func:`table_for` outside a trace."""
     bits = bits if bits is not None else f.default_bits
     nd = f.table_params(full)
     bp = f.border_params(full, dtype)
@@ -436,28 +441,6 @@ def table_for(f: ResolvedFn, bits: int | None, full: dict[str, float], dtype: to
     table = _TABLES.get(key)
     if table is not None:
         return table
-    return _table_miss(f, bits, full, nd, bp, key)
-
-
-def _table_for_trace(name: str, bits: int, full: tuple, dtype: torch.dtype | None) -> str:
-    """:func:`table_for` from hashable arguments, run by torch.compile once, eagerly, while
-    tracing: the table is held by :mod:`fewbit._traced` and its name returned. Without it
-    a cold cache broke the graph (``fullgraph=True`` raised) on the lock of :func:`table_for`."""
-    f = resolve_fn(name)
-    full = dict(full)
-    bits_ = bits if bits is not None else f.default_bits
-    nd = f.table_params(full)
-    bp = f.border_params(full, dtype)
-    key = (f.name, _params_tuple(nd), bits_, _params_tuple(bp))
-    table = _TABLES.get(key) or _table_miss(f, bits_, full, nd, bp, key)
-    return _traced.hold(("table",) + key, table)
-
-
-_table_for_trace._dynamo_marked_constant = True  # type: ignore[attr-defined]
-
-
-def _table_miss(f: ResolvedFn, bits: int, full: dict, nd: dict, bp: dict, key: tuple) -> Table:
-    """Steps 1-4 of :func:`table_for` for a table not yet in memory, under the lock."""
     with _LOCK:
         table = _TABLES.get(key)
         if table is not None:
@@ -467,6 +450,19 @@ def _table_miss(f: ResolvedFn, bits: int, full: dict, nd: dict, bp: dict, key: t
             table = _fit_and_cache(f, bits, nd, note)
         _TABLES[key] = table
         return table
+
+
+def _table_for_trace(name: str, bits: int | None, full: tuple, dtype: torch.dtype | None) -> str:
+    """:func:`table_for` from hashable arguments, run by torch.compile once, eagerly, while
+    tracing (marked below): the table is held by :mod:`fewbit._traced` and its name
+    returned. Without it a cold cache broke the graph (``fullgraph=True`` raised) on the
+    lock of :func:`table_for`."""
+    # _table, not table_for: torch.compiler.is_compiling() is still True while Dynamo runs this
+    table = _table(resolve_fn(name), bits, dict(full), dtype)
+    return _traced.hold(("table", name, bits, full, dtype), table)
+
+
+_table_for_trace._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def find_table(fn: FnLike, bits: int | None = None,
