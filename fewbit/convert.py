@@ -541,6 +541,40 @@ def layer_kind(module: nn.Module) -> str | None:
     return None
 
 
+def normalization_size(module: nn.Module, shape: tuple[int, ...]) -> int | None:
+    """Elements of a tensor of ``shape`` saved by norm layer ``module`` that share one
+    mean/variance of that sample, a contiguous run in C order; None for layers whose
+    statistics are not per sample (BatchNorm: over the batch) or not known.
+
+    - ``nn.LayerNorm``, ``nn.RMSNorm``: the product of ``normalized_shape`` (when
+      ``shape`` ends with it);
+    - other classes whose name ends with ``LayerNorm``/``RMSNorm`` (transformers' GPT-2,
+      LLaMA, ...; they normalize the last dim): ``shape[-1]``;
+    - ``nn.InstanceNorm*`` of ``(N, C, *spatial)``: one channel plane, ``prod(spatial)``;
+      ``nn.GroupNorm``: ``prod(shape[1:]) // num_groups``.
+
+    BatchNorm is left out: its statistics are shared by the ``N * prod(spatial)`` elements
+    of a channel, so the bias of :meth:`fewbit.quant.compressors.Compressor.within` is
+    divided by that count, and aligning groups to the small channel planes would cost
+    stats without need. Used for :attr:`fewbit.quant.policies.SavedTensorInfo.norm_size`.
+    """
+    if not shape:
+        return None
+    if isinstance(module, nn.LayerNorm) or (hasattr(nn, "RMSNorm") and isinstance(module, nn.RMSNorm)):
+        ns = tuple(module.normalized_shape)
+        return math.prod(ns) if ns and tuple(shape[-len(ns):]) == ns else None
+    if isinstance(module, nn.GroupNorm):
+        rest = math.prod(shape[1:])
+        return rest // module.num_groups if len(shape) >= 2 and rest % module.num_groups == 0 else None
+    if isinstance(module, nn.modules.instancenorm._InstanceNorm):
+        return math.prod(shape[2:]) if len(shape) >= 3 else None
+    if isinstance(module, nn.modules.batchnorm._NormBase):
+        return None
+    if type(module).__name__.endswith(("LayerNorm", "RMSNorm")):
+        return shape[-1]
+    return None
+
+
 # --------------------------------------------------------------------------- compression hooks
 
 
@@ -612,7 +646,8 @@ class _EnterHook:
 
     def __call__(self, module: nn.Module, args: Any) -> None:
         self.shared.compressor.__enter__()
-        self.shared.compressor._push_module(self.fqn, self.kind)
+        norm_size = functools.partial(normalization_size, module) if self.kind == "norm" else None
+        self.shared.compressor._push_module(self.fqn, self.kind, norm_size)
         key = id(module)
         self.shared.entered[key] = self.shared.entered.get(key, 0) + 1
         return None

@@ -334,8 +334,10 @@ class ActivationCompressor:
         """
         return self.policy.adapt(model, closure)
 
-    def _push_module(self, fqn: str, kind: str | None) -> None:
-        self._where.append((fqn, kind))
+    def _push_module(self, fqn: str, kind: str | None, norm_size=None) -> None:
+        """Enter converted module ``fqn`` of ``kind``; ``norm_size(shape) -> int | None``
+        gives :attr:`~fewbit.quant.policies.SavedTensorInfo.norm_size` of a tensor it saves."""
+        self._where.append((fqn, kind, norm_size))
 
     def _pop_module(self) -> None:
         if self._where:
@@ -447,11 +449,14 @@ class ActivationCompressor:
         from fewbit.quant.policies import SavedTensorInfo, compressor_bits
 
         forced = self.compressor is not self._default  # fewbit.quant.attention's q and k
-        fqn, kind = self._where[-1] if self._where else (None, None)
-        info = SavedTensorInfo(self._index, tuple(t.shape), t.dtype, fqn, kind, "qk" if forced else None)
+        fqn, kind, norm_size = self._where[-1] if self._where else (None, None, None)
+        norm_size = norm_size(tuple(t.shape)) if norm_size is not None else None
+        info = SavedTensorInfo(self._index, tuple(t.shape), t.dtype, fqn, kind, "qk" if forced else None, norm_size)
         self._index += 1
         self.policy.observe(info)
         compressor = self.compressor if forced and not self.policy.decides_qk else self.policy.choose(t, info)
+        if norm_size is not None:  # statistics inside each normalized row (Compressor.within)
+            compressor = compressor.within(norm_size)
         if compressor.name != "keep" and not compressor.supports(t):
             # a policy that hands a tensor to a compressor that cannot take it: kept exact,
             # never an error in the middle of the user's forward

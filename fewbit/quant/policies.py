@@ -50,6 +50,13 @@ class SavedTensorInfo:
             ``norm``, ``attention``), or None.
         role: ``"qk"`` for the query/key that :mod:`fewbit.quant.attention` saves (it picks
             their compressor itself, 8 bits), else None.
+        norm_size: inside a per-sample normalization layer, the elements of ``x`` (in C
+            order) that share one mean/variance, a contiguous run
+            (:func:`fewbit.convert.normalization_size`: LayerNorm's ``normalized_shape``,
+            InstanceNorm's channel plane, ...); else None (BatchNorm included). The
+            compressor the policy chooses for such a tensor is replaced by its
+            :meth:`~fewbit.quant.compressors.Compressor.within` ``(norm_size)``: statistics
+            inside each row.
     """
 
     index: int
@@ -58,6 +65,7 @@ class SavedTensorInfo:
     fqn: str | None = None
     kind: str | None = None
     role: str | None = None
+    norm_size: int | None = None
 
     @property
     def numel(self) -> int:

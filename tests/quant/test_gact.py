@@ -60,6 +60,42 @@ def test_allocation_respects_budget_and_edges():
         allocate_bits([1], [1, 2], 10, [32])
 
 
+def test_allocation_min_bits():
+    # tensor 0 is nearly insensitive: 1 bit without a floor, its floor with one
+    assert allocate_bits([1e-6, 1.0], [10, 10], 50, [32, 32]) == [1, 4]
+    assert allocate_bits([1e-6, 1.0], [10, 10], 50, [32, 32], [2, 1]) == [2, 2]
+    assert allocate_bits([1e-6, 1.0], [10, 10], 70, [32, 32], [2, 1]) == [2, 4]
+    # floors above the budget are dropped, not the budget
+    assert allocate_bits([1e-6, 1.0], [10, 10], 30, [32, 32], [4, 1]) == [1, 2]
+    with pytest.raises(ValueError, match="min_bits"):
+        allocate_bits([1.0], [10], 50, [32], [3])
+    with pytest.raises(ValueError, match="same length"):
+        allocate_bits([1.0], [10], 50, [32], [1, 1])
+
+
+def test_norm_inputs_get_at_least_norm_min_bits():
+    from fewbit.quant.policies import SavedTensorInfo
+
+    # an insensitive LayerNorm input and a sensitive linear input, 1.5 bits on average
+    seen = {0: SavedTensorInfo(0, (4, 64), torch.float32, "ln", "norm", None, 64),
+            1: SavedTensorInfo(1, (4, 64), torch.float32, "fc", "linear")}
+    sens = {0: 1e-9, 1: 1.0}
+    for floor, want in ((1, {0: 1, 1: 2}), (2, {0: 2, 1: 1})):
+        policy = GACTPolicy(1.5, norm_min_bits=floor)
+        policy._plan(seen, sens)
+        assert policy.bits == want
+    # a LayerNorm of a converted model: its saved input carries norm_size, so the floor holds
+    model = _mlp()
+    x = torch.randn(48, 32) * 1.0
+    y = torch.randint(0, 10, (48,))
+    summary = fewbit.convert_(model, fewbit.Config(saved_bits="auto", average_bits=1.5, min_numel=0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        summary.compressor.adapt(model, lambda: nn.functional.cross_entropy(model(x), y))
+    norm = [i for i, r in summary.compressor.records.items() if r.kind == "norm"]
+    assert len(norm) == 1 and summary.compressor.policy.bits[norm[0]] >= 2
+
+
 class _Two(nn.Module):
     """z = W2 (W1 h0): the gradient is linear in each saved tensor's noise and each
     tensor's noise reaches one weight's gradient only, so c_l is the variance of that
@@ -128,8 +164,10 @@ def test_budget_respected_in_memory_report(average_bits):
     rows = report.saved_tensors
     assert [r["index"] for r in rows] == sorted(summary.compressor.policy.bits)
     elements = sum(math.prod(r["shape"]) for r in rows)
-    # codes within the budget; stats: one bf16 (min, scale) pair per group of 256, rounded up
-    stats = sum(4 * -(-math.prod(r["shape"]) // 256) for r in rows if r["compressor"] == "group")
+    # codes within the budget; stats: one bf16 (min, scale) pair per group of 256, rounded
+    # up; the LayerNorm(64)'s input in groups of one row (Compressor.within)
+    stats = sum(4 * -(-math.prod(r["shape"]) // (64 if r["kind"] == "norm" else 256))
+                for r in rows if r["compressor"] == "group")
     assert sum(r["bytes"] for r in rows) <= average_bits * elements / 8 + stats + len(rows)
     assert report.average_bits() <= average_bits
     assert "compressed saved tensors by bits" in report.format()
@@ -280,6 +318,7 @@ def test_alert_when_compression_variance_dominates():
     ({"average_bits": 2, "adapt_interval": 0}, "adapt_interval"),
     ({"average_bits": 2, "probe_bits": 3}, "probe_bits"),
     ({"average_bits": 2, "alert_ratio": 0}, "alert_ratio"),
+    ({"average_bits": 2, "norm_min_bits": 3}, "norm_min_bits"),
 ])
 def test_policy_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -1,0 +1,127 @@
+"""Tensors saved inside normalization layers: statistics inside each normalized row.
+
+A LayerNorm's backward is quadratic in its saved input, so the quantization variance of
+a row becomes a bias of that row's input gradient, in units of the row's own spread. A
+group that spans two rows of different scales gives the small row the large row's step
+(fewbit.quant.compressors.Compressor.within).
+"""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import fewbit
+from fewbit.convert import normalization_size
+from fewbit.quant.compressors import ChannelWise, Division, GroupQuantizer, Keep, OutlierSeparated, Softmax
+
+
+def test_group_quantizer_within_rows():
+    q = GroupQuantizer(2, group_size=256)
+    assert q.within(768) is q and q.within(256) is q  # whole groups per row already
+    small = q.within(128)  # one group per row
+    assert small == GroupQuantizer(2, group_size=128)
+    assert q.within(1000).group_size == 250  # largest divisor <= 256, at least half of it
+    assert q.within(771).group_size == 771  # 771 = 3 * 257: one group per row
+    f32 = GroupQuantizer(4, group_size=64, stochastic=False, stats_dtype=torch.float32).within(48)
+    assert (f32.bits, f32.group_size, f32.stochastic, f32.stats_dtype) == (4, 48, False, torch.float32)
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="size"):
+            q.within(bad)
+
+
+def test_other_compressors_within_rows():
+    assert Division(bits=2).within(128) == GroupQuantizer(2, group_size=128)  # its stats span rows
+    assert ChannelWise(4).within(768) == GroupQuantizer(4)
+    for c in (Keep(), OutlierSeparated(bits=4), Softmax(4)):  # per row or per element already
+        assert c.within(128) is c
+    with pytest.raises(ValueError, match="size"):
+        Keep().within(0)
+
+
+class PyRMSNorm(nn.Module):
+    """A transformers-style RMSNorm (a Python forward, name ending in RMSNorm)."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(n))
+
+    def forward(self, x):
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+
+@pytest.mark.parametrize("module, shape, expected", [
+    (nn.LayerNorm(128), (8, 16, 128), 128),
+    (nn.LayerNorm((4, 5)), (3, 4, 5), 20),
+    (nn.LayerNorm(5), (3, 4), None),  # not the normalized shape
+    (nn.GroupNorm(2, 4), (2, 4, 3, 3), 18),
+    (nn.InstanceNorm2d(3), (2, 3, 4, 4), 16),
+    (nn.BatchNorm2d(3), (2, 3, 4, 4), None),  # statistics over the batch
+    (nn.BatchNorm1d(3), (2, 3), None),
+    (nn.LocalResponseNorm(2), (2, 3, 4, 4), None),
+    (PyRMSNorm(7), (2, 7), 7),
+    (nn.LayerNorm(3), (), None),
+])
+def test_normalization_size(module, shape, expected):
+    assert normalization_size(module, shape) == expected
+
+
+def _input_grad_bias(norm: nn.Module, draws: int = 400, bits: int = 2):
+    """Relative bias of the input gradient of the small-scale rows (rows alternate between
+    scales 1 and 30), mean of ``draws`` compressed backward passes against the exact one."""
+    torch.manual_seed(0)
+    rows, c = 64, 128
+    scale = torch.where(torch.arange(rows) % 2 == 0, 1.0, 30.0)[:, None]
+    x0 = torch.randn(rows, c) * scale
+    g = torch.randn(rows, c)
+
+    def grad(m):
+        x = x0.clone().requires_grad_()
+        m(x * 1).backward(g)  # x * 1: a non-leaf input, saved like a layer's activation
+        return x.grad
+
+    ref = grad(norm)
+    model = nn.Sequential(norm)
+    summary = fewbit.convert_(model, fewbit.Config(saved_bits=bits, layers=("norm",)))
+    torch.manual_seed(1)
+    mean = torch.stack([grad(model) for _ in range(draws)]).mean(0)
+    small = slice(0, None, 2)
+    return float((mean[small] - ref[small]).norm() / ref[small].norm()), summary
+
+
+@pytest.mark.parametrize("make", [lambda: nn.LayerNorm(128), lambda: PyRMSNorm(128)], ids=["LayerNorm", "RMSNorm"])
+def test_norm_input_gradient_not_biased_by_rows_of_other_scales(make):
+    # Before groups were kept inside rows: 6.0 for LayerNorm (the small rows quantized with
+    # steps set by the rows of scale 30). With row groups what is left is the quadratic
+    # term's own bias, Var(e)/128 in the row's units (0.0068 for LayerNorm).
+    bias, summary = _input_grad_bias(make())
+    assert bias < 0.03, bias
+    records = list(summary.compressor.records.values())
+    assert records and all(r.compressor == "group" for r in records)
+
+
+def test_norm_input_groups_are_rows_in_the_bytes():
+    norm = nn.LayerNorm(128)
+    model = nn.Sequential(norm)
+    summary = fewbit.convert_(model, fewbit.Config(saved_bits=2, layers=("norm",)))
+    x = torch.randn(64, 128, requires_grad=True)
+    model(x * 1).sum().backward()
+    # 64 rows of 128: 2048 bytes of 2-bit codes + one (min, scale) bf16 pair per row
+    assert summary.compressor.stats.bytes_after == 64 * 128 * 2 // 8 + 64 * 2 * 2
+
+
+def test_division_policy_quantizes_norm_inputs_by_rows():
+    model = nn.Sequential(nn.LayerNorm(128), nn.Linear(128, 128))
+    summary = fewbit.convert_(model, fewbit.Config(saved_bits=2, compressor="division"))
+    model(torch.randn(4, 64, 128, requires_grad=True) * 1).sum().backward()
+    kinds = {r.kind: r.compressor for r in summary.compressor.records.values()}
+    assert kinds == {"norm": "group", "linear": "division"}
+
+
+def test_batchnorm_inputs_keep_their_compressor():
+    model = nn.Sequential(nn.BatchNorm2d(4))
+    summary = fewbit.convert_(model, fewbit.Config(saved_bits=2, compressor="division"))
+    model(torch.randn(8, 4, 16, 16, requires_grad=True) * 1).sum().backward()
+    assert [r.compressor for r in summary.compressor.records.values()] == ["division"]
+    assert math.isfinite(summary.compressor.stats.bytes_after)
