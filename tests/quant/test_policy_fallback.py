@@ -76,14 +76,15 @@ def test_1d_tensor_falls_back_and_gradient_is_unbiased(name):
 
 def test_config_division_on_unbatched_input():
     """``nn.LayerNorm`` on an unbatched (1-D) input saves a 1-D tensor: DIVISION cannot pool
-    it, the group quantizer at 2 bits takes it; batched inputs get DIVISION. The model
+    it, the group quantizer at 2 bits takes it; batched inputs of the Linear layers get
+    DIVISION (the LayerNorm's the group quantizer by rows, Compressor.within). The model
     still trains (the loss falls)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 64), nn.LayerNorm(64), nn.Linear(64, 4))
     summary = fewbit.convert_(model, fewbit.Config(saved_bits=2, compressor="division", min_numel=0))
     comp = summary.compressor
     model(torch.randn(8, 16)).square().mean().backward()
-    assert {r.compressor for r in comp.records.values()} == {"division"}
+    assert {r.kind: r.compressor for r in comp.records.values()} == {"linear": "division", "norm": "group"}
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     x, target = torch.randn(16), torch.randn(4)
     losses = []
