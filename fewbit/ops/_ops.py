@@ -37,6 +37,7 @@ import torch
 from typing import Optional
 
 from fewbit._checks import FLOAT_DTYPES, TABLE_BITS, packed_nbytes
+from fewbit._library import cpu_kernel
 from fewbit.ops import _cpu_loader
 from fewbit.ops._nonfinite import nonfinite_record_reference, patch_reference
 from fewbit.ops._reference import (
@@ -144,8 +145,8 @@ def _(x, borders, codes, bits):
     return x.new_empty((packed_nbytes(x.numel(), bits),), dtype=torch.uint8)
 
 
-@encode_op.register_kernel("cpu")
-def _(x, borders, codes, bits):
+@cpu_kernel("encode", integer_outputs=True)
+def _encode_cpu(x, borders, codes, bits):
     _check_encode(x, borders, codes, bits)
     if not _cpu_loader.ready():  # numba still loading: the reference, same codes
         return _encode_reference_path(x, borders, codes, bits)
@@ -180,8 +181,8 @@ def _(x, borders, codes, bits, classes, capacity):
     return packed, x.new_empty((1 + capacity,), dtype=torch.int64)
 
 
-@encode_nonfinite_op.register_kernel("cpu")
-def _(x, borders, codes, bits, classes, capacity):
+@cpu_kernel("encode_nonfinite", integer_outputs=True)
+def _encode_nonfinite_cpu(x, borders, codes, bits, classes, capacity):
     _check_encode(x, borders, codes, bits)
     _check_nonfinite_args(classes, capacity)
     if not _cpu_loader.ready():  # numba still loading: the reference
@@ -224,8 +225,8 @@ def _(grad, packed, values, bits, nonfinite=None, patch=None, select_zero=False)
     return grad.new_empty(grad.shape)  # new_empty is contiguous
 
 
-@decode_mul_op.register_kernel("cpu")
-def _(grad, packed, values, bits, nonfinite=None, patch=None, select_zero=False):
+@cpu_kernel("decode_mul")
+def _decode_mul_cpu(grad, packed, values, bits, nonfinite=None, patch=None, select_zero=False):
     _check_decode(grad, packed, values, bits, nonfinite, patch)
     if not _cpu_loader.ready():  # numba still loading: the reference, same gradient
         return decode_mul_reference(grad, packed, values, bits, select_zero=select_zero, nonfinite=nonfinite,

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from fewbit._checks import FLOAT_DTYPES, packed_nbytes
+from fewbit._library import cpu_kernel
 from fewbit.ops._ops import trace_into_triton
 from fewbit.quant import _reference as ref
 
@@ -60,7 +61,7 @@ def _(x, bits, group_size, seed, stochastic, stats_dtype):
     )
 
 
-@group_quantize.register_kernel("cpu")
+@cpu_kernel("group_quantize")
 def _(x, bits, group_size, seed, stochastic, stats_dtype):
     _check_args(bits, group_size, x.dtype)
     from fewbit.quant import _cpu
@@ -94,7 +95,7 @@ def _(packed, mins, scales, bits, group_size, numel, dtype):
     return packed.new_empty((numel,), dtype=dtype)
 
 
-@group_dequantize.register_kernel("cpu")
+@cpu_kernel("group_dequantize")
 def _(packed, mins, scales, bits, group_size, numel, dtype):
     _check_args(bits, group_size, dtype)
     from fewbit.quant import _cpu
@@ -153,7 +154,7 @@ def _(x, mins, scales, bits, rowlen, per_col, offset, seed, stochastic):
     return x.new_empty((packed_nbytes(x.numel(), bits),), dtype=torch.uint8)
 
 
-@affine_codes.register_kernel("cpu")
+@cpu_kernel("affine_codes", integer_outputs=True)
 def _(x, mins, scales, bits, rowlen, per_col, offset, seed, stochastic):
     _check_affine(bits, rowlen, x.dtype)
     from fewbit.quant import _cpu
@@ -188,7 +189,7 @@ def _(packed, mins, scales, bits, rowlen, per_col, offset, numel, dtype):
     return packed.new_empty((numel,), dtype=dtype)
 
 
-@affine_decode.register_kernel("cpu")
+@cpu_kernel("affine_decode")
 def _(packed, mins, scales, bits, rowlen, per_col, offset, numel, dtype):
     _check_affine(bits, rowlen, dtype)
     from fewbit.quant import _cpu
@@ -229,7 +230,7 @@ def _(x, bh, bw):
     return x.new_empty((a, (h + bh - 1) // bh, (w + bw - 1) // bw, i), dtype=ref.compute_dtype(x.dtype))
 
 
-@block_mean.register_kernel("cpu")
+@cpu_kernel("block_mean")
 def _(x, bh, bw):
     _check_block(x, bh, bw)
     from fewbit.quant import _cpu
@@ -276,7 +277,7 @@ def _(x, lfc, bh, bw, bits, seed):
             x.new_empty((1,), dtype=torch.float32), x.new_empty((1,), dtype=torch.float32))
 
 
-@division_encode.register_kernel("cpu")
+@cpu_kernel("division_encode")
 def _(x, lfc, bh, bw, bits, seed):
     _check_block(x, bh, bw)
     _check_affine(bits, 1, x.dtype)
@@ -312,7 +313,7 @@ def _(packed, lfc, mins, scales, bh, bw, bits, h, w, dtype):
     return lfc.new_empty((lfc.shape[0], h, w, lfc.shape[3]), dtype=dtype)
 
 
-@division_decode.register_kernel("cpu")
+@cpu_kernel("division_decode")
 def _(packed, lfc, mins, scales, bh, bw, bits, h, w, dtype):
     _check_affine(bits, 1, dtype)
     from fewbit.quant import _cpu

@@ -157,6 +157,25 @@ def test_errors():
                                 torch.zeros(2, dtype=torch.int32), 1)
 
 
+def test_raw_ops_autograd_on_cpu():
+    """The CPU kernels are on the dispatcher's CPU key and the encode ops skip the autograd
+    kernel there (fewbit.ops._ops): codes of an input that requires grad still come back
+    as plain uint8 / int64 tensors, and a backward through the raw decode_mul still raises
+    (its differentiable form is fewbit.ops._pointwise.DecodeMul)."""
+    table = random_table(3, seed=7)
+    b, c, v = ops.table_tensors(table, "cpu", torch.float32)
+    x = torch.randn(64, requires_grad=True)
+    packed = torch.ops.fewbit.encode(x, b, c, 3)
+    assert packed.dtype == torch.uint8 and not packed.requires_grad and packed.grad_fn is None
+    assert torch.equal(packed, torch.ops.fewbit.encode(x.detach(), b, c, 3))
+    outs = torch.ops.fewbit.encode_nonfinite(x, b, c, 3, 7, 8)
+    assert not any(o.requires_grad for o in outs) and torch.equal(outs[0], packed)
+    g = torch.randn(64, requires_grad=True)
+    out = torch.ops.fewbit.decode_mul(g, packed, v, 3)
+    with pytest.raises(RuntimeError, match="no autograd formula"):
+        out.sum().backward()
+
+
 @pytest.mark.parametrize("shape", [(3, 5), (2, 7, 9), (0, 4), "noncontig"])
 def test_opcheck(shape, device):
     table = random_table(3, seed=7)
