@@ -251,11 +251,11 @@ class GACTPolicy(Policy):
 
     # pack time ---------------------------------------------------------------------------
     def observe(self, info):
-        if self._probe is not None and info.role != "qk":
+        if self._probe is not None and info.role is None:  # q, k and softmax results: fixed 8 bits
             self._seen[info.index] = info
 
     def choose(self, x, info):
-        if info.role == "qk":  # not allocated: 8 bits, also in the sensitivity runs
+        if info.role is not None:  # q, k, softmax results: not allocated, 8 bits, also in the sensitivity runs
             return self._quantizers[8]
         if self._probe is not None:
             return self._quantizers[self.probe_bits]

@@ -49,7 +49,10 @@ class SavedTensorInfo:
         kind: that module's kind (``fewbit.convert.layer_kind``: ``linear``, ``conv``,
             ``norm``, ``attention``), or None.
         role: ``"qk"`` for the query/key that :mod:`fewbit.quant.attention` saves (it picks
-            their compressor itself, 8 bits), else None.
+            their compressor itself, 8 bits); ``"softmax"`` for a softmax or log-softmax
+            result saved for that op's backward (eager attention's probabilities), which
+            the compressor takes at 8 bits in rows whatever the policy chooses, unless it
+            keeps it exact; else None.
         norm_size: inside a per-sample normalization layer, the elements of ``x`` (in C
             order) that share one mean/variance, a contiguous run
             (:func:`fewbit.convert.normalization_size`: LayerNorm's ``normalized_shape``,
