@@ -41,8 +41,10 @@ import _training  # noqa: E402
 from _training import VARIANTS, apply_variant, check_variant, positive_int, write_csv  # noqa: E402,F401
 
 
-def build_lm(n_layer: int, n_embd: int, n_head: int, seq_len: int) -> nn.Module:
-    """GPT-2 (transformers) with a 256-byte vocabulary, exact GELU, no dropout, random init."""
+def build_lm(n_layer: int, n_embd: int, n_head: int, seq_len: int, attention: str = "sdpa") -> nn.Module:
+    """GPT-2 (transformers) with a 256-byte vocabulary, exact GELU, no dropout, random init;
+    ``attention``: transformers' attention implementation, ``"sdpa"`` (fused) or ``"eager"``
+    (explicit softmax, whose probabilities are saved for backward)."""
     from transformers import GPT2Config, GPT2LMHeadModel
     from transformers.utils import logging as hf_logging
 
@@ -52,6 +54,7 @@ def build_lm(n_layer: int, n_embd: int, n_head: int, seq_len: int) -> nn.Module:
         n_head=n_head, activation_function="gelu", resid_pdrop=0.0, embd_pdrop=0.0,
         attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
     )
+    cfg._attn_implementation = attention
     return GPT2LMHeadModel(cfg)
 
 
@@ -80,6 +83,7 @@ def run_lm(
     val_batches: int = 8,
     device: str = "cpu",
     progress: bool = False,
+    attention: str = "sdpa",
 ) -> list[dict]:
     """Train one (variant, seed) and return the CSV rows."""
     check_variant(variant)
@@ -103,7 +107,7 @@ def run_lm(
         return tot / n, correct / n
 
     task = _training.Task(next_batch, lm_loss, evaluate)
-    return _training.train_variant("lm", variant, seed, lambda: build_lm(n_layer, n_embd, n_head, seq_len), task,
+    return _training.train_variant("lm", variant, seed, lambda: build_lm(n_layer, n_embd, n_head, seq_len, attention), task,
                                    device=device, progress=progress, steps=steps, lr=lr, warmup=warmup,
                                    eval_every=eval_every)
 
@@ -116,6 +120,8 @@ def main(argv: Iterable[str] | None = None) -> int:
     p.add_argument("--width", type=positive_int, default=128)
     p.add_argument("--heads", type=positive_int, default=4)
     p.add_argument("--val-batches", type=positive_int, default=8)
+    p.add_argument("--attention", choices=("sdpa", "eager"), default="sdpa",
+                   help="transformers' attention implementation (eager saves the softmax probabilities)")
     args = p.parse_args(argv)
     if args.width % args.heads:
         p.error(f"--width must be a multiple of --heads, got {args.width} and {args.heads}")
@@ -127,7 +133,7 @@ def main(argv: Iterable[str] | None = None) -> int:
           f"{len(data.val):,} val bytes ({data.val_files} files)", flush=True)
     return _training.run_all(args, "lm", lambda variant, seed: run_lm(
         variant, seed, data=data, seq_len=args.seq_len, n_layer=args.layers, n_embd=args.width,
-        n_head=args.heads, val_batches=args.val_batches, **_training.loop_options(args)))
+        n_head=args.heads, val_batches=args.val_batches, attention=args.attention, **_training.loop_options(args)))
 
 
 if __name__ == "__main__":

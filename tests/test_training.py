@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "scripts"
@@ -69,6 +70,28 @@ def test_train_lm_quick_all_variants(tmp_path):
     assert saved["fewbit1"] < saved["fewbit2"] < saved["fewbit3"] < saved["fewbit4"] < saved["vanilla"]
     assert saved["actnn2"] < saved["vanilla"]
     assert saved["fewbit3+quant4"] < saved["fewbit3"]
+
+
+def test_train_lm_eager_attention_saves_probabilities_at_8_bits(tmp_path):
+    """``--attention eager``: the softmax probabilities are saved for backward, and at 8
+    bits (fewbit.quant.compressor.SOFTMAX_BITS) under the 2-bit quantizer; the fused
+    attention saves none."""
+    import fewbit
+
+    x = torch.randint(0, 256, (2, 64))
+    probs = {}
+    for attention in ("sdpa", "eager"):
+        model = train_lm.build_lm(1, 32, 2, 64, attention)
+        summary = fewbit.convert_(model, fewbit.Config(activation_bits=3, saved_bits=2))
+        train_lm.lm_loss(model, x, x).backward()
+        probs[attention] = [r.bits for r in summary.compressor.records.values() if r.shape == (2, 2, 64, 64)]
+    assert probs == {"sdpa": [], "eager": [8]}
+    data = _data.load_text(60_000, 20_000)
+    rows = train_lm.run_lm("fewbit3+quant2", 0, data=data, steps=2, batch_size=2, seq_len=16, n_layer=1, n_embd=16,
+                           n_head=2, eval_every=2, val_batches=1, warmup=1, attention="eager")
+    assert math.isfinite(float(rows[-1]["val_loss"]))
+    with pytest.raises(SystemExit):
+        train_lm.main(["--attention", "flash", "--out", str(tmp_path)])
 
 
 def test_train_lm_same_seed_same_curve_and_bad_args(tmp_path, capsys):
