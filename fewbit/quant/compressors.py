@@ -93,8 +93,9 @@ class Compressor(abc.ABC):
         return True
 
     def within(self, size: int) -> "Compressor":
-        """The compressor for a tensor saved inside a normalization layer whose runs of
-        ``size`` consecutive elements each have their own mean and variance
+        """The compressor for a tensor whose runs of ``size`` consecutive elements are each
+        normalized on their own: the input of a per-sample normalization layer (each row
+        its own mean and variance) or a softmax result (each row sums to 1)
         (:attr:`fewbit.quant.policies.SavedTensorInfo.norm_size`).
 
         A normalization layer's backward is not linear in its saved input: LayerNorm's is

@@ -56,7 +56,8 @@ class SavedTensorInfo:
         norm_size: inside a per-sample normalization layer, the elements of ``x`` (in C
             order) that share one mean/variance, a contiguous run
             (:func:`fewbit.convert.normalization_size`: LayerNorm's ``normalized_shape``,
-            InstanceNorm's channel plane, ...); else None (BatchNorm included). The
+            InstanceNorm's channel plane, ...); for a ``"softmax"`` result over the last
+            dim, its row length; else None (BatchNorm included). The
             compressor the policy chooses for such a tensor is replaced by its
             :meth:`~fewbit.quant.compressors.Compressor.within` ``(norm_size)``: statistics
             inside each row.
