@@ -549,7 +549,8 @@ def normalization_size(module: nn.Module, shape: tuple[int, ...]) -> int | None:
     - ``nn.LayerNorm``, ``nn.RMSNorm``: the product of ``normalized_shape`` (when
       ``shape`` ends with it);
     - other classes whose name ends with ``LayerNorm``/``RMSNorm`` (transformers' GPT-2,
-      LLaMA, ...; they normalize the last dim): ``shape[-1]``;
+      LLaMA, ...; they normalize the last dim): ``shape[-1]``, or None where it is 1 (a
+      per-row statistic such as LLaMA's ``rsqrt`` of the mean square);
     - ``nn.InstanceNorm*`` of ``(N, C, *spatial)``: one channel plane, ``prod(spatial)``;
       ``nn.GroupNorm``: ``prod(shape[1:]) // num_groups``.
 
@@ -571,7 +572,8 @@ def normalization_size(module: nn.Module, shape: tuple[int, ...]) -> int | None:
     if isinstance(module, nn.modules.batchnorm._NormBase):
         return None
     if type(module).__name__.endswith(("LayerNorm", "RMSNorm")):
-        return shape[-1]
+        # a last dim of 1 is a per-row statistic (LLaMA's rsqrt of the mean square), not a row
+        return shape[-1] if shape[-1] > 1 else None
     return None
 
 

@@ -58,7 +58,9 @@ class CompressionStats:
             view of one), ``dtype`` (integer/uint8 codes/complex), ``small`` (< min_numel),
             ``layout`` (sparse, meta, or a view with overlapping/zero strides),
             ``no_grad`` (floating tensors that do not require grad: op statistics such as
-            SDPA's logsumexp, model inputs), ``kept`` (left exact by a
+            SDPA's logsumexp, model inputs), ``statistic`` (results of ``rsqrt``, ``sqrt``
+            and ``reciprocal`` saved for their own backward, which is not linear in them:
+            a Python RMSNorm's ``rsqrt`` of the mean square), ``kept`` (left exact by a
             :class:`~fewbit.quant.compressors.Keep` compressor).
     """
 
@@ -415,6 +417,8 @@ class ActivationCompressor:
                 mask_value = _two_valued_scale(t)
             if mask_value is None:
                 return self._skip(t, "no_grad")
+        elif not is_bool and _result_of(t) in _EXACT_RESULTS:
+            return self._skip(t, "statistic")
         key = (
             t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(),
             t.dtype, t.device, t._version,
@@ -455,9 +459,8 @@ class ActivationCompressor:
         fqn, kind, norm_size = self._where[-1] if self._where else (None, None, None)
         norm_size = norm_size(tuple(t.shape)) if norm_size is not None else None
         role = "qk" if forced else None
-        softmax_rows = _softmax_result_rows(t)
-        if softmax_rows is not None:
-            role, norm_size = "softmax", softmax_rows or None
+        if _result_of(t) in _SOFTMAX_RESULTS:
+            role, norm_size = "softmax", _softmax_rows(t)
         info = SavedTensorInfo(self._index, tuple(t.shape), t.dtype, fqn, kind, role, norm_size)
         self._index += 1
         self.policy.observe(info)
@@ -493,37 +496,48 @@ class ActivationCompressor:
 
 
 #: Bits of a softmax or log-softmax result saved for that op's own backward (see
-#: :func:`_softmax_result_rows`), whatever the policy chose (unless it kept it exact).
+#: :data:`_SOFTMAX_RESULTS`), whatever the policy chose (unless it kept it exact).
 SOFTMAX_BITS = 8
 
+# Results that their producing op saves for its own backward, which is not linear in them,
+# so a quantization variance becomes a bias (docs/compression.md §1), by the grad_fn that
+# produced them.
+#
+# Softmax's backward is ``dx = y (g - sum(y g))``, quadratic in ``y``: each probability's
+# variance becomes a bias ``Var(e_i) g_i`` against a true term ``y_i (g_i - mean)`` that is
+# small for small probabilities; log-softmax's ``dx = g - exp(y) sum(g)`` exponentiates the
+# error. Eager attention (transformers' ``eager`` implementation, ``nn.MultiheadAttention``
+# with ``need_weights=True``) saves its probabilities this way: on ``scripts/train_lm.py``'s
+# GPT-2 after 300 steps, 2-bit groups biased the whole gradient by 11 % of its norm (48
+# draws, 11 standard errors). They get SOFTMAX_BITS in row groups; then the bias is below
+# what 48 draws resolve (tests/quant/test_softmax_results.py).
+_SOFTMAX_RESULTS = frozenset({"SoftmaxBackward0", "LogSoftmaxBackward0"})
+#
+# rsqrt's backward is ``-r^3 g / 2``, sqrt's ``g / (2 y)``, reciprocal's ``-y^2 g``: the
+# error is cubed or divided by, and these results are per-row statistics of different
+# scales (a Python RMSNorm, as in LLaMA, saves ``rsqrt(mean(x^2))``), which no group's
+# linear grid fits. They are kept exact, like the norms' own mean and rstd: on an RMSNorm
+# over 8192 rows of 64 with row scales spread over e^(+-2), 2-bit groups of 256 rows gave
+# an input gradient off by 9.5x its norm (600 draws); kept, by 0.009x.
+_EXACT_RESULTS = frozenset({"RsqrtBackward0", "SqrtBackward0", "ReciprocalBackward0"})
 
-def _softmax_result_rows(t: torch.Tensor) -> int | None:
-    """If ``t`` is the result of a softmax or log-softmax, saved for that op's backward:
-    the length of its rows when the op ran over the last dim, else 0; None otherwise.
 
-    Their backward is not linear in the saved result: softmax's is ``dx = y (g - sum(y g))``,
-    quadratic in ``y``, so the quantization variance of each probability turns into a bias
-    ``Var(e_i) g_i`` against a true term ``y_i (g_i - mean)`` that is small for small
-    probabilities; log-softmax's is ``dx = g - exp(y) sum(g)``, which exponentiates the
-    error. Eager attention (transformers' ``eager`` implementation, ``nn.MultiheadAttention``
-    with ``need_weights=True``) saves its probabilities this way: on ``scripts/train_lm.py``'s
-    GPT-2 after 300 steps, 2-bit groups biased the whole gradient by 11 % of its norm
-    (48 draws, 11 standard errors); at 8 bits inside rows the bias is below what 48 draws
-    resolve (tests/quant/test_softmax_results.py).
-    """
+def _result_of(t: torch.Tensor) -> str | None:
+    """The class name of the autograd node that produced ``t`` (None for a leaf)."""
     fn = t.grad_fn
-    if fn is None:
-        return None
-    name = type(fn).__name__
-    if name not in ("SoftmaxBackward0", "LogSoftmaxBackward0"):
-        return None
-    dim = getattr(fn, "_saved_dim", None)
+    return None if fn is None else type(fn).__name__
+
+
+def _softmax_rows(t: torch.Tensor) -> int | None:
+    """The row length of a softmax / log-softmax result ``t`` if the op ran over its last
+    dim (rows contiguous in C order), else None."""
+    dim = getattr(t.grad_fn, "_saved_dim", None)
     if dim is None or not t.dim():
-        return 0
+        return None
     dim = int(dim)
     if dim >= 1 << 63:  # the saved int64 comes back as its unsigned value
         dim -= 1 << 64
-    return t.shape[-1] if dim % t.dim() == t.dim() - 1 else 0
+    return t.shape[-1] if dim % t.dim() == t.dim() - 1 else None
 
 
 def compress_activations(bits: int = 4, **options) -> ActivationCompressor:

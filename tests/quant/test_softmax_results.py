@@ -13,17 +13,17 @@ import torch
 from torch import nn
 
 import fewbit
-from fewbit.quant.compressor import SOFTMAX_BITS, _softmax_result_rows
+from fewbit.quant.compressor import _SOFTMAX_RESULTS, SOFTMAX_BITS, _result_of, _softmax_rows
 
 
 def test_softmax_results_are_recognised():
     s = torch.randn(4, 6, 8, requires_grad=True) * 1
-    assert _softmax_result_rows(torch.softmax(s, -1)) == 8
-    assert _softmax_result_rows(torch.softmax(s, 2)) == 8
-    assert _softmax_result_rows(torch.log_softmax(s, -1)) == 8
-    assert _softmax_result_rows(torch.softmax(s, 1)) == 0  # rows not contiguous
-    assert _softmax_result_rows(torch.softmax(s, -1) * 1) is None
-    assert _softmax_result_rows(s.detach()) is None
+    for y in (torch.softmax(s, -1), torch.softmax(s, 2), torch.log_softmax(s, -1), torch.softmax(s, 1)):
+        assert _result_of(y) in _SOFTMAX_RESULTS
+    assert _softmax_rows(torch.softmax(s, -1)) == _softmax_rows(torch.log_softmax(s, 2)) == 8
+    assert _softmax_rows(torch.softmax(s, 1)) is None  # rows not contiguous
+    assert _result_of(torch.softmax(s, -1) * 1) not in _SOFTMAX_RESULTS
+    assert _result_of(s.detach()) is None
 
 
 def _input_grad_bias(bits: int, draws: int = 300) -> tuple[float, list]:
