@@ -14,9 +14,9 @@ made it).
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import Any, Callable
 
-__all__ = ["HOLDER", "hold"]
+__all__ = ["HOLDER", "hold", "constant"]
 
 
 class _Holder:
@@ -26,6 +26,14 @@ class _Holder:
 HOLDER = _Holder()
 _names: dict[tuple, str] = {}
 _lock = threading.Lock()
+
+
+def constant(fn: Callable) -> Callable:
+    """Mark ``fn`` as ``torch.compiler.assume_constant_result`` does, without importing
+    ``torch._dynamo`` (seconds) at ``import fewbit``: Dynamo runs it eagerly while tracing
+    and uses its result as a constant. Returns ``fn``."""
+    fn._dynamo_marked_constant = True  # type: ignore[attr-defined]
+    return fn
 
 
 def hold(key: tuple, value: Any) -> str:

@@ -452,17 +452,15 @@ def _table(f: ResolvedFn, bits: int | None, full: dict[str, float], dtype: torch
         return table
 
 
+@_traced.constant
 def _table_for_trace(name: str, bits: int | None, full: tuple, dtype: torch.dtype | None) -> str:
     """:func:`table_for` from hashable arguments, run by torch.compile once, eagerly, while
-    tracing (marked below): the table is held by :mod:`fewbit._traced` and its name
+    tracing (:func:`fewbit._traced.constant`): the table is held by :mod:`fewbit._traced` and its name
     returned. Without it a cold cache broke the graph (``fullgraph=True`` raised) on the
     lock of :func:`table_for`."""
     # _table, not table_for: torch.compiler.is_compiling() is still True while Dynamo runs this
     table = _table(resolve_fn(name), bits, dict(full), dtype)
     return _traced.hold(("table", name, bits, full, dtype), table)
-
-
-_table_for_trace._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def find_table(fn: FnLike, bits: int | None = None,

@@ -148,11 +148,12 @@ def _prepare(fn: str, params: tuple, table: Table, dtype: torch.dtype, device: t
     return hit
 
 
+@_traced.constant
 def _setting_for_trace(fn: str, params: tuple, table: Table, dtype: torch.dtype, device: torch.device) -> str:
     """What the traced path (torch.compile, torch.func) needs of a setting: ``(select_zero,
     classes, what, borders, codes, values, patch)`` (:func:`_prepare`, :func:`table_tensors`,
     the patch or None), held by :mod:`fewbit._traced` under the name returned. torch.compile
-    runs it once, eagerly, while tracing (marked below): its caches' locks and torch's
+    runs it once, eagerly, while tracing (:func:`fewbit._traced.constant`): its caches' locks and torch's
     autograd probes are never traced, and the traced code reads no cache dict, whose
     snapshot would miss a setting prepared later in the same trace."""
     select_zero, classes, patch_id, what = _prepare(fn, params, table, dtype, device)
@@ -161,11 +162,6 @@ def _setting_for_trace(fn: str, params: tuple, table: Table, dtype: torch.dtype,
     key = ("setting", fn, params, table.bits, table.borders, table.codes, table.values, table.weight, dtype,
            values.device)
     return _traced.hold(key, (select_zero, classes, what, borders, codes, values, patch))
-
-
-# What torch.compiler.assume_constant_result(_setting_for_trace) does, without importing
-# torch._dynamo (seconds) at ``import fewbit``.
-_setting_for_trace._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 _ARE_TRANSFORMS_ACTIVE = getattr(torch._C, "_are_functorch_transforms_active", None)

@@ -310,6 +310,16 @@ class _KernelCompressor(Compressor):
 
     #: Fewest dims :meth:`compress` takes (pooling and channels need a second dim).
     min_dim: ClassVar[int] = 0
+    #: Whether the statistics span rows (one per tensor, or per column): then
+    #: :meth:`within` gives the group quantizer at ``bits`` with groups inside the runs.
+    stats_span_rows: ClassVar[bool] = False
+
+    def within(self, size: int) -> Compressor:
+        """:meth:`Compressor.within`: ``self``, or, if :attr:`stats_span_rows`, the group
+        quantizer at ``bits`` with groups inside the runs of ``size`` elements."""
+        if self.stats_span_rows:
+            return GroupQuantizer(self.bits).within(size)
+        return super().within(size)
 
     def supports(self, x: torch.Tensor) -> bool:
         """Tensors of :attr:`min_dim` or more dims (DIVISION pools over a spatial or token
@@ -418,6 +428,7 @@ class Division(_KernelCompressor):
     """
 
     name = "division"
+    stats_span_rows = True
     min_dim = 2
 
     def __init__(self, block: int = 8, bits: int = 2) -> None:
@@ -439,11 +450,6 @@ class Division(_KernelCompressor):
         a, h, w, i = view
         lfc = a * -(-h // bh) * -(-w // bw) * i * x.element_size()
         return (lfc + -(-n * self.bits // 8) + 8) / n
-
-    def within(self, size: int) -> "Compressor":
-        """The group quantizer at ``bits`` with groups inside the runs of ``size``
-        elements (:meth:`Compressor.within`): this compressor's statistics span rows."""
-        return GroupQuantizer(self.bits).within(size)
 
 
 # --------------------------------------------------------------------------------------------
@@ -579,6 +585,7 @@ class ChannelWise(_KernelCompressor):
     """
 
     name = "channelwise"
+    stats_span_rows = True
     min_dim = 2
 
     def __init__(self, bits: int = 8) -> None:
@@ -604,11 +611,6 @@ class ChannelWise(_KernelCompressor):
     def bytes_per_element(self, x: torch.Tensor) -> float:
         n = max(x.numel(), 1)
         return (-(-n * self.bits // 8) + 4 * (x.shape[-1] if x.dim() else 1)) / n
-
-    def within(self, size: int) -> "Compressor":
-        """The group quantizer at ``bits`` with groups inside the runs of ``size``
-        elements (:meth:`Compressor.within`): this compressor's statistics span rows."""
-        return GroupQuantizer(self.bits).within(size)
 
 
 class _SoftmaxCompressed:
