@@ -128,6 +128,10 @@ class Config:
         adapt_interval: ``saved_bits="auto"``: the longest gap, in steps (``adapt``
             calls), between two GACT re-plans, >= 1 (default 1000); re-plans come at calls
             1, 2, 4, 8, ... until the gap reaches it.
+        noise_norm: ``saved_bits="auto"``: how GACT measures gradient noise,
+            ``"relative"`` (default; each parameter tensor's noise divided by its own
+            gradient scale, as Adam-family optimizers see it) or ``"absolute"`` (GACT's
+            Euclidean norm, for SGD); :class:`fewbit.quant.gact.GACTPolicy`.
         fused_cross_entropy: compute a Hugging Face ``*ForCausalLM`` model's loss (when
             ``labels`` are passed) with the exact chunked linear + cross-entropy of
             :func:`fewbit.losses.patch_causal_lm_`, so the logits are never saved for
@@ -146,6 +150,7 @@ class Config:
     average_bits: float | None = None
     compressor: str = "group"
     adapt_interval: int = 1000
+    noise_norm: str = "relative"
     fused_cross_entropy: bool = False
 
     def __post_init__(self) -> None:
@@ -175,6 +180,8 @@ class Config:
         if self.compressor not in COMPRESSOR_CHOICES:
             raise ValueError(f"compressor must be one of {COMPRESSOR_CHOICES}, got {self.compressor!r}")
         object.__setattr__(self, "adapt_interval", check_positive_int(self.adapt_interval, "adapt_interval"))
+        if self.noise_norm not in ("relative", "absolute"):
+            raise ValueError(f"noise_norm must be 'relative' or 'absolute', got {self.noise_norm!r}")
         object.__setattr__(self, "group_size", check_positive_int(self.group_size, "group_size"))
         object.__setattr__(self, "min_numel", check_positive_int(self.min_numel, "min_numel", minimum=0))
         if not isinstance(self.stochastic, bool):
@@ -615,7 +622,8 @@ def _policy(c: Config):
     if c.saved_bits == "auto":
         from fewbit.quant.gact import GACTPolicy
 
-        return GACTPolicy(c.average_bits, adapt_interval=c.adapt_interval, group_size=c.group_size,
+        return GACTPolicy(c.average_bits, adapt_interval=c.adapt_interval, noise_norm=c.noise_norm,
+                          group_size=c.group_size,
                           stochastic=c.stochastic)
     if c.compressor == "adacc":
         return AdaccPolicy(c.saved_bits, group_size=c.group_size)

@@ -730,6 +730,7 @@ def test_transformers_unsupported_listed(name):
     ({"saved_bits": 4, "compressor": "zip"}, "compressor must be one of"),
     ({"saved_bits": "auto", "average_bits": 2, "compressor": "division"}, "compressor must be 'group'"),
     ({"saved_bits": 4, "adapt_interval": 0}, "adapt_interval"),
+    ({"saved_bits": "auto", "average_bits": 2, "noise_norm": "l2"}, "noise_norm"),
 ])
 def test_config_compression_policy_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):

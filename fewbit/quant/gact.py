@@ -5,7 +5,9 @@ ICML 2022. With stochastic rounding at ``b_l`` bits per element of saved tensor 
 gradient variance is bounded by ``Σ_l c_l S(b_l)``, ``S(b) = (2^b - 1)^-2`` (GACT Thm. 2);
 :class:`GACTPolicy` estimates the sensitivities ``c_l`` (GACT Alg. 1) and gives each tensor
 the bits of :func:`allocate_bits` (GACT eq. 4: minimise ``Σ c_l S(b_l)`` subject to
-``Σ b_l D_l <= average_bits · Σ D_l``), from {1, 2, 4, 8, keep}.
+``Σ b_l D_l <= average_bits · Σ D_l``), from {1, 2, 4, 8, keep}. By default the gradient
+noise is measured relative to each parameter tensor's own gradient scale, as an
+Adam-family optimizer sees it (``noise_norm``); GACT's plain norm is ``noise_norm="absolute"``.
 
 Through ``fewbit.convert_``::
 
@@ -110,6 +112,16 @@ def allocate_bits(
     return [levels[i][level[i]] for i in range(n)]
 
 
+#: Added to a parameter tensor's gradient RMS before dividing by it (``noise_norm="relative"``);
+#: torch's Adam and AdamW add the same ``eps`` (1e-8) to the root of their second moment.
+_RELATIVE_EPS = 1e-8
+
+
+def _per_element(scale: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    """``scale[p]`` repeated over parameter tensor ``p``'s ``sizes[p]`` elements (float64)."""
+    return torch.repeat_interleave(scale, torch.tensor(sizes, dtype=torch.long), output_size=sum(sizes))
+
+
 def _keep_bits(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size() * 8
 
@@ -142,8 +154,8 @@ class GACTPolicy(Policy):
             calls 1, 2, 4, 8, ... (the gap doubles) until the gap reaches
             ``adapt_interval``, then every ``adapt_interval`` calls (default 1000).
             The sensitivities move most early in training: on the 2-layer GPT-2 of
-            ``scripts/train_lm.py`` the ``c_l`` of ``mlp.c_proj``'s input fell about
-            370x and that of the attention's v rose about 140x between steps 0 and 100,
+            ``scripts/train_lm.py`` the absolute ``c_l`` of ``mlp.c_proj``'s input fell
+            about 370x and that of the attention's v rose about 140x between steps 0 and 100,
             so a plan made only at step 0 starves tensors that later need 4 bits.
         probe_bits: the width every tensor is quantized at during the sensitivity runs
             (default 4; ``c_l = ½‖g0 − g1‖² / S(probe_bits)``).
@@ -161,7 +173,7 @@ class GACTPolicy(Policy):
             between the two only adds to the estimate, so the alert errs on the quiet side.
             (Comparing gradients of calls far apart, as the doubling schedule makes them,
             measured the training drift instead: about 100 against a compression variance
-            of 0.01-0.5 on ``scripts/train_lm.py``'s GPT-2.)
+            of 0.01-0.5, absolute norm, on ``scripts/train_lm.py``'s GPT-2.)
         norm_min_bits: the fewest bits of a tensor saved inside a per-sample normalization
             layer (LayerNorm, RMSNorm, GroupNorm, InstanceNorm: those with
             :attr:`~fewbit.quant.policies.SavedTensorInfo.norm_size`), default 2. Their
@@ -173,18 +185,33 @@ class GACTPolicy(Policy):
             standard errors over 96 draws). Training loss was the same with and without
             the floor over 6 seeds (2.422 against 2.423 at 600 steps; run-to-run spread
             0.03-0.1), so the floor is for the bias, not a measured gain.
+        noise_norm: how the gradient noise ``‖g0 − g1‖²`` is measured, in ``c_l`` and in
+            the alert's SGD variance. ``"relative"`` (default): each parameter tensor
+            ``p``'s part is divided by ``(rms(g0_p) + 1e-8)²``, its mean squared probe
+            gradient, because Adam-family optimizers divide each update by the root of
+            that second moment, so what moves the weights is the noise relative to each
+            parameter's own gradient scale. ``"absolute"``: GACT's plain Euclidean norm
+            (GACT eq. 3), the right one for SGD. On ``scripts/train_lm.py``'s GPT-2
+            (AdamW) at ``average_bits=2``, the absolute norm gave 1 bit to the inputs of
+            the attention's and MLP's first linears, whose weights get small gradients,
+            while the LM head, which dominates the absolute norm, got 4-8; seed 0 then
+            stalled (validation loss 3.37 at step 100 against vanilla's 2.92) and ended
+            at 2.618 against vanilla's 2.436. With the relative norm the plans are
+            flatter and the same seed gave 2.92 at step 100 and 2.432 at step 600.
         seed: seed of the generator that draws the sensitivity runs' noise seeds.
 
     Attributes:
         bits: ``{index: bits}`` of the last plan (the dtype's width = kept exact).
-        sensitivity: ``{index: c_l}`` of the last plan.
+        sensitivity: ``{index: c_l}`` of the last plan, in the units of ``noise_norm``
+            (squared gradient units for ``"absolute"``, dimensionless for ``"relative"``).
         numel: ``{index: D_l}`` of the tensors the last plan saw.
-        compression_variance: ``Σ c_l S(b_l)`` of the last plan.
+        compression_variance: ``Σ c_l S(b_l)`` of the last plan (units of ``noise_norm``).
         gradient_variance: the SGD gradient-variance estimate of the latest pair of
             consecutive calls (nan before the first pair). The latest, not a running mean:
             the variance moves with training (on ``scripts/train_lm.py``'s GPT-2, gact2,
-            from about 4 at steps 2-3 to 0.3 at steps 64-65, against a planned compression
-            variance of 0.003-0.35).
+            relative norm, seeds 2 and 3: 0.65e5-4.6e5 over the run, against a planned
+            compression variance of 0.56e4-1.5e5; absolute norm: from about 4 at steps
+            2-3 to 0.3 at steps 64-65, against 0.003-0.35).
 
     Raises:
         ValueError: naming the argument, for any value out of range.
@@ -203,6 +230,7 @@ class GACTPolicy(Policy):
         stats_dtype: torch.dtype = torch.bfloat16,
         alert_ratio: float = 1.0,
         norm_min_bits: int = 2,
+        noise_norm: str = "relative",
         seed: int = 0,
     ) -> None:
         if isinstance(average_bits, bool) or not isinstance(average_bits, (int, float)) or not (
@@ -220,6 +248,9 @@ class GACTPolicy(Policy):
         if norm_min_bits not in CANDIDATE_BITS:
             raise ValueError(f"norm_min_bits must be one of {CANDIDATE_BITS}, got {norm_min_bits!r}")
         self.norm_min_bits = norm_min_bits
+        if noise_norm not in ("relative", "absolute"):
+            raise ValueError(f"noise_norm must be 'relative' or 'absolute', got {noise_norm!r}")
+        self.noise_norm = noise_norm
         self.initial_bits = max(b for b in CANDIDATE_BITS if b <= self.average_bits)
         self._quantizers = {
             b: GroupQuantizer(b, group_size=group_size, stochastic=stochastic, stats_dtype=stats_dtype)
@@ -237,7 +268,8 @@ class GACTPolicy(Policy):
         self._gap = 1  # doubles after each re-plan, up to adapt_interval
         self._probe: tuple[int, int] | None = None  # (base seed, index whose seed changes)
         self._seen: dict[int, SavedTensorInfo] = {}
-        self._last_g0: tuple[int, torch.Tensor, float] | None = None  # (call, g0, Σ c_l S(probe))
+        # (call, g0 at the noise scale, the per-tensor scale, Σ c_l S(probe))
+        self._last_g0: tuple[int, torch.Tensor, torch.Tensor, float] | None = None
         self._variance_pairs: list[float] = []  # one SGD-variance estimate per pair of calls
         self._warned = False
 
@@ -251,11 +283,11 @@ class GACTPolicy(Policy):
 
     # pack time ---------------------------------------------------------------------------
     def observe(self, info):
-        if self._probe is not None and info.role is None:  # q, k and softmax results: fixed 8 bits
+        if self._probe is not None and info.role is None:  # q, k and nonlinear results: fixed 8 bits
             self._seen[info.index] = info
 
     def choose(self, x, info):
-        if info.role is not None:  # q, k, softmax results: not allocated, 8 bits, also in the sensitivity runs
+        if info.role is not None:  # q, k, nonlinear results: not allocated, 8 bits, also in the sensitivity runs
             return self._quantizers[8]
         if self._probe is not None:
             return self._quantizers[self.probe_bits]
@@ -277,7 +309,8 @@ class GACTPolicy(Policy):
         GACT Alg. 1: one forward+backward (``closure()`` then ``backward``) gives ``g0``,
         every tensor quantized at ``probe_bits`` with its own fixed noise seed; then one
         run per tensor ``l`` with only ``l``'s seed changed gives ``g1`` and
-        ``c_l = ½‖g0 − g1‖² / S(probe_bits)``. Everything else is replayed identically
+        ``c_l = ½‖g0 − g1‖² / S(probe_bits)``, the norm weighted per parameter tensor
+        by ``noise_norm``. Everything else is replayed identically
         (torch's CPU and CUDA RNG states are restored before each run and after the
         call, so dropout masks match and the training stream is untouched). The
         parameters' ``.grad`` are restored. Then :func:`allocate_bits`. The call right
@@ -337,21 +370,32 @@ class GACTPolicy(Policy):
                 g0 = run(-1)
                 seen, self._seen = self._seen, {}
                 s = variance_factor(self.probe_bits)
+                sizes = [p.numel() for p in params]
                 sens = {}
                 if replan:
+                    scale = self._noise_scale(g0, sizes)
+                    weight = _per_element(scale, sizes)
                     for index in seen:
                         g1 = run(index)
-                        sens[index] = 0.5 * float((g0 - g1).pow(2).sum()) / s
+                        sens[index] = 0.5 * float((g0 - g1).mul_(weight).pow_(2).sum()) / s
         finally:
             for p, g in zip(params, grads):
                 p.grad = g
         if pair:
-            self._pair_variance(g0)
+            self._pair_variance(g0, sizes)
         if replan:
             self._plan(seen, sens)
-            self._last_g0 = (self._calls, g0.float(), s * sum(sens.values()))
+            self._last_g0 = (self._calls, g0.mul(weight).float(), scale, s * sum(sens.values()))
         self._check_variance()
         return replan
+
+    def _noise_scale(self, g0: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+        """Per parameter tensor, the factor its gradient noise is measured at: 1 for
+        ``noise_norm="absolute"``, ``1 / (rms(g0_p) + eps)`` for ``"relative"``."""
+        if self.noise_norm == "absolute":
+            return torch.ones(len(sizes), dtype=torch.float64)
+        rms = torch.stack([q.pow(2).mean().sqrt() if q.numel() else q.new_zeros(()) for q in g0.split(sizes)])
+        return 1.0 / (rms + _RELATIVE_EPS)
 
     def _plan(self, seen: dict[int, SavedTensorInfo], sens: dict[int, float]) -> None:
         order = sorted(sens)
@@ -365,13 +409,14 @@ class GACTPolicy(Policy):
         self.numel = {i: seen[i].numel for i in seen}
         self.compression_variance = sum(sens[i] * variance_factor(b) for i, b in self.bits.items())
 
-    def _pair_variance(self, g: torch.Tensor) -> None:
-        """One SGD-variance estimate from this call's probe gradient and the last one's."""
-        _, last, probe_variance = self._last_g0
+    def _pair_variance(self, g: torch.Tensor, sizes: list[int]) -> None:
+        """One SGD-variance estimate from this call's probe gradient and the last one's,
+        both measured at the last re-plan's noise scale."""
+        _, last, scale, probe_variance = self._last_g0
         self._last_g0 = None
-        if last.shape != g.shape:  # the parameters changed between the calls
+        if last.shape != g.shape or len(scale) != len(sizes):  # the parameters changed between the calls
             return
-        half = 0.5 * float((g.float() - last).double().pow(2).sum())
+        half = 0.5 * float((g * _per_element(scale, sizes)).float().sub_(last).double().pow(2).sum())
         self._variance_pairs.append(max(half - probe_variance, 0.0))
         self.gradient_variance = self._variance_pairs[-1]
 

@@ -110,14 +110,19 @@ class _Two(nn.Module):
         return self.l2(self.l1(x))
 
 
-def test_sensitivity_matches_monte_carlo():
+@pytest.mark.parametrize("noise_norm", ["absolute", "relative"])
+def test_sensitivity_matches_monte_carlo(noise_norm):
+    """c_l against the variance of the weight gradient under tensor l's quantization alone,
+    400 draws; "relative" divides each weight's part by its mean squared gradient (the
+    exact one here, the probe's in the policy: 4-bit noise moves it by well under 5 %)."""
     torch.manual_seed(0)
     model = _Two()
     xb = torch.randn(64, 64, requires_grad=True)
     a = torch.randn(64, 64)
     summary = fewbit.convert_(model, fewbit.Config(activation_bits=None, saved_bits="auto", average_bits=2,
-                                                    min_numel=0, adapt_interval=1))
+                                                    min_numel=0, adapt_interval=1, noise_norm=noise_norm))
     policy = summary.compressor.policy
+    assert policy.noise_norm == noise_norm
     closure = lambda: (model(xb * 1.0) * a).sum()  # noqa: E731  (xb * 1.0: not a leaf, so compressed)
     runs = 60
     est = {0: [], 1: []}
@@ -136,14 +141,55 @@ def test_sensitivity_matches_monte_carlo():
         gen = torch.Generator().manual_seed(1)
         ref = {}
         for i, (h, g_out) in enumerate(((h0, up), (h1, a))):
+            exact = g_out.t() @ h  # the gradient of the weight tensor l's noise reaches
+            weight = 1.0 if noise_norm == "absolute" else 1.0 / float(exact.pow(2).mean())
             grads = torch.stack([(g_out.t() @ q.compress(h, generator=gen).decompress()).reshape(-1)
                                  for _ in range(400)])
             var = (grads - grads.mean(0)).pow(2).sum(1).mean() * 400 / 399
-            ref[i] = float(var) / variance_factor(policy.probe_bits)
+            ref[i] = weight * float(var) / variance_factor(policy.probe_bits)
     for i in est:
         v = torch.tensor(est[i], dtype=torch.float64)
         se = float(v.std()) / math.sqrt(runs)
         assert abs(float(v.mean()) - ref[i]) <= 3 * se + 0.05 * ref[i], (i, float(v.mean()), ref[i], se)
+
+
+class _Reparametrized(_Two):
+    """_Two with l2 as (k W2)(h1 / k)."""
+
+    def __init__(self, k):
+        super().__init__()
+        self.k = k
+        with torch.no_grad():
+            self.l2.weight.mul_(k)
+
+    def forward(self, x):
+        return self.l2(self.l1(x) / self.k)
+
+
+def test_relative_noise_norm_weighs_each_parameter_by_its_gradient():
+    """Reparametrize l2 as (k W2)(h1 / k): the function and W1's gradient are unchanged,
+    W2's gradient and the noise of its saved input h1 / k scale by 1/k. The absolute c of
+    that tensor scales by 1/k^2; the relative one does not (nor does Adam's step, which
+    divides each parameter's gradient by its own scale). k = 8, a power of two, so the
+    quantizer's codes and noise draws are the same in both runs."""
+    xb = torch.randn(64, 64, generator=torch.Generator().manual_seed(0)).requires_grad_()
+    a = torch.randn(64, 64, generator=torch.Generator().manual_seed(1))
+    sens = {}
+    for noise_norm in ("absolute", "relative"):
+        for k in (1.0, 8.0):
+            torch.manual_seed(0)
+            model = _Reparametrized(k)
+            comp = fewbit.convert_(model, fewbit.Config(activation_bits=None, saved_bits="auto", average_bits=2,
+                                                         min_numel=0, noise_norm=noise_norm)).compressor
+            closure = lambda: (model(xb * 1.0) * a).sum()  # noqa: E731
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)
+                comp.adapt(model, closure)
+            sens[noise_norm, k] = comp.policy.sensitivity
+    assert sens["absolute", 8.0][0] == pytest.approx(sens["absolute", 1.0][0], rel=1e-4)  # x, into W1
+    assert sens["absolute", 8.0][1] == pytest.approx(sens["absolute", 1.0][1] / 64, rel=1e-4)  # h1 / k, into W2
+    for i in (0, 1):
+        assert sens["relative", 8.0][i] == pytest.approx(sens["relative", 1.0][i], rel=1e-4)
 
 
 def _mlp():
@@ -242,21 +288,27 @@ def _batch(gen, n=16):
     return torch.randn(n, 32, generator=gen), torch.randint(0, 10, (n,), generator=gen)
 
 
-def test_gradient_variance_matches_monte_carlo():
+@pytest.mark.parametrize("noise_norm", ["absolute", "relative"])
+def test_gradient_variance_matches_monte_carlo(noise_norm):
     """The alert's SGD-variance estimate (pairs of consecutive calls, fresh batches, fixed
     parameters) against the variance of the vanilla model's minibatch gradient over many
-    batches; 3σ (overlapping pairs: σ of the mean inflated by √2)."""
+    batches, each parameter tensor weighted by the scale the pair used ("relative": 1 /
+    the rms of the previous call's probe gradient); 3σ (overlapping pairs: σ of the mean
+    inflated by √2)."""
     vanilla = _mlp()
     model = _mlp()
     comp = fewbit.convert_(model, fewbit.Config(saved_bits="auto", average_bits=8, adapt_interval=1,
-                                                 min_numel=0)).compressor
+                                                 min_numel=0, noise_norm=noise_norm)).compressor
     policy = comp.policy
+    scales = []
+    noise_scale = policy._noise_scale
+    policy._noise_scale = lambda g0, sizes: scales.append(noise_scale(g0, sizes)) or scales[-1]
     gen = torch.Generator().manual_seed(0)
     for _ in range(30):
         x, y = _batch(gen)
         comp.adapt(model, lambda: nn.functional.cross_entropy(model(x), y))
     est = torch.tensor(policy._variance_pairs, dtype=torch.float64)
-    assert len(est) == 29
+    assert len(est) == 29 and len(scales) == 30
     assert policy.gradient_variance == est[-1]  # the latest pair
     grads = []
     for _ in range(400):
@@ -265,8 +317,12 @@ def test_gradient_variance_matches_monte_carlo():
         nn.functional.cross_entropy(vanilla(x), y).backward()
         grads.append(torch.cat([p.grad.reshape(-1) for p in vanilla.parameters()]).double())
     g = torch.stack(grads)
-    per_batch = (g - g.mean(0)).pow(2).sum(1) * len(g) / (len(g) - 1)
-    ref = float(per_batch.mean())
+    sizes = [p.numel() for p in vanilla.parameters()]
+    per_element = (g - g.mean(0)).pow(2) * len(g) / (len(g) - 1)  # (batches, elements)
+    per_tensor = torch.stack([part.sum(1) for part in per_element.split(sizes, dim=1)], 1)  # (batches, tensors)
+    weight = torch.stack(scales[:-1]).pow(2)  # the scale of each pair's first call
+    ref = float((per_tensor.mean(0) * weight).sum(1).mean())
+    per_batch = per_tensor @ weight.mean(0)
     sigma = math.sqrt(2) * float(est.std()) / math.sqrt(len(est)) + float(per_batch.std()) / math.sqrt(len(g))
     assert abs(float(est.mean()) - ref) < 3 * sigma, (float(est.mean()), ref, sigma)
     assert 3 * sigma < 0.5 * ref  # the test can tell a wrong estimate (the old one was off by >100x)
@@ -319,6 +375,7 @@ def test_alert_when_compression_variance_dominates():
     ({"average_bits": 2, "probe_bits": 3}, "probe_bits"),
     ({"average_bits": 2, "alert_ratio": 0}, "alert_ratio"),
     ({"average_bits": 2, "norm_min_bits": 3}, "norm_min_bits"),
+    ({"average_bits": 2, "noise_norm": "l2"}, "noise_norm"),
 ])
 def test_policy_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
