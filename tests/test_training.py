@@ -74,7 +74,7 @@ def test_train_lm_quick_all_variants(tmp_path):
 
 def test_train_lm_eager_attention_saves_probabilities_at_8_bits(tmp_path):
     """``--attention eager``: the softmax probabilities are saved for backward, and at 8
-    bits (fewbit.quant.compressor.SOFTMAX_BITS) under the 2-bit quantizer; the fused
+    bits (fewbit.quant.compressor.RESULT_BITS) under the 2-bit quantizer; the fused
     attention saves none."""
     import fewbit
 

@@ -49,15 +49,16 @@ class SavedTensorInfo:
         kind: that module's kind (``fewbit.convert.layer_kind``: ``linear``, ``conv``,
             ``norm``, ``attention``), or None.
         role: ``"qk"`` for the query/key that :mod:`fewbit.quant.attention` saves (it picks
-            their compressor itself, 8 bits); ``"softmax"`` for a softmax or log-softmax
-            result saved for that op's backward (eager attention's probabilities), which
-            the compressor takes at 8 bits in rows whatever the policy chooses, unless it
+            their compressor itself, 8 bits); ``"result"`` for a result saved for its op's
+            own backward when that backward is not linear in it (softmax and log-softmax,
+            e.g. eager attention's probabilities; tanh; sigmoid), which the compressor
+            takes at 8 bits (softmax: in rows) whatever the policy chooses, unless it
             keeps it exact; else None.
         norm_size: inside a per-sample normalization layer, the elements of ``x`` (in C
             order) that share one mean/variance, a contiguous run
             (:func:`fewbit.convert.normalization_size`: LayerNorm's ``normalized_shape``,
-            InstanceNorm's channel plane, ...); for a ``"softmax"`` result over the last
-            dim, its row length; else None (BatchNorm included). The
+            InstanceNorm's channel plane, ...); for a softmax or log-softmax ``"result"``
+            over the last dim, its row length; else None (BatchNorm included). The
             compressor the policy chooses for such a tensor is replaced by its
             :meth:`~fewbit.quant.compressors.Compressor.within` ``(norm_size)``: statistics
             inside each row.
