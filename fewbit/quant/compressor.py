@@ -143,6 +143,22 @@ class _Handle:
         return bits.to(self.dtype) * self.mask_value
 
 
+class _ViewHandle:
+    """A saved tensor with the same elements, in C order, as one already packed in
+    ``base``: it holds no bytes of its own and unpacks to ``base`` reshaped."""
+
+    __slots__ = ("base", "shape", "__weakref__")
+
+    def __init__(self, base: _Handle, shape):
+        self.base = base
+        self.shape = shape
+
+    nbytes = 0
+
+    def unpack(self) -> torch.Tensor:
+        return self.base.unpack().reshape(self.shape)
+
+
 def _two_valued_scale(t: torch.Tensor) -> torch.Tensor | None:
     """``c`` if every element of ``t`` is +0 or one finite ``c`` (a dropout mask), else None."""
     c = t.amax()
@@ -419,16 +435,18 @@ class ActivationCompressor:
                 return self._skip(t, "no_grad")
         elif not is_bool and _result_of(t) in _EXACT_RESULTS:
             return self._skip(t, "statistic")
-        key = (
-            t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(),
-            t.dtype, t.device, t._version,
+        # A contiguous tensor is keyed by the elements it covers, not its shape: a reshaped
+        # view of a tensor already packed (eager attention's matmul saves the probabilities
+        # as a (B*H, T, T) view of the (B, H, T, T) softmax result) reuses that copy.
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.dtype, t.device, t._version) + (
+            (t.numel(),) if t.is_contiguous() else (tuple(t.shape), t.stride())
         )
         hit = self._cache.get(key)
         if hit is not None:
             anchor, handle = hit[0](), hit[1]()
             if anchor is not None and handle is not None:
                 self.stats.deduplicated += 1
-                return handle
+                return handle if tuple(handle.shape) == tuple(t.shape) else _ViewHandle(handle, t.shape)
         if is_bool or mask_value is not None:
             with torch.no_grad():
                 bits = t if is_bool else t != 0
@@ -490,7 +508,7 @@ class ActivationCompressor:
 
     @staticmethod
     def _unpack(packed):
-        if isinstance(packed, _Handle):
+        if isinstance(packed, (_Handle, _ViewHandle)):
             return packed.unpack()
         return packed
 
