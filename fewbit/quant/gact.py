@@ -117,9 +117,11 @@ def allocate_bits(
 _RELATIVE_EPS = 1e-8
 
 
-def _per_element(scale: torch.Tensor, sizes: list[int]) -> torch.Tensor:
-    """``scale[p]`` repeated over parameter tensor ``p``'s ``sizes[p]`` elements (float64)."""
-    return torch.repeat_interleave(scale, torch.tensor(sizes, dtype=torch.long), output_size=sum(sizes))
+def _weighted_square_norm(diff: torch.Tensor, sizes: list[int], scale: torch.Tensor) -> float:
+    """``Σ_p scale[p]² ‖diff_p‖²`` over the parameter tensors ``diff_p`` (``sizes[p]``
+    elements each) of the flat ``diff``, in float64, without a per-element weight vector."""
+    norms = torch.stack([c.double().pow(2).sum() for c in diff.split(sizes)]) if sizes else diff.new_zeros(0).double()
+    return float((norms * scale.to(norms.device).pow(2)).sum())
 
 
 def _keep_bits(dtype: torch.dtype) -> int:
@@ -268,7 +270,7 @@ class GACTPolicy(Policy):
         self._gap = 1  # doubles after each re-plan, up to adapt_interval
         self._probe: tuple[int, int] | None = None  # (base seed, index whose seed changes)
         self._seen: dict[int, SavedTensorInfo] = {}
-        # (call, g0 at the noise scale, the per-tensor scale, Σ c_l S(probe))
+        # (call, g0, the per-tensor noise scale, Σ c_l S(probe))
         self._last_g0: tuple[int, torch.Tensor, torch.Tensor, float] | None = None
         self._variance_pairs: list[float] = []  # one SGD-variance estimate per pair of calls
         self._warned = False
@@ -374,10 +376,9 @@ class GACTPolicy(Policy):
                 sens = {}
                 if replan:
                     scale = self._noise_scale(g0, sizes)
-                    weight = _per_element(scale, sizes)
                     for index in seen:
                         g1 = run(index)
-                        sens[index] = 0.5 * float((g0 - g1).mul_(weight).pow_(2).sum()) / s
+                        sens[index] = 0.5 * _weighted_square_norm(g1.sub_(g0), sizes, scale) / s
         finally:
             for p, g in zip(params, grads):
                 p.grad = g
@@ -385,7 +386,7 @@ class GACTPolicy(Policy):
             self._pair_variance(g0, sizes)
         if replan:
             self._plan(seen, sens)
-            self._last_g0 = (self._calls, g0.mul(weight).float(), scale, s * sum(sens.values()))
+            self._last_g0 = (self._calls, g0.float(), scale, s * sum(sens.values()))
         self._check_variance()
         return replan
 
@@ -393,7 +394,7 @@ class GACTPolicy(Policy):
         """Per parameter tensor, the factor its gradient noise is measured at: 1 for
         ``noise_norm="absolute"``, ``1 / (rms(g0_p) + eps)`` for ``"relative"``."""
         if self.noise_norm == "absolute":
-            return torch.ones(len(sizes), dtype=torch.float64)
+            return torch.ones(len(sizes), dtype=torch.float64, device=g0.device)
         rms = torch.stack([q.pow(2).mean().sqrt() if q.numel() else q.new_zeros(()) for q in g0.split(sizes)])
         return 1.0 / (rms + _RELATIVE_EPS)
 
@@ -416,7 +417,7 @@ class GACTPolicy(Policy):
         self._last_g0 = None
         if last.shape != g.shape or len(scale) != len(sizes):  # the parameters changed between the calls
             return
-        half = 0.5 * float((g * _per_element(scale, sizes)).float().sub_(last).double().pow(2).sum())
+        half = 0.5 * _weighted_square_norm(g.float().sub_(last), sizes, scale)
         self._variance_pairs.append(max(half - probe_variance, 0.0))
         self.gradient_variance = self._variance_pairs[-1]
 

@@ -6,6 +6,7 @@ probability's quantization variance becomes a bias of its input gradient; eager 
 saves its probabilities this way (fewbit.quant.compressor._softmax_result_rows).
 """
 
+import contextlib
 import math
 import warnings
 
@@ -27,23 +28,16 @@ def test_softmax_results_are_recognised():
     assert _result_of(s.detach()) is None
 
 
-def _input_grad_bias(bits: int, draws: int = 300) -> tuple[float, list]:
-    """Relative bias of d loss / d logits through a softmax whose rows are peaked (logits
-    of scale 4, 64 per row), mean of ``draws`` compressed backward passes vs exact."""
-    torch.manual_seed(0)
-    s0 = torch.randn(32, 64) * 4
-    v = torch.randn(64, 16)
-    w = torch.randn(32, 16)
+def _input_grad_bias(loss, x0: torch.Tensor, bits: int, draws: int) -> tuple[float, list]:
+    """Relative bias of d loss(x) / dx at ``x0``: the mean of ``draws`` backward passes with
+    the saved tensors compressed at ``bits`` against the exact gradient."""
 
     def grad(comp=None):
-        s = s0.clone().requires_grad_()
-        if comp is None:
-            out = torch.softmax(s * 1, -1) @ v
-        else:
-            with comp:
-                out = torch.softmax(s * 1, -1) @ v
-        (out * w).sum().backward()
-        return s.grad
+        x = x0.clone().requires_grad_()
+        with comp if comp is not None else contextlib.nullcontext():
+            out = loss(x * 1)
+        out.backward()
+        return x.grad
 
     ref = grad()
     comp = fewbit.compress_activations(bits, min_numel=0)
@@ -52,10 +46,19 @@ def _input_grad_bias(bits: int, draws: int = 300) -> tuple[float, list]:
     return float((mean - ref).norm() / ref.norm()), list(comp.records.values())
 
 
+def _softmax_bias(bits: int, draws: int = 300) -> tuple[float, list]:
+    """Through a softmax whose rows are peaked (logits of scale 4, 64 per row)."""
+    torch.manual_seed(0)
+    s0 = torch.randn(32, 64) * 4
+    v = torch.randn(64, 16)
+    w = torch.randn(32, 16)
+    return _input_grad_bias(lambda s: ((torch.softmax(s, -1) @ v) * w).sum(), s0, bits, draws)
+
+
 def test_softmax_result_gradient_not_biased():
     # Measured before the rule (2-bit groups of 256 across four rows): 0.115 of the norm;
     # with it, 0.0012.
-    bias, records = _input_grad_bias(2)
+    bias, records = _softmax_bias(2)
     assert bias < 0.03, bias
     assert [(r.compressor, r.bits) for r in records] == [("group", RESULT_BITS)]
 
@@ -128,35 +131,19 @@ def test_fixed_policy_bits_elsewhere_unchanged(bits):
     assert got == [((8, 64), bits), ((8, 64), RESULT_BITS)] or got == [((8, 64), RESULT_BITS)]
 
 
-def _pointwise_input_grad_bias(op, bits: int, draws: int = 400) -> tuple[float, list]:
-    """Relative bias of the input gradient through ``op`` (tanh or sigmoid), whose backward
-    ``g (1 - y^2)`` / ``g y (1 - y)`` is quadratic in its saved result ``y``; inputs of
-    scale 2, mean of ``draws`` compressed backward passes vs exact."""
+def _pointwise_bias(op, bits: int, draws: int = 400) -> tuple[float, list]:
+    """Through ``op`` (tanh or sigmoid), whose backward ``g (1 - y^2)`` / ``g y (1 - y)`` is
+    quadratic in its saved result ``y``; inputs of scale 2."""
     torch.manual_seed(0)
     x0 = torch.randn(64, 256) * 2
     w = torch.randn(64, 256)
-
-    def grad(comp=None):
-        x = x0.clone().requires_grad_()
-        if comp is None:
-            y = op(x * 1)
-        else:
-            with comp:
-                y = op(x * 1)
-        (y * w).sum().backward()
-        return x.grad
-
-    ref = grad()
-    comp = fewbit.compress_activations(bits, min_numel=0)
-    torch.manual_seed(1)
-    mean = torch.stack([grad(comp) for _ in range(draws)]).mean(0)
-    return float((mean - ref).norm() / ref.norm()), list(comp.records.values())
+    return _input_grad_bias(lambda x: (op(x) * w).sum(), x0, bits, draws)
 
 
 @pytest.mark.parametrize("op", [torch.tanh, torch.sigmoid], ids=["tanh", "sigmoid"])
 def test_tanh_sigmoid_results_gradient_not_biased(op):
     # Measured before the rule (2-bit groups of 256): tanh 0.131, sigmoid 0.119 of the
     # norm; with it (8 bits): 0.0005 and 0.0003.
-    bias, records = _pointwise_input_grad_bias(op, 2)
+    bias, records = _pointwise_bias(op, 2)
     assert bias < 0.03, bias
     assert [(r.compressor, r.bits) for r in records] == [("group", RESULT_BITS)]
