@@ -120,7 +120,7 @@ _RELATIVE_EPS = 1e-8
 def _weighted_square_norm(diff: torch.Tensor, sizes: list[int], scale: torch.Tensor) -> float:
     """``Σ_p scale[p]² ‖diff_p‖²`` over the parameter tensors ``diff_p`` (``sizes[p]``
     elements each) of the flat ``diff``, in float64, without a per-element weight vector."""
-    norms = torch.stack([c.double().pow(2).sum() for c in diff.split(sizes)]) if sizes else diff.new_zeros(0).double()
+    norms = torch.stack([c.double().pow(2).sum() for c in diff.split(sizes)])
     return float((norms * scale.to(norms.device).pow(2)).sum())
 
 
@@ -189,11 +189,11 @@ class GACTPolicy(Policy):
             0.03-0.1), so the floor is for the bias, not a measured gain.
         noise_norm: how the gradient noise ``‖g0 − g1‖²`` is measured, in ``c_l`` and in
             the alert's SGD variance. ``"relative"`` (default): each parameter tensor
-            ``p``'s part is divided by ``(rms(g0_p) + 1e-8)²``, its mean squared probe
-            gradient, because Adam-family optimizers divide each update by the root of
+            ``p``'s part is divided by ``(rms(g0_p) + 1e-8)²``, about its mean squared
+            probe gradient, because Adam-family optimizers divide each update by the root of
             that second moment, so what moves the weights is the noise relative to each
             parameter's own gradient scale. ``"absolute"``: GACT's plain Euclidean norm
-            (GACT eq. 3), the right one for SGD. On ``scripts/train_lm.py``'s GPT-2
+            (GACT Alg. 1), the right one for SGD. On ``scripts/train_lm.py``'s GPT-2
             (AdamW) at ``average_bits=2``, the absolute norm gave 1 bit to the inputs of
             the attention's and MLP's first linears, whose weights get small gradients,
             while the LM head, which dominates the absolute norm, got 4-8; seed 0 then
@@ -329,7 +329,13 @@ class GACTPolicy(Policy):
 
         Raises:
             TypeError: if ``closure`` does not return a scalar tensor.
+            ValueError: if ``model`` has no parameter that requires grad (the
+                sensitivities are measured on the parameters' gradient).
         """
+        params = [p for p in model.parameters() if p.requires_grad]
+        if not params:
+            raise ValueError("model has no parameter that requires grad: GACT measures each saved tensor's "
+                             "sensitivity on the parameters' gradient")
         self._calls += 1
         replan = self._calls >= self._next_plan
         pair = self._last_g0 is not None and self._last_g0[0] == self._calls - 1
@@ -339,7 +345,6 @@ class GACTPolicy(Policy):
         if replan:
             self._next_plan = self._calls + self._gap
             self._gap = min(2 * self._gap, self.adapt_interval)
-        params = [p for p in model.parameters() if p.requires_grad]
         grads = [p.grad for p in params]
         devices = sorted({p.device.index or 0 for p in params if p.device.type == "cuda"})
         base = int(torch.randint(0, 1 << 62, (), generator=self._gen))

@@ -382,6 +382,15 @@ def test_policy_errors(kwargs, match):
         GACTPolicy(**kwargs)
 
 
+def test_adapt_without_trainable_parameters_is_a_clear_error():
+    model = _mlp().requires_grad_(False)
+    comp = fewbit.convert_(model, fewbit.Config(saved_bits="auto", average_bits=2, min_numel=0)).compressor
+    x = torch.randn(4, 32, requires_grad=True)
+    with pytest.raises(ValueError, match="no parameter that requires grad"):
+        comp.adapt(model, lambda: model(x * 1).sum())
+    assert comp.policy._calls == 0  # the schedule did not move
+
+
 @pytest.mark.parametrize("average_bits", [1, 2, 4])
 def test_attention_q_and_k_stay_at_8_bits(average_bits):
     """The attention's q and k get 8 bits at every budget (also after adapt) and are left
