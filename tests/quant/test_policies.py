@@ -85,7 +85,10 @@ class _Attention(nn.Module):
 
     def forward(self, x):
         q, k, v = (t.contiguous() for t in self.proj(x).view(1, 64, 3, 2, 16).permute(2, 0, 3, 1, 4))
-        p = torch.softmax(q @ k.transpose(-1, -2), -1)  # eager probabilities, saved by softmax/matmul
+        # eager probabilities: the softmax result itself is taken at 8 bits (RESULT_BITS) and
+        # reshaped views of it share that copy; the clone stands for probabilities processed
+        # further (masked, dropped out) before the matmul, which Adacc gives its [0, 1] grid
+        p = torch.softmax(q @ k.transpose(-1, -2), -1).clone()
         return (p @ v).transpose(1, 2).reshape(1, 64, 32)
 
 
