@@ -332,16 +332,18 @@ class GACTPolicy(Policy):
             ValueError: if ``model`` has no parameter that requires grad (the
                 sensitivities are measured on the parameters' gradient).
         """
+        calls = self._calls + 1
+        replan = calls >= self._next_plan
+        pair = self._last_g0 is not None and self._last_g0[0] == calls - 1
+        if not replan and not pair:  # most calls: nothing to run, not even a walk over the parameters
+            self._calls = calls
+            self._last_g0 = None
+            return False
         params = [p for p in model.parameters() if p.requires_grad]
         if not params:
             raise ValueError("model has no parameter that requires grad: GACT measures each saved tensor's "
                              "sensitivity on the parameters' gradient")
-        self._calls += 1
-        replan = self._calls >= self._next_plan
-        pair = self._last_g0 is not None and self._last_g0[0] == self._calls - 1
-        if not replan and not pair:
-            self._last_g0 = None
-            return False
+        self._calls = calls
         if replan:
             self._next_plan = self._calls + self._gap
             self._gap = min(2 * self._gap, self.adapt_interval)
