@@ -120,40 +120,48 @@ def block_mean_cpu(x, bh, bw):
     return out
 
 
-def division_encode_cpu(x, lfc, bh, bw, bits, seed):
+def division_encode_cpu(x, lfc, bh, bw, bits, seed, row_stats=False):
     """``(packed, mins, scales)``, bit-identical to
     :func:`fewbit.quant._reference.division_encode_reference` (fused: two passes over ``x``,
     the residual never materialised)."""
     cdt = compute_dtype(x.dtype)
     a, h, w, i = x.shape
     n = x.numel()
+    rows, stats_dtype = (a * h, torch.bfloat16) if row_stats else (1, torch.float32)
     packed = torch.empty(packed_nbytes(n, bits), dtype=torch.uint8)
     if n == 0:
-        zero = torch.zeros(1)
+        zero = torch.zeros(rows, dtype=stats_dtype)
         return packed, zero, zero.clone()
     xf = x.detach().to(cdt).contiguous().reshape(-1).numpy()
     lf = lfc.to(cdt).contiguous().numpy()
-    tasks = a * lf.shape[1]
-    lo, hi, ok = np.empty(tasks, xf.dtype), np.empty(tasks, xf.dtype), np.empty(tasks, np.bool_)
     _set_threads()
-    _numba.division_minmax_kernel(xf, lf, h, w, i, bh, bw, lo, hi, ok)
-    nan = float("nan")
-    lohi = torch.tensor([lo.min(), hi.max()] if ok.all() else [nan, nan], dtype=cdt)
-    mins, scales, _ = ref.group_stats_reference(lohi, bits, 2, torch.float32)
-    consts = np.array([float((1 << bits) - 1), 0.0, float(mins[0]), float(scales[0])], dtype=_np_dtype(cdt))
-    _numba.division_codes_kernel(xf, lf, h, w, i, bh, bw, np.uint64(seed), bits, consts, packed.numpy())
+    if row_stats:
+        lo, hi = np.empty(rows, xf.dtype), np.empty(rows, xf.dtype)
+        _numba.division_row_minmax_kernel(xf, lf, h, w, i, bh, bw, lo, hi)
+        lohi = torch.from_numpy(np.stack((lo, hi), 1).reshape(-1))
+    else:
+        tasks = a * lf.shape[1]
+        lo, hi, ok = np.empty(tasks, xf.dtype), np.empty(tasks, xf.dtype), np.empty(tasks, np.bool_)
+        _numba.division_minmax_kernel(xf, lf, h, w, i, bh, bw, lo, hi, ok)
+        nan = float("nan")
+        lohi = torch.tensor([lo.min(), hi.max()] if ok.all() else [nan, nan], dtype=cdt)
+    mins, scales, _ = ref.group_stats_reference(lohi, bits, 2, stats_dtype)
+    consts = np.array([float((1 << bits) - 1), 0.0], dtype=_np_dtype(cdt))
+    _numba.division_codes_kernel(xf, lf, h, w, i, bh, bw, np.uint64(seed), bits, consts,
+                                 mins.to(cdt).numpy(), scales.to(cdt).numpy(), packed.numpy())
     return packed, mins, scales
 
 
 def division_decode_cpu(packed, lfc, mins, scales, bh, bw, bits, h, w, dtype):
     """``(A, h, w, I)`` of ``dtype``, bit-identical to
-    :func:`fewbit.quant._reference.division_decode_reference`."""
+    :func:`fewbit.quant._reference.division_decode_reference` (one stat pair per tensor or
+    per row)."""
     cdt = compute_dtype(dtype)
     a, _, _, i = lfc.shape
     out = torch.empty((a, h, w, i), dtype=cdt)
     if out.numel():
-        consts = np.array([float(mins[0]), float(scales[0])], dtype=_np_dtype(cdt))
         _set_threads()
         _numba.division_decode_kernel(packed.contiguous().numpy(), lfc.to(cdt).contiguous().numpy(), h, w, i,
-                                      bh, bw, bits, consts, out.view(-1).numpy())
+                                      bh, bw, bits, mins.to(cdt).contiguous().numpy(),
+                                      scales.to(cdt).contiguous().numpy(), out.view(-1).numpy())
     return out if cdt == dtype else out.to(dtype)

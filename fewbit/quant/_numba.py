@@ -416,11 +416,37 @@ def division_minmax_kernel(xf, lfc, H, W, I, bh, bw, out_lo, out_hi, out_ok):
 
 
 @njit(parallel=True, error_model="numpy", cache=True)
-def division_codes_kernel(xf, lfc, H, W, I, bh, bw, seed, bits, consts, out_packed):
+def division_row_minmax_kernel(xf, lfc, H, W, I, bh, bw, out_lo, out_hi):
+    """Per row ``(a, h)``: min and max of the residual ``x - Upsample(lfc)`` over its ``W * I``
+    elements, both NaN if one of them is NaN (``torch.aminmax``'s rule; an infinity is kept,
+    and the stats rule makes it NaN)."""
+    Hb = lfc.shape[1]
+    WI = W * I
+    for r in prange(out_lo.shape[0]):
+        a = r // H
+        hb = (r - a * H) // bh
+        buf = np.empty(WI, xf.dtype)
+        _upsample_row(lfc[a, hb], bw, W, I, buf)
+        xs = xf[r * WI:(r + 1) * WI]
+        lo = xs[0] - buf[0]
+        hi = lo
+        nan = False
+        for k in range(WI):
+            v = xs[k] - buf[k]
+            lo = v if v < lo else lo
+            hi = v if v > hi else hi
+            nan |= v != v
+        out_lo[r] = np.nan if nan else lo
+        out_hi[r] = np.nan if nan else hi
+
+
+@njit(parallel=True, error_model="numpy", cache=True)
+def division_codes_kernel(xf, lfc, H, W, I, bh, bw, seed, bits, consts, mins, scales, out_packed):
     """Codes ``floor((x - up - m) * s + u)`` (clamped; 0 for NaN stats), packed. One task per
     chunk of :data:`AFFINE_CHUNK` elements (whole bytes of codes): its codes go to a
     chunk-sized scratch in cache and are packed at once; the upsampled means of a row are
-    rebuilt only when the row-block changes. ``consts`` (compute dtype) = [2**bits - 1, 0, m, s]."""
+    rebuilt only when the row-block changes. ``consts`` (compute dtype) = [2**bits - 1, 0];
+    ``mins``, ``scales`` (compute dtype): one pair for the tensor, or one per row ``(a, h)``."""
     Hb = lfc.shape[1]
     WI = W * I
     n = xf.shape[0]
@@ -428,8 +454,7 @@ def division_codes_kernel(xf, lfc, H, W, I, bh, bw, seed, bits, consts, out_pack
     s1 = (np.uint64(seed) >> np.uint64(32)) & _MASK32
     levels = consts[0]
     zero = consts[1]
-    m = consts[2]
-    s = consts[3]
+    per_row = mins.shape[0] > 1
     for c in prange((n + AFFINE_CHUNK - 1) // AFFINE_CHUNK):
         e0 = c * AFFINE_CHUNK
         e1 = min(e0 + AFFINE_CHUNK, n)
@@ -446,6 +471,8 @@ def division_codes_kernel(xf, lfc, H, W, I, bh, bw, seed, bits, consts, out_pack
                 _upsample_row(lfc[a, hb], bw, W, I, buf)
             k0 = e - row * WI
             L = min(WI - k0, e1 - e)  # this row's elements in the chunk
+            m = mins[row] if per_row else mins[0]
+            s = scales[row] if per_row else scales[0]
             xs = xf[e:e + L]
             bs = buf[k0:k0 + L]
             cs = sc[e - e0:e - e0 + L]
@@ -459,14 +486,14 @@ def division_codes_kernel(xf, lfc, H, W, I, bh, bw, seed, bits, consts, out_pack
 
 
 @njit(parallel=True, error_model="numpy", cache=True)
-def division_decode_kernel(packed, lfc, H, W, I, bh, bw, bits, consts, out):
+def division_decode_kernel(packed, lfc, H, W, I, bh, bw, bits, mins, scales, out):
     """``out = up + (m + q / s)`` (flat, compute dtype); one task per chunk of
-    :data:`AFFINE_CHUNK` elements, unpacked into a chunk-sized scratch; ``consts`` = [m, s]."""
+    :data:`AFFINE_CHUNK` elements, unpacked into a chunk-sized scratch; ``mins``, ``scales``:
+    one pair for the tensor, or one per row ``(a, h)``."""
     Hb = lfc.shape[1]
     WI = W * I
     n = out.shape[0]
-    m = consts[0]
-    s = consts[1]
+    per_row = mins.shape[0] > 1
     for c in prange((n + AFFINE_CHUNK - 1) // AFFINE_CHUNK):
         e0 = c * AFFINE_CHUNK
         e1 = min(e0 + AFFINE_CHUNK, n)
@@ -484,6 +511,8 @@ def division_decode_kernel(packed, lfc, H, W, I, bh, bw, bits, consts, out):
                 _upsample_row(lfc[a, hb], bw, W, I, buf)
             k0 = e - row * WI
             L = min(WI - k0, e1 - e)
+            m = mins[row] if per_row else mins[0]
+            s = scales[row] if per_row else scales[0]
             ys = out[e:e + L]
             bs = buf[k0:k0 + L]
             cs = sc[e - e0:e - e0 + L]

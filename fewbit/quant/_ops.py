@@ -253,7 +253,7 @@ trace_into_triton(affine_decode, _affine_decode_cuda)
 trace_into_triton(block_mean, _block_mean_cuda)
 
 
-# ``fewbit::division_encode(x, lfc, bh, bw, bits, seed) -> (packed, mins, scales)`` and
+# ``fewbit::division_encode(x, lfc, bh, bw, bits, seed, row_stats) -> (packed, mins, scales)`` and
 # ``fewbit::division_decode(packed, lfc, mins, scales, bh, bw, bits, h, w, dtype) -> x_hat``:
 # DIVISION's residual (:func:`fewbit.quant._reference.division_encode_reference`); on CPU
 # fused in numba, on CUDA the reference's steps with the Triton codes kernels.
@@ -261,40 +261,41 @@ trace_into_triton(block_mean, _block_mean_cuda)
 
 @torch.library.custom_op("fewbit::division_encode", mutates_args=())
 def division_encode(
-    x: torch.Tensor, lfc: torch.Tensor, bh: int, bw: int, bits: int, seed: int,
+    x: torch.Tensor, lfc: torch.Tensor, bh: int, bw: int, bits: int, seed: int, row_stats: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Default kernel: the pure-torch reference."""
     _check_block(x, bh, bw)
     _check_affine(bits, 1, x.dtype)
-    return ref.division_encode_reference(x, lfc, bh, bw, bits, seed)
+    return ref.division_encode_reference(x, lfc, bh, bw, bits, seed, row_stats)
 
 
 @division_encode.register_fake
-def _(x, lfc, bh, bw, bits, seed):
+def _(x, lfc, bh, bw, bits, seed, row_stats=False):
     _check_block(x, bh, bw)
     _check_affine(bits, 1, x.dtype)
+    rows, stats_dtype = (x.shape[0] * x.shape[1], torch.bfloat16) if row_stats else (1, torch.float32)
     return (x.new_empty((packed_nbytes(x.numel(), bits),), dtype=torch.uint8),
-            x.new_empty((1,), dtype=torch.float32), x.new_empty((1,), dtype=torch.float32))
+            x.new_empty((rows,), dtype=stats_dtype), x.new_empty((rows,), dtype=stats_dtype))
 
 
 @cpu_kernel("division_encode")
-def _(x, lfc, bh, bw, bits, seed):
+def _(x, lfc, bh, bw, bits, seed, row_stats=False):
     _check_block(x, bh, bw)
     _check_affine(bits, 1, x.dtype)
     from fewbit.quant import _cpu
 
-    return _cpu.division_encode_cpu(x, lfc, bh, bw, bits, seed)
+    return _cpu.division_encode_cpu(x, lfc, bh, bw, bits, seed, row_stats)
 
 
 @division_encode.register_kernel("cuda")
-def _division_encode_cuda(x, lfc, bh, bw, bits, seed):
+def _division_encode_cuda(x, lfc, bh, bw, bits, seed, row_stats=False):
     _check_block(x, bh, bw)
     _check_affine(bits, 1, x.dtype)
 
     def codes(h, m, s, bits, rowlen, per_col, offset, seed):
         return affine_codes(h, m, s, bits, rowlen, per_col, offset, seed, True)
 
-    return ref.division_encode_reference(x, lfc, bh, bw, bits, seed, affine_codes=codes)
+    return ref.division_encode_reference(x, lfc, bh, bw, bits, seed, row_stats, affine_codes=codes)
 
 
 @torch.library.custom_op("fewbit::division_decode", mutates_args=())

@@ -320,8 +320,9 @@ def upsample_blocks(lfc: torch.Tensor, bh: int, bw: int, h: int, w: int) -> torc
     return up[:, :h, :w]
 
 
-def division_encode_reference(x, lfc, bh, bw, bits, seed, affine_codes=affine_codes_reference):
-    """DIVISION's residual ``HFC = x - Upsample(lfc)`` quantized per tensor (docs/compression.md §3).
+def division_encode_reference(x, lfc, bh, bw, bits, seed, row_stats=False, affine_codes=affine_codes_reference):
+    """DIVISION's residual ``HFC = x - Upsample(lfc)`` quantized per tensor, or per row
+    (docs/compression.md §3).
 
     Args:
         x: ``(A, H, W, I)`` input (its view, :func:`fewbit.quant.compressors.division_view`).
@@ -329,29 +330,37 @@ def division_encode_reference(x, lfc, bh, bw, bits, seed, affine_codes=affine_co
             compute dtype: the residual is taken from what decompression will add back).
         bits: bits per element of the codes.
         seed: 64-bit noise seed (stochastic rounding).
+        row_stats: one ``(m, s)`` per row ``(a, h)`` of ``W * I`` elements (a token's
+            channels in a sequence's view), stored as bfloat16, instead of one float32 pair
+            for the tensor.
         affine_codes: the codes kernel (this reference's, or a backend's with its signature).
 
     Returns:
-        ``(packed, mins, scales)``: the codes (docs/method.md §6 stream) and the ``(1,)``
-        float32 ``m``, ``s`` of the residual (the group quantizer's rule for its min and
-        max, docs/method.md §7; NaN if the residual has a NaN or an infinity).
+        ``(packed, mins, scales)``: the codes (docs/method.md §6 stream) and the residual's
+        ``m``, ``s``: ``(1,)`` float32, or ``(A * H,)`` bfloat16 with ``row_stats`` (the
+        group quantizer's rule for its min and max, docs/method.md §7; NaN where the
+        residual has a NaN or an infinity).
     """
     cdt = compute_dtype(x.dtype)
     a, h, w, i = x.shape
+    rows, stats_dtype = (a * h, torch.bfloat16) if row_stats else (1, torch.float32)
     hfc = (x.to(cdt) - upsample_blocks(lfc.to(cdt), bh, bw, h, w)).reshape(-1)
     if hfc.numel() == 0:
-        zero = torch.zeros(1, device=x.device)
+        zero = torch.zeros(rows, dtype=stats_dtype, device=x.device)
         return torch.empty(0, dtype=torch.uint8, device=x.device), zero, zero.clone()
-    mins, scales, _ = group_stats_reference(torch.stack(torch.aminmax(hfc)), bits, 2, torch.float32)
-    return affine_codes(hfc, mins, scales, bits, hfc.numel(), False, 0, seed), mins, scales
+    lo, hi = torch.aminmax(hfc.view(rows, -1), dim=1)  # NaN-propagating
+    mins, scales, _ = group_stats_reference(torch.stack([lo, hi], 1).reshape(-1), bits, 2, stats_dtype)
+    rowlen = hfc.numel() // rows
+    return affine_codes(hfc, mins, scales, bits, rowlen, False, 0, seed), mins, scales
 
 
 def division_decode_reference(packed, lfc, mins, scales, bh, bw, bits, h, w, dtype,
                               affine_decode=affine_decode_reference):
     """``x_hat = Upsample(lfc) + (m + q / s)``: ``(A, h, w, I)`` in ``dtype`` (inverse of
-    :func:`division_encode_reference`; ``affine_decode`` as its ``affine_codes``)."""
+    :func:`division_encode_reference`; ``affine_decode`` as its ``affine_codes``). One stat
+    pair per tensor, or (``A * h`` pairs) per row of ``w * I`` elements."""
     cdt = compute_dtype(dtype)
     up = upsample_blocks(lfc.to(cdt), bh, bw, h, w)
     n = up.numel()
-    hfc = affine_decode(packed, mins, scales, bits, max(n, 1), False, 0, n, cdt)
+    hfc = affine_decode(packed, mins, scales, bits, max(n // max(mins.numel(), 1), 1), False, 0, n, cdt)
     return (up + hfc.view(up.shape)).to(dtype)

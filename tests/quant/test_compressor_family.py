@@ -202,7 +202,8 @@ def test_layer_gradient_is_unbiased(case):
 @pytest.mark.parametrize("block,bits", [(8, 2), (4, 4), (2, 1)])
 def test_division_bytes_per_element(block, bits):
     """(4 / B**2 + Q / 8) bytes per float32 element when the sizes divide, plus the two
-    per-tensor stats; 1-D pooling of sequences: 4 / B + Q / 8."""
+    per-tensor stats; 1-D pooling of sequences: 4 / B + Q / 8 plus two bfloat16 stats per
+    token."""
     comp = Division(block, bits)
     x = torch.randn(2, 4, 8 * block, 4 * block)
     c = comp.compress(x, generator=gen(0))
@@ -211,7 +212,8 @@ def test_division_bytes_per_element(block, bits):
     assert c.lfc.shape == (2 * 4, 8, 4, 1) and c.lfc.dtype == torch.float32
     seq = torch.randn(3, 16 * block, 24)
     c = comp.compress(seq, generator=gen(0))
-    assert c.nbytes == seq.numel() * (4 / block + bits / 8) + 8 == comp.bytes_per_element(seq) * seq.numel()
+    assert c.nbytes == seq.numel() * (4 / block + bits / 8) + 4 * 3 * 16 * block == comp.bytes_per_element(seq) * seq.numel()
+    assert c.hfc.mins.shape == (3 * 16 * block,) and c.hfc.mins.dtype == torch.bfloat16
     half = x.to(torch.bfloat16)  # means kept in the input dtype
     assert comp.compress(half, generator=gen(0)).nbytes == n * (2 / block**2 + bits / 8) + 8
 
@@ -322,6 +324,30 @@ def test_non_finite_input_decompresses_to_nan(bad):
     assert y[..., 7].isnan().all() and not y[..., :7].isnan().any() and not y[..., 8:].isnan().any()
     y = OutlierSeparated().compress(x, generator=gen(0)).decompress()
     assert y[1, 2, 5].isnan().all() and y.isnan().sum() == 16
+    # DIVISION of a sequence (B, T, C), blocks of 8 tokens, stats per token: the tokens of
+    # the block whose mean the value reaches
+    seq = sample("division", (2, 32, 24))
+    seq[1, 19, 5] = bad
+    y = Division().compress(seq, generator=gen(0)).decompress()
+    assert y[1, 16:24].isnan().all() and y.isnan().sum() == 8 * 24
+
+
+def test_division_sequence_stats_are_per_token():
+    """Tokens of a sequence differ in scale: each token's residual gets its own step, so
+    tokens 1000x smaller than others keep an error within their own range (with one step
+    for the tensor, as DIVISION does for conv maps, they were rounded on the large tokens'
+    grid)."""
+    x = torch.randn(2, 64, 48, generator=gen(4))
+    x.view(2, 4, 16, 48)[:, :, 8:] *= 1000  # blocks of 8 tokens: small, large, small, ...
+    c = Division(8, 2).compress(x, generator=gen(5))
+    assert c.hfc.mins.shape == (2 * 64,) and c.hfc.mins.dtype == torch.bfloat16
+    err = (c.decompress() - x).abs()
+    r = x - c.lfc.repeat_interleave(8, dim=1).reshape(x.shape)  # each token's residual
+    step = (r.amax(-1) - r.amin(-1)) / 3  # 2 bits: 3 steps over the token's range
+    assert (err.amax(-1) <= step * 1.02).all()  # bfloat16 stats: m a little lower, s rounded down
+    small = x.view(2, 4, 16, 48)[:, :, :8]
+    assert err.view(2, 4, 16, 48)[:, :, :8].amax() < 2 * small.abs().amax()
+    assert err.view(2, 4, 16, 48)[:, :, :8].amax() < (r.amax() - r.amin()) / 3 / 100
 
 
 # --- arguments ----------------------------------------------------------------------------
@@ -392,6 +418,10 @@ def test_opcheck(device):
     lfc = torch.ops.fewbit.block_mean(x, 4, 3)
     torch.library.opcheck(torch.ops.fewbit.division_encode.default, (x, lfc, 4, 3, 2, 17))
     p, m, s = torch.ops.fewbit.division_encode(x, lfc, 4, 3, 2, 17)
+    torch.library.opcheck(torch.ops.fewbit.division_decode.default, (p, lfc, m, s, 4, 3, 2, 13, 11, torch.float32))
+    torch.library.opcheck(torch.ops.fewbit.division_encode.default, (x, lfc, 4, 3, 2, 17, True))
+    p, m, s = torch.ops.fewbit.division_encode(x, lfc, 4, 3, 2, 17, True)
+    assert m.shape == (2 * 13,) and m.dtype == torch.bfloat16
     torch.library.opcheck(torch.ops.fewbit.division_decode.default, (p, lfc, m, s, 4, 3, 2, 13, 11, torch.float32))
     flat = x.reshape(-1)
     scales = torch.rand(3, device=device) + 0.5

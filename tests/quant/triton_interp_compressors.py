@@ -28,8 +28,8 @@ def _decode(*a):
     return T.affine_decode(*a, block_w=4096)
 
 
-def _division_encode(x, lfc, bh, bw, bits, seed):  # the steps of fewbit::division_encode on CUDA
-    return ref.division_encode_reference(x, lfc, bh, bw, bits, seed,
+def _division_encode(x, lfc, bh, bw, bits, seed, row_stats):  # the steps of fewbit::division_encode on CUDA
+    return ref.division_encode_reference(x, lfc, bh, bw, bits, seed, row_stats,
                                          affine_codes=lambda *a: _codes(*a, True))
 
 
