@@ -21,7 +21,8 @@ from fewbit.quant import _numba
 from fewbit.quant import _reference as ref
 
 __all__ = ["quantize_cpu", "dequantize_cpu", "chunk_groups", "affine_codes_cpu", "affine_decode_cpu", "block_mean_cpu",
-           "division_encode_cpu", "division_decode_cpu"]
+           "division_encode_cpu", "division_compress_cpu",
+           "division_decode_cpu"]
 
 # (significant bits, exponent of the smallest spacing, largest finite value) per stats dtype
 _GRID = {
@@ -120,36 +121,74 @@ def block_mean_cpu(x, bh, bw):
     return out
 
 
+def _division_stats(lo, hi, ok, row_stats, bits, cdt):
+    """``(mins, scales)`` from the residual's min/max per row (``row_stats``: bfloat16) or per
+    row-block (reduced to one float32 pair for the tensor)."""
+    if row_stats:
+        return ref.group_stats_reference(torch.from_numpy(np.stack((lo, hi), 1).reshape(-1)), bits, 2,
+                                         torch.bfloat16)[:2]
+    nan = float("nan")
+    lohi = torch.tensor([lo.min(), hi.max()] if ok.all() else [nan, nan], dtype=cdt)
+    return ref.group_stats_reference(lohi, bits, 2, torch.float32)[:2]
+
+
+def _division_codes(xf, lf, shape, bh, bw, bits, seed, mins, scales, cdt):
+    a, h, w, i = shape
+    packed = torch.empty(packed_nbytes(xf.shape[0], bits), dtype=torch.uint8)
+    consts = np.array([float((1 << bits) - 1), 0.0], dtype=_np_dtype(cdt))
+    _numba.division_codes_kernel(xf, lf, h, w, i, bh, bw, np.uint64(seed), bits, consts,
+                                 mins.to(cdt).numpy(), scales.to(cdt).numpy(), packed.numpy())
+    return packed
+
+
+def _minmax_buffers(x, lfc_rows, row_stats, dtype):
+    a, h = x.shape[:2]
+    n = a * h if row_stats else a * lfc_rows
+    return np.empty(n, dtype), np.empty(n, dtype), np.ones(n, np.bool_)
+
+
+def _empty_division(x, row_stats):
+    rows, stats_dtype = (x.shape[0] * x.shape[1], torch.bfloat16) if row_stats else (1, torch.float32)
+    zero = torch.zeros(rows, dtype=stats_dtype)
+    return torch.empty(0, dtype=torch.uint8), zero, zero.clone()
+
+
 def division_encode_cpu(x, lfc, bh, bw, bits, seed, row_stats=False):
     """``(packed, mins, scales)``, bit-identical to
     :func:`fewbit.quant._reference.division_encode_reference` (fused: two passes over ``x``,
     the residual never materialised)."""
     cdt = compute_dtype(x.dtype)
-    a, h, w, i = x.shape
-    n = x.numel()
-    rows, stats_dtype = (a * h, torch.bfloat16) if row_stats else (1, torch.float32)
-    packed = torch.empty(packed_nbytes(n, bits), dtype=torch.uint8)
-    if n == 0:
-        zero = torch.zeros(rows, dtype=stats_dtype)
-        return packed, zero, zero.clone()
+    if x.numel() == 0:
+        return _empty_division(x, row_stats)
     xf = x.detach().to(cdt).contiguous().reshape(-1).numpy()
     lf = lfc.to(cdt).contiguous().numpy()
+    a, h, w, i = x.shape
+    lo, hi, ok = _minmax_buffers(x, lf.shape[1], row_stats, xf.dtype)
     _set_threads()
-    if row_stats:
-        lo, hi = np.empty(rows, xf.dtype), np.empty(rows, xf.dtype)
-        _numba.division_row_minmax_kernel(xf, lf, h, w, i, bh, bw, lo, hi)
-        lohi = torch.from_numpy(np.stack((lo, hi), 1).reshape(-1))
-    else:
-        tasks = a * lf.shape[1]
-        lo, hi, ok = np.empty(tasks, xf.dtype), np.empty(tasks, xf.dtype), np.empty(tasks, np.bool_)
-        _numba.division_minmax_kernel(xf, lf, h, w, i, bh, bw, lo, hi, ok)
-        nan = float("nan")
-        lohi = torch.tensor([lo.min(), hi.max()] if ok.all() else [nan, nan], dtype=cdt)
-    mins, scales, _ = ref.group_stats_reference(lohi, bits, 2, stats_dtype)
-    consts = np.array([float((1 << bits) - 1), 0.0], dtype=_np_dtype(cdt))
-    _numba.division_codes_kernel(xf, lf, h, w, i, bh, bw, np.uint64(seed), bits, consts,
-                                 mins.to(cdt).numpy(), scales.to(cdt).numpy(), packed.numpy())
-    return packed, mins, scales
+    _numba.division_minmax_kernel(xf, lf, h, w, i, bh, bw, bool(row_stats), lo, hi, ok)
+    mins, scales = _division_stats(lo, hi, ok, row_stats, bits, cdt)
+    return _division_codes(xf, lf, x.shape, bh, bw, bits, seed, mins, scales, cdt), mins, scales
+
+
+def division_compress_cpu(x, bh, bw, bits, seed, row_stats=False):
+    """``(lfc, packed, mins, scales)``, bit-identical to
+    :func:`fewbit.quant._reference.division_compress_reference`. Float32/float64 input (means
+    stored in the compute dtype): the block means and the residual's min/max in one pass over
+    ``x``, the codes in a second; float16/bfloat16: the means, rounded to the input dtype,
+    then :func:`division_encode_cpu`."""
+    cdt = compute_dtype(x.dtype)
+    if x.dtype != cdt or x.numel() == 0:
+        lfc = block_mean_cpu(x, bh, bw).to(x.dtype)
+        return (lfc, *division_encode_cpu(x, lfc, bh, bw, bits, seed, row_stats))
+    a, h, w, i = x.shape
+    xc = x.detach().contiguous()
+    lfc = torch.empty((a, -(-h // bh), -(-w // bw), i), dtype=cdt)
+    lo, hi, ok = _minmax_buffers(x, lfc.shape[1], row_stats, _np_dtype(cdt))
+    _set_threads()
+    _numba.block_mean_minmax_kernel(xc.numpy(), bh, bw, lfc.numpy(), bool(row_stats), lo, hi, ok)
+    mins, scales = _division_stats(lo, hi, ok, row_stats, bits, cdt)
+    packed = _division_codes(xc.reshape(-1).numpy(), lfc.numpy(), x.shape, bh, bw, bits, seed, mins, scales, cdt)
+    return lfc, packed, mins, scales
 
 
 def division_decode_cpu(packed, lfc, mins, scales, bh, bw, bits, h, w, dtype):

@@ -323,40 +323,54 @@ def affine_decode_kernel(packed, m_arr, s_arr, rowlen, per_col, bits, consts, ou
             e += k
 
 
+@njit(inline="always", cache=True)
+def _block_means(xf, a, hb, H, W, I, bh, bw, col, acc):
+    """Means of row-block ``(a, hb)`` (:func:`fewbit.quant._reference.block_mean_reference`,
+    the same order of additions) into ``acc`` ``(Wb, I)``; ``col`` a ``W * I`` scratch. The
+    column sums accumulate row by row (a vectorised loop along the row), then each block
+    adds its columns. The division by the count is done in float64 and rounded once to
+    float32: the correctly rounded float32 quotient (53 >= 2 * 24 + 2 bits)."""
+    WI = W * I
+    col[:] = 0
+    h0 = hb * bh
+    h1 = min(h0 + bh, H)
+    for h in range(h0, h1):
+        row = xf[(a * H + h) * WI:(a * H + h + 1) * WI]
+        for k in range(WI):
+            col[k] += row[k]
+    acc[:, :] = 0
+    for wb in range(acc.shape[0]):
+        w0 = wb * bw
+        w1 = min(w0 + bw, W)
+        for w in range(w0, w1):
+            for i in range(I):
+                acc[wb, i] += col[w * I + i]
+        cnt = (h1 - h0) * (w1 - w0)
+        for i in range(I):
+            acc[wb, i] = acc[wb, i] / cnt
+
+
+@njit(inline="always", cache=True)
+def _task_chunks(tasks, task_elems):
+    """Row-block tasks per parallel chunk (about :data:`AFFINE_CHUNK` elements each, so the
+    scratch rows are allocated once per chunk, not per task) and the number of chunks."""
+    per = max(1, AFFINE_CHUNK // max(task_elems, 1))
+    return per, (tasks + per - 1) // per
+
+
 @njit(parallel=True, error_model="numpy", cache=True)
 def block_mean_kernel(x, bh, bw, out):
-    """DIVISION's block means (:func:`fewbit.quant._reference.block_mean_reference`, the same
-    order of additions): ``x`` ``(A, H, W, I)`` flat rows, ``out`` ``(A, ceil(H / bh),
-    ceil(W / bw), I)``, both float32 or both float64. Per row-block, the column sums
-    accumulate row by row (a vectorised loop along the row), then each block adds its
-    columns. The division by the count is done in float64 and rounded once to float32:
-    the correctly rounded float32 quotient (53 >= 2 * 24 + 2 bits)."""
+    """DIVISION's block means: ``x`` ``(A, H, W, I)`` flat rows, ``out`` ``(A, ceil(H / bh),
+    ceil(W / bw), I)``, both float32 or both float64; one row-block per task."""
     A, H, W, I = x.shape
     Hb = out.shape[1]
-    Wb = out.shape[2]
-    WI = W * I
-    xf = x.reshape(A * H * WI)
-    for t in prange(A * Hb):
-        a = t // Hb
-        hb = t - a * Hb
-        col = np.zeros(WI, x.dtype)
-        h0 = hb * bh
-        h1 = min(h0 + bh, H)
-        for h in range(h0, h1):
-            row = xf[(a * H + h) * WI:(a * H + h + 1) * WI]
-            for k in range(WI):
-                col[k] += row[k]
-        acc = out[a, hb]
-        acc[:, :] = 0
-        for wb in range(Wb):
-            w0 = wb * bw
-            w1 = min(w0 + bw, W)
-            for w in range(w0, w1):
-                for i in range(I):
-                    acc[wb, i] += col[w * I + i]
-            cnt = (h1 - h0) * (w1 - w0)
-            for i in range(I):
-                acc[wb, i] = acc[wb, i] / cnt
+    xf = x.reshape(A * H * W * I)
+    per, chunks = _task_chunks(A * Hb, bh * W * I)
+    for c in prange(chunks):
+        col = np.empty(W * I, x.dtype)
+        for t in range(c * per, min((c + 1) * per, A * Hb)):
+            a = t // Hb
+            _block_means(xf, a, t - a * Hb, H, W, I, bh, bw, col, out[a, t - a * Hb])
 
 
 @njit(inline="always", cache=True)
@@ -379,65 +393,94 @@ def _upsample_row(lfc_row, bw, W, I, buf):
 # its rows: the residual ``x - up`` is never materialised.
 
 
-@njit(parallel=True, error_model="numpy", cache=True)
-def division_minmax_kernel(xf, lfc, H, W, I, bh, bw, out_lo, out_hi, out_ok):
-    """Per row-block: min, max and finiteness of the residual ``x - Upsample(lfc)``.
-    Reduced per column first (``lov``, ``hiv``, ``bad``: independent lanes, so the loop
-    vectorises), then across the columns; min and max do not depend on the order."""
-    Hb = lfc.shape[1]
-    WI = W * I
-    for t in prange(out_lo.shape[0]):
-        a = t // Hb
-        hb = t - a * Hb
-        buf = np.empty(WI, xf.dtype)
-        _upsample_row(lfc[a, hb], bw, W, I, buf)
-        h0 = hb * bh
-        e0 = (a * H + h0) * WI
-        lov = xf[e0:e0 + WI] - buf
-        hiv = lov.copy()
-        bad = lov - lov  # NaN where a residual is NaN or infinite
-        for h in range(h0 + 1, min(h0 + bh, H)):
-            xs = xf[(a * H + h) * WI:(a * H + h + 1) * WI]
-            for k in range(WI):
-                v = xs[k] - buf[k]
-                lov[k] = v if v < lov[k] else lov[k]
-                hiv[k] = v if v > hiv[k] else hiv[k]
-                bad[k] += v - v
-        lo = lov[0]
-        hi = hiv[0]
-        nan = False
-        for k in range(WI):
-            lo = lov[k] if lov[k] < lo else lo
-            hi = hiv[k] if hiv[k] > hi else hi
-            nan |= bad[k] != 0
-        out_lo[t] = lo
-        out_hi[t] = hi
-        out_ok[t] = not nan and (lo - lo) == 0 and (hi - hi) == 0
 
 
-@njit(parallel=True, error_model="numpy", cache=True)
-def division_row_minmax_kernel(xf, lfc, H, W, I, bh, bw, out_lo, out_hi):
-    """Per row ``(a, h)``: min and max of the residual ``x - Upsample(lfc)`` over its ``W * I``
-    elements, both NaN if one of them is NaN (``torch.aminmax``'s rule; an infinity is kept,
-    and the stats rule makes it NaN)."""
-    Hb = lfc.shape[1]
-    WI = W * I
-    for r in prange(out_lo.shape[0]):
-        a = r // H
-        hb = (r - a * H) // bh
-        buf = np.empty(WI, xf.dtype)
-        _upsample_row(lfc[a, hb], bw, W, I, buf)
-        xs = xf[r * WI:(r + 1) * WI]
-        lo = xs[0] - buf[0]
-        hi = lo
-        nan = False
+@njit(inline="always", cache=True)
+def _rows_minmax(xf, buf, e0, rows, lov, hiv, bad):
+    """Min, max and finiteness of the residual ``x - buf`` over ``rows`` rows of ``len(buf)``
+    from flat index ``e0``. Reduced per column first (``lov``, ``hiv``, ``bad``: scratch
+    rows, independent lanes, so the loop vectorises), then across the columns; min and max
+    do not depend on the order."""
+    WI = buf.shape[0]
+    xs = xf[e0:e0 + WI]
+    for k in range(WI):
+        v = xs[k] - buf[k]
+        lov[k] = v
+        hiv[k] = v
+        bad[k] = v - v  # NaN where a residual is NaN or infinite
+    for h in range(1, rows):
+        xs = xf[e0 + h * WI:e0 + (h + 1) * WI]
         for k in range(WI):
             v = xs[k] - buf[k]
-            lo = v if v < lo else lo
-            hi = v if v > hi else hi
-            nan |= v != v
-        out_lo[r] = np.nan if nan else lo
-        out_hi[r] = np.nan if nan else hi
+            lov[k] = v if v < lov[k] else lov[k]
+            hiv[k] = v if v > hiv[k] else hiv[k]
+            bad[k] += v - v
+    lo = lov[0]
+    hi = hiv[0]
+    nan = False
+    for k in range(WI):
+        lo = lov[k] if lov[k] < lo else lo
+        hi = hiv[k] if hiv[k] > hi else hi
+        nan |= bad[k] != 0
+    return lo, hi, not nan and (lo - lo) == 0 and (hi - hi) == 0
+
+
+@njit(inline="always", cache=True)
+def _minmax_task(xf, lfc, a, hb, H, W, I, bh, bw, scratch, row_stats, out_lo, out_hi, out_ok):
+    """Row-block ``(a, hb)``'s residual min/max: one entry (``out_*[a * Hb + hb]``) or, with
+    ``row_stats``, one per row (``out_*[a * H + h]``: min and max, both NaN if a value of the
+    row is not finite, whose stats are NaN either way; ``out_ok`` unused). ``scratch``:
+    ``(4, W * I)``, its first row the upsampled means."""
+    buf = scratch[0]
+    _upsample_row(lfc[a, hb], bw, W, I, buf)
+    WI = W * I
+    h0 = hb * bh
+    h1 = min(h0 + bh, H)
+    if row_stats:
+        tmp = scratch[1]
+        for h in range(h0, h1):
+            r = a * H + h
+            xs = xf[r * WI:(r + 1) * WI]
+            for k in range(WI):
+                tmp[k] = xs[k] - buf[k]
+            lo, hi, finite = minmax(tmp)
+            out_lo[r] = lo if finite else np.nan
+            out_hi[r] = hi if finite else np.nan
+    else:
+        t = a * lfc.shape[1] + hb
+        out_lo[t], out_hi[t], out_ok[t] = _rows_minmax(xf, buf, (a * H + h0) * WI, h1 - h0, scratch[1],
+                                                       scratch[2], scratch[3])
+
+
+@njit(parallel=True, error_model="numpy", cache=True)
+def division_minmax_kernel(xf, lfc, H, W, I, bh, bw, row_stats, out_lo, out_hi, out_ok):
+    """The residual's min/max (:func:`_minmax_task`) of every row-block, from the stored
+    block means ``lfc`` (compute dtype)."""
+    A = lfc.shape[0]
+    Hb = lfc.shape[1]
+    per, chunks = _task_chunks(A * Hb, bh * W * I)
+    for c in prange(chunks):
+        scratch = np.empty((4, W * I), xf.dtype)
+        for t in range(c * per, min((c + 1) * per, A * Hb)):
+            a = t // Hb
+            _minmax_task(xf, lfc, a, t - a * Hb, H, W, I, bh, bw, scratch, row_stats, out_lo, out_hi, out_ok)
+
+
+@njit(parallel=True, error_model="numpy", cache=True)
+def block_mean_minmax_kernel(x, bh, bw, out, row_stats, out_lo, out_hi, out_ok):
+    """:func:`block_mean_kernel` and :func:`division_minmax_kernel` in one pass: each
+    row-block's residual min/max is taken right after its means, while its rows are in
+    cache (only when the means are stored in the compute dtype, float32/float64 input)."""
+    A, H, W, I = x.shape
+    Hb = out.shape[1]
+    xf = x.reshape(A * H * W * I)
+    per, chunks = _task_chunks(A * Hb, bh * W * I)
+    for c in prange(chunks):
+        scratch = np.empty((4, W * I), x.dtype)
+        for t in range(c * per, min((c + 1) * per, A * Hb)):
+            a = t // Hb
+            _block_means(xf, a, t - a * Hb, H, W, I, bh, bw, scratch[0], out[a, t - a * Hb])
+            _minmax_task(xf, out, a, t - a * Hb, H, W, I, bh, bw, scratch, row_stats, out_lo, out_hi, out_ok)
 
 
 @njit(parallel=True, error_model="numpy", cache=True)

@@ -26,7 +26,7 @@ from fewbit._library import cpu_kernel
 from fewbit.ops._ops import trace_into_triton
 from fewbit.quant import _reference as ref
 
-__all__ = ["group_quantize", "group_dequantize", "affine_codes", "affine_decode", "block_mean", "division_encode",
+__all__ = ["group_quantize", "group_dequantize", "affine_codes", "affine_decode", "block_mean", "division_encode", "division_compress",
            "division_decode"]
 
 def _check_args(bits: int, group_size: int, dtype: torch.dtype) -> None:
@@ -296,6 +296,48 @@ def _division_encode_cuda(x, lfc, bh, bw, bits, seed, row_stats=False):
         return affine_codes(h, m, s, bits, rowlen, per_col, offset, seed, True)
 
     return ref.division_encode_reference(x, lfc, bh, bw, bits, seed, row_stats, affine_codes=codes)
+
+
+# ``fewbit::division_compress(x, bh, bw, bits, seed, row_stats) -> (lfc, packed, mins, scales)``:
+# the block means rounded to x's dtype, then ``division_encode`` of the residual
+# (:func:`fewbit.quant._reference.division_compress_reference`); on CPU the means and the
+# residual's min/max share one pass over x (float32/float64), on CUDA the two ops above.
+
+
+@torch.library.custom_op("fewbit::division_compress", mutates_args=())
+def division_compress(
+    x: torch.Tensor, bh: int, bw: int, bits: int, seed: int, row_stats: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Default kernel: the pure-torch reference."""
+    _check_block(x, bh, bw)
+    _check_affine(bits, 1, x.dtype)
+    return ref.division_compress_reference(x, bh, bw, bits, seed, row_stats)
+
+
+@division_compress.register_fake
+def _(x, bh, bw, bits, seed, row_stats=False):
+    _check_block(x, bh, bw)
+    _check_affine(bits, 1, x.dtype)
+    a, h, w, i = x.shape
+    rows, stats_dtype = (a * h, torch.bfloat16) if row_stats else (1, torch.float32)
+    return (x.new_empty((a, (h + bh - 1) // bh, (w + bw - 1) // bw, i)),
+            x.new_empty((packed_nbytes(x.numel(), bits),), dtype=torch.uint8),
+            x.new_empty((rows,), dtype=stats_dtype), x.new_empty((rows,), dtype=stats_dtype))
+
+
+@cpu_kernel("division_compress")
+def _(x, bh, bw, bits, seed, row_stats=False):
+    _check_block(x, bh, bw)
+    _check_affine(bits, 1, x.dtype)
+    from fewbit.quant import _cpu
+
+    return _cpu.division_compress_cpu(x, bh, bw, bits, seed, row_stats)
+
+
+@division_compress.register_kernel("cuda")
+def _division_compress_cuda(x, bh, bw, bits, seed, row_stats=False):
+    lfc = block_mean(x, bh, bw).to(x.dtype)
+    return (lfc, *division_encode(x, lfc, bh, bw, bits, seed, row_stats))
 
 
 @torch.library.custom_op("fewbit::division_decode", mutates_args=())

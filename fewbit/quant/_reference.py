@@ -57,6 +57,7 @@ __all__ = [
     "block_mean_reference",
     "upsample_blocks",
     "division_encode_reference",
+    "division_compress_reference",
     "division_decode_reference",
 ]
 
@@ -352,6 +353,15 @@ def division_encode_reference(x, lfc, bh, bw, bits, seed, row_stats=False, affin
     mins, scales, _ = group_stats_reference(torch.stack([lo, hi], 1).reshape(-1), bits, 2, stats_dtype)
     rowlen = hfc.numel() // rows
     return affine_codes(hfc, mins, scales, bits, rowlen, False, 0, seed), mins, scales
+
+
+def division_compress_reference(x, bh, bw, bits, seed, row_stats=False, block_mean=block_mean_reference,
+                                affine_codes=affine_codes_reference):
+    """DIVISION's compression of ``x`` ``(A, H, W, I)``: ``(lfc, packed, mins, scales)``, the
+    block means (:func:`block_mean_reference`) rounded to ``x``'s dtype, then
+    :func:`division_encode_reference` of the residual from those stored means."""
+    lfc = block_mean(x, bh, bw).to(x.dtype)
+    return (lfc, *division_encode_reference(x, lfc, bh, bw, bits, seed, row_stats, affine_codes=affine_codes))
 
 
 def division_decode_reference(packed, lfc, mins, scales, bh, bw, bits, h, w, dtype,

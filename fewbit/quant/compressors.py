@@ -240,24 +240,22 @@ class _Kernels(NamedTuple):
     """The kernels a compressor runs: the torch.library ops (numba on CPU, Triton on CUDA)
     or their pure-torch definitions (:mod:`fewbit.quant._reference`)."""
 
-    block_mean: Callable
     affine_codes: Callable
     affine_decode: Callable
-    division_encode: Callable
+    division_compress: Callable
     division_decode: Callable
 
 
 def _ops() -> _Kernels:
     ops = torch.ops.fewbit
-    return _Kernels(ops.block_mean, ops.affine_codes, ops.affine_decode, ops.division_encode, ops.division_decode)
+    return _Kernels(ops.affine_codes, ops.affine_decode, ops.division_compress, ops.division_decode)
 
 
 _REFERENCE = _Kernels(
-    _ref.block_mean_reference,
     lambda x, m, s, bits, rowlen, per_col, offset, seed, stochastic: _ref.affine_codes_reference(
         x, m, s, bits, rowlen, per_col, offset, seed if stochastic else None),
     _ref.affine_decode_reference,
-    _ref.division_encode_reference,
+    _ref.division_compress_reference,
     _ref.division_decode_reference,
 )
 
@@ -446,9 +444,8 @@ class Division(_KernelCompressor):
         seed = _seed(generator)
         view, block = division_view(x.shape, self.block)
         x4 = x.detach().reshape(view)
-        lfc = k.block_mean(x4, *block).to(x.dtype)
         rows = block[1] == 1  # token sequences: stats per token
-        packed, m, s = k.division_encode(x4, lfc, *block, self.bits, seed, rows)
+        lfc, packed, m, s = k.division_compress(x4, *block, self.bits, seed, rows)
         rowlen = view[2] * view[3] if rows else x.numel()
         q = _Affine(packed, m, s, self.bits, max(rowlen, 1), False, 0, x.numel())
         return _DivisionCompressed(lfc, q, view, block, x.shape, x.dtype, k)

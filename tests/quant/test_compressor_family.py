@@ -422,6 +422,11 @@ def test_opcheck(device):
     torch.library.opcheck(torch.ops.fewbit.division_encode.default, (x, lfc, 4, 3, 2, 17, True))
     p, m, s = torch.ops.fewbit.division_encode(x, lfc, 4, 3, 2, 17, True)
     assert m.shape == (2 * 13,) and m.dtype == torch.bfloat16
+    for rows in (False, True):
+        torch.library.opcheck(torch.ops.fewbit.division_compress.default, (x, 4, 3, 2, 17, rows))
+        out = torch.ops.fewbit.division_compress(x, 4, 3, 2, 17, rows)
+        ref_out = (lfc, *torch.ops.fewbit.division_encode(x, lfc, 4, 3, 2, 17, rows))
+        assert all(same(a.float(), b.float()) for a, b in zip(out, ref_out))
     torch.library.opcheck(torch.ops.fewbit.division_decode.default, (p, lfc, m, s, 4, 3, 2, 13, 11, torch.float32))
     flat = x.reshape(-1)
     scales = torch.rand(3, device=device) + 0.5

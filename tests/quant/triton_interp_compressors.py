@@ -28,17 +28,17 @@ def _decode(*a):
     return T.affine_decode(*a, block_w=4096)
 
 
-def _division_encode(x, lfc, bh, bw, bits, seed, row_stats):  # the steps of fewbit::division_encode on CUDA
-    return ref.division_encode_reference(x, lfc, bh, bw, bits, seed, row_stats,
-                                         affine_codes=lambda *a: _codes(*a, True))
+def _division_compress(x, bh, bw, bits, seed, row_stats):  # the steps of fewbit::division_compress on CUDA
+    return ref.division_compress_reference(x, bh, bw, bits, seed, row_stats,
+                                           block_mean=lambda x, bh, bw: T.block_mean(x, bh, bw, block=4096),
+                                           affine_codes=lambda *a: _codes(*a, True))
 
 
 def _division_decode(*a):
     return ref.division_decode_reference(*a, affine_decode=_decode)
 
 
-TRITON = _Kernels(lambda x, bh, bw: T.block_mean(x, bh, bw, block=4096), _codes, _decode, _division_encode,
-                  _division_decode)
+TRITON = _Kernels(_codes, _decode, _division_compress, _division_decode)
 
 
 @pytest.mark.parametrize("name", [n for n in NEW if n != "outlier"])  # outlier: the group quantizer's kernels
