@@ -165,6 +165,19 @@ def test_rsqrt_statistic_kept_exact():
     assert all(r.shape == (rows, c) for r in comp.records.values())  # only the rows were compressed
 
 
+class ChannelsFirstLayerNorm(nn.Module):
+    """A ConvNeXt-style channels-first LayerNorm over dim 1 of ``(N, C, H, W)`` with a
+    divisor ``std + eps`` of shape ``(N, 1, H, W)``."""
+
+    def __init__(self, n, eps=1e-6):
+        super().__init__()
+        self.eps = eps
+
+    def forward(self, x):
+        u = x.mean(1, keepdim=True)
+        return (x - u) / (x.std(1, keepdim=True) + self.eps)
+
+
 class AnnotatedLayerNorm(nn.Module):
     """A LayerNorm written in Python as in "The Annotated Transformer":
     ``a * (x - mean) / (std + eps) + b``. It saves ``std + eps``, one value per row, for the
@@ -183,18 +196,22 @@ class AnnotatedLayerNorm(nn.Module):
         return self.a_2 * (x - mean) / (std + self.eps) + self.b_2
 
 
-def test_per_row_statistics_are_kept_exact():
-    """A tensor whose last dim is 1 (a keepdim reduction broadcast against its rows: a
-    divisor ``std + eps``, a norm, a scale) is a per-row statistic: backward divides by it
-    or raises it to a power, and rows of different scales share no linear grid. Quantized
-    in groups of 256 rows at 2 bits, the input gradient of the Python LayerNorm above was
-    off by 1708x its norm (200 draws, rows of scales e^(+-1): a divisor rounded towards 0);
-    the statistics are kept exact (1/C of the activations' bytes)."""
+@pytest.mark.parametrize("norm_class, shape, draws", [(AnnotatedLayerNorm, (4096, 64), 200),
+                                                      (ChannelsFirstLayerNorm, (16, 16, 4, 4), 1000)],
+                         ids=["last", "channels"])
+def test_per_row_statistics_are_kept_exact(norm_class, shape, draws):
+    """A tensor with a dim of size 1 after the first (a keepdim reduction broadcast against
+    its rows: a divisor ``std + eps``, a norm, a scale) is a per-row statistic: backward
+    divides by it or raises it to a power, and rows of different scales share no linear
+    grid. Quantized at 2 bits (rows of scales e^(+-1)), the input gradient of the Python
+    LayerNorm was off by 1708x its norm (a divisor rounded towards 0), the channels-first
+    one's by 2.72x against a standard error of 0.51 (5.3 sigma). Kept exact, the mean of the
+    draws is within 3 standard errors of the exact gradient."""
     torch.manual_seed(0)
-    rows, c = 4096, 64
-    x0 = torch.randn(rows, c) * torch.exp(torch.randn(rows, 1))
-    g = torch.randn(rows, c)
-    norm = AnnotatedLayerNorm(c)
+    rows = torch.randn(shape[0], 1) if len(shape) == 2 else torch.randn(shape[0], 1, *shape[2:])
+    x0 = torch.randn(shape) * torch.exp(rows)
+    g = torch.randn(shape)
+    norm = norm_class(shape[1])
 
     def grad(m):
         x = x0.clone().requires_grad_()
@@ -205,8 +222,9 @@ def test_per_row_statistics_are_kept_exact():
     model = nn.Sequential(norm)
     summary = fewbit.convert_(model, fewbit.Config(saved_bits=2, layers=("norm",), min_numel=0))
     torch.manual_seed(1)
-    mean = torch.stack([grad(model) for _ in range(200)]).mean(0)
-    assert float((mean - ref).norm() / ref.norm()) < 0.05
+    draws = torch.stack([grad(model) for _ in range(draws)])
+    standard_error = draws.std(0).norm() / math.sqrt(len(draws))  # of the mean, as a vector
+    assert (draws.mean(0) - ref).norm() < 3 * standard_error + 0.01 * ref.norm()
     comp = summary.compressor
     assert comp.stats.skipped.get("statistic", 0) >= 2  # std's result and std + eps
-    assert all(r.shape == (rows, c) for r in comp.records.values())  # only the rows compressed
+    assert all(r.shape == shape for r in comp.records.values())  # only the rows compressed
