@@ -84,6 +84,11 @@ def _make_config(name: str, layers: int | None, hidden: int | None):
 
     spec = MODELS[name]
     cfg = getattr(transformers, spec.config)()
+    if name == "t5" and getattr(cfg, "decoder_start_token_id", None) is None:
+        # T5 starts decoding from the pad token (its pretrained configs say so); a default
+        # T5Config of transformers 5 has no decoder_start_token_id, and the labels cannot be
+        # shifted into decoder inputs without it
+        cfg.decoder_start_token_id = cfg.pad_token_id
     if layers is not None:
         cfg.num_hidden_layers = layers
         if name == "t5":
