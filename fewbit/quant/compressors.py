@@ -433,7 +433,7 @@ class Division(_KernelCompressor):
     """
 
     name = "division"
-    stats_span_rows = True
+    stats_span_rows = True  # conv maps: one step per tensor; sequences: means over `block` tokens
     min_dim = 2
 
     def __init__(self, block: int = 8, bits: int = 2) -> None:
