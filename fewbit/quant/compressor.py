@@ -60,8 +60,8 @@ class CompressionStats:
             ``no_grad`` (floating tensors that do not require grad: op statistics such as
             SDPA's logsumexp, model inputs), ``statistic`` (results of ``rsqrt``, ``sqrt``
             and ``reciprocal`` saved for their own backward, which is not linear in them:
-            a Python RMSNorm's ``rsqrt`` of the mean square; and any tensor with a dim
-            of size 1 after the first, a per-row statistic such as a divisor ``std +
+            a Python RMSNorm's ``rsqrt`` of the mean square; and any tensor of 2 or more
+            dims whose last dim is 1, a per-row statistic such as a divisor ``std +
             eps``), ``kept`` (left exact by a
             :class:`~fewbit.quant.compressors.Keep` compressor).
     """
@@ -552,17 +552,18 @@ _EXACT_RESULTS = frozenset({"RsqrtBackward0", "SqrtBackward0", "ReciprocalBackwa
 
 
 def _per_row_statistic(t: torch.Tensor) -> bool:
-    """Whether ``t`` has a dim of size 1 after the first: a keepdim reduction broadcast
-    against its rows (a divisor ``std + eps`` or ``norm + eps``, a row scale), kept exact
-    for the reason of :data:`_EXACT_RESULTS`, whatever produced it. The op that saves it
-    often divides by it (``x / d`` saves ``d``; its backward is ``-g x / d^2``), which the
-    pack hook cannot see (it sees the producer, not the consumer). A Python LayerNorm ``a (x
-    - mean) / (std + eps) + b`` ("The Annotated Transformer") quantized in 2-bit groups of
-    256 rows gave an input gradient off by 1708x its norm (a divisor rounded towards 0), a
-    channels-first one (ConvNeXt's, over dim 1) 37x (tests/quant/test_norm_rows.py). Such
-    tensors are ``1/C`` of their rows' bytes. Dim 0 is left out: a batch of one is not a
-    statistic."""
-    return t.dim() >= 2 and 1 in t.shape[1:]
+    """Whether ``t``'s last dim is 1 (and it has another): a keepdim reduction broadcast
+    against its rows (a divisor ``std + eps`` or ``norm + eps``, a row scale), kept exact for
+    the reason of :data:`_EXACT_RESULTS`, whatever produced it. The op that saves it often
+    divides by it (``x / d`` saves ``d``; its backward is ``-g x / d^2``), which the pack hook
+    cannot see (it sees the producer, not the consumer). A Python LayerNorm ``a (x - mean) /
+    (std + eps) + b`` ("The Annotated Transformer") quantized in 2-bit groups of 256 rows
+    gave an input gradient off by 1708x its norm (a divisor rounded towards 0;
+    tests/quant/test_norm_rows.py). Such tensors are ``1/C`` of their rows' bytes. Only the
+    last dim: a size-1 dim elsewhere is as often data (the ``(B, 1, T, D)`` q, k and v of
+    single-head attention, a one-channel map); a channels-first norm over dim 1 (ConvNeXt's)
+    divides by a ``sqrt`` result, kept exact by :data:`_EXACT_RESULTS`."""
+    return t.dim() >= 2 and t.shape[-1] == 1
 
 
 def _result_of(t: torch.Tensor) -> str | None:

@@ -140,8 +140,8 @@ class LlamaStyleRMSNorm(nn.Module):
 
 
 class ChannelsFirstLayerNorm(nn.Module):
-    """A ConvNeXt-style channels-first LayerNorm over dim 1 of ``(N, C, H, W)`` with a
-    divisor ``std + eps`` of shape ``(N, 1, H, W)``."""
+    """ConvNeXt's channels-first LayerNorm over dim 1 of ``(N, C, H, W)``: it divides by
+    ``sqrt(s + eps)``, shape ``(N, 1, H, W)``."""
 
     def __init__(self, n, eps=1e-6):
         super().__init__()
@@ -149,7 +149,8 @@ class ChannelsFirstLayerNorm(nn.Module):
 
     def forward(self, x):
         u = x.mean(1, keepdim=True)
-        return (x - u) / (x.std(1, keepdim=True) + self.eps)
+        s = (x - u).pow(2).mean(1, keepdim=True)
+        return (x - u) / torch.sqrt(s + self.eps)
 
 
 class AnnotatedLayerNorm(nn.Module):
@@ -173,18 +174,18 @@ class AnnotatedLayerNorm(nn.Module):
 @pytest.mark.parametrize("norm_class, shape, draws, statistics", [
     (LlamaStyleRMSNorm, (4096, 64), 200, 1),
     (AnnotatedLayerNorm, (4096, 64), 200, 2),
-    (ChannelsFirstLayerNorm, (16, 16, 4, 4), 1000, 2),
+    (ChannelsFirstLayerNorm, (16, 16, 4, 4), 1000, 1),
 ], ids=["rsqrt", "last", "channels"])
 def test_per_row_statistics_are_kept_exact(norm_class, shape, draws, statistics):
     """Per-row statistics saved for backward are kept exact. LLaMA's RMSNorm saves the rsqrt
-    of each row's mean square for rsqrt's own backward (``-r^3 g / 2``); a tensor with a dim
-    of size 1 after the first (a keepdim reduction broadcast against its rows: a divisor
-    ``std + eps``, a norm, a scale) is one too: backward divides by it or raises it to a
-    power, and rows of different scales share no linear grid. Quantized at 2 bits (rows of
-    scales e^(+-1)), the input gradient was off by 9.5x its norm (RMSNorm, 600 draws, 8192
-    rows), 1708x (the Python LayerNorm: a divisor rounded towards 0) and 2.72x against a
-    standard error of 0.51 (the channels-first one, 5.3 sigma). Kept exact, the mean of the
-    draws is within 3 standard errors of the exact gradient."""
+    of each row's mean square for rsqrt's own backward (``-r^3 g / 2``), ConvNeXt's
+    channels-first LayerNorm the ``sqrt`` it divides by; a tensor whose last dim is 1 (a
+    keepdim reduction broadcast against its rows: a divisor ``std + eps``, a norm, a scale)
+    is one too: backward divides by it or raises it to a power, and rows of different scales
+    share no linear grid. Quantized at 2 bits (rows of scales e^(+-1)), the input gradient
+    was off by 9.5x its norm (RMSNorm, 600 draws, 8192 rows) and 1708x (the Python
+    LayerNorm: a divisor rounded towards 0). Kept exact, the mean of the draws is within 3
+    standard errors of the exact gradient."""
     torch.manual_seed(0)
     rows = torch.randn(shape[0], 1) if len(shape) == 2 else torch.randn(shape[0], 1, *shape[2:])
     x0 = torch.randn(shape) * torch.exp(rows)
@@ -204,5 +205,16 @@ def test_per_row_statistics_are_kept_exact(norm_class, shape, draws, statistics)
     standard_error = draws.std(0).norm() / math.sqrt(len(draws))  # of the mean, as a vector
     assert (draws.mean(0) - ref).norm() < 3 * standard_error + 0.01 * ref.norm()
     comp = summary.compressor
-    assert comp.stats.skipped.get("statistic", 0) >= statistics  # rsqrt's; std's result and std + eps
+    assert comp.stats.skipped.get("statistic", 0) >= statistics  # rsqrt's, sqrt's; std's result and std + eps
     assert all(r.shape == shape for r in comp.records.values())  # only the rows compressed
+
+
+def test_size_one_dims_before_the_last_are_data():
+    """Only a last dim of 1 marks a per-row statistic: single-head attention's ``(B, 1, T,
+    D)`` q, k, v and one-channel maps ``(N, 1, H, W)`` are compressed as usual."""
+    comp = fewbit.compress_activations(2, min_numel=0)
+    x0 = torch.randn(4, 1, 64, 32, requires_grad=True)
+    w0 = torch.randn(4, 1, 64, 32, requires_grad=True)
+    with comp:
+        (x0 * 1 * (w0 * 1)).sum().backward()  # non-leaf factors: saved like activations
+    assert comp.stats.compressed == 2 and "statistic" not in comp.stats.skipped
