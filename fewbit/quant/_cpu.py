@@ -21,8 +21,7 @@ from fewbit.quant import _numba
 from fewbit.quant import _reference as ref
 
 __all__ = ["quantize_cpu", "dequantize_cpu", "chunk_groups", "affine_codes_cpu", "affine_decode_cpu", "block_mean_cpu",
-           "division_encode_cpu", "division_compress_cpu",
-           "division_decode_cpu"]
+           "division_encode_cpu", "division_compress_cpu", "division_decode_cpu"]
 
 # (significant bits, exponent of the smallest spacing, largest finite value) per stats dtype
 _GRID = {
@@ -133,7 +132,8 @@ def _division_stats(lo, hi, ok, row_stats, bits, cdt):
 
 
 def _division_codes(xf, lf, shape, bh, bw, bits, seed, mins, scales, cdt):
-    a, h, w, i = shape
+    """The residual's packed codes from the stats (one pair, or one per row)."""
+    _, h, w, i = shape
     packed = torch.empty(packed_nbytes(xf.shape[0], bits), dtype=torch.uint8)
     consts = np.array([float((1 << bits) - 1), 0.0], dtype=_np_dtype(cdt))
     _numba.division_codes_kernel(xf, lf, h, w, i, bh, bw, np.uint64(seed), bits, consts,
@@ -162,7 +162,7 @@ def division_encode_cpu(x, lfc, bh, bw, bits, seed, row_stats=False):
         return _empty_division(x, row_stats)
     xf = x.detach().to(cdt).contiguous().reshape(-1).numpy()
     lf = lfc.to(cdt).contiguous().numpy()
-    a, h, w, i = x.shape
+    _, h, w, i = x.shape
     lo, hi, ok = _minmax_buffers(x, lf.shape[1], row_stats, xf.dtype)
     _set_threads()
     _numba.division_minmax_kernel(xf, lf, h, w, i, bh, bw, bool(row_stats), lo, hi, ok)
@@ -181,7 +181,7 @@ def division_compress_cpu(x, bh, bw, bits, seed, row_stats=False):
         lfc = block_mean_cpu(x, bh, bw).to(x.dtype)
         return (lfc, *division_encode_cpu(x, lfc, bh, bw, bits, seed, row_stats))
     a, h, w, i = x.shape
-    xc = x.detach().contiguous()
+    xc = x.detach().contiguous()  # float32/float64: the compute dtype
     lfc = torch.empty((a, -(-h // bh), -(-w // bw), i), dtype=cdt)
     lo, hi, ok = _minmax_buffers(x, lfc.shape[1], row_stats, _np_dtype(cdt))
     _set_threads()

@@ -26,8 +26,8 @@ from fewbit._library import cpu_kernel
 from fewbit.ops._ops import trace_into_triton
 from fewbit.quant import _reference as ref
 
-__all__ = ["group_quantize", "group_dequantize", "affine_codes", "affine_decode", "block_mean", "division_encode", "division_compress",
-           "division_decode"]
+__all__ = ["group_quantize", "group_dequantize", "affine_codes", "affine_decode", "block_mean", "division_encode",
+           "division_compress", "division_decode"]
 
 def _check_args(bits: int, group_size: int, dtype: torch.dtype) -> None:
     # as fewbit.ops._ops: a failed check raises through torch._check_value / torch._check_type

@@ -212,8 +212,9 @@ def test_division_bytes_per_element(block, bits):
     assert c.lfc.shape == (2 * 4, 8, 4, 1) and c.lfc.dtype == torch.float32
     seq = torch.randn(3, 16 * block, 24)
     c = comp.compress(seq, generator=gen(0))
-    assert c.nbytes == seq.numel() * (4 / block + bits / 8) + 4 * 3 * 16 * block == comp.bytes_per_element(seq) * seq.numel()
-    assert c.hfc.mins.shape == (3 * 16 * block,) and c.hfc.mins.dtype == torch.bfloat16
+    tokens = 3 * 16 * block
+    assert c.nbytes == seq.numel() * (4 / block + bits / 8) + 4 * tokens == comp.bytes_per_element(seq) * seq.numel()
+    assert c.hfc.mins.shape == (tokens,) and c.hfc.mins.dtype == torch.bfloat16
     half = x.to(torch.bfloat16)  # means kept in the input dtype
     assert comp.compress(half, generator=gen(0)).nbytes == n * (2 / block**2 + bits / 8) + 8
 
