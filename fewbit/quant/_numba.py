@@ -393,8 +393,6 @@ def _upsample_row(lfc_row, bw, W, I, buf):
 # its rows: the residual ``x - up`` is never materialised.
 
 
-
-
 @njit(inline="always", cache=True)
 def _rows_minmax(xf, buf, e0, rows, lov, hiv, bad):
     """Min, max and finiteness of the residual ``x - buf`` over ``rows`` rows of ``len(buf)``
