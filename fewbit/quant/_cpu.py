@@ -120,15 +120,16 @@ def block_mean_cpu(x, bh, bw):
     return out
 
 
-def _division_stats(lo, hi, ok, row_stats, bits, cdt):
-    """``(mins, scales)`` from the residual's min/max per row (``row_stats``: bfloat16) or per
-    row-block (reduced to one float32 pair for the tensor)."""
+def _division_stats(shape, lo, hi, ok, row_stats, bits, cdt):
+    """``(mins, scales)`` from the residual's min/max per row (``row_stats``) or per
+    row-block (reduced to one pair for the tensor), in :func:`ref.division_stats_layout`'s dtype."""
+    _, stats_dtype = ref.division_stats_layout(shape, row_stats)
     if row_stats:
-        return ref.group_stats_reference(torch.from_numpy(np.stack((lo, hi), 1).reshape(-1)), bits, 2,
-                                         torch.bfloat16)[:2]
-    nan = float("nan")
-    lohi = torch.tensor([lo.min(), hi.max()] if ok.all() else [nan, nan], dtype=cdt)
-    return ref.group_stats_reference(lohi, bits, 2, torch.float32)[:2]
+        lohi = torch.from_numpy(np.stack((lo, hi), 1).reshape(-1))
+    else:
+        nan = float("nan")
+        lohi = torch.tensor([lo.min(), hi.max()] if ok.all() else [nan, nan], dtype=cdt)
+    return ref.group_stats_reference(lohi, bits, 2, stats_dtype)[:2]
 
 
 def _division_codes(xf, lf, shape, bh, bw, bits, seed, mins, scales, cdt):
@@ -147,26 +148,20 @@ def _minmax_buffers(x, lfc_rows, row_stats, dtype):
     return np.empty(n, dtype), np.empty(n, dtype), np.ones(n, np.bool_)
 
 
-def _empty_division(x, row_stats):
-    rows, stats_dtype = (x.shape[0] * x.shape[1], torch.bfloat16) if row_stats else (1, torch.float32)
-    zero = torch.zeros(rows, dtype=stats_dtype)
-    return torch.empty(0, dtype=torch.uint8), zero, zero.clone()
-
-
 def division_encode_cpu(x, lfc, bh, bw, bits, seed, row_stats=False):
     """``(packed, mins, scales)``, bit-identical to
     :func:`fewbit.quant._reference.division_encode_reference` (fused: two passes over ``x``,
     the residual never materialised)."""
     cdt = compute_dtype(x.dtype)
-    if x.numel() == 0:
-        return _empty_division(x, row_stats)
+    if x.numel() == 0:  # no codes: the reference's empty stats
+        return ref.division_encode_reference(x, lfc, bh, bw, bits, seed, row_stats)
     xf = x.detach().to(cdt).contiguous().reshape(-1).numpy()
     lf = lfc.to(cdt).contiguous().numpy()
     _, h, w, i = x.shape
     lo, hi, ok = _minmax_buffers(x, lf.shape[1], row_stats, xf.dtype)
     _set_threads()
     _numba.division_minmax_kernel(xf, lf, h, w, i, bh, bw, bool(row_stats), lo, hi, ok)
-    mins, scales = _division_stats(lo, hi, ok, row_stats, bits, cdt)
+    mins, scales = _division_stats(x.shape, lo, hi, ok, row_stats, bits, cdt)
     return _division_codes(xf, lf, x.shape, bh, bw, bits, seed, mins, scales, cdt), mins, scales
 
 
@@ -186,7 +181,7 @@ def division_compress_cpu(x, bh, bw, bits, seed, row_stats=False):
     lo, hi, ok = _minmax_buffers(x, lfc.shape[1], row_stats, _np_dtype(cdt))
     _set_threads()
     _numba.block_mean_minmax_kernel(xc.numpy(), bh, bw, lfc.numpy(), bool(row_stats), lo, hi, ok)
-    mins, scales = _division_stats(lo, hi, ok, row_stats, bits, cdt)
+    mins, scales = _division_stats(x.shape, lo, hi, ok, row_stats, bits, cdt)
     packed = _division_codes(xc.reshape(-1).numpy(), lfc.numpy(), x.shape, bh, bw, bits, seed, mins, scales, cdt)
     return lfc, packed, mins, scales
 

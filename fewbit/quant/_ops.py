@@ -273,7 +273,7 @@ def division_encode(
 def _(x, lfc, bh, bw, bits, seed, row_stats=False):
     _check_block(x, bh, bw)
     _check_affine(bits, 1, x.dtype)
-    rows, stats_dtype = (x.shape[0] * x.shape[1], torch.bfloat16) if row_stats else (1, torch.float32)
+    rows, stats_dtype = ref.division_stats_layout(x.shape, row_stats)
     return (x.new_empty((packed_nbytes(x.numel(), bits),), dtype=torch.uint8),
             x.new_empty((rows,), dtype=stats_dtype), x.new_empty((rows,), dtype=stats_dtype))
 
@@ -319,7 +319,7 @@ def _(x, bh, bw, bits, seed, row_stats=False):
     _check_block(x, bh, bw)
     _check_affine(bits, 1, x.dtype)
     a, h, w, i = x.shape
-    rows, stats_dtype = (a * h, torch.bfloat16) if row_stats else (1, torch.float32)
+    rows, stats_dtype = ref.division_stats_layout(x.shape, row_stats)
     return (x.new_empty((a, (h + bh - 1) // bh, (w + bw - 1) // bw, i)),
             x.new_empty((packed_nbytes(x.numel(), bits),), dtype=torch.uint8),
             x.new_empty((rows,), dtype=stats_dtype), x.new_empty((rows,), dtype=stats_dtype))

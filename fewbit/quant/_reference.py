@@ -56,6 +56,7 @@ __all__ = [
     "affine_decode_reference",
     "block_mean_reference",
     "upsample_blocks",
+    "division_stats_layout",
     "division_encode_reference",
     "division_compress_reference",
     "division_decode_reference",
@@ -321,6 +322,13 @@ def upsample_blocks(lfc: torch.Tensor, bh: int, bw: int, h: int, w: int) -> torc
     return up[:, :h, :w]
 
 
+def division_stats_layout(shape, row_stats: bool) -> tuple[int, torch.dtype]:
+    """``(count, dtype)`` of DIVISION's residual stats for a view of ``shape`` ``(A, H, W, I)``:
+    one float32 ``(m, s)`` pair for the tensor, or with ``row_stats`` one bfloat16 pair per
+    row ``(a, h)``."""
+    return (shape[0] * shape[1], torch.bfloat16) if row_stats else (1, torch.float32)
+
+
 def division_encode_reference(x, lfc, bh, bw, bits, seed, row_stats=False, affine_codes=affine_codes_reference):
     """DIVISION's residual ``HFC = x - Upsample(lfc)`` quantized per tensor, or per row
     (docs/compression.md §3).
@@ -344,7 +352,7 @@ def division_encode_reference(x, lfc, bh, bw, bits, seed, row_stats=False, affin
     """
     cdt = compute_dtype(x.dtype)
     a, h, w, i = x.shape
-    rows, stats_dtype = (a * h, torch.bfloat16) if row_stats else (1, torch.float32)
+    rows, stats_dtype = division_stats_layout(x.shape, row_stats)
     hfc = (x.to(cdt) - upsample_blocks(lfc.to(cdt), bh, bw, h, w)).reshape(-1)
     if hfc.numel() == 0:
         zero = torch.zeros(rows, dtype=stats_dtype, device=x.device)
