@@ -21,6 +21,7 @@ __all__ = [
     "TABLE_BITS",
     "check_bits",
     "check_float_tensor",
+    "check_noise_norm",
     "check_positive_int",
     "is_int",
     "packed_nbytes",
@@ -78,6 +79,14 @@ def check_positive_int(value: Any, name: str, minimum: int = 1) -> int:
     if not is_int(value) or int(value) < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
     return int(value)
+
+
+def check_noise_norm(value: Any) -> str:
+    """``value`` if it is one of GACT's noise norms, ``"relative"`` or ``"absolute"``
+    (:class:`fewbit.quant.gact.GACTPolicy`); else ``ValueError``."""
+    if value not in ("relative", "absolute"):
+        raise ValueError(f"noise_norm must be 'relative' or 'absolute', got {value!r}")
+    return value
 
 
 def check_float_tensor(tensor: Any, name: str = "input") -> torch.Tensor:

@@ -84,7 +84,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fewbit import modules as fm
-from fewbit._checks import check_bits, check_positive_int
+from fewbit._checks import check_bits, check_noise_norm, check_positive_int
 from fewbit.activations import ACTIVATIONS, get_activation
 
 __all__ = ["Config", "ConversionSummary", "convert_", "LAYER_KINDS", "layer_kind"]
@@ -180,8 +180,7 @@ class Config:
         if self.compressor not in COMPRESSOR_CHOICES:
             raise ValueError(f"compressor must be one of {COMPRESSOR_CHOICES}, got {self.compressor!r}")
         object.__setattr__(self, "adapt_interval", check_positive_int(self.adapt_interval, "adapt_interval"))
-        if self.noise_norm not in ("relative", "absolute"):
-            raise ValueError(f"noise_norm must be 'relative' or 'absolute', got {self.noise_norm!r}")
+        check_noise_norm(self.noise_norm)
         object.__setattr__(self, "group_size", check_positive_int(self.group_size, "group_size"))
         object.__setattr__(self, "min_numel", check_positive_int(self.min_numel, "min_numel", minimum=0))
         if not isinstance(self.stochastic, bool):

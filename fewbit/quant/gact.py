@@ -27,7 +27,7 @@ from collections.abc import Sequence
 
 import torch
 
-from fewbit._checks import check_positive_int
+from fewbit._checks import check_noise_norm, check_positive_int
 from fewbit.quant.compressors import GroupQuantizer, Keep
 from fewbit.quant.policies import Policy, SavedTensorInfo
 
@@ -250,9 +250,7 @@ class GACTPolicy(Policy):
         if norm_min_bits not in CANDIDATE_BITS:
             raise ValueError(f"norm_min_bits must be one of {CANDIDATE_BITS}, got {norm_min_bits!r}")
         self.norm_min_bits = norm_min_bits
-        if noise_norm not in ("relative", "absolute"):
-            raise ValueError(f"noise_norm must be 'relative' or 'absolute', got {noise_norm!r}")
-        self.noise_norm = noise_norm
+        self.noise_norm = check_noise_norm(noise_norm)
         self.initial_bits = max(b for b in CANDIDATE_BITS if b <= self.average_bits)
         self._quantizers = {
             b: GroupQuantizer(b, group_size=group_size, stochastic=stochastic, stats_dtype=stats_dtype)
