@@ -622,8 +622,7 @@ def _policy(c: Config):
         from fewbit.quant.gact import GACTPolicy
 
         return GACTPolicy(c.average_bits, adapt_interval=c.adapt_interval, noise_norm=c.noise_norm,
-                          group_size=c.group_size,
-                          stochastic=c.stochastic)
+                          group_size=c.group_size, stochastic=c.stochastic)
     if c.compressor == "adacc":
         return AdaccPolicy(c.saved_bits, group_size=c.group_size)
     if c.compressor == "division":  # 1-D tensors: the group quantizer at the same bits

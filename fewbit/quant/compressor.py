@@ -333,7 +333,7 @@ class ActivationCompressor:
         self.records: dict = {}
         #: What results saved for their own nonlinear backward get (RESULT_BITS).
         self._result_compressor = GroupQuantizer(RESULT_BITS, group_size=group_size, stochastic=stochastic,
-                                                  stats_dtype=stats_dtype)
+                                                 stats_dtype=stats_dtype)
         # key -> (weakref to the tensor or its base, weakref to the handle)
         self._cache: dict = {}
 
