@@ -410,7 +410,11 @@ class ActivationCompressor:
         self.stats.skipped[reason] = self.stats.skipped.get(reason, 0) + 1
         self.stats.skipped_bytes[reason] = self.stats.skipped_bytes.get(reason, 0) + nbytes
         self.stats.bytes_skipped += nbytes
-        return t
+        # A detached alias (same storage and version counter, nothing copied), not ``t``: a
+        # result its own op saves (exp, rsqrt) would otherwise hold itself alive through
+        # result -> grad_fn -> saved result, a cycle in C++ that gc cannot see, and every
+        # graph dropped without backward leaked it (fewbit.quant.attention._keep).
+        return t.detach()
 
     def _pack(self, t: torch.Tensor):
         if t.layout != torch.strided or t.device.type == "meta":

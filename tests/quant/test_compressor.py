@@ -115,6 +115,13 @@ def test_dedup_one_copy_and_cache_released():
     assert len(comp._cache) == 0  # nothing outlives the graph
 
 
+def _as_is(packed, t):
+    """``packed`` is ``t`` left as it is: an alias of the same elements (a detached view
+    sharing storage and version counter), not a copy."""
+    return (isinstance(packed, torch.Tensor) and packed.data_ptr() == t.data_ptr() and packed.shape == t.shape
+            and packed.stride() == t.stride() and packed.dtype == t.dtype and packed._version == t._version)
+
+
 def test_parameters_ints_small_untouched():
     comp = ActivationCompressor(4, min_numel=1000)
     w = nn.Parameter(torch.randn(64, 64))
@@ -130,7 +137,7 @@ def test_parameters_ints_small_untouched():
     }
     for reason, tensors in kept.items():
         for t in tensors:
-            assert comp._pack(t) is t, (reason, t.shape)
+            assert _as_is(comp._pack(t), t), (reason, t.shape)
     for reason, tensors in kept.items():
         assert comp.stats.skipped[reason] == len(tensors)
     assert comp.stats.compressed == 0
@@ -313,7 +320,7 @@ def test_float_dropout_mask_packed_losslessly():
     for t in (torch.full((5000,), 2.0).index_fill_(0, torch.tensor([3]), 1.0),
               torch.zeros(5000).index_fill_(0, torch.tensor([3]), -0.0).index_fill_(0, torch.tensor([4]), 2.0),
               torch.full((5000,), float("inf"))):
-        assert comp._pack(t) is t
+        assert _as_is(comp._pack(t), t)
     assert comp.stats.skipped["no_grad"] == 3
     # through autograd: dropout's gradient is exact
     x = torch.randn(64, 256, requires_grad=True)
@@ -370,3 +377,27 @@ def test_other_views_of_one_storage_are_packed_apart():
         d = F.linear(y.view(32, 128), w128)  # the same elements as y: reused
     (a.sum() + b.sum() + c.sum() + d.sum()).backward()
     assert comp.stats.compressed == 3 and comp.stats.deduplicated == 1
+
+
+@pytest.mark.parametrize("op", ["keep", "rsqrt", "small"])
+def test_graph_dropped_without_backward_frees_results_kept_exact(op):
+    """A result its own op saves and the compressor keeps exact (``rsqrt``'s, a statistic;
+    anything below ``min_numel``) must not hold itself alive: a pack hook that returns the
+    tensor itself (or a ``Keep`` compressor) closes a cycle result -> grad_fn -> saved result through C++, which gc
+    cannot see, so every forward whose graph was dropped without backward (validation
+    under grad mode, an exception mid-step) leaked it. Failed before the fix."""
+    import weakref
+
+    x = torch.rand(64, 256, requires_grad=True) + 0.5
+    from fewbit.quant.compressors import get_compressor
+
+    kw = {"compressor": get_compressor("keep")} if op == "keep" else {}
+    comp = ActivationCompressor(2, min_numel=1 << 30 if op == "small" else 2048, **kw)
+    with comp:
+        y = torch.rsqrt(x * 1) if op == "rsqrt" else torch.exp(x * 1)
+        loss = y.sum()
+    ref = weakref.ref(y)
+    del y, loss
+    gc.collect()
+    assert ref() is None
+    assert sum(comp.stats.skipped.values()) >= 1
