@@ -73,23 +73,52 @@ class Task:
 # Variants
 # ---------------------------------------------------------------------------------------
 
-class QuantizedSavedActivation(nn.Module):
-    """Run an activation module with its saved tensors group-quantized (ActNN baseline).
+class _QuantizedInputBackward(torch.autograd.Function):
+    """The ActNN baseline's activation: forward as ``inner``; what is kept for backward is
+    the input group-quantized (``fewbit.quant.quantize``, stochastic rounding), and backward
+    is ``inner``'s at the dequantized input (ActNN, Chen et al. 2021; the baseline of
+    Novikov et al. 2023, Table 2). Its own autograd function, not a compressor's saved-tensor
+    hook: the compressor keeps the input of a call whose backward is not linear in it exact
+    (fewbit.quant.nonlinear), which is exactly what this baseline does not do."""
 
-    Only tensors saved inside ``inner`` go through ``fewbit.compress_activations(bits)``.
-    """
+    @staticmethod
+    def forward(ctx, x, inner, bits, group_size, *params):
+        from fewbit.quant import quantize
+
+        qt = quantize(x, bits, group_size=group_size)
+        ctx.save_for_backward(qt.packed, qt.mins, qt.scales)
+        ctx.meta = (qt.shape, qt.dtype, bits, group_size)
+        ctx.inner = inner
+        return inner(x.clone() if getattr(inner, "inplace", False) else x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        from fewbit.quant import QuantizedTensor, dequantize
+
+        params = [p for p in ctx.inner.parameters()]
+        x = dequantize(QuantizedTensor(*ctx.saved_tensors, *ctx.meta)).requires_grad_()
+        with torch.enable_grad():
+            y = ctx.inner(x)
+        wanted = [x] + [p for p in params if p.requires_grad]
+        grads = iter(torch.autograd.grad(y, wanted, grad, allow_unused=True))
+        gx = next(grads)
+        return (gx, None, None, None) + tuple(next(grads) if p.requires_grad else None for p in params)
+
+
+class QuantizedSavedActivation(nn.Module):
+    """Run an activation module with its input kept group-quantized for backward (the
+    ActNN baseline; :class:`_QuantizedInputBackward`). The saved bytes are those of the
+    packed codes and their per-group statistics (``bits`` per element + 2 bfloat16 values
+    per ``group_size`` elements)."""
 
     def __init__(self, inner: nn.Module, bits: int = 2, group_size: int = 256) -> None:
         super().__init__()
         self.inner, self.bits, self.group_size = inner, bits, group_size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        import fewbit
-        from fewbit.memory import resume_recording
-
-        with fewbit.compress_activations(self.bits, group_size=self.group_size, min_numel=0):
-            with resume_recording():
-                return self.inner(x)
+        if not (torch.is_grad_enabled() and x.requires_grad):
+            return self.inner(x)
+        return _QuantizedInputBackward.apply(x, self.inner, self.bits, self.group_size, *self.inner.parameters())
 
     def extra_repr(self) -> str:
         return f"bits={self.bits}, group_size={self.group_size}"
@@ -120,7 +149,7 @@ def apply_variant(model: nn.Module, variant: str) -> StepContext:
     group-quantized); ``gact2``/``gact4``: ``Config(activation_bits=3, saved_bits="auto",
     average_bits=2/4)`` (:func:`train_loop` calls ``adapt`` before each step); ``division``:
     ``saved_bits=2, compressor="division"``; ``adacc``: ``saved_bits=4, compressor="adacc"``; ``actnn2``: activation modules wrapped in
-    :class:`QuantizedSavedActivation` (2 bits). The returned context (entered around each
+    :class:`QuantizedSavedActivation` (inputs kept at 2 bits). The returned context (entered around each
     forward) is currently a no-op for every variant.
 
     Raises:
