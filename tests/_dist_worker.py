@@ -178,7 +178,7 @@ def _compressor(summary):
 
 class _ForwardTensors(torch.overrides.TorchFunctionMode):
     """Weak references to every tensor a torch function returns while active (also inside
-    fewbit's AttentionMode, which hands its own calls down to this mode)."""
+    fewbit's CompressionMode, which hands its own calls down to this mode)."""
 
     def __init__(self) -> None:
         super().__init__()

@@ -50,7 +50,7 @@ tests/quant/test_gradient_statistics.py.
 
 Interception: while an :class:`~fewbit.quant.ActivationCompressor` is active (inside a
 module converted by ``fewbit.convert_``, or a ``with fewbit.compress_activations(...)``
-block), a :class:`torch.overrides.TorchFunctionMode` reroutes every call of
+block), :class:`fewbit.quant.mode.CompressionMode` reroutes every call of
 ``torch.nn.functional.scaled_dot_product_attention`` (Hugging Face ``"sdpa"`` attention,
 ``nn.MultiheadAttention`` with ``need_weights=False`` through
 ``F.multi_head_attention_forward``, user code) whose ``q, k, v`` the compressor would
@@ -66,9 +66,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 
-__all__ = ["scaled_dot_product_attention", "AttentionMode", "QK_BITS"]
+__all__ = ["scaled_dot_product_attention", "reroute", "QK_BITS"]
 
 _SDPA = F.scaled_dot_product_attention
 _MHA_FORWARD = F.multi_head_attention_forward
@@ -263,11 +262,14 @@ class _PackAt:
 
 
 def _active_compressor():
-    """The compressor of the innermost active :class:`AttentionMode`, or None."""
+    """The compressor of the innermost active :class:`~fewbit.quant.mode.CompressionMode`,
+    or None."""
     from torch.overrides import _get_current_function_mode_stack
 
+    from fewbit.quant.mode import CompressionMode
+
     for mode in reversed(_get_current_function_mode_stack()):
-        if isinstance(mode, AttentionMode):
+        if isinstance(mode, CompressionMode):
             return mode.compressor
     return None
 
@@ -356,51 +358,39 @@ def _plain(t: Any) -> bool:
     )
 
 
-class AttentionMode(TorchFunctionMode):
-    """Reroutes ``F.scaled_dot_product_attention`` to :func:`scaled_dot_product_attention`.
+def reroute(mode, func, types, args: tuple, kwargs: dict) -> Any:
+    """The SDPA part of :class:`~fewbit.quant.mode.CompressionMode` (grad enabled, not
+    compiling): a call of ``F.scaled_dot_product_attention`` goes to
+    :func:`scaled_dot_product_attention` when ``query, key, value`` are plain strided
+    floating tensors, and at least one of them requires grad, is not a parameter and has at
+    least ``compressor.min_numel`` elements (so the compressor will quantize it);
+    ``F.multi_head_attention_forward`` is re-entered with ``mode`` active so that the SDPA
+    call inside it is seen too. Returns :data:`fewbit.quant.nonlinear.NOT_HANDLED` for
+    other calls."""
+    from fewbit.quant.nonlinear import NOT_HANDLED
 
-    Pushed by :class:`~fewbit.quant.ActivationCompressor` while it is active. A call is
-    rerouted when grad is enabled, ``query, key, value`` are plain strided floating
-    tensors, and at least one of them requires grad, is not a parameter and has at least
-    ``compressor.min_numel`` elements (so the compressor will quantize it); other calls go
-    to torch unchanged. ``F.multi_head_attention_forward`` is re-entered with the mode
-    active so that the SDPA call inside it is seen too.
+    if func is _SDPA and not getattr(_STATE, "bypass", False):
+        bound = _bind(args, kwargs)
+        if bound is not None:
+            qkv = (bound["query"], bound["key"], bound["value"])
+            mask = bound.get("attn_mask")
+            if (
+                all(_plain(t) for t in qkv)
+                and (mask is None or type(mask) in (torch.Tensor, torch.nn.Parameter))
+                and any(_compressible(mode.compressor, t) for t in qkv)
+            ):
+                full = dict(zip(_SDPA_ARGS, (None, None, None, None, 0.0, False, None, False)))
+                full.update(bound)
+                return _apply(mode.compressor, *(full[n] for n in _SDPA_ARGS))
+    elif func is _MHA_FORWARD and _redispatch is not None:
+        # A Python function that dispatches __torch_function__ itself: run its body
+        # with the mode on again, or the SDPA call inside would not be seen.
+        with mode:
+            return _redispatch(func, types, args, kwargs)
+    return NOT_HANDLED
 
-    Args:
-        compressor: the :class:`~fewbit.quant.ActivationCompressor` that pushes the mode.
-    """
 
-    def __init__(self, compressor) -> None:
-        super().__init__()
-        self.compressor = compressor
+def _compressible(comp, t: torch.Tensor) -> bool:
+    from fewbit.quant.compressor import _is_parameter
 
-    def _compressible(self, t: torch.Tensor) -> bool:
-        from fewbit.quant.compressor import _is_parameter
-
-        return t.requires_grad and t.numel() >= max(self.compressor.min_numel, 1) and not _is_parameter(t)
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if torch.compiler.is_compiling():
-            # Dynamo traces this mode: stay out of its way. A compiled graph saves its own
-            # (detached) tensors, which the compressor keeps exact: consistent, uncompressed.
-            return func(*args, **kwargs)
-        if func is _SDPA and not getattr(_STATE, "bypass", False) and torch.is_grad_enabled():
-            bound = _bind(args, kwargs)
-            if bound is not None:
-                qkv = (bound["query"], bound["key"], bound["value"])
-                mask = bound.get("attn_mask")
-                if (
-                    all(_plain(t) for t in qkv)
-                    and (mask is None or type(mask) in (torch.Tensor, torch.nn.Parameter))
-                    and any(self._compressible(t) for t in qkv)
-                ):
-                    full = dict(zip(_SDPA_ARGS, (None, None, None, None, 0.0, False, None, False)))
-                    full.update(bound)
-                    return _apply(self.compressor, *(full[n] for n in _SDPA_ARGS))
-        elif func is _MHA_FORWARD and _redispatch is not None:
-            # A Python function that dispatches __torch_function__ itself: run its body
-            # with this mode on again, or the SDPA call inside would not be seen.
-            with self:
-                return _redispatch(func, types, args, kwargs)
-        return func(*args, **kwargs)
+    return t.requires_grad and t.numel() >= max(comp.min_numel, 1) and not _is_parameter(t)

@@ -8,6 +8,7 @@ element + stats), bool masks are packed losslessly at 1 bit, and the rest is kep
 
 from __future__ import annotations
 
+import functools
 import weakref
 from dataclasses import dataclass, field
 
@@ -62,8 +63,9 @@ class CompressionStats:
             and ``reciprocal`` saved for their own backward, which is not linear in them:
             a Python RMSNorm's ``rsqrt`` of the mean square; and any tensor of 2 or more
             dims whose last dim is 1, a per-row statistic such as a divisor ``std +
-            eps``), ``kept`` (left exact by a
-            :class:`~fewbit.quant.compressors.Keep` compressor).
+            eps``), ``nonlinear`` (saved by a call whose backward is not linear in them:
+            ``gelu``, ``x ** 3``, ``abs``, a division, ...; :mod:`fewbit.quant.nonlinear`),
+            ``kept`` (left exact by a :class:`~fewbit.quant.compressors.Keep` compressor).
     """
 
     bytes_before: int = 0
@@ -336,6 +338,10 @@ class ActivationCompressor:
                                                  stats_dtype=stats_dtype)
         # key -> (weakref to the tensor or its base, weakref to the handle)
         self._cache: dict = {}
+        # key -> weakref to the tensor or its base, of tensors kept exact by a call whose
+        # backward is not linear in what it saves (fewbit.quant.nonlinear); > 0 inside one
+        self._kept: dict = {}
+        self._keep_depth = 0
 
     def __repr__(self) -> str:
         return f"ActivationCompressor(policy={self.policy!r}, min_numel={self.min_numel})"
@@ -366,19 +372,42 @@ class ActivationCompressor:
         if self._where:
             self._where.pop()
 
+    def _keeping(self, func, args: tuple, kwargs: dict):
+        """``func(*args, **kwargs)`` with everything it saves kept exact (reason
+        ``nonlinear``; fewbit.quant.nonlinear)."""
+        self._keep_depth += 1
+        try:
+            return func(*args, **kwargs)
+        finally:
+            self._keep_depth -= 1
+
+    def _within_norm(self, size: int | None, shape: tuple, func, args: tuple, kwargs: dict):
+        """``func(*args, **kwargs)``, a normalization function whose input of ``shape`` has
+        rows of ``size`` elements, with that ``norm_size`` (unless a converted norm module
+        running it gave one already; fewbit.quant.nonlinear)."""
+        outer = self._where[-1] if self._where else (None, None, None)
+        if size is None or outer[2] is not None:
+            return func(*args, **kwargs)
+        self._where.append((outer[0], outer[1], lambda s: size if s == shape else None))
+        try:
+            return func(*args, **kwargs)
+        finally:
+            self._where.pop()
+
     # context manager -------------------------------------------------------------------
     def __enter__(self) -> "ActivationCompressor":
         """Install the saved-tensor hooks; the outermost entry also pushes
-        :class:`fewbit.quant.attention.AttentionMode`, which reroutes
+        :class:`fewbit.quant.mode.CompressionMode`, which reroutes
         ``F.scaled_dot_product_attention`` to a backward that recomputes from the saved q,
         k, v (torch's fused kernels rebuild softmax from an exact logsumexp that quantized
-        q, k no longer match; docs/compression.md §1)."""
+        q, k no longer match), and the calls whose backward is not linear in what they save
+        (:mod:`fewbit.quant.nonlinear`; docs/compression.md §1)."""
         ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         ctx.__enter__()
         if not self._stack:
             if self._auto_step:
                 self.step()
-            mode = _attention_mode(self)
+            mode = _compression_mode(self)
             try:
                 mode.__enter__()
             except BaseException:
@@ -447,6 +476,17 @@ class ActivationCompressor:
         key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.dtype, t.device, t._version) + (
             (t.numel(),) if t.is_contiguous() else (tuple(t.shape), t.stride())
         )
+        if not is_bool and mask_value is None:
+            kept = self._kept.get(key)
+            kept = kept() if kept is not None else None
+            if self._keep_depth:  # inside a call whose backward is not linear in it
+                if kept is None:
+                    self._kept[key] = weakref.ref(t._base if t._base is not None else t,
+                                                  functools.partial(_drop_kept, self._kept, key))
+                    return self._skip(t, "nonlinear")
+            if kept is not None:  # already kept exact: a quantized copy would only add bytes
+                self.stats.deduplicated += 1
+                return t.detach()
         hit = self._cache.get(key)
         if hit is not None:
             anchor, handle = hit[0](), hit[1]()
@@ -570,6 +610,11 @@ def _per_row_statistic(t: torch.Tensor) -> bool:
     return t.dim() >= 2 and t.shape[-1] == 1
 
 
+def _drop_kept(kept: dict, key, ref) -> None:
+    if kept.get(key) is ref:
+        del kept[key]
+
+
 def _result_of(t: torch.Tensor) -> str | None:
     """The class name of the autograd node that produced ``t`` (None for a leaf)."""
     fn = t.grad_fn
@@ -609,8 +654,8 @@ def compress_activations(bits: int = 4, **options) -> ActivationCompressor:
     return ActivationCompressor(bits, **options)
 
 
-def _attention_mode(comp: ActivationCompressor):
-    """The TorchFunctionMode an active compressor pushes (fewbit.quant.attention)."""
-    from fewbit.quant.attention import AttentionMode
+def _compression_mode(comp: ActivationCompressor):
+    """The TorchFunctionMode an active compressor pushes (fewbit.quant.mode)."""
+    from fewbit.quant.mode import CompressionMode
 
-    return AttentionMode(comp)
+    return CompressionMode(comp)

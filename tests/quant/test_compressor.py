@@ -75,7 +75,10 @@ def test_conv_net_gradients_close():
     exact = _grads(model, x)
     comp = ActivationCompressor(4)
     approx = _grads(model, x, comp)
-    assert comp.stats.compressed >= 3
+    # BatchNorm's and the second conv's inputs; ReLU keeps a 1-bit code, GELU its input exact
+    # (backward not linear in them: fewbit.quant.nonlinear)
+    assert comp.stats.compressed >= 2
+    assert comp.stats.skipped["dtype"] == 1 and comp.stats.skipped["nonlinear"] == 1
     assert _cos(exact, approx) > 0.98
     # channels_last activations come back contiguous: autograd accepts them
     model_cl = model.to(memory_format=torch.channels_last)

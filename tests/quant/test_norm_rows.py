@@ -7,6 +7,7 @@ group that spans two rows of different scales gives the small row the large row'
 """
 
 import math
+import types
 
 import pytest
 import torch
@@ -67,9 +68,10 @@ def test_normalization_size(module, shape, expected):
     assert normalization_size(module, shape) == expected
 
 
-def _input_grad_bias(norm: nn.Module, draws: int = 400, bits: int = 2):
+def _input_grad_bias(norm: nn.Module, draws: int = 400, bits: int = 2, bare: bool = False):
     """Relative bias of the input gradient of the small-scale rows (rows alternate between
-    scales 1 and 30), mean of ``draws`` compressed backward passes against the exact one."""
+    scales 1 and 30), mean of ``draws`` compressed backward passes against the exact one;
+    ``bare``: inside ``fewbit.compress_activations(bits)`` instead of a converted model."""
     torch.manual_seed(0)
     rows, c = 64, 128
     scale = torch.where(torch.arange(rows) % 2 == 0, 1.0, 30.0)[:, None]
@@ -82,8 +84,15 @@ def _input_grad_bias(norm: nn.Module, draws: int = 400, bits: int = 2):
         return x.grad
 
     ref = grad(norm)
-    model = nn.Sequential(norm)
-    summary = fewbit.convert_(model, fewbit.Config(saved_bits=bits, layers=("norm",)))
+    if bare:
+        summary = types.SimpleNamespace(compressor=fewbit.compress_activations(bits))
+
+        def model(x):
+            with summary.compressor:
+                return norm(x)
+    else:
+        model = nn.Sequential(norm)
+        summary = fewbit.convert_(model, fewbit.Config(saved_bits=bits, layers=("norm",)))
     torch.manual_seed(1)
     mean = torch.stack([grad(model) for _ in range(draws)]).mean(0)
     small = slice(0, None, 2)
@@ -99,6 +108,19 @@ def test_norm_input_gradient_not_biased_by_rows_of_other_scales(make):
     assert bias < 0.03, bias
     records = list(summary.compressor.records.values())
     assert records and all(r.compressor == "group" for r in records)
+
+
+@pytest.mark.parametrize("make", [lambda: nn.LayerNorm(128), lambda: nn.RMSNorm(128)], ids=["LayerNorm", "RMSNorm"])
+def test_norm_functions_in_a_bare_block_get_row_groups(make):
+    """Inside a bare ``fewbit.compress_activations`` block (no converted module to say it is
+    a norm) ``F.layer_norm``/``F.rms_norm`` tell the compressor their row size
+    (fewbit.quant.nonlinear.NORMS). Before: 6.0 (LayerNorm) and 6.2 (RMSNorm)."""
+    bias, summary = _input_grad_bias(make(), bare=True)
+    assert bias < 0.03, bias
+    records = list(summary.compressor.records.values())
+    # LayerNorm saves its input; torch's RMSNorm also its normalized input (for the weight)
+    assert records and all((r.compressor, r.shape) == ("group", (64, 128)) for r in records)
+    assert all(r.nbytes == 64 * 128 // 4 + 64 * 4 for r in records)  # one group (two bf16 stats) per row
 
 
 def test_norm_input_groups_are_rows_in_the_bytes():
@@ -153,6 +175,19 @@ class ChannelsFirstLayerNorm(nn.Module):
         return (x - u) / torch.sqrt(s + self.eps)
 
 
+class ChannelsFirstStdLayerNorm(nn.Module):
+    """A channels-first LayerNorm that divides by ``std + eps`` of shape ``(N, 1, H, W)``:
+    no last dim of 1 marks the divisor, and the addition that makes it tells nothing. The
+    division keeps it exact (reason ``nonlinear``; fewbit.quant.nonlinear)."""
+
+    def __init__(self, n, eps=1e-6):
+        super().__init__()
+        self.eps = eps
+
+    def forward(self, x):
+        return (x - x.mean(1, keepdim=True)) / (x.std(1, keepdim=True) + self.eps)
+
+
 class AnnotatedLayerNorm(nn.Module):
     """A LayerNorm written in Python as in "The Annotated Transformer":
     ``a * (x - mean) / (std + eps) + b``. It saves ``std + eps``, one value per row, for the
@@ -172,10 +207,11 @@ class AnnotatedLayerNorm(nn.Module):
 
 
 @pytest.mark.parametrize("norm_class, shape, draws, statistics", [
-    (LlamaStyleRMSNorm, (4096, 64), 200, 1),
-    (AnnotatedLayerNorm, (4096, 64), 200, 2),
-    (ChannelsFirstLayerNorm, (16, 16, 4, 4), 1000, 1),
-], ids=["rsqrt", "last", "channels"])
+    (LlamaStyleRMSNorm, (4096, 64), 200, {"statistic": 1}),
+    (AnnotatedLayerNorm, (4096, 64), 200, {"statistic": 2}),
+    (ChannelsFirstLayerNorm, (16, 16, 4, 4), 1000, {"statistic": 1}),
+    (ChannelsFirstStdLayerNorm, (16, 16, 4, 4), 1000, {"nonlinear": 2}),
+], ids=["rsqrt", "last", "channels", "channels-std"])
 def test_per_row_statistics_are_kept_exact(norm_class, shape, draws, statistics):
     """Per-row statistics saved for backward are kept exact. LLaMA's RMSNorm saves the rsqrt
     of each row's mean square for rsqrt's own backward (``-r^3 g / 2``), ConvNeXt's
@@ -184,8 +220,9 @@ def test_per_row_statistics_are_kept_exact(norm_class, shape, draws, statistics)
     is one too: backward divides by it or raises it to a power, and rows of different scales
     share no linear grid. Quantized at 2 bits (rows of scales e^(+-1)), the input gradient
     was off by 9.5x its norm (RMSNorm, 600 draws, 8192 rows) and 1708x (the Python
-    LayerNorm: a divisor rounded towards 0). Kept exact, the mean of the draws is within 3
-    standard errors of the exact gradient."""
+    LayerNorm: a divisor rounded towards 0). A channels-first divisor ``std + eps`` of shape
+    ``(N, 1, H, W)`` has no such mark; the division keeps what it saves exact. Kept exact,
+    the mean of the draws is within 3 standard errors of the exact gradient."""
     torch.manual_seed(0)
     rows = torch.randn(shape[0], 1) if len(shape) == 2 else torch.randn(shape[0], 1, *shape[2:])
     x0 = torch.randn(shape) * torch.exp(rows)
@@ -205,7 +242,8 @@ def test_per_row_statistics_are_kept_exact(norm_class, shape, draws, statistics)
     standard_error = draws.std(0).norm() / math.sqrt(len(draws))  # of the mean, as a vector
     assert (draws.mean(0) - ref).norm() < 3 * standard_error + 0.01 * ref.norm()
     comp = summary.compressor
-    assert comp.stats.skipped.get("statistic", 0) >= statistics  # rsqrt's, sqrt's; std's result and std + eps
+    for reason, count in statistics.items():  # rsqrt's, sqrt's; std's result and std + eps
+        assert comp.stats.skipped.get(reason, 0) >= count, comp.stats.skipped
     assert all(r.shape == shape for r in comp.records.values())  # only the rows compressed
 
 

@@ -1,0 +1,47 @@
+"""The torch function mode an active compressor pushes (docs/compression.md §1).
+
+Saved-tensor hooks see what is saved, not which op saves it. Some ops need more than an
+unbiased quantizer of what they save: fused attention rebuilds softmax from an exact
+logsumexp (:mod:`fewbit.quant.attention`), and ops whose backward is not linear in what
+they save turn the quantization variance into a bias (:mod:`fewbit.quant.nonlinear`).
+:class:`CompressionMode` sees every torch function call made while the compressor is active
+and hands those calls to the module that handles them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from fewbit.quant import attention, nonlinear
+
+__all__ = ["CompressionMode"]
+
+
+class CompressionMode(TorchFunctionMode):
+    """Reroutes the calls of :mod:`fewbit.quant.attention` (``F.scaled_dot_product_attention``)
+    and :mod:`fewbit.quant.nonlinear` (stepwise activations, ops whose backward is not
+    linear in what they save, normalization functions) while a compressor is active.
+
+    Pushed by :class:`~fewbit.quant.ActivationCompressor` (its outermost ``with``). Calls
+    without grad, and every call while ``torch.compile`` traces (a compiled graph saves its
+    own tensors, which the compressor keeps exact), go to torch unchanged.
+
+    Args:
+        compressor: the :class:`~fewbit.quant.ActivationCompressor` that pushes the mode.
+    """
+
+    def __init__(self, compressor) -> None:
+        super().__init__()
+        self.compressor = compressor
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if torch.compiler.is_compiling() or not torch.is_grad_enabled():
+            return func(*args, **kwargs)
+        out = attention.reroute(self, func, types, args, kwargs)
+        if out is nonlinear.NOT_HANDLED:
+            out = nonlinear.reroute(self.compressor, func, args, kwargs)
+            if out is nonlinear.NOT_HANDLED:
+                return func(*args, **kwargs)
+        return out
