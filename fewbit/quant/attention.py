@@ -67,6 +67,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from fewbit.quant.nonlinear import NOT_HANDLED
+
 __all__ = ["scaled_dot_product_attention", "reroute", "QK_BITS"]
 
 _SDPA = F.scaled_dot_product_attention
@@ -77,6 +79,8 @@ _MHA_FORWARD = F.multi_head_attention_forward
 _redispatch = getattr(torch.overrides, "redispatch_function", None)
 if _redispatch is None and hasattr(torch._C, "_skip_one_hop_torch_function"):
     _redispatch = torch._C._skip_one_hop_torch_function
+#: The torch callables :func:`reroute` looks at.
+ROUTED = (_SDPA, _MHA_FORWARD)
 
 _STATE = threading.local()
 
@@ -365,10 +369,8 @@ def reroute(mode, func, types, args: tuple, kwargs: dict) -> Any:
     floating tensors, and at least one of them requires grad, is not a parameter and has at
     least ``compressor.min_numel`` elements (so the compressor will quantize it);
     ``F.multi_head_attention_forward`` is re-entered with ``mode`` active so that the SDPA
-    call inside it is seen too. Returns :data:`fewbit.quant.nonlinear.NOT_HANDLED` for
+    call inside it is seen too. Returns :data:`~fewbit.quant.nonlinear.NOT_HANDLED` for
     other calls."""
-    from fewbit.quant.nonlinear import NOT_HANDLED
-
     if func is _SDPA and not getattr(_STATE, "bypass", False):
         bound = _bind(args, kwargs)
         if bound is not None:

@@ -17,6 +17,10 @@ from fewbit.quant import attention, nonlinear
 
 __all__ = ["CompressionMode"]
 
+# Every callable some module here handles: one set lookup per call for all the others.
+_ROUTED = frozenset(attention.ROUTED) | frozenset(nonlinear.STEPWISE) | frozenset(nonlinear.KEEP) | frozenset(
+    nonlinear.NORMS)
+
 
 class CompressionMode(TorchFunctionMode):
     """Reroutes the calls of :mod:`fewbit.quant.attention` (``F.scaled_dot_product_attention``)
@@ -37,7 +41,7 @@ class CompressionMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if torch.compiler.is_compiling() or not torch.is_grad_enabled():
+        if func not in _ROUTED or torch.compiler.is_compiling() or not torch.is_grad_enabled():
             return func(*args, **kwargs)
         out = attention.reroute(self, func, types, args, kwargs)
         if out is nonlinear.NOT_HANDLED:
