@@ -32,8 +32,9 @@ function call up here:
   inside each normalized row (``Compressor.within``).
 
 Calls that the pack hook would not compress anyway (grad disabled, no floating input that
-requires grad) go to torch unchanged. Under ``torch.compile`` the mode stands aside (a
-compiled graph saves its own tensors, which the compressor keeps exact).
+requires grad, a stepwise activation of fewer than ``min_numel`` elements) go to torch
+unchanged. Under ``torch.compile`` the mode stands aside (a compiled graph saves its own
+tensors, which the compressor keeps exact).
 """
 
 from __future__ import annotations
@@ -221,6 +222,8 @@ def reroute(comp, func: Callable, args: tuple, kwargs: dict) -> Any:
     if step is not None:
         x = args[0] if args else kwargs.get("input")
         if not (_grad_float(x) and type(x) in (torch.Tensor, torch.nn.Parameter) and x.layout == torch.strided):
+            return NOT_HANDLED
+        if x.numel() < max(comp.min_numel, 1):  # the compressor keeps it exact anyway
             return NOT_HANDLED
         bound = _bind_stepwise(step[0], step[1], args, kwargs)
         if bound is None:

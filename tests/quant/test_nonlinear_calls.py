@@ -77,6 +77,16 @@ def test_stepwise_calls_are_exact_from_one_bit(name, dtype):
     assert comp.stats.skipped.get("dtype", 0) == 1  # the packed 1-bit codes
 
 
+def test_stepwise_calls_below_min_numel_stay_torch_calls():
+    """A tensor the compressor would keep exact anyway (fewer than ``min_numel`` elements)
+    needs no 1-bit code: torch's own ReLU runs, with no extra autograd function."""
+    x = torch.randn(8, 8, requires_grad=True)
+    with ActivationCompressor(2) as comp:  # min_numel 4096
+        y = F.relu(x * 1)
+    assert type(y.grad_fn).__name__ == "ReluBackward0"
+    assert comp.stats.skipped == {"small": 1}
+
+
 KEEP_CALLS = {
     "F.gelu": (F.gelu, False),
     "nn.GELU tanh": (nn.GELU(approximate="tanh"), False),
