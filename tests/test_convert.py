@@ -699,6 +699,30 @@ def test_converted_transformers_logits_bit_identical(make):
 
 
 @needs_transformers
+@pytest.mark.parametrize("make", [m for _, m in _hf_models()], ids=[n for n, _ in _hf_models()])
+def test_bare_compress_block_keeps_transformers_outputs_bit_identical(make):
+    """A bare ``fewbit.compress_activations`` block around a Hugging Face model (no
+    conversion: its functional activations, ``x ** 3`` GELUs, norms and attention go through
+    the compressor's torch function mode) changes no bit of the output, and at 8 bits the
+    gradient is torch's up to the quantization noise."""
+    torch.manual_seed(0)
+    model = make().eval()  # no dropout; autograd records as in training
+    x = torch.randn(2, 3, 8, 8) if isinstance(model, transformers.ViTModel) else torch.randint(0, 64, (2, 16))
+    y0 = _loss(model, x)
+    y0.float().pow(2).mean().backward()
+    g0 = torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
+    model.zero_grad()
+    comp = fewbit.compress_activations(8, min_numel=0)
+    with comp:
+        y1 = _loss(model, x)
+    assert torch.equal(y1, y0)
+    y1.float().pow(2).mean().backward()
+    g1 = torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
+    assert comp.stats.compressed > 0 and torch.isfinite(g1).all()
+    assert _cos(g1, g0) > 0.99
+
+
+@needs_transformers
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64], ids=str)
 def test_converted_gpt2_logits_bit_identical_in_other_dtypes(dtype):
     torch.manual_seed(0)
