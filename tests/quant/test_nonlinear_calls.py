@@ -38,6 +38,18 @@ def _run(call, x0, g, comp=None):
     return y.detach(), x.grad
 
 
+def _same_as_torch(call, x0, g):
+    """Run ``call`` without and with a 2-bit compressor: output and input gradient bit for
+    bit the same, nothing quantized. Returns the compressor."""
+    y_ref, g_ref = _run(call, x0, g)
+    comp = ActivationCompressor(2, min_numel=0)
+    y, grad = _run(call, x0, g, comp)
+    assert torch.equal(y, y_ref)
+    assert torch.equal(grad, g_ref)
+    assert comp.stats.compressed == 0
+    return comp
+
+
 STEPWISE_CALLS = {
     "F.relu": lambda x: F.relu(x),
     "torch.relu": torch.relu,
@@ -68,12 +80,7 @@ def test_stepwise_calls_are_exact_from_one_bit(name, dtype):
     call = STEPWISE_CALLS[name]
     x0, g = _data()
     x0, g = x0.to(dtype), g.to(dtype)
-    y_ref, g_ref = _run(call, x0, g)
-    comp = ActivationCompressor(2, min_numel=0)
-    y, grad = _run(call, x0, g, comp)
-    assert torch.equal(y, y_ref)
-    assert torch.equal(grad, g_ref)
-    assert comp.stats.compressed == 0
+    comp = _same_as_torch(call, x0, g)
     assert comp.stats.skipped.get("dtype", 0) == 1  # the packed 1-bit codes
 
 
@@ -117,12 +124,7 @@ def test_nonlinear_calls_keep_what_they_save_exact(name):
     x0, _ = _data(positive=positive)
     ref_out = call(x0.clone().requires_grad_() * 1)
     g = torch.randn(ref_out.shape, generator=torch.Generator().manual_seed(5))
-    y_ref, g_ref = _run(call, x0, g)
-    comp = ActivationCompressor(2, min_numel=0)
-    y, grad = _run(call, x0, g, comp)
-    assert torch.equal(y, y_ref)
-    assert torch.equal(grad, g_ref)
-    assert comp.stats.compressed == 0
+    comp = _same_as_torch(call, x0, g)
     assert comp.stats.skipped["nonlinear"] >= 1
 
 
