@@ -1,7 +1,7 @@
 """Convert a model in place: few-bit activations and compressed saved tensors.
 
 :func:`convert_` (torchao ``quantize_`` style: an in-place verb, a frozen
-:class:`Config`, ``filter_fn(module, fqn)``) does two things:
+:class:`Config`, ``filter_fn(module, fqn)``) does three things:
 
 1. **Activations** (``config.activation_bits``): every ``torch.nn`` activation module
    that fewbit supports is replaced by its :mod:`fewbit.modules` twin with the same
@@ -19,6 +19,17 @@
    (Chen et al., "ActNN", ICML 2021; docs/method.md §7) and a tensor saved by several layers
    is compressed once. Everything executed inside such a module is covered, including
    its submodules (e.g. the projections inside an ``...Attention`` module).
+3. **Activations called as functions** (``config.activation_bits``, when ``filter_fn``
+   accepts the root ``""``): ``F.gelu(h)``, ``h.relu()``, ``torch.relu_(h)``,
+   ``F.silu``, ``F.mish``, ``F.elu``/``celu``/``selu``, ``F.hardswish`` and the stepwise
+   functions, called anywhere in the model's forward, run as :mod:`fewbit.functional`'s:
+   the same output bit for bit, ``activation_bits`` bits per element kept (stepwise: exact
+   from 1 bit). A torch function mode pushed for the forward
+   (:class:`fewbit._activation_calls.ActivationMode`) does it; ``sigmoid``, ``tanh``,
+   ``softplus`` and ``logsigmoid`` are left to torch (gates, soft-capping and losses use
+   them). The mode costs about 3 µs of Python per torch call in the forward, so a forward
+   that calls no such function turns it off, and it looks again at forwards 2, 4, 8, ...
+   (up to every 1024th). Under ``torch.compile`` the compiled graph keeps torch's calls.
 
 Hugging Face classes replaced (``transformers.activations``, 4.40 to 5.x). Each is replaced
 by a fewbit module that computes the very same expression, so forward outputs (and a
@@ -54,8 +65,8 @@ one of fewbit's pointwise functions or have learnable/random parameters (``PReLU
 ``SqrtSoftplusActivation``, ``XIELUActivation``), the root module itself if it is an
 activation (it cannot be replaced in place), TorchScript submodules (compiled: nothing in
 them can be replaced), and activation calls that are nodes of a ``torch.fx`` graph
-(``torch.export(...).module()``, ``symbolic_trace`` of ``F.gelu(x)``). Activations called
-as functions inside an eager ``forward`` (``F.gelu(x)``) are not modules and cannot be seen.
+(``torch.export(...).module()``, ``symbolic_trace`` of ``F.gelu(x)``; the latter are
+taken over at run time by item 3, the former are ``aten`` ops and stay torch's).
 
 What can be converted and what cannot:
 
@@ -76,6 +87,7 @@ from __future__ import annotations
 import functools
 import math
 import sys
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -220,6 +232,11 @@ class ConversionSummary:
             count bytes before/after), or ``None`` when ``saved_bits`` is ``None``.
         fused_cross_entropy: whether the model's loss is the fused linear + cross-entropy
             (``config.fused_cross_entropy``).
+        functional_bits: bits per element kept by the activations the model's forward
+            calls as functions (``F.gelu(h)``, ``h.relu()``; stepwise ones exact from 1
+            bit), which run as :mod:`fewbit.functional`'s (``activation_bits``), or
+            ``None`` when they are left to torch (``activation_bits=None``, or ``filter_fn``
+            refuses the root ``""``).
         plan: the :class:`fewbit.Plan` applied by ``convert_(model, plan)``, else ``None``.
     """
 
@@ -231,6 +248,7 @@ class ConversionSummary:
     compressed: dict[str, str] = field(default_factory=dict)
     compressor: Any = None
     fused_cross_entropy: bool = False
+    functional_bits: int | None = None
     plan: Any = None
 
     def __str__(self) -> str:
@@ -247,6 +265,9 @@ class ConversionSummary:
         if self.unsupported:
             lines.append(f"  left {len(self.unsupported)} unsupported activation(s) as they were:")
             lines += [f"    {fqn or '<root>'}: {name}" for fqn, name in self.unsupported.items()]
+        if self.functional_bits is not None:
+            lines.append(f"  activations called as functions in forward (F.gelu, F.relu, ...): fewbit's at "
+                         f"{self.functional_bits} bits (stepwise: exact from 1 bit)")
         if c.saved_bits is not None:
             kinds = {}
             for k in self.compressed.values():
@@ -681,13 +702,86 @@ class _ExitHook:
         return None
 
 
+class _ActivationModeHook:
+    """Forward pre-hook of the converted model: push a
+    :class:`fewbit._activation_calls.ActivationMode` for its forward, so that activations
+    called as functions run as fewbit's (:class:`_ActivationModeExit` pops it). Not while
+    ``torch.compile`` traces (the compiled graph keeps torch's calls).
+
+    The mode costs about 3 µs of Python per torch call in the forward. A forward with grad
+    that calls no functional activation (every activation is a module, as in Hugging Face
+    models) turns it off; it looks again at forwards 2, 4, 8, ... after that one (the gap
+    doubling up to :data:`PROBE_GAP`), so a branch that calls one is found later."""
+
+    #: The longest gap, in forwards, between two looks while the mode is off.
+    PROBE_GAP = 1024
+
+    def __init__(self, bits: int) -> None:
+        self.bits = bits
+        self._local = threading.local()  # (mode, decides) this thread pushed, innermost last
+        self.forwards = 0  # forwards with grad seen
+        self.off_until = 0  # while off: the forward count of the next look (0: on)
+        self.gap = 1
+
+    def __getstate__(self) -> dict:
+        return {"bits": self.bits}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["bits"])
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        if torch.compiler.is_compiling():
+            return None
+        if not hasattr(self._local, "modes"):
+            self._local.modes = []
+        decides = torch.is_grad_enabled()
+        if decides:
+            self.forwards += 1
+            if self.forwards < self.off_until:
+                self._local.modes.append(None)  # off for this forward
+                return None
+        from fewbit._activation_calls import ActivationMode
+
+        mode = ActivationMode(self.bits)
+        mode.__enter__()
+        self._local.modes.append((mode, decides))
+        return None
+
+    def _popped(self, mode, decides: bool) -> None:
+        if not decides:
+            return
+        if mode.hits:
+            self.off_until, self.gap = 0, 1
+        else:
+            self.off_until = self.forwards + self.gap
+            self.gap = min(2 * self.gap, self.PROBE_GAP)
+
+
+
+class _ActivationModeExit:
+    """Forward hook (always called, also when forward raises): pop the mode that ``enter``
+    (the model's :class:`_ActivationModeHook`) pushed in this thread."""
+
+    def __init__(self, enter: _ActivationModeHook) -> None:
+        self.enter = enter
+
+    def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
+        modes = getattr(self.enter._local, "modes", None)
+        if modes and not torch.compiler.is_compiling():
+            pushed = modes.pop()
+            if pushed is not None:
+                pushed[0].__exit__(None, None, None)
+                self.enter._popped(*pushed)
+        return None
+
+
 def _remove_compression_hooks(module: nn.Module) -> None:
     for k, hook in list(module._forward_pre_hooks.items()):
-        if isinstance(hook, (_EnterHook, _StepHook)):
+        if isinstance(hook, (_EnterHook, _StepHook, _ActivationModeHook)):
             del module._forward_pre_hooks[k]
             module._forward_pre_hooks_with_kwargs.pop(k, None)
     for k, hook in list(module._forward_hooks.items()):
-        if isinstance(hook, _ExitHook):
+        if isinstance(hook, (_ExitHook, _ActivationModeExit)):
             del module._forward_hooks[k]
             module._forward_hooks_with_kwargs.pop(k, None)
             module._forward_hooks_always_called.pop(k, None)
@@ -715,6 +809,20 @@ def _install_compression_hooks(
         m.register_forward_pre_hook(_EnterHook(shared, fqn, kind))
         m.register_forward_hook(_ExitHook(shared), always_call=True)
         summary.compressed[fqn] = kind
+
+
+def _install_activation_mode(model: nn.Module, config: Config, selected: _Selected,
+                             summary: ConversionSummary) -> None:
+    """Phase 2 of :func:`convert_` for activations called as functions: with
+    ``activation_bits`` set (and the root selected), the model's forward runs inside an
+    :class:`fewbit._activation_calls.ActivationMode` (hooks removed first by
+    :func:`_install_compression_hooks`)."""
+    if config.activation_bits is None or not selected(model, ""):
+        return
+    enter = _ActivationModeHook(config.activation_bits)
+    model.register_forward_pre_hook(enter)
+    model.register_forward_hook(_ActivationModeExit(enter), always_call=True)
+    summary.functional_bits = config.activation_bits
 
 
 def compressor_of(model: nn.Module):
@@ -840,5 +948,6 @@ def convert_(
     if config.activation_bits is not None:
         _replace_activations(model, config.activation_bits, selected, summary)
     _install_compression_hooks(model, config, selected, summary)
+    _install_activation_mode(model, config, selected, summary)
     _set_fused_cross_entropy(model, config, summary)
     return summary

@@ -12,6 +12,7 @@ import pickle
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import fewbit
@@ -772,3 +773,126 @@ def test_reconversion_replaces_policy():
     model(x.requires_grad_()).sum().backward()
     assert not first.compressor.records
     assert [r.bits for r in second.compressor.records.values()] == [8]
+
+
+# ----------------------------------------------------- activations called as functions
+
+
+class _FunctionalMLP(nn.Module):
+    """Activations called as functions in forward: no module for convert_ to replace."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c, self.d = nn.Linear(16, 64), nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 4)
+
+    def forward(self, x):
+        h = F.gelu(self.a(x))
+        h = F.leaky_relu(self.b(h), 0.2)
+        h = torch.relu_(self.c(h))  # in place, on a non-leaf
+        return self.d(h.sigmoid() * F.silu(h))  # sigmoid: a gate, left to torch
+
+
+class _ExplicitMLP(_FunctionalMLP):
+    """The same forward written with fewbit.functional at 3 bits."""
+
+    def forward(self, x):
+        h = FF.gelu(self.a(x), bits=3)
+        h = FF.leaky_relu(self.b(h), 0.2)
+        h = FF.relu(self.c(h), inplace=True)
+        return self.d(h.sigmoid() * FF.silu(h, bits=3))
+
+
+def _weight_grads(model, x):
+    model.zero_grad()
+    model(x).pow(2).sum().backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def test_activations_called_as_functions_run_as_fewbit():
+    """convert_ reaches activations a forward calls as functions: the output is torch's bit
+    for bit, the gradients those of the same forward written with fewbit.functional, and
+    what is saved for them is a 3-bit (1-bit for stepwise) code instead of a float tensor.
+    Before, they stayed torch's: exact gradients, full tensors saved."""
+    torch.manual_seed(0)
+    ref = _FunctionalMLP()
+    model = copy.deepcopy(ref)
+    summary = convert_(model)
+    assert summary.functional_bits == 3 and "called as functions" in str(summary)
+    explicit = _ExplicitMLP()
+    explicit.load_state_dict(ref.state_dict())
+    x = torch.randn(32, 16)
+    assert torch.equal(model(x), ref(x))
+    for got, want in zip(_weight_grads(model, x), _weight_grads(explicit, x)):
+        assert torch.equal(got, want)
+    from fewbit import memory as fmem
+
+    loss = lambda o: o.pow(2).sum()  # noqa: E731
+    saved = fmem.saved_tensor_report(model, x, loss_fn=loss).saved_bytes
+    assert saved == fmem.saved_tensor_report(explicit, x, loss_fn=loss).saved_bytes
+    assert saved < fmem.saved_tensor_report(ref, x, loss_fn=loss).saved_bytes - 3 * 32 * 64 * 4 * 3 // 4
+
+
+def test_functional_activation_mode_off_without_such_calls_and_looks_again():
+    """A model whose activations are all modules calls no functional activation: the mode
+    (about 3 µs per torch call) is turned off after one forward and looked for again at
+    forwards 2, 4, 8, ...; a model that calls one keeps it on."""
+    from fewbit.convert import _ActivationModeHook
+
+    def hook_of(m):
+        return next(h for h in m._forward_pre_hooks.values() if isinstance(h, _ActivationModeHook))
+
+    modules_only = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8))
+    convert_(modules_only)
+    hook, seen = hook_of(modules_only), []
+    x = torch.randn(2, 8)
+    for i in range(1, 10):
+        before = len(torch.overrides._get_current_function_mode_stack())
+        modules_only(x).sum().backward()
+        assert len(torch.overrides._get_current_function_mode_stack()) == before
+        seen.append(hook.off_until)
+    assert seen == [2, 4, 4, 8, 8, 8, 8, 16, 16]  # looked at forwards 1, 2, 4 and 8
+    with torch.no_grad():
+        modules_only(x)  # forwards without grad neither count nor decide
+    assert hook.forwards == 9
+    functional = _FunctionalMLP()
+    convert_(functional)
+    for _ in range(3):
+        functional(torch.randn(2, 16)).sum().backward()
+    assert hook_of(functional).off_until == 0
+
+
+def test_functional_activation_hooks_reconvert_copy_and_raise():
+    torch.manual_seed(0)
+    model = _FunctionalMLP()
+    convert_(model)
+    convert_(model, Config(activation_bits=2))
+    assert len(model._forward_pre_hooks) == 1 and len(model._forward_hooks) == 1  # not stacked
+    x = torch.randn(4, 16)
+    # a copy (deepcopy, pickle) reroutes as the original does
+    for copied in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        assert all(torch.equal(a, b) for a, b in zip(_weight_grads(copied, x), _weight_grads(model, x)))
+    # a forward that raises leaves no mode behind
+    depth = len(torch.overrides._get_current_function_mode_stack())
+    with pytest.raises(RuntimeError):
+        model(torch.randn(4, 15))
+    assert len(torch.overrides._get_current_function_mode_stack()) == depth
+    # activation_bits=None, or a filter_fn that refuses the root, leaves them to torch
+    assert convert_(model, Config(activation_bits=None)).functional_bits is None
+    assert not model._forward_pre_hooks and not model._forward_hooks
+    assert convert_(model, filter_fn=lambda m, fqn: fqn != "").functional_bits is None
+    ref = _FunctionalMLP()
+    ref.load_state_dict(model.state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(_weight_grads(model, x), _weight_grads(ref, x)))
+
+
+def test_functional_activations_compile_fullgraph():
+    """Under torch.compile the mode stands aside (no graph break): the compiled graph keeps
+    torch's activations; the output is the eager model's."""
+    torch.manual_seed(0)
+    model = _FunctionalMLP()
+    convert_(model)
+    x = torch.randn(4, 16)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(compiled(x), model(x))
+    compiled(x).sum().backward()
+    assert all(p.grad is not None for p in model.parameters())

@@ -426,11 +426,13 @@ def derive_grad_rules(
         :class:`GradRules`.
     """
     device = torch.device(device)
-    # Outside any torch.func transform, autocast or the caller's saved-tensor hooks
-    # (the probes are not part of the user's graph). torch.func transforms disable
-    # saved-tensor hooks themselves (then pushing ours raises, and there is nothing to hide).
+    # Outside any torch.func transform, autocast, torch function mode (fewbit's own modes
+    # would send torch's F.gelu to fewbit's) or the caller's saved-tensor hooks (the probes
+    # are not part of the user's graph). torch.func transforms disable saved-tensor hooks
+    # themselves (then pushing ours raises, and there is nothing to hide).
     with contextlib.ExitStack() as stack:
         stack.enter_context(torch._C._DisableFuncTorch())
+        stack.enter_context(torch._C.DisableTorchFunction())
         try:
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(_keep, _keep))
         except RuntimeError:

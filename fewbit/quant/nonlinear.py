@@ -46,6 +46,8 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from fewbit._activation_calls import CALLS, STEPWISE_NAMES, bind, plain_input, run
+
 __all__ = ["STEPWISE", "KEEP", "NORMS", "reroute"]
 
 #: Marks "not handled here" (the caller runs ``func`` itself).
@@ -53,62 +55,9 @@ NOT_HANDLED = object()
 
 # ------------------------------------------------------------------------- stepwise activations
 
-# name in fewbit.functional -> argument names after ``input`` (torch's order)
-_STEPWISE_ARGS = {
-    "relu": ("inplace",),
-    "relu6": ("inplace",),
-    "leaky_relu": ("negative_slope", "inplace"),
-    "hardtanh": ("min_val", "max_val", "inplace"),
-    "threshold": ("threshold", "value", "inplace"),
-    "hardshrink": ("lambd",),
-    "softshrink": ("lambd",),
-    "hardsigmoid": ("inplace",),
-}
-
-
-def _stepwise_entries() -> dict[Callable, tuple[str, bool]]:
-    """torch callables -> (fewbit.functional name, in place)."""
-    out: dict[Callable, tuple[str, bool]] = {}
-    for name in _STEPWISE_ARGS:
-        for owner in (F, torch, torch.Tensor, torch._C._nn):
-            f = getattr(owner, name, None)
-            if callable(f):
-                out.setdefault(f, (name, False))
-            f_ = getattr(owner, name + "_", None)
-            if callable(f_):
-                out.setdefault(f_, (name, True))
-    return out
-
-
-#: torch callables of the stepwise activations -> (:mod:`fewbit.functional` name, in place).
-STEPWISE: dict[Callable, tuple[str, bool]] = _stepwise_entries()
-
-
-def _bind_stepwise(name: str, inplace_fn: bool, args: tuple, kwargs: dict) -> dict[str, Any] | None:
-    """Keyword arguments of ``fewbit.functional.<name>``, or None if they do not bind
-    (torch then raises its own error)."""
-    names = ("input",) + _STEPWISE_ARGS[name]
-    if len(args) > len(names):
-        return None
-    bound = dict(zip(names, args))
-    for k, v in kwargs.items():
-        if k not in names or k in bound:
-            return None
-        bound[k] = v
-    if "input" not in bound:
-        return None
-    if inplace_fn:
-        if "inplace" in bound:
-            return None
-        if "inplace" in names:
-            bound["inplace"] = True
-        else:
-            return None  # no in-place form in fewbit.functional
-    if name == "hardtanh":
-        lo, hi = bound.get("min_val", -1.0), bound.get("max_val", 1.0)
-        if not (isinstance(lo, numbers.Real) and isinstance(hi, numbers.Real) and lo < hi):
-            return None  # torch's own behaviour for a degenerate range
-    return bound
+#: torch callables of the stepwise activations -> (:mod:`fewbit.functional` name, in place)
+#: (the stepwise part of :data:`fewbit._activation_calls.CALLS`).
+STEPWISE: dict[Callable, tuple[str, bool]] = {f: v for f, v in CALLS.items() if v[0] in STEPWISE_NAMES}
 
 
 # ------------------------------------------------------------------------------ kept exact
@@ -220,17 +169,11 @@ def reroute(comp, func: Callable, args: tuple, kwargs: dict) -> Any:
     docstring), or return :data:`NOT_HANDLED` for calls not listed here."""
     step = STEPWISE.get(func)
     if step is not None:
-        x = args[0] if args else kwargs.get("input")
-        if not (_grad_float(x) and type(x) in (torch.Tensor, torch.nn.Parameter) and x.layout == torch.strided):
+        bound = bind(step[0], step[1], args, kwargs)
+        # below min_numel the compressor keeps the tensor exact anyway
+        if bound is None or not plain_input(bound["input"], comp.min_numel):
             return NOT_HANDLED
-        if x.numel() < max(comp.min_numel, 1):  # the compressor keeps it exact anyway
-            return NOT_HANDLED
-        bound = _bind_stepwise(step[0], step[1], args, kwargs)
-        if bound is None:
-            return NOT_HANDLED
-        import fewbit.functional as FF
-
-        return getattr(FF, step[0])(**bound)
+        return run(step[0], bound, 1)
     name = KEEP.get(func)
     if name is not None:
         if _linear_power(name, args, kwargs) or not _any_grad_float(args, kwargs):

@@ -1,0 +1,140 @@
+"""torch's functional activations, as calls :mod:`fewbit.functional` can take over.
+
+A model converted by :func:`fewbit.convert_` has its activation *modules* replaced; an
+activation written as a function call inside a forward (``F.gelu(h)``, ``h.relu()``,
+``torch.relu_(h)``) is not a module, and is reached only while the call is made, by a torch
+function mode (:class:`ActivationMode`). This module is the one table of those calls:
+which torch callables are which :mod:`fewbit.functional` function, and how their
+arguments bind. :mod:`fewbit.quant.nonlinear` uses its stepwise part.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["ARGS", "STEPWISE_NAMES", "CALLS", "bind", "ActivationMode"]
+
+#: fewbit.functional name -> torch's argument names after ``input``, in torch's order.
+ARGS: dict[str, tuple[str, ...]] = {
+    # stepwise: exact from a 1-bit code, whatever the bits
+    "relu": ("inplace",),
+    "relu6": ("inplace",),
+    "leaky_relu": ("negative_slope", "inplace"),
+    "hardtanh": ("min_val", "max_val", "inplace"),
+    "threshold": ("threshold", "value", "inplace"),
+    "hardshrink": ("lambd",),
+    "softshrink": ("lambd",),
+    "hardsigmoid": ("inplace",),
+    # smooth: a fitted table of ``bits`` bits. Only names used as activations and nothing
+    # else: ``sigmoid``/``tanh`` (gates, soft-capping), ``softplus``/``logsigmoid`` (losses)
+    # are left to torch.
+    "gelu": ("approximate",),
+    "silu": ("inplace",),
+    "mish": ("inplace",),
+    "elu": ("alpha", "inplace"),
+    "celu": ("alpha", "inplace"),
+    "selu": ("inplace",),
+    "hardswish": ("inplace",),
+}
+
+#: The stepwise names of :data:`ARGS`.
+STEPWISE_NAMES = frozenset({"relu", "relu6", "leaky_relu", "hardtanh", "threshold", "hardshrink", "softshrink",
+                            "hardsigmoid"})
+
+
+def _calls() -> dict[Callable, tuple[str, bool]]:
+    out: dict[Callable, tuple[str, bool]] = {}
+    for name in ARGS:
+        for owner in (F, torch, torch.Tensor, torch._C._nn):
+            f = getattr(owner, name, None)
+            if callable(f):
+                out.setdefault(f, (name, False))
+            f_ = getattr(owner, name + "_", None)
+            if callable(f_):
+                out.setdefault(f_, (name, True))
+    return out
+
+
+#: torch callables (functions, tensor methods, in-place forms) -> (fewbit.functional name,
+#: whether the callable itself is the in-place form).
+CALLS: dict[Callable, tuple[str, bool]] = _calls()
+
+
+def bind(name: str, inplace_fn: bool, args: tuple, kwargs: dict) -> dict[str, Any] | None:
+    """Keyword arguments of ``fewbit.functional.<name>`` for a torch call ``(args,
+    kwargs)``, or None where they do not bind or torch's own behaviour differs (torch then
+    runs the call and raises its own error, if any)."""
+    names = ("input",) + ARGS[name]
+    if len(args) > len(names):
+        return None
+    bound = dict(zip(names, args))
+    for k, v in kwargs.items():
+        if k not in names or k in bound:
+            return None
+        bound[k] = v
+    if "input" not in bound:
+        return None
+    if inplace_fn:
+        if "inplace" in bound or "inplace" not in names:
+            return None  # no in-place form in fewbit.functional
+        bound["inplace"] = True
+    if name == "hardtanh":
+        lo, hi = bound.get("min_val", -1.0), bound.get("max_val", 1.0)
+        if not (isinstance(lo, numbers.Real) and isinstance(hi, numbers.Real) and lo < hi):
+            return None  # torch's own behaviour for a degenerate range
+    return bound
+
+
+def plain_input(x: Any, min_numel: int = 1) -> bool:
+    """Whether ``x`` is an input fewbit.functional takes over: a plain strided floating
+    tensor that requires grad, with at least ``min_numel`` elements."""
+    return (
+        type(x) in (torch.Tensor, torch.nn.Parameter)
+        and x.requires_grad
+        and x.is_floating_point()
+        and x.layout == torch.strided
+        and x.numel() >= max(min_numel, 1)
+    )
+
+
+def run(name: str, bound: dict, bits: int) -> torch.Tensor:
+    """``fewbit.functional.<name>(**bound, bits=bits)`` (stepwise names at 1 bit)."""
+    import fewbit.functional as FF
+
+    return getattr(FF, name)(**bound, bits=1 if name in STEPWISE_NAMES else bits)
+
+
+class ActivationMode(TorchFunctionMode):
+    """Runs the functional activations of :data:`CALLS` as :mod:`fewbit.functional`'s
+    few-bit functions: the same output bit for bit, ``bits`` bits per element kept for
+    backward (stepwise ones: exact from 1 bit) instead of their input or result.
+
+    :func:`fewbit.convert_` pushes it for the whole forward of a converted model
+    (``Config.activation_bits``). Calls without grad, on inputs that do not require grad,
+    tensor subclasses, and every call while ``torch.compile`` traces, go to torch unchanged.
+
+    Args:
+        bits: bits per element for the smooth activations, 1..8.
+    """
+
+    def __init__(self, bits: int) -> None:
+        super().__init__()
+        self.bits = bits
+        #: calls of :data:`CALLS` seen (taken over or not)
+        self.hits = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        hit = CALLS.get(func)
+        if hit is None or torch.compiler.is_compiling() or not torch.is_grad_enabled():
+            return func(*args, **kwargs)
+        self.hits += 1
+        bound = bind(hit[0], hit[1], args, kwargs)
+        if bound is None or not plain_input(bound["input"]):
+            return func(*args, **kwargs)
+        return run(hit[0], bound, self.bits)
