@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["ARGS", "STEPWISE_NAMES", "CALLS", "bind", "ActivationMode"]
+__all__ = ["ARGS", "STEPWISE_NAMES", "CALLS", "bind", "plain_input", "run", "ActivationMode"]
 
 #: fewbit.functional name -> torch's argument names after ``input``, in torch's order.
 ARGS: dict[str, tuple[str, ...]] = {

@@ -708,17 +708,18 @@ class _ActivationModeHook:
     called as functions run as fewbit's (:class:`_ActivationModeExit` pops it). Not while
     ``torch.compile`` traces (the compiled graph keeps torch's calls).
 
-    The mode costs about 3 µs of Python per torch call in the forward. A forward with grad
-    that calls no functional activation (every activation is a module, as in Hugging Face
-    models) turns it off; it looks again at forwards 2, 4, 8, ... after that one (the gap
-    doubling up to :data:`PROBE_GAP`), so a branch that calls one is found later."""
+    The mode costs about 3 µs of Python per torch call in the forward. It is not pushed
+    while grad is disabled (nothing is saved then). A forward with grad that calls no
+    functional activation (every activation is a module, as in Hugging Face models) turns
+    it off; it looks again at forwards 2, 4, 8, ... after that one (the gap doubling up to
+    :data:`PROBE_GAP`), so a branch that calls one is found later."""
 
     #: The longest gap, in forwards, between two looks while the mode is off.
     PROBE_GAP = 1024
 
     def __init__(self, bits: int) -> None:
         self.bits = bits
-        self._local = threading.local()  # (mode, decides) this thread pushed, innermost last
+        self._local = threading.local()  # modes this thread pushed (None: none), innermost last
         self.forwards = 0  # forwards with grad seen
         self.off_until = 0  # while off: the forward count of the next look (0: on)
         self.gap = 1
@@ -734,28 +735,26 @@ class _ActivationModeHook:
             return None
         if not hasattr(self._local, "modes"):
             self._local.modes = []
-        decides = torch.is_grad_enabled()
-        if decides:
-            self.forwards += 1
-            if self.forwards < self.off_until:
-                self._local.modes.append(None)  # off for this forward
-                return None
+        if not torch.is_grad_enabled():  # nothing is saved for backward: torch's calls
+            self._local.modes.append(None)
+            return None
+        self.forwards += 1
+        if self.forwards < self.off_until:
+            self._local.modes.append(None)  # off for this forward
+            return None
         from fewbit._activation_calls import ActivationMode
 
         mode = ActivationMode(self.bits)
         mode.__enter__()
-        self._local.modes.append((mode, decides))
+        self._local.modes.append(mode)
         return None
 
-    def _popped(self, mode, decides: bool) -> None:
-        if not decides:
-            return
+    def _popped(self, mode) -> None:
         if mode.hits:
             self.off_until, self.gap = 0, 1
         else:
             self.off_until = self.forwards + self.gap
             self.gap = min(2 * self.gap, self.PROBE_GAP)
-
 
 
 class _ActivationModeExit:
@@ -768,10 +767,10 @@ class _ActivationModeExit:
     def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
         modes = getattr(self.enter._local, "modes", None)
         if modes and not torch.compiler.is_compiling():
-            pushed = modes.pop()
-            if pushed is not None:
-                pushed[0].__exit__(None, None, None)
-                self.enter._popped(*pushed)
+            mode = modes.pop()
+            if mode is not None:
+                mode.__exit__(None, None, None)
+                self.enter._popped(mode)
         return None
 
 
