@@ -95,6 +95,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fewbit import _norm_rows
 from fewbit import modules as fm
 from fewbit._checks import check_bits, check_noise_norm, check_positive_int
 from fewbit.activations import ACTIVATIONS, get_activation
@@ -589,13 +590,11 @@ def normalization_size(module: nn.Module, shape: tuple[int, ...]) -> int | None:
     if not shape:
         return None
     if isinstance(module, nn.LayerNorm) or (hasattr(nn, "RMSNorm") and isinstance(module, nn.RMSNorm)):
-        ns = tuple(module.normalized_shape)
-        return math.prod(ns) if ns and tuple(shape[-len(ns):]) == ns else None
+        return _norm_rows.layer_norm(module.normalized_shape, shape)
     if isinstance(module, nn.GroupNorm):
-        rest = math.prod(shape[1:])
-        return rest // module.num_groups if len(shape) >= 2 and rest % module.num_groups == 0 else None
+        return _norm_rows.group_norm(module.num_groups, shape)
     if isinstance(module, nn.modules.instancenorm._InstanceNorm):
-        return math.prod(shape[2:]) if len(shape) >= 3 else None
+        return _norm_rows.instance_norm(shape)
     if isinstance(module, nn.modules.batchnorm._NormBase):
         return None
     if type(module).__name__.endswith(("LayerNorm", "RMSNorm")):

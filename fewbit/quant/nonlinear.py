@@ -39,13 +39,13 @@ tensors, which the compressor keeps exact).
 
 from __future__ import annotations
 
-import math
 import numbers
 from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 
+from fewbit import _norm_rows
 from fewbit._activation_calls import CALLS, STEPWISE_NAMES, bind, plain_input, run
 
 __all__ = ["STEPWISE", "KEEP", "NORMS", "reroute"]
@@ -122,21 +122,18 @@ def _layer_norm_size(args, kwargs):
         ns = tuple(int(s) for s in ns)
     except TypeError:
         return None
-    return math.prod(ns) if ns else None
+    return _norm_rows.layer_norm(ns, tuple(args[0].shape))
 
 
 def _group_norm_size(args, kwargs):
-    x = args[0]
     groups = args[1] if len(args) > 1 else kwargs.get("num_groups")
-    if not isinstance(groups, numbers.Integral) or groups <= 0 or x.dim() < 2:
+    if not isinstance(groups, numbers.Integral):
         return None
-    rest = math.prod(x.shape[1:])
-    return rest // groups if rest % groups == 0 else None
+    return _norm_rows.group_norm(int(groups), tuple(args[0].shape))
 
 
 def _instance_norm_size(args, kwargs):
-    x = args[0]
-    return math.prod(x.shape[2:]) if x.dim() >= 3 else None
+    return _norm_rows.instance_norm(tuple(args[0].shape))
 
 
 #: normalization functions -> ``(args, kwargs) -> elements per normalized row`` of their
