@@ -169,7 +169,7 @@ class Objective:
             raise ValueError(f"fn: the derivative of {self.sf.name} is not finite at x={float(bad)!r} on the domain")
         F2 = (g * g * wx).sum(axis=1)
         if self.use_f:
-            F = self.sf.f_impl(edges, self.params)
+            F = (self.sf.primitive_impl or self.sf.f_impl)(edges, self.params)
             FW = d * np.diff(F)
         else:
             FW = (g * wx).sum(axis=1)

@@ -53,6 +53,10 @@ class SolverFunction:
         stepwise: True when ``f'`` is piecewise constant with an exact 1-bit table
             (:func:`fewbit.activations.exact_table`); no fitting is done for these.
         user: True for a ``"module:callable"`` user function.
+        primitive_impl: ``primitive_impl(x, params)``, a continuous antiderivative of
+            ``df``, where it is not ``f`` itself (``None``): torch's ``f`` may jump where
+            its ``f'`` has no delta (softplus at its ``threshold``), and the solver's
+            integrals of ``f'`` are differences of the primitive.
     """
 
     name: str
@@ -64,6 +68,7 @@ class SolverFunction:
     torch_fn: Callable[..., Any] | None = None
     stepwise: bool = False
     user: bool = False
+    primitive_impl: Callable[[np.ndarray, Mapping[str, float]], np.ndarray] | None = None
 
     def params(self, params: Mapping[str, float] | None = None) -> dict[str, float]:
         """The full parameter dict: ``params`` merged over the defaults.
@@ -181,6 +186,16 @@ def _softplus_df(x, p):
     beta, thr = p["beta"], p["threshold"]
     bx = beta * x
     return np.where(bx > thr, 1.0, _sigmoid(bx))
+
+
+def _softplus_primitive(x, p):
+    # torch's softplus switches to ``x`` where beta * x > threshold, which jumps by
+    # (threshold - log1p(exp(threshold))) / beta there (-2e-9 at the default 20, -0.69 at
+    # threshold 0); its derivative has no delta, so the primitive of f' is shifted there
+    # to stay continuous.
+    beta, thr = p["beta"], p["threshold"]
+    bx = beta * x
+    return np.where(bx > thr, x + (_softplus1(thr) - thr) / beta, _softplus1(np.minimum(bx, thr)) / beta)
 
 
 def _softplus_kinks(p):
@@ -336,6 +351,9 @@ _ANALYTIC: dict[str, tuple] = {
     "hardsigmoid": (_hardsigmoid_f, _hardsigmoid_df, _const(-3.0, 3.0)),
 }
 
+#: name -> continuous primitive of ``df`` where ``f`` is not one (:class:`SolverFunction`)
+_PRIMITIVE: dict[str, Callable] = {"softplus": _softplus_primitive}
+
 _CACHE: dict[str, SolverFunction] = {}
 
 
@@ -357,6 +375,7 @@ def _from_registry(name: str) -> SolverFunction:
         even=act.even,
         torch_fn=act.torch_fn,
         stepwise=act.stepwise,
+        primitive_impl=_PRIMITIVE.get(act.name),
     )
 
 
