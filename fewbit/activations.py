@@ -348,12 +348,37 @@ def table_activation(name: str) -> Activation:
     return ACTIVATIONS[act.table] if act.table is not None else act
 
 
+def _celu_rule(p: Mapping[str, float]) -> None:
+    # f'(x) = exp(x / alpha) for x <= 0: bounded by 1 for alpha > 0, but growing without
+    # bound as x -> -inf for alpha < 0, which no table of 2**bits levels approximates (the
+    # gradient would be silently wrong); torch itself refuses alpha = 0.
+    if not p["alpha"] > 0:
+        raise ValueError(f"params: alpha of celu must be > 0 (for alpha < 0 its derivative exp(x / alpha) "
+                         f"is unbounded; alpha = 0 divides by zero), got {p['alpha']}")
+
+
+def _softplus_rule(p: Mapping[str, float]) -> None:
+    # softplus(x) = log(1 + exp(beta * x)) / beta: beta = 0 divides by zero
+    if p["beta"] == 0:
+        raise ValueError(f"params: beta of softplus must be nonzero, got {p['beta']}")
+
+
+#: Rules on a function's parameters beyond "a finite number" (:func:`merge_params`):
+#: registry name -> ``rule(full_params)`` raising ``ValueError``. Where a value torch takes
+#: is refused here, fewbit has no table that gives its gradient.
+PARAM_RULES: dict[str, Callable[[Mapping[str, float]], None]] = {
+    "celu": _celu_rule,
+    "softplus": _softplus_rule,
+}
+
+
 def merge_params(name: str, defaults: Mapping[str, float], params: Mapping[str, float] | None) -> dict[str, float]:
     """``params`` merged over ``defaults`` (values as float), for the function ``name``.
 
     Raises:
-        ValueError: for a parameter the function does not take, or a non-numeric or
-            non-finite value.
+        ValueError: for a parameter the function does not take, a non-numeric or
+            non-finite value, or a value :data:`PARAM_RULES` refuses (``celu``: alpha > 0;
+            ``softplus``: beta != 0).
     """
     params = dict(params or {})
     unknown = set(params) - set(defaults)
@@ -369,6 +394,9 @@ def merge_params(name: str, defaults: Mapping[str, float], params: Mapping[str, 
         if not math.isfinite(v):
             raise ValueError(f"params: {k} of {name} must be finite, got {v}")
         out[k] = v
+    rule = PARAM_RULES.get(name)
+    if rule is not None:
+        rule(out)
     return out
 
 

@@ -470,7 +470,10 @@ def _replacement(m: nn.Module, model: nn.Module, factory: _Factory, bits: int) -
         return "the root module cannot be replaced in place"
     if "forward" in vars(m):
         return "its forward was replaced on the instance"
-    return factory(m, bits)
+    try:
+        return factory(m, bits)
+    except ValueError as exc:  # parameters torch takes and fewbit has no table for
+        return f"kept as torch's: {exc}"
 
 
 def _replace_activations(model: nn.Module, bits: int, selected: _Selected, summary: ConversionSummary) -> None:

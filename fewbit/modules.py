@@ -23,7 +23,7 @@ from torch import nn
 
 from fewbit import functional as FF
 from fewbit._checks import check_bits
-from fewbit.activations import get_formula
+from fewbit.activations import canonical_params, get_activation, get_formula
 from fewbit.resolve import resolve_fn, table_argument
 from fewbit.table import Table
 
@@ -48,6 +48,17 @@ class _FewBit:
 
     def _init_bits(self, bits: int) -> None:
         self.bits = check_bits(bits)
+
+    @staticmethod
+    def _check_params(name: str, **params: float) -> None:
+        """Refuse at construction what the forward would refuse: ``ValueError`` naming
+        the parameter (:func:`fewbit.activations.canonical_params`: finite numbers, the
+        function's own rules; a stepwise function's exact table: ``lambd >= 0``,
+        ``min_val < max_val``)."""
+        act = get_activation(name)
+        full = canonical_params(act, params)
+        if act.exact is not None:
+            act.exact(full)
 
     def extra_repr(self) -> str:
         base = super().extra_repr()  # type: ignore[misc]
@@ -94,6 +105,7 @@ class _AlphaInplace(_FewBit):
     _fn: Callable[..., torch.Tensor]
 
     def __init__(self, alpha: float = 1.0, inplace: bool = False, *, bits: int = 3) -> None:
+        self._check_params(self._fn.__name__, alpha=alpha)
         super().__init__(alpha, inplace)
         self._init_bits(bits)
 
@@ -162,7 +174,13 @@ class ELU(_AlphaInplace, nn.ELU):
 
 
 class CELU(_AlphaInplace, nn.CELU):
-    """Few-bit :class:`torch.nn.CELU` (``bits`` default 3; non-default ``alpha``: own table)."""
+    """Few-bit :class:`torch.nn.CELU` (``bits`` default 3; non-default ``alpha``: own table).
+
+    Raises:
+        ValueError: at construction, for ``alpha <= 0`` (for ``alpha < 0`` the derivative
+            ``exp(x / alpha)`` is unbounded, which no table of levels approximates; torch
+            refuses 0) or a non-finite ``alpha``.
+    """
 
     _fn = staticmethod(FF.celu)
 
@@ -175,9 +193,14 @@ class Mish(_InplaceOnly, nn.Mish):
 
 class Softplus(_FewBit, nn.Softplus):
     """Few-bit :class:`torch.nn.Softplus` (``bits`` default 3; non-default ``beta`` or
-    ``threshold``: own table)."""
+    ``threshold``: own table).
+
+    Raises:
+        ValueError: at construction, for ``beta == 0`` or a non-finite ``beta`` / ``threshold``.
+    """
 
     def __init__(self, beta: float = 1.0, threshold: float = 20.0, *, bits: int = 3) -> None:
+        self._check_params("softplus", beta=beta, threshold=threshold)
         super().__init__(beta, threshold)
         self._init_bits(bits)
 
@@ -238,9 +261,14 @@ class ReLU(_InplaceOnlyExact, nn.ReLU):
 
 
 class LeakyReLU(_FewBit, nn.LeakyReLU):
-    """Few-bit :class:`torch.nn.LeakyReLU`: exact gradient from a 1-bit code."""
+    """Few-bit :class:`torch.nn.LeakyReLU`: exact gradient from a 1-bit code.
+
+    Raises:
+        ValueError: at construction, for a non-finite ``negative_slope``.
+    """
 
     def __init__(self, negative_slope: float = 0.01, inplace: bool = False, *, bits: int = 1) -> None:
+        self._check_params("leaky_relu", negative_slope=negative_slope)
         super().__init__(negative_slope, inplace)
         self._init_bits(bits)
 
@@ -252,12 +280,11 @@ class Hardtanh(_FewBit, nn.Hardtanh):
     """Few-bit :class:`torch.nn.Hardtanh`: exact gradient from a 1-bit code.
 
     Raises:
-        ValueError: if ``min_val >= max_val``.
+        ValueError: at construction, if ``min_val >= max_val`` or either is not finite.
     """
 
     def __init__(self, min_val: float = -1.0, max_val: float = 1.0, inplace: bool = False, *, bits: int = 1) -> None:
-        if not min_val < max_val:
-            raise ValueError(f"max_val must be greater than min_val, got min_val={min_val}, max_val={max_val}")
+        self._check_params("hardtanh", min_val=min_val, max_val=max_val)
         super().__init__(min_val, max_val, inplace)
         self._init_bits(bits)
 
@@ -272,9 +299,14 @@ class ReLU6(_InplaceOnlyExact, nn.ReLU6):
 
 
 class Threshold(_FewBit, nn.Threshold):
-    """Few-bit :class:`torch.nn.Threshold`: exact gradient from a 1-bit code."""
+    """Few-bit :class:`torch.nn.Threshold`: exact gradient from a 1-bit code.
+
+    Raises:
+        ValueError: at construction, for a non-finite ``threshold`` or ``value``.
+    """
 
     def __init__(self, threshold: float, value: float, inplace: bool = False, *, bits: int = 1) -> None:
+        self._check_params("threshold", threshold=threshold, value=value)
         super().__init__(threshold, value, inplace)
         self._init_bits(bits)
 
@@ -283,9 +315,14 @@ class Threshold(_FewBit, nn.Threshold):
 
 
 class Hardshrink(_FewBit, nn.Hardshrink):
-    """Few-bit :class:`torch.nn.Hardshrink`: exact gradient from a 1-bit code."""
+    """Few-bit :class:`torch.nn.Hardshrink`: exact gradient from a 1-bit code.
+
+    Raises:
+        ValueError: at construction, for ``lambd < 0`` or a non-finite ``lambd``.
+    """
 
     def __init__(self, lambd: float = 0.5, *, bits: int = 1) -> None:
+        self._check_params("hardshrink", lambd=lambd)
         super().__init__(lambd)
         self._init_bits(bits)
 
@@ -294,9 +331,14 @@ class Hardshrink(_FewBit, nn.Hardshrink):
 
 
 class Softshrink(_FewBit, nn.Softshrink):
-    """Few-bit :class:`torch.nn.Softshrink`: exact gradient from a 1-bit code."""
+    """Few-bit :class:`torch.nn.Softshrink`: exact gradient from a 1-bit code.
+
+    Raises:
+        ValueError: at construction, for ``lambd < 0`` or a non-finite ``lambd``.
+    """
 
     def __init__(self, lambd: float = 0.5, *, bits: int = 1) -> None:
+        self._check_params("softshrink", lambd=lambd)
         super().__init__(lambd)
         self._init_bits(bits)
 
