@@ -10,12 +10,13 @@ arguments bind. :mod:`fewbit.quant.nonlinear` uses its stepwise part.
 
 from __future__ import annotations
 
-import numbers
 from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
+
+from fewbit.activations import canonical_params, get_activation
 
 __all__ = ["ARGS", "STEPWISE_NAMES", "CALLS", "bind", "plain_input", "run", "ActivationMode"]
 
@@ -83,11 +84,40 @@ def bind(name: str, inplace_fn: bool, args: tuple, kwargs: dict) -> dict[str, An
         if "inplace" in bound or "inplace" not in names:
             return None  # no in-place form in fewbit.functional
         bound["inplace"] = True
-    if name == "hardtanh":
-        lo, hi = bound.get("min_val", -1.0), bound.get("max_val", 1.0)
-        if not (isinstance(lo, numbers.Real) and isinstance(hi, numbers.Real) and lo < hi):
-            return None  # torch's own behaviour for a degenerate range
+    if not _accepted(name, bound):
+        return None  # torch's own behaviour (its result, or its own error)
     return bound
+
+
+#: (name, parameters) -> whether fewbit.functional takes them (plain numbers only)
+_ACCEPTED: dict[tuple, bool] = {}
+
+
+def _accepted(name: str, bound: dict[str, Any]) -> bool:
+    """Whether ``fewbit.functional.<name>`` takes the parameters of a bound call: a value
+    torch takes but fewbit refuses (a non-finite ``negative_slope`` or ``threshold``,
+    ``hardshrink``'s negative ``lambd``, ``celu``'s ``alpha <= 0``, a degenerate
+    ``hardtanh`` range, ``gelu``'s unknown ``approximate``) leaves the call to torch."""
+    if name == "gelu":
+        return bound.get("approximate", "none") in ("none", "tanh")
+    params = {k: v for k, v in bound.items() if k not in ("input", "inplace")}
+    if not params:
+        return True
+    plain = all(type(v) in (int, float, bool) for v in params.values())
+    key = (name, tuple(params.items())) if plain else None
+    hit = _ACCEPTED.get(key) if plain else None
+    if hit is None:
+        act = get_activation(name)
+        try:
+            full = canonical_params(act, params)
+            if act.exact is not None:
+                act.exact(full)  # hardtanh's range, the shrinks' lambd
+            hit = True
+        except (TypeError, ValueError):
+            hit = False
+        if plain:
+            _ACCEPTED[key] = hit
+    return hit
 
 
 def plain_input(x: Any, min_numel: int = 1) -> bool:

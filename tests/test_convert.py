@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import pickle
+import re
 
 import pytest
 import torch
@@ -830,6 +831,52 @@ def test_activations_called_as_functions_run_as_fewbit():
     saved = fmem.saved_tensor_report(model, x, loss_fn=loss).saved_bytes
     assert saved == fmem.saved_tensor_report(explicit, x, loss_fn=loss).saved_bytes
     assert saved < fmem.saved_tensor_report(ref, x, loss_fn=loss).saved_bytes - 3 * 32 * 64 * 4 * 3 // 4
+
+
+class _OneCall(nn.Module):
+    def __init__(self, call):
+        super().__init__()
+        self.fc, self.call = nn.Linear(8, 8), call
+
+    def forward(self, x):
+        return self.call(self.fc(x))
+
+
+#: Calls torch takes with parameters fewbit.functional refuses (or where torch raises
+#: its own error): in a converted model they are torch's calls, result and error alike.
+TORCH_ONLY_CALLS = {
+    "leaky_relu slope nan": lambda h: F.leaky_relu(h, float("nan")),
+    "threshold value -inf": lambda h: F.threshold(h, 0.1, float("-inf")),
+    "threshold nan": lambda h: F.threshold(h, float("nan"), 0.0),
+    "hardshrink lambd -1": lambda h: F.hardshrink(h, -1.0),
+    "celu alpha -1": lambda h: F.celu(h, alpha=-1.0),  # f' = exp(-x): no table approximates it
+    "celu alpha 0": lambda h: F.celu(h, alpha=0.0),  # torch raises
+    "softshrink lambd -1": lambda h: F.softshrink(h, -1.0),  # torch raises
+    "gelu approximate foo": lambda h: F.gelu(h, approximate="foo"),  # torch raises
+}
+
+
+@pytest.mark.parametrize("name", list(TORCH_ONLY_CALLS))
+def test_functional_calls_fewbit_refuses_stay_torch_calls(name):
+    """Output and gradient bit for bit torch's, or torch's own error. Before: fewbit's
+    ValueError inside a forward torch runs (threshold, leaky_relu, hardshrink), a
+    ValueError instead of torch's RuntimeError, and for celu with alpha -1 a fitted table
+    whose gradient was 15x off (relative norm), silently."""
+    torch.manual_seed(0)
+    ref = _OneCall(TORCH_ONLY_CALLS[name])
+    model = copy.deepcopy(ref)
+    convert_(model)
+    x = torch.randn(4, 8)
+    try:
+        want = ref(x)
+    except RuntimeError as exc:
+        with pytest.raises(RuntimeError, match=re.escape(str(exc).splitlines()[0])):
+            model(x)
+        return
+    got = model(x)
+    assert torch.equal(got.nan_to_num(), want.nan_to_num())
+    for a, b in zip(_weight_grads(model, x), _weight_grads(ref, x)):
+        assert torch.equal(a.nan_to_num(), b.nan_to_num()) and torch.equal(a.isnan(), b.isnan())
 
 
 def test_functional_activation_mode_off_without_such_calls_and_looks_again():

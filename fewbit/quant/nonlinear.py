@@ -167,10 +167,13 @@ def reroute(comp, func: Callable, args: tuple, kwargs: dict) -> Any:
     step = STEPWISE.get(func)
     if step is not None:
         bound = bind(step[0], step[1], args, kwargs)
-        # below min_numel the compressor keeps the tensor exact anyway
-        if bound is None or not plain_input(bound["input"], comp.min_numel):
-            return NOT_HANDLED
-        return run(step[0], bound, 1)
+        if bound is not None and plain_input(bound["input"], comp.min_numel):
+            return run(step[0], bound, 1)
+        if bound is not None and plain_input(bound["input"]):
+            return NOT_HANDLED  # below min_numel: the compressor keeps it exact anyway
+        # torch's own call (parameters fewbit.functional refuses, a tensor subclass): its
+        # backward is a mask of what it saves, so that stays exact
+        return comp._keeping(func, args, kwargs) if _any_grad_float(args, kwargs) else NOT_HANDLED
     name = KEEP.get(func)
     if name is not None:
         if _linear_power(name, args, kwargs) or not _any_grad_float(args, kwargs):

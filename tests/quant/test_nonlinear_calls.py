@@ -94,6 +94,32 @@ def test_stepwise_calls_below_min_numel_stay_torch_calls():
     assert comp.stats.skipped == {"small": 1}
 
 
+#: Stepwise calls with parameters torch takes and fewbit.functional refuses (non-finite,
+#: negative lambd, a degenerate range): torch's own call runs, and what it saves is kept.
+TORCH_ONLY_STEPWISE_CALLS = {
+    "F.threshold value -inf": lambda x: F.threshold(x, 0.1, float("-inf")),
+    "F.threshold nan": lambda x: F.threshold(x, float("nan"), 0.0),
+    "F.leaky_relu slope inf": lambda x: F.leaky_relu(x, float("inf")),
+    "F.hardshrink lambd -1": lambda x: F.hardshrink(x, -1.0),
+    "F.hardtanh empty range": lambda x: F.hardtanh(x, 0.5, 0.5),
+}
+
+
+@pytest.mark.parametrize("name", list(TORCH_ONLY_STEPWISE_CALLS))
+def test_stepwise_calls_fewbit_refuses_keep_what_torch_saves(name):
+    """Output and input gradient bit for bit torch's (NaN where torch's are), nothing
+    quantized. Before: torch's call ran and its saved input was quantized at 2 bits, so its
+    mask (``x > threshold``) was taken on rounded values."""
+    call = TORCH_ONLY_STEPWISE_CALLS[name]
+    x0, g = _data()
+    y_ref, g_ref = _run(call, x0, g)
+    comp = ActivationCompressor(2, min_numel=0)
+    y, grad = _run(call, x0, g, comp)
+    assert torch.equal(y.nan_to_num(), y_ref.nan_to_num()) and torch.equal(y.isnan(), y_ref.isnan())
+    assert torch.equal(grad.nan_to_num(), g_ref.nan_to_num()) and torch.equal(grad.isnan(), g_ref.isnan())
+    assert comp.stats.compressed == 0
+
+
 KEEP_CALLS = {
     "F.gelu": (F.gelu, False),
     "nn.GELU tanh": (nn.GELU(approximate="tanh"), False),
