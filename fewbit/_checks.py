@@ -90,10 +90,11 @@ def check_noise_norm(value: Any) -> str:
 
 
 def check_float_tensor(tensor: Any, name: str = "input") -> torch.Tensor:
-    """``tensor`` if it is a ``torch.Tensor`` of a dtype in :data:`FLOAT_DTYPES`.
+    """``tensor`` if it is a dense (strided) ``torch.Tensor`` of a dtype in :data:`FLOAT_DTYPES`.
 
     Raises:
-        TypeError: not a tensor, or not of a floating-point dtype in :data:`FLOAT_DTYPES`.
+        TypeError: not a tensor, not of a floating-point dtype in :data:`FLOAT_DTYPES`, or
+            sparse (another layout than ``torch.strided``).
     """
     import torch
 
@@ -103,6 +104,8 @@ def check_float_tensor(tensor: Any, name: str = "input") -> torch.Tensor:
     if tensor.dtype not in float_dtypes:
         names = ", ".join(str(d).replace("torch.", "") for d in float_dtypes)
         raise TypeError(f"{name} must be a floating-point tensor ({names}), got dtype {tensor.dtype}")
+    if tensor.layout != torch.strided:
+        raise TypeError(f"{name} must be a dense (strided) tensor, got layout {tensor.layout}")
     return tensor
 
 

@@ -111,7 +111,8 @@ def _registry(
     # resolved once goes straight to the op with its cached plan: the checks of the first
     # call hold for it (dtype and device are in the key; bits must be an int, so 3.0 or
     # True are checked as the first time).
-    if type(bits) is int and torch.is_grad_enabled() and type(input) is torch.Tensor and input.requires_grad:
+    if (type(bits) is int and torch.is_grad_enabled() and type(input) is torch.Tensor and input.requires_grad
+            and input.layout == torch.strided):
         try:
             key = (name, tuple(params.items()), bits, input.dtype, input.device)
             hit = _CALLS.get(key)
@@ -121,12 +122,14 @@ def _registry(
             return _apply_planned(input, hit[0], hit[1], hit[2], hit[3], inplace, hit[4])
     else:
         key = None
-    check_float_tensor(input)
+    sparse = isinstance(input, torch.Tensor) and input.layout != torch.strided
+    if not sparse:
+        check_float_tensor(input)
     bits = check_bits(bits)
     f = _resolve_fn(name)
     full = f.full_params(params)
-    if not _needs_grad(input):
-        return torch_call()
+    if sparse or not _needs_grad(input):
+        return torch_call()  # sparse: torch's function and gradient (no codes for them)
     table = table_for(f, bits, full, input.dtype)
     if key is not None and not torch.compiler.is_compiling() and not _transforms_active():
         plan = _plan(table, f.op_name, full, input.dtype, input.device, f.callable)
@@ -170,8 +173,8 @@ def activation(
         Tensor of the shape and dtype of ``input``.
 
     Raises:
-        TypeError: if ``input`` is not a float16/bfloat16/float32/float64 tensor, or
-            ``table`` is neither a Table nor a path.
+        TypeError: if ``input`` is not a dense float16/bfloat16/float32/float64 tensor,
+            or ``table`` is neither a Table nor a path.
         ValueError: for bits outside 1..8, an unknown function or parameter, or a table
             that does not match ``fn``/``params``/``bits``.
         TableFormatError: (a ValueError) if the table file is missing, unreadable, of
@@ -209,6 +212,8 @@ def gelu(input: torch.Tensor, approximate: str = "none", *, bits: int = 3) -> to
 
     Args:
         input: tensor of any shape ``(*)``, float16/bfloat16/float32/float64, any strides.
+            A sparse tensor (a layout other than ``torch.strided``) is passed to torch's
+            function: torch's result and gradient, its saved tensors uncompressed.
         approximate: ``'none'`` (erf) or ``'tanh'`` (uses the ``gelu_tanh`` table).
         bits: bits per element kept for backward, 1..8.
 

@@ -540,3 +540,15 @@ def test_repeated_gradient_calls_are_checked_like_the_first():
     assert not CALLS
     (c,) = torch.autograd.grad(FF.gelu(x, bits=3), x, g)
     assert torch.equal(a, c)
+
+
+def test_sparse_input_is_torch_call():
+    """A sparse tensor goes to torch's function: its result, gradient and errors. Before,
+    fewbit failed on it with torch's "reshape is not implemented for sparse tensors"."""
+    x = torch.randn(8, 8).to_sparse().requires_grad_()
+    y = FF.relu(x)
+    assert y.layout == torch.sparse_coo and torch.equal(y.to_dense(), F.relu(x).to_dense())
+    torch.sparse.sum(y).backward()
+    assert torch.equal(x.grad.to_dense(), (x.detach().to_dense() > 0).float())
+    with pytest.raises(NotImplementedError):  # torch has no sparse GELU
+        FF.gelu(x)

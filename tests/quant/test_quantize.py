@@ -227,6 +227,8 @@ def test_errors():
         fq.quantize(torch.ones(3, dtype=torch.bool), 4)
     with pytest.raises(TypeError, match="Tensor"):
         fq.quantize([1.0, 2.0], 4)
+    with pytest.raises(TypeError, match="dense"):  # before: torch's "reshape is not implemented"
+        fq.quantize(torch.randn(8, 8).to_sparse(), 4)
     with pytest.raises(ValueError, match="stats_dtype"):
         fq.quantize(x, 4, stats_dtype=torch.float16)
     with pytest.raises(TypeError, match="generator"):
