@@ -522,6 +522,13 @@ def _apply_choices(model: nn.Module, plan: "Plan") -> _State:
             for g in bp.groups:
                 if g.name and f"{fqn}.{g.name}" not in named:
                     raise ValueError(f"plan does not fit the model: it has no module {fqn}.{g.name}")
+    planned = {fqn: bp.block_type for bp in plan.blocks for fqn in bp.blocks}
+    found = {fqn: t for t, fqns in find_blocks(model) for fqn in fqns}
+    if found != planned:  # blocks the plan does not cover would run unplanned, over its prediction
+        other = sorted(set(found) - set(planned)) or sorted(f for f in planned if found.get(f) != planned[f])
+        raise ValueError(f"plan does not fit the model: its blocks are not the plan's ({len(found)} against "
+                         f"{len(planned)}; {other[0]!r} is {found.get(other[0], 'not a block')} here and "
+                         f"{planned.get(other[0], 'not planned')} in the plan); make a plan for this model")
     if plan.fused_cross_entropy and not hasattr(model, "_fewbit_fused_cross_entropy"):
         from fewbit.losses import patch_causal_lm_
 
@@ -816,8 +823,8 @@ def profile(
 
     Raises:
         ValueError: bad ``optimizer``, ``options``, ``repeats``, ``group_size``, ``min_numel``;
-            a model without repeated blocks; ``fused_cross_entropy=True`` for a model that is not
-            a Hugging Face causal LM.
+            a model without repeated blocks or without a parameter that requires grad;
+            ``fused_cross_entropy=True`` for a model that is not a Hugging Face causal LM.
     """
     from fewbit.convert import _hf_factories, _torch_factories
     from fewbit.memory import _default_loss, is_activation_module
@@ -837,6 +844,9 @@ def profile(
     elif fused_cross_entropy and not _is_causal_lm(model):
         raise ValueError(f"fused_cross_entropy=True needs a Hugging Face *ForCausalLM model, got {type(model).__name__}")
     blocks = find_blocks(model)
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ValueError(f"model ({type(model).__name__}) has no parameter that requires grad: a training step "
+                         "saves nothing for backward, so there is nothing to plan")
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     if device.type == "cpu":  # time the numba kernels, not the reference standing in while they load
         from fewbit.ops import load_cpu_kernels
@@ -1309,7 +1319,8 @@ def apply_plan(model: nn.Module, plan: Plan):
 
     Raises:
         TypeError: ``plan`` is not a :class:`Plan`.
-        ValueError: the plan names modules the model does not have.
+        ValueError: the plan names modules the model does not have, or the model's repeated
+            blocks (:func:`find_blocks`) are not the plan's (more blocks, another type).
     """
     from fewbit.convert import Config, ConversionSummary
 

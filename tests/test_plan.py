@@ -375,6 +375,22 @@ def test_plan_does_not_fit_other_model(prof):
         fewbit.convert_(make_model(), p, bits=3)
 
 
+def test_plan_does_not_fit_a_model_with_more_blocks(prof):
+    """Before: applied to the first blocks only; the others ran unplanned, over the
+    predicted peak, and nothing said so."""
+    p = planner.plan_from_profile(prof, "50%")
+    other = make_model(n_layer=3)
+    with pytest.raises(ValueError, match=r"3 against 2; 'transformer.h.2' is GPT2Block here"):
+        fewbit.convert_(other, p)
+    assert planner.remove_plan(other) is False  # nothing was touched
+
+
+def test_planning_a_frozen_model_is_a_clear_error(batch):
+    """Before: torch's "element 0 of tensors does not require grad" from inside the profile."""
+    with pytest.raises(ValueError, match="no parameter that requires grad"):
+        fewbit.plan(make_model().requires_grad_(False), batch, memory_budget="50%", repeats=1)
+
+
 def test_plan_end_to_end_and_argument_errors(batch):
     model = make_model()
     before = {k: v.clone() for k, v in model.state_dict().items()}
