@@ -214,6 +214,8 @@ class GACTPolicy(Policy):
             relative norm, seeds 2 and 3: 0.65e5-4.6e5 over the run, against a planned
             compression variance of 0.56e4-1.5e5; absolute norm: from about 4 at steps
             2-3 to 0.3 at steps 64-65, against 0.003-0.35).
+        skipped_nonfinite: calls of :meth:`adapt` that measured nothing because a
+            probe gradient or a sensitivity was not finite.
 
     Raises:
         ValueError: naming the argument, for any value out of range.
@@ -263,6 +265,7 @@ class GACTPolicy(Policy):
         self.numel: dict[int, int] = {}
         self.compression_variance = math.nan
         self.gradient_variance = math.nan
+        self.skipped_nonfinite = 0
         self._calls = 0
         self._next_plan = 1  # the call number of the next re-plan
         self._gap = 1  # doubles after each re-plan, up to adapt_interval
@@ -316,7 +319,9 @@ class GACTPolicy(Policy):
         parameters' ``.grad`` are restored. Then :func:`allocate_bits`. The call right
         after a re-plan, if it does not re-plan itself, runs one forward+backward of its
         own batch for the SGD-variance estimate behind ``alert_ratio``; other calls run
-        nothing.
+        nothing. A call whose probe gradient or sensitivities are not finite (a loss
+        spike, an overflowing float16 step) measures nothing: the plan stays, and a due
+        re-plan is tried again at the next call (``skipped_nonfinite`` counts them).
 
         Args:
             model: the converted model (its parameters that require grad are differentiated).
@@ -326,10 +331,15 @@ class GACTPolicy(Policy):
             True if it re-planned.
 
         Raises:
-            TypeError: if ``closure`` does not return a scalar tensor.
+            TypeError: if ``model`` is not an ``nn.Module``, ``closure`` is not callable
+                (checked on every call), or ``closure`` does not return a scalar tensor.
             ValueError: if ``model`` has no parameter that requires grad (the
                 sensitivities are measured on the parameters' gradient).
         """
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if not callable(closure):
+            raise TypeError(f"closure must be callable, () -> loss, got {type(closure).__name__}")
         calls = self._calls + 1
         replan = calls >= self._next_plan
         pair = self._last_g0 is not None and self._last_g0[0] == calls - 1
@@ -342,6 +352,7 @@ class GACTPolicy(Policy):
             raise ValueError("model has no parameter that requires grad: GACT measures each saved tensor's "
                              "sensitivity on the parameters' gradient")
         self._calls = calls
+        schedule = (self._next_plan, self._gap)
         if replan:
             self._next_plan = self._calls + self._gap
             self._gap = min(2 * self._gap, self.adapt_interval)
@@ -379,14 +390,23 @@ class GACTPolicy(Policy):
                 s = variance_factor(self.probe_bits)
                 sizes = [p.numel() for p in params]
                 sens = {}
-                if replan:
+                finite = bool(torch.isfinite(g0).all())
+                if replan and finite:
                     scale = self._noise_scale(g0, sizes)
                     for index in seen:
                         g1 = run(index)
                         sens[index] = 0.5 * _weighted_square_norm(g1.sub_(g0), sizes, scale) / s
+                    finite = all(math.isfinite(v) for v in sens.values())
         finally:
             for p, g in zip(params, grads):
                 p.grad = g
+        if not finite:
+            # an overflowing step (a loss spike, fp16 without a scaler's skip) measures nothing:
+            # the plan stays, and the measurement is tried again at the next call
+            self._next_plan, self._gap = (self._calls + 1, schedule[1]) if replan else schedule
+            self._last_g0 = None
+            self.skipped_nonfinite += 1
+            return False
         if pair:
             self._pair_variance(g0, sizes)
         if replan:

@@ -382,6 +382,44 @@ def test_policy_errors(kwargs, match):
         GACTPolicy(**kwargs)
 
 
+def test_a_nonfinite_step_keeps_the_plan_and_retries_next_call():
+    """An overflowing step (loss inf) measures nothing: the plan and its sensitivities
+    stay, and the due re-plan runs at the next call. Before, the plan was made from NaN
+    sensitivities ({0: 1, 1: 4, 2: 4} bits instead of 2, 2, 2 on this MLP) and kept until
+    the next scheduled re-plan, up to adapt_interval steps later."""
+    model = _mlp()
+    comp = fewbit.convert_(model, fewbit.Config(saved_bits="auto", average_bits=2, adapt_interval=8,
+                                                 min_numel=0)).compressor
+    x = torch.randn(8, 32)
+    y = torch.randint(0, 10, (8,))
+    loss = lambda: nn.functional.cross_entropy(model(x), y)  # noqa: E731
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        assert comp.adapt(model, loss)  # call 1
+        bits, sens = dict(comp.policy.bits), dict(comp.policy.sensitivity)
+        assert not comp.adapt(model, lambda: loss() * float("inf"))  # call 2: due, not finite
+        assert comp.policy.bits == bits and comp.policy.sensitivity == sens
+        assert comp.policy.skipped_nonfinite == 1
+        calls = [n for n in range(3, 20) if comp.adapt(model, loss)]
+    assert calls == [3, 5, 9, 17]  # the schedule of a re-plan at call 2, one call later
+    assert all(math.isfinite(v) for v in comp.policy.sensitivity.values())
+
+
+def test_adapt_checks_its_arguments_on_every_call():
+    model = _mlp()
+    comp = fewbit.convert_(model, fewbit.Config(saved_bits="auto", average_bits=2, min_numel=0)).compressor
+    x = torch.randn(4, 32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        comp.adapt(model, lambda: model(x).sum())
+        comp.adapt(model, lambda: model(x).sum())
+    # call 3 is not due (nothing runs), but the arguments are still checked
+    with pytest.raises(TypeError, match="closure must be callable"):
+        comp.adapt(model, 5)
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
+        comp.adapt("model", lambda: model(x).sum())
+
+
 def test_adapt_without_trainable_parameters_is_a_clear_error():
     model = _mlp().requires_grad_(False)
     comp = fewbit.convert_(model, fewbit.Config(saved_bits="auto", average_bits=2, min_numel=0)).compressor
