@@ -394,25 +394,43 @@ def _upsample_row(lfc_row, bw, W, I, buf):
 
 
 @njit(inline="always", cache=True)
-def _rows_minmax(xf, buf, e0, rows, lov, hiv, bad):
+def _rows_minmax(xf, buf, e0, rows, scratch):
     """Min, max and finiteness of the residual ``x - buf`` over ``rows`` rows of ``len(buf)``
-    from flat index ``e0``. Reduced per column first (``lov``, ``hiv``, ``bad``: scratch
-    rows, independent lanes, so the loop vectorises), then across the columns; min and max
-    do not depend on the order."""
+    from flat index ``e0``. Reduced per column first (independent lanes, so the loop
+    vectorises), then across the columns; min and max do not depend on the order.
+    ``scratch`` rows 1-5: the column minima and maxima in two buffers each, read from one
+    and written to the other by turns (an update in place, ``lo[k] = v if v < lo[k] else
+    lo[k]``, becomes a masked store, microcoded on AMD CPUs: 1.14 against 0.29 ns an
+    element), and the non-finite flags (``v - v`` summed: NaN where a residual is NaN or
+    infinite)."""
     WI = buf.shape[0]
+    bad = scratch[5]
+    lov = scratch[1]
+    hiv = scratch[2]
     xs = xf[e0:e0 + WI]
     for k in range(WI):
         v = xs[k] - buf[k]
         lov[k] = v
         hiv[k] = v
-        bad[k] = v - v  # NaN where a residual is NaN or infinite
+        bad[k] = v - v
     for h in range(1, rows):
+        src = 1 + 2 * ((h - 1) & 1)  # the buffers of the rows before: 1, 2 or 3, 4
+        dst = 4 - src  # 3, 4 or 1, 2
+        lo_in = scratch[src]
+        hi_in = scratch[src + 1]
+        lo_out = scratch[dst]
+        hi_out = scratch[dst + 1]
         xs = xf[e0 + h * WI:e0 + (h + 1) * WI]
         for k in range(WI):
             v = xs[k] - buf[k]
-            lov[k] = v if v < lov[k] else lov[k]
-            hiv[k] = v if v > hiv[k] else hiv[k]
+            lo = lo_in[k]
+            hi = hi_in[k]
+            lo_out[k] = v if v < lo else lo
+            hi_out[k] = v if v > hi else hi
             bad[k] += v - v
+    last = 1 + 2 * ((rows - 1) & 1)
+    lov = scratch[last]
+    hiv = scratch[last + 1]
     lo = lov[0]
     hi = hiv[0]
     nan = False
@@ -428,7 +446,7 @@ def _minmax_task(xf, lfc, a, hb, H, W, I, bh, bw, scratch, row_stats, out_lo, ou
     """Row-block ``(a, hb)``'s residual min/max: one entry (``out_*[a * Hb + hb]``) or, with
     ``row_stats``, one per row (``out_*[a * H + h]``: min and max, both NaN if a value of the
     row is not finite, whose stats are NaN either way; ``out_ok`` unused). ``scratch``:
-    ``(4, W * I)``, its first row the upsampled means."""
+    ``(6, W * I)``, its first row the upsampled means (:func:`_rows_minmax` uses the others)."""
     buf = scratch[0]
     _upsample_row(lfc[a, hb], bw, W, I, buf)
     WI = W * I
@@ -446,8 +464,7 @@ def _minmax_task(xf, lfc, a, hb, H, W, I, bh, bw, scratch, row_stats, out_lo, ou
             out_hi[r] = hi if finite else np.nan
     else:
         t = a * lfc.shape[1] + hb
-        out_lo[t], out_hi[t], out_ok[t] = _rows_minmax(xf, buf, (a * H + h0) * WI, h1 - h0, scratch[1],
-                                                       scratch[2], scratch[3])
+        out_lo[t], out_hi[t], out_ok[t] = _rows_minmax(xf, buf, (a * H + h0) * WI, h1 - h0, scratch)
 
 
 @njit(parallel=True, error_model="numpy", cache=True)
@@ -458,7 +475,7 @@ def division_minmax_kernel(xf, lfc, H, W, I, bh, bw, row_stats, out_lo, out_hi, 
     Hb = lfc.shape[1]
     per, chunks = _task_chunks(A * Hb, bh * W * I)
     for c in prange(chunks):
-        scratch = np.empty((4, W * I), xf.dtype)
+        scratch = np.empty((6, W * I), xf.dtype)
         for t in range(c * per, min((c + 1) * per, A * Hb)):
             a = t // Hb
             _minmax_task(xf, lfc, a, t - a * Hb, H, W, I, bh, bw, scratch, row_stats, out_lo, out_hi, out_ok)
@@ -474,7 +491,7 @@ def block_mean_minmax_kernel(x, bh, bw, out, row_stats, out_lo, out_hi, out_ok):
     xf = x.reshape(A * H * W * I)
     per, chunks = _task_chunks(A * Hb, bh * W * I)
     for c in prange(chunks):
-        scratch = np.empty((4, W * I), x.dtype)
+        scratch = np.empty((6, W * I), x.dtype)
         for t in range(c * per, min((c + 1) * per, A * Hb)):
             a = t // Hb
             _block_means(xf, a, t - a * Hb, H, W, I, bh, bw, scratch[0], out[a, t - a * Hb])
