@@ -122,14 +122,20 @@ def block_mean_cpu(x, bh, bw):
 
 def _division_stats(shape, lo, hi, ok, row_stats, bits, cdt):
     """``(mins, scales)`` from the residual's min/max per row (``row_stats``) or per
-    row-block (reduced to one pair for the tensor), in :func:`ref.division_stats_layout`'s dtype."""
+    row-block (reduced to one pair for the tensor), in :func:`ref.division_stats_layout`'s
+    dtype; bit-identical to ``ref.group_stats_reference`` of the pairs."""
     _, stats_dtype = ref.division_stats_layout(shape, row_stats)
-    if row_stats:
-        lohi = torch.from_numpy(np.stack((lo, hi), 1).reshape(-1))
-    else:
+    np_dt = _np_dtype(cdt)
+    if not row_stats:
         nan = float("nan")
-        lohi = torch.tensor([lo.min(), hi.max()] if ok.all() else [nan, nan], dtype=cdt)
-    return ref.group_stats_reference(lohi, bits, 2, stats_dtype)[:2]
+        lo, hi = (np.array([lo.min()], np_dt), np.array([hi.max()], np_dt)) if ok.all() else (
+            np.array([nan], np_dt), np.array([nan], np_dt))
+    m = np.empty(lo.shape[0], np_dt)
+    s = np.empty(lo.shape[0], np_dt)
+    mant, min_exp, fmax = _GRID[stats_dtype]
+    consts = np.array([float((1 << bits) - 1), 1.0, 0.5, fmax, 0.0], dtype=np_dt)
+    _numba.pair_stats_kernel(lo, hi, mant, min_exp, fmax, consts, m, s)
+    return torch.from_numpy(m).to(stats_dtype), torch.from_numpy(s).to(stats_dtype)
 
 
 def _division_codes(xf, lf, shape, bh, bw, bits, seed, mins, scales, cdt):

@@ -268,3 +268,20 @@ def test_lean_import():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "False", "False"]
+
+
+@pytest.mark.parametrize("stats_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("scale", [1e-300, 1e300])
+def test_float64_stats_past_the_stats_range_equal_the_reference(stats_dtype, scale):
+    """A float64 group whose scale ``levels / range`` (range 1e-300) or whose minimum (all
+    values about 1e300) is past the stats dtype's largest value: the stored stat is that
+    largest value, as the reference's floor. Before, the CPU kernel stored an infinite
+    scale, and its codes differed from the reference's."""
+    x = torch.rand(1024, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * scale + scale
+    a = fq.quantize(x, 2, generator=torch.Generator().manual_seed(1), stats_dtype=stats_dtype)
+    b = fq.quantize_reference(x, 2, generator=torch.Generator().manual_seed(1), stats_dtype=stats_dtype)
+    assert torch.equal(a.packed, b.packed)
+    for u, v in ((a.mins, b.mins), (a.scales, b.scales)):
+        assert torch.equal(u.isnan(), v.isnan()) and torch.equal(u.nan_to_num(), v.nan_to_num())
+    if scale < 1:  # the scale is the stats dtype's largest value; for 1e300 both give NaN (scale 0)
+        assert torch.equal(a.scales.float(), torch.full((4,), torch.finfo(stats_dtype).max))
