@@ -102,7 +102,9 @@ def bench_compressors(args, device):
     from fewbit.quant.compressors import get_compressor
 
     print(f"\n== compressors: GB/s of input, min of {args.repeats}; both = input / (compress + decompress) ==")
-    print(f"{'numel':>10} {'compressor':>12} {'bytes/el':>8} {'clone':>7} {'compress':>9} {'decompress':>10} {'both':>7}")
+    print("(each compressor at its default bits: group 4, DIVISION Q = 2, outlier 4, channelwise 8, softmax 4)")
+    print(f"{'numel':>10} {'compressor':>12} {'bits':>4} {'bytes/el':>8} {'clone':>7} {'compress':>9} {'decompress':>10} "
+          f"{'both':>7}")
     dtype = getattr(torch, args.dtype)
     for n in args.sizes:
         gb = n * dtype.itemsize / 1e9
@@ -116,7 +118,7 @@ def bench_compressors(args, device):
             t_c = _time(lambda: comp.compress(xs), args.repeats, device)
             c = comp.compress(xs)
             t_d = _time(lambda: c.decompress(), args.repeats, device)
-            print(f"{n:>10} {name:>12} {c.nbytes / n:>8.4f} {gb / t_clone:>7.2f} {gb / t_c:>9.2f} "
+            print(f"{n:>10} {name:>12} {comp.bits:>4} {c.nbytes / n:>8.4f} {gb / t_clone:>7.2f} {gb / t_c:>9.2f} "
                   f"{gb / t_d:>10.2f} {gb / (t_c + t_d):>7.2f}", flush=True)
 
 
