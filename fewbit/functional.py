@@ -114,8 +114,11 @@ def _registry(
     if (type(bits) is int and torch.is_grad_enabled() and type(input) is torch.Tensor and input.requires_grad
             and input.layout == torch.strided):
         try:
-            key = (name, tuple(params.items()), bits, input.dtype, input.device)
-            hit = _CALLS.get(key)
+            # a tensor parameter (alpha=torch.tensor(0.5)) hashes by identity: a key per call
+            # would grow the cache without bound, so such calls are resolved every time
+            key = None if params and any(isinstance(v, torch.Tensor) for v in params.values()) else (
+                name, tuple(params.items()), bits, input.dtype, input.device)
+            hit = _CALLS.get(key) if key is not None else None
         except TypeError:  # an unhashable parameter: checked below
             key = hit = None
         if hit is not None:

@@ -552,3 +552,20 @@ def test_sparse_input_is_torch_call():
     assert torch.equal(x.grad.to_dense(), (x.detach().to_dense() > 0).float())
     with pytest.raises(NotImplementedError):  # torch has no sparse GELU
         FF.gelu(x)
+
+
+def test_tensor_parameters_do_not_grow_the_call_cache():
+    """A tensor parameter hashes by identity, so each call made a new entry of the
+    resolved-call cache (50 calls: 50 entries, each holding a plan). Now such calls are
+    resolved every time; the gradient is that of the same float parameter."""
+    from fewbit.functional import _CALLS
+
+    x = torch.randn(100, generator=torch.Generator().manual_seed(0)).requires_grad_()
+    FF.leaky_relu(x, negative_slope=0.25).sum().backward()
+    want = x.grad.clone()
+    before = len(_CALLS)
+    for _ in range(50):
+        x.grad = None
+        FF.leaky_relu(x, negative_slope=torch.tensor(0.25)).sum().backward()
+    assert len(_CALLS) == before
+    assert torch.equal(x.grad, want)
