@@ -21,7 +21,7 @@ from fewbit.quant import _numba
 from fewbit.quant import _reference as ref
 
 __all__ = ["quantize_cpu", "dequantize_cpu", "chunk_groups", "affine_codes_cpu", "affine_decode_cpu", "block_mean_cpu",
-           "division_encode_cpu", "division_compress_cpu", "division_decode_cpu"]
+           "division_encode_cpu", "division_compress_cpu", "division_decode_cpu", "pair_stats_cpu"]
 
 # (significant bits, exponent of the smallest spacing, largest finite value) per stats dtype
 _GRID = {
@@ -120,6 +120,28 @@ def block_mean_cpu(x, bh, bw):
     return out
 
 
+def _pair_stats(lo, hi, bits, stats_dtype, np_dt):
+    """Stored ``(mins, scales)`` in ``stats_dtype`` of each ``(lo[i], hi[i])`` (numpy, the
+    compute dtype ``np_dt``; NaN where either is not finite), bit-identical to
+    ``ref.group_stats_reference`` of the pairs."""
+    m = np.empty(lo.shape[0], np_dt)
+    s = np.empty(lo.shape[0], np_dt)
+    mant, min_exp, fmax = _GRID[stats_dtype]
+    consts = np.array([float((1 << bits) - 1), 1.0, 0.5, fmax, 0.0], dtype=np_dt)
+    _numba.pair_stats_kernel(lo, hi, mant, min_exp, fmax, consts, m, s)
+    return torch.from_numpy(m).to(stats_dtype), torch.from_numpy(s).to(stats_dtype)
+
+
+def pair_stats_cpu(pairs, bits, stats_dtype):
+    """``(mins, scales)`` of each pair ``(pairs[2i], pairs[2i+1])`` (``fewbit::pair_stats``),
+    bit-identical to ``ref.group_stats_reference(pairs, bits, 2, stats_dtype)[:2]``."""
+    cdt = compute_dtype(pairs.dtype)
+    p = pairs.detach().to(cdt).contiguous().numpy().reshape(-1, 2)
+    lo = np.minimum(p[:, 0], p[:, 1])  # NaN-propagating, as the reference's amin
+    hi = np.maximum(p[:, 0], p[:, 1])
+    return _pair_stats(lo, hi, bits, stats_dtype, _np_dtype(cdt))
+
+
 def _division_stats(shape, lo, hi, ok, row_stats, bits, cdt):
     """``(mins, scales)`` from the residual's min/max per row (``row_stats``) or per
     row-block (reduced to one pair for the tensor), in :func:`ref.division_stats_layout`'s
@@ -130,12 +152,7 @@ def _division_stats(shape, lo, hi, ok, row_stats, bits, cdt):
         nan = float("nan")
         lo, hi = (np.array([lo.min()], np_dt), np.array([hi.max()], np_dt)) if ok.all() else (
             np.array([nan], np_dt), np.array([nan], np_dt))
-    m = np.empty(lo.shape[0], np_dt)
-    s = np.empty(lo.shape[0], np_dt)
-    mant, min_exp, fmax = _GRID[stats_dtype]
-    consts = np.array([float((1 << bits) - 1), 1.0, 0.5, fmax, 0.0], dtype=np_dt)
-    _numba.pair_stats_kernel(lo, hi, mant, min_exp, fmax, consts, m, s)
-    return torch.from_numpy(m).to(stats_dtype), torch.from_numpy(s).to(stats_dtype)
+    return _pair_stats(lo, hi, bits, stats_dtype, np_dt)
 
 
 def _division_codes(xf, lf, shape, bh, bw, bits, seed, mins, scales, cdt):

@@ -26,8 +26,8 @@ from fewbit._library import cpu_kernel
 from fewbit.ops._ops import trace_into_triton
 from fewbit.quant import _reference as ref
 
-__all__ = ["group_quantize", "group_dequantize", "affine_codes", "affine_decode", "block_mean", "division_encode",
-           "division_compress", "division_decode"]
+__all__ = ["group_quantize", "group_dequantize", "affine_codes", "affine_decode", "pair_stats", "block_mean",
+           "division_encode", "division_compress", "division_decode"]
 
 def _check_args(bits: int, group_size: int, dtype: torch.dtype) -> None:
     # as fewbit.ops._ops: a failed check raises through torch._check_value / torch._check_type
@@ -171,6 +171,45 @@ def _affine_codes_cuda(x, mins, scales, bits, rowlen, per_col, offset, seed, sto
     from fewbit.quant import _triton  # noqa: F401  (registers fewbit::*_triton)
 
     return torch.ops.fewbit.affine_codes_triton(x, mins, scales, bits, rowlen, per_col, offset, seed, stochastic)
+
+
+# ``fewbit::pair_stats(pairs, bits, stats_dtype) -> (mins, scales)``: the group quantizer's
+# stats rule (docs/method.md §7 steps 2-3) for each pair ``(pairs[2i], pairs[2i+1])``, as
+# :func:`fewbit.quant._reference.group_stats_reference` with group_size 2: the per-tensor
+# or per-channel stats of the affine compressors. The reference is about thirty small torch
+# ops (0.3 ms a call on the CI VM, on CUDA as many kernel launches); the CPU kernel is numba.
+
+
+def _check_pairs(pairs: torch.Tensor, bits: int, stats_dtype: torch.dtype) -> None:
+    if not 1 <= bits <= 8:
+        torch._check_value(False, lambda: f"bits must be in 1..8, got {bits}")
+    if pairs.dim() != 1 or pairs.numel() % 2:
+        torch._check_value(False, lambda: f"pairs must be 1-D of even length, got shape {tuple(pairs.shape)}")
+    if stats_dtype not in (torch.float32, torch.bfloat16):
+        torch._check_type(False, lambda: f"stats_dtype must be float32 or bfloat16, got {stats_dtype}")
+
+
+@torch.library.custom_op("fewbit::pair_stats", mutates_args=())
+def pair_stats(pairs: torch.Tensor, bits: int, stats_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Default kernel: the pure-torch reference."""
+    _check_pairs(pairs, bits, stats_dtype)
+    m, s, _ = ref.group_stats_reference(pairs, bits, 2, stats_dtype)
+    return m, s
+
+
+@pair_stats.register_fake
+def _(pairs, bits, stats_dtype):
+    _check_pairs(pairs, bits, stats_dtype)
+    n = pairs.numel() // 2
+    return pairs.new_empty((n,), dtype=stats_dtype), pairs.new_empty((n,), dtype=stats_dtype)
+
+
+@cpu_kernel("pair_stats")
+def _(pairs, bits, stats_dtype):
+    _check_pairs(pairs, bits, stats_dtype)
+    from fewbit.quant import _cpu
+
+    return _cpu.pair_stats_cpu(pairs, bits, stats_dtype)
 
 
 @torch.library.custom_op("fewbit::affine_decode", mutates_args=())

@@ -244,11 +244,13 @@ class _Kernels(NamedTuple):
     affine_decode: Callable
     division_compress: Callable
     division_decode: Callable
+    pair_stats: Callable
 
 
 def _ops() -> _Kernels:
     ops = torch.ops.fewbit
-    return _Kernels(ops.affine_codes, ops.affine_decode, ops.division_compress, ops.division_decode)
+    return _Kernels(ops.affine_codes, ops.affine_decode, ops.division_compress, ops.division_decode,
+                    ops.pair_stats)
 
 
 _REFERENCE = _Kernels(
@@ -257,6 +259,7 @@ _REFERENCE = _Kernels(
     _ref.affine_decode_reference,
     _ref.division_compress_reference,
     _ref.division_decode_reference,
+    lambda pairs, bits, stats_dtype: _ref.group_stats_reference(pairs, bits, 2, stats_dtype)[:2],
 )
 
 
@@ -267,12 +270,11 @@ def _seed(generator: torch.Generator | None) -> int:
     return _draw_seed(generator)
 
 
-def _range_stats(lo: torch.Tensor, hi: torch.Tensor, bits: int):
+def _range_stats(k: _Kernels, lo: torch.Tensor, hi: torch.Tensor, bits: int):
     """Per-tensor float32 ``(m, s)`` (shape ``(1,)``) for values in ``[lo, hi]``: the group
     quantizer's rule (docs/method.md §7 steps 2-3, ``m`` rounded down, ``s`` stepped down so
     that ``(x - m) * s <= 2**bits - 1`` as computed); NaN for a non-finite ``lo``/``hi``."""
-    m, s, _ = _ref.group_stats_reference(torch.stack([lo, hi]), bits, 2, torch.float32)
-    return m, s
+    return k.pair_stats(torch.stack([lo, hi]), bits, torch.float32)
 
 
 class _Affine:
@@ -609,7 +611,7 @@ class ChannelWise(_KernelCompressor):
             a = torch.zeros(c, dtype=cdt, device=x.device)
         # per channel, the rule of docs/method.md §7 on the range [0, a] at L levels (m = 0)
         pairs = torch.stack([torch.zeros_like(a), a], dim=1).reshape(-1)
-        _, s, _ = _ref.group_stats_reference(pairs, self.bits - 1, 2, torch.float32)
+        _, s = k.pair_stats(pairs, self.bits - 1, torch.float32)
         zeros = torch.zeros_like(s)
         offset = (1 << (self.bits - 1)) - 1
         codes = _Affine.encode(k, flat, zeros, s, self.bits, c, True, offset, seed)
@@ -675,7 +677,7 @@ class Softmax(_KernelCompressor):
         s = torch.full((1,), levels, device=x.device)
         if flat.numel():
             lo, hi = torch.aminmax(flat.to(cdt))
-            m_own, s_own = _range_stats(lo, hi, self.bits)
+            m_own, s_own = _range_stats(k, lo, hi, self.bits)
             fixed = (lo >= 0) & (hi <= 1)  # False for NaN
             m, s = torch.where(fixed, m, m_own), torch.where(fixed, s, s_own)
         codes = _Affine.encode(k, flat, m, s, self.bits, flat.numel(), False, 0, seed)

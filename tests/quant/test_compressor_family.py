@@ -438,3 +438,24 @@ def test_opcheck(device):
         packed = torch.ops.fewbit.affine_codes(*args)
         torch.library.opcheck(torch.ops.fewbit.affine_decode.default,
                               (packed, mins, scales, 4, args[4], per_col, 7, flat.numel(), torch.float32))
+
+
+@pytest.mark.parametrize("stats_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_pair_stats_op_equals_the_reference(dtype, stats_dtype):
+    """``fewbit::pair_stats`` (numba on CPU; the stats of ChannelWise and Softmax, which
+    took about thirty small torch ops a call) against ``group_stats_reference`` with
+    group_size 2, on pairs in either order, equal, zero, NaN, infinite, tiny and huge."""
+    from fewbit.quant import _reference as ref
+
+    big = torch.finfo(dtype).max
+    vals = [(0.0, 1.0), (1.0, 0.0), (-3.0, 2.5), (2.0, 2.0), (0.0, 0.0), (float("nan"), 1.0),
+            (0.0, float("inf")), (-float("inf"), 0.0), (1e-30, 2e-30), (-big, big), (1e30, 1e30 + 1e24),
+            (-1e-40, 1e-40)]
+    pairs = torch.tensor([v for p in vals for v in p], dtype=dtype)
+    for bits in (1, 3, 7, 8):
+        m, s = torch.ops.fewbit.pair_stats(pairs, bits, stats_dtype)
+        rm, rs, _ = ref.group_stats_reference(pairs, bits, 2, stats_dtype)
+        assert same(m, rm) and same(s, rs), bits
+    finite = torch.tensor([0.0, 1.0, -3.0, 2.5, 2.0, 2.0], dtype=dtype)  # opcheck compares NaN != NaN
+    torch.library.opcheck(torch.ops.fewbit.pair_stats.default, (finite, 2, stats_dtype))
