@@ -386,12 +386,18 @@ def _load_user(spec: str) -> SolverFunction:
 
     def call(x: np.ndarray):
         xt = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float64).reshape(-1))
+        x0 = xt.clone()
         try:
             y = fn(xt)
         except Exception as exc:
             raise ValueError(f"fn: {spec!r} failed on a float64 tensor ({type(exc).__name__}: {exc})") from None
+        if not torch.equal(xt.nan_to_num(), x0.nan_to_num()):
+            raise ValueError(f"fn: {spec!r} modified its input in place; give the out-of-place function "
+                             "(fewbit's in-place forms write the result themselves)")
         if not isinstance(y, torch.Tensor):
             raise ValueError(f"fn: {spec!r} must return a torch.Tensor, got {type(y).__name__}")
+        if not y.is_floating_point():
+            raise ValueError(f"fn: {spec!r} must return a floating-point tensor, got dtype {y.dtype}")
         if tuple(y.shape) != tuple(xt.shape):
             raise ValueError(
                 f"fn: {spec!r} must be elementwise; input shape {tuple(xt.shape)} gave output shape {tuple(y.shape)}"
@@ -412,8 +418,9 @@ def _load_user(spec: str) -> SolverFunction:
                 raise ValueError(f"fn: {spec!r} failed on a float64 tensor ({type(exc).__name__}: {exc})") from None
             if not isinstance(y, torch.Tensor) or tuple(y.shape) != tuple(xt.shape):
                 raise ValueError(f"fn: {spec!r} must be elementwise and return a tensor of the input's shape")
-            if not y.requires_grad:
-                return np.zeros(np.shape(x))
+            if not y.requires_grad:  # a table of zeros would stand for "no gradient" silently
+                raise ValueError(f"fn: {spec!r} returns a tensor that does not depend on its input through "
+                                 "autograd (detach(), .numpy() or integer ops?): torch gives it no gradient to fit")
             (g,) = torch.autograd.grad(y, xt, torch.ones_like(y), allow_unused=True)
         if g is None:
             return np.zeros(np.shape(x))

@@ -112,6 +112,15 @@ def user_module(tmp_path, monkeypatch):
         def running(x):
             return torch.cumsum(x, 0)
 
+        def in_place(x):
+            return x.mul_(2)
+
+        def integer(x):
+            return (x > 0).long()
+
+        def detached(x):
+            return x.detach() * 2
+
         NOT_CALLABLE = 3
     """))
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -150,6 +159,16 @@ def test_user_function_errors(user_module, attr, match):
             registry.get(spec)
         else:
             registry.get(spec + ":")
+
+
+@pytest.mark.parametrize("attr,match", [
+    ("in_place", "modified its input in place"),  # before: "is not elementwise"
+    ("integer", "must return a floating-point tensor"),  # before: fitted, all levels 0
+    ("detached", "does not depend on its input through autograd"),  # before: fitted, all levels 0
+])
+def test_user_functions_that_have_no_gradient_to_fit(user_module, attr, match):
+    with pytest.raises(ValueError, match=match):
+        fit(f"{user_module}:{attr}", 2, grid=200)
 
 
 def test_user_function_nonfinite_derivative(user_module):
