@@ -31,9 +31,7 @@ def _floor_to_grid(v, mant_bits, min_exp, fmax):
     """Largest value with ``mant_bits`` significant bits (exponent >= min_exp) <= v.
 
     ``v`` finite float64; returns float64: ``fmax`` above it (the largest finite value
-    ``<= v``, as :func:`fewbit.quant._reference.floor_to_dtype`; it was ``inf``, which made
-    the stats of a float64 group with a range below ``levels / fmax`` differ from the
-    reference's), ``-inf`` below ``-fmax``.
+    ``<= v``, as :func:`fewbit.quant._reference.floor_to_dtype`), ``-inf`` below ``-fmax``.
     """
     if v == 0.0:
         return v
