@@ -40,6 +40,7 @@ __all__ = [
     "FORMULAS",
     "get_formula",
     "canonical_params",
+    "checked_params",
     "merge_params",
     "non_default_params",
     "exact_table",
@@ -407,6 +408,21 @@ def canonical_params(act: Activation, params: Mapping[str, float] | None) -> dic
         ValueError: for a parameter the activation does not take, or a non-finite value.
     """
     return merge_params(act.name, act.defaults, params)
+
+
+def checked_params(name: str, params: Mapping[str, float] | None) -> dict[str, float]:
+    """The full parameters of activation ``name`` if fewbit takes them (a table exists for
+    them): :func:`canonical_params` and, for a stepwise function, its exact table's rules
+    (``hardtanh``'s ``min_val < max_val``, the shrinks' ``lambd >= 0``).
+
+    Raises:
+        ValueError: naming the parameter, for a value fewbit refuses (or an unknown name).
+    """
+    act = get_activation(name)
+    full = canonical_params(act, params)
+    if act.exact is not None:
+        act.exact(full)
+    return full
 
 
 def non_default_params(act: Activation, params: Mapping[str, float] | None) -> dict[str, float]:

@@ -23,7 +23,7 @@ from torch import nn
 
 from fewbit import functional as FF
 from fewbit._checks import check_bits
-from fewbit.activations import canonical_params, get_activation, get_formula
+from fewbit.activations import checked_params, get_formula
 from fewbit.resolve import resolve_fn, table_argument
 from fewbit.table import Table
 
@@ -48,17 +48,6 @@ class _FewBit:
 
     def _init_bits(self, bits: int) -> None:
         self.bits = check_bits(bits)
-
-    @staticmethod
-    def _check_params(name: str, **params: float) -> None:
-        """Refuse at construction what the forward would refuse: ``ValueError`` naming
-        the parameter (:func:`fewbit.activations.canonical_params`: finite numbers, the
-        function's own rules; a stepwise function's exact table: ``lambd >= 0``,
-        ``min_val < max_val``)."""
-        act = get_activation(name)
-        full = canonical_params(act, params)
-        if act.exact is not None:
-            act.exact(full)
 
     def extra_repr(self) -> str:
         base = super().extra_repr()  # type: ignore[misc]
@@ -105,7 +94,7 @@ class _AlphaInplace(_FewBit):
     _fn: Callable[..., torch.Tensor]
 
     def __init__(self, alpha: float = 1.0, inplace: bool = False, *, bits: int = 3) -> None:
-        self._check_params(self._fn.__name__, alpha=alpha)
+        checked_params(self._fn.__name__, {"alpha": alpha})
         super().__init__(alpha, inplace)
         self._init_bits(bits)
 
@@ -200,7 +189,7 @@ class Softplus(_FewBit, nn.Softplus):
     """
 
     def __init__(self, beta: float = 1.0, threshold: float = 20.0, *, bits: int = 3) -> None:
-        self._check_params("softplus", beta=beta, threshold=threshold)
+        checked_params("softplus", {"beta": beta, "threshold": threshold})
         super().__init__(beta, threshold)
         self._init_bits(bits)
 
@@ -268,7 +257,7 @@ class LeakyReLU(_FewBit, nn.LeakyReLU):
     """
 
     def __init__(self, negative_slope: float = 0.01, inplace: bool = False, *, bits: int = 1) -> None:
-        self._check_params("leaky_relu", negative_slope=negative_slope)
+        checked_params("leaky_relu", {"negative_slope": negative_slope})
         super().__init__(negative_slope, inplace)
         self._init_bits(bits)
 
@@ -284,7 +273,7 @@ class Hardtanh(_FewBit, nn.Hardtanh):
     """
 
     def __init__(self, min_val: float = -1.0, max_val: float = 1.0, inplace: bool = False, *, bits: int = 1) -> None:
-        self._check_params("hardtanh", min_val=min_val, max_val=max_val)
+        checked_params("hardtanh", {"min_val": min_val, "max_val": max_val})
         super().__init__(min_val, max_val, inplace)
         self._init_bits(bits)
 
@@ -306,7 +295,7 @@ class Threshold(_FewBit, nn.Threshold):
     """
 
     def __init__(self, threshold: float, value: float, inplace: bool = False, *, bits: int = 1) -> None:
-        self._check_params("threshold", threshold=threshold, value=value)
+        checked_params("threshold", {"threshold": threshold, "value": value})
         super().__init__(threshold, value, inplace)
         self._init_bits(bits)
 
@@ -322,7 +311,7 @@ class Hardshrink(_FewBit, nn.Hardshrink):
     """
 
     def __init__(self, lambd: float = 0.5, *, bits: int = 1) -> None:
-        self._check_params("hardshrink", lambd=lambd)
+        checked_params("hardshrink", {"lambd": lambd})
         super().__init__(lambd)
         self._init_bits(bits)
 
@@ -338,7 +327,7 @@ class Softshrink(_FewBit, nn.Softshrink):
     """
 
     def __init__(self, lambd: float = 0.5, *, bits: int = 1) -> None:
-        self._check_params("softshrink", lambd=lambd)
+        checked_params("softshrink", {"lambd": lambd})
         super().__init__(lambd)
         self._init_bits(bits)
 
