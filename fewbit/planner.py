@@ -529,6 +529,12 @@ def _apply_choices(model: nn.Module, plan: "Plan") -> _State:
         raise ValueError(f"plan does not fit the model: its blocks are not the plan's ({len(found)} against "
                          f"{len(planned)}; {other[0]!r} is {found.get(other[0], 'not a block')} here and "
                          f"{planned.get(other[0], 'not planned')} in the plan); make a plan for this model")
+    if plan.parameter_bytes is not None:
+        have = _parameter_bytes(model)
+        if have != plan.parameter_bytes:
+            raise ValueError(f"plan does not fit the model: its parameters add up to {_fmt_bytes(have)} ({have} "
+                             f"bytes) here and {_fmt_bytes(plan.parameter_bytes)} ({plan.parameter_bytes}) in the "
+                             "plan (another width or dtype); make a plan for this model")
     if plan.fused_cross_entropy and not hasattr(model, "_fewbit_fused_cross_entropy"):
         from fewbit.losses import patch_causal_lm_
 
@@ -582,6 +588,11 @@ def _apply_choices(model: nn.Module, plan: "Plan") -> _State:
 
 
 # --------------------------------------------------------------------------- profiling
+
+
+def _parameter_bytes(model: nn.Module) -> int:
+    """Bytes of ``model``'s parameters (shared ones once), trainable or not."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
 def _copy_unplanned(model: nn.Module) -> nn.Module:
@@ -867,7 +878,7 @@ def profile(
         base_alloc = torch.cuda.memory_allocated(device)
     rec = _recorded_step(work, example_batch, loss_fn)
     transient = 0
-    n_params = sum(p.numel() * p.element_size() for p in work.parameters())
+    n_params = _parameter_bytes(work)
     if device.type == "cuda":
         _sync(device)
         peak = torch.cuda.max_memory_allocated(device) - base_alloc
@@ -1013,6 +1024,10 @@ class Plan:
         fused_cross_entropy: the loss is computed by :func:`fewbit.losses.patch_causal_lm_`.
         optimizer, group_size, min_numel, device: as profiled.
         version: :data:`PLAN_VERSION`.
+        parameter_bytes: bytes of the profiled model's parameters; :func:`apply_plan` refuses a
+            model whose parameters add up to other bytes (another width or dtype: the plan's
+            bytes are not its bytes). ``None`` in plans saved before the field existed (not
+            checked).
     """
 
     budget_bytes: int
@@ -1029,6 +1044,7 @@ class Plan:
     min_numel: int
     device: str = "cpu"
     version: int = PLAN_VERSION
+    parameter_bytes: int | None = None
 
     @property
     def predicted_saved_bytes(self) -> int:
@@ -1241,7 +1257,8 @@ def _make_plan(prof: ModelProfile, choices: list[list[str]], budget_bytes: int) 
                 predicted_step_time=prof.step_time + _added_time(prof, choices),
                 vanilla_peak_bytes=prof.vanilla_peak_bytes, vanilla_step_time=prof.step_time,
                 fused_cross_entropy=prof.fused_cross_entropy, optimizer=prof.optimizer,
-                group_size=prof.group_size, min_numel=prof.min_numel, device=prof.device)
+                group_size=prof.group_size, min_numel=prof.min_numel, device=prof.device,
+                parameter_bytes=prof.parameter_bytes)
 
 
 def plan_from_profile(prof: ModelProfile, memory_budget: Any, *, accuracy_weight: float = 1.0) -> Plan:
@@ -1319,8 +1336,9 @@ def apply_plan(model: nn.Module, plan: Plan):
 
     Raises:
         TypeError: ``plan`` is not a :class:`Plan`.
-        ValueError: the plan names modules the model does not have, or the model's repeated
-            blocks (:func:`find_blocks`) are not the plan's (more blocks, another type).
+        ValueError: the plan names modules the model does not have, the model's repeated
+            blocks (:func:`find_blocks`) are not the plan's (more blocks, another type), or its
+            parameters are not the profiled model's bytes (:attr:`Plan.parameter_bytes`).
     """
     from fewbit.convert import Config, ConversionSummary
 

@@ -385,6 +385,23 @@ def test_plan_does_not_fit_a_model_with_more_blocks(prof):
     assert planner.remove_plan(other) is False  # nothing was touched
 
 
+@pytest.mark.parametrize("other, what", [
+    (lambda: make_model(n_embd=128), "wider"),
+    (lambda: make_model().double(), "float64"),
+])
+def test_plan_does_not_fit_a_model_of_other_parameters(prof, other, what):
+    """Before: a plan made for width 64 applied to width 128 (or to the float64 copy) was
+    accepted: same blocks, same names, and a predicted peak that is not this model's."""
+    p = planner.plan_from_profile(prof, "50%")
+    m = other()
+    with pytest.raises(ValueError, match=r"parameters add up to .* here and .* in the plan"):
+        fewbit.convert_(m, p)
+    assert planner.remove_plan(m) is False  # nothing was touched
+    d = json.loads(p.to_json())
+    del d["parameter_bytes"]  # a plan saved before the field existed: applies unchecked
+    fewbit.convert_(make_model(), fewbit.Plan.from_dict(d))
+
+
 def test_planning_a_frozen_model_is_a_clear_error(batch):
     """Before: torch's "element 0 of tensors does not require grad" from inside the profile."""
     with pytest.raises(ValueError, match="no parameter that requires grad"):
