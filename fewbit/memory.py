@@ -147,6 +147,10 @@ class SavedTensorRecorder:
         by_module: ``{module name: bytes}`` (parameters excluded).
         num_saved: number of pack-hook calls.
         num_unique: number of distinct storages / packed objects counted.
+        savers: ``{storage key: (bytes, [module names])}`` for each storage saved as it is
+            (parameters excluded): the modules that saved it, in call order, each once. A
+            storage with several names is one tensor that several modules keep (a ReLU's
+            result and the next Linear's input); ``by_module`` counts it for the first.
     """
 
     def __init__(self, model: nn.Module | None = None) -> None:
@@ -166,6 +170,7 @@ class SavedTensorRecorder:
         self.num_saved = 0
         self.num_unique = 0
         self._seen: dict[Any, None] = {}
+        self.savers: dict[Any, tuple[int, list[str]]] = {}
         self._keep: list[Any] = []  # keeps packed objects alive so that id() stays unique
 
     @property
@@ -174,6 +179,11 @@ class SavedTensorRecorder:
 
     # -- hooks --------------------------------------------------------------
     def _add(self, key: Any, nbytes: int, category: str) -> None:
+        if category in ("activation", "other") and key[0] != "packed":
+            name = self._stack[-1] if self._stack else ""
+            names = self.savers.setdefault(key, (nbytes, []))[1]
+            if name not in names:
+                names.append(name)
         if key in self._seen:
             return
         self._seen[key] = None

@@ -247,9 +247,12 @@ def _signature(m: nn.Module) -> tuple:
 def find_blocks(model: nn.Module) -> list[tuple[str, list[str]]]:
     """The repeated blocks of ``model``: ``[(block type, [fqn, ...]), ...]``.
 
-    Blocks are the children of ``nn.ModuleList``s (not nested in another block) that have
-    submodules; those of one class and one structure (names, classes, parameter shapes) form a
-    block type, which gets one policy.
+    Blocks are the children that have submodules of an ``nn.ModuleList`` (GPT-2's
+    ``transformer.h``) or of an ``nn.Sequential`` with at least two such children (a ResNet
+    stage, ViT's ``encoder.layers``), not nested in another block; the outermost container
+    wins. Blocks of one class and one structure (names, classes, parameter shapes) form a block
+    type, which gets one policy. Everything else runs as it is and counts as saved outside
+    the blocks.
 
     Raises:
         ValueError: if the model has no such blocks.
@@ -258,19 +261,20 @@ def find_blocks(model: nn.Module) -> list[tuple[str, list[str]]]:
     names: dict[tuple, str] = {}
     taken: list[str] = []
     for fqn, m in model.named_modules():
-        if not isinstance(m, nn.ModuleList) or any(fqn.startswith(p) for p in taken):
+        if not isinstance(m, (nn.ModuleList, nn.Sequential)) or any((fqn + ".").startswith(p) for p in taken):
             continue
-        for i, child in enumerate(m):
-            if child is None or not any(True for _ in child.children()):
-                continue
-            cfqn = f"{fqn}.{i}" if fqn else str(i)
+        children = [(n, c) for n, c in m.named_children() if any(True for _ in c.children())]
+        if isinstance(m, nn.Sequential) and len(children) < 2:
+            continue
+        for name, child in children:
+            cfqn = f"{fqn}.{name}" if fqn else name
             sig = _signature(child)
             types.setdefault(sig, []).append(cfqn)
             names.setdefault(sig, type(child).__name__)
             taken.append(cfqn + ".")
     if not types:
-        raise ValueError(f"model ({type(model).__name__}) has no repeated blocks (children of an nn.ModuleList "
-                         "with submodules) to plan for")
+        raise ValueError(f"model ({type(model).__name__}) has no repeated blocks (children with submodules of an "
+                         "nn.ModuleList, or at least two of an nn.Sequential) to plan for")
     out = []
     seen: dict[str, int] = {}
     for sig, fqns in types.items():
@@ -295,7 +299,10 @@ class GroupProfile:
         order: position of the module's first call in the block's forward.
         end_time: seconds from the block's start to the end of this module's forward.
         options: ``{option name: [bytes kept per block, added seconds per block]}``
-            (``keep``: the saved bytes and 0; ``recompute``: 0 bytes, the cost is in ``end_time``).
+            (``keep``: the bytes only this module saves, and 0; ``recompute``: 0 bytes, the cost
+            is in ``end_time``).
+        shared_bytes: bytes per block of tensors this module saves that other modules save
+            too (:attr:`ModelProfile.shared`; not in ``options["keep"]``).
     """
 
     name: str
@@ -304,10 +311,26 @@ class GroupProfile:
     order: int
     end_time: float
     options: dict[str, list[float]] = field(default_factory=dict)
+    shared_bytes: int = 0
 
     @property
     def bytes(self) -> int:
-        return int(self.options["keep"][0])
+        """Everything the module saves unplanned, per block (its own and shared tensors)."""
+        return int(self.options["keep"][0]) + self.shared_bytes
+
+
+@dataclass
+class SharedSaved:
+    """Tensors that several groups save (a ReLU's result, which the next Linear saves as its
+    input): kept once, and kept as long as one of the groups keeps them.
+
+    Attributes:
+        groups: ``[(block type, group name), ...]`` that save them.
+        bytes: their bytes over all blocks.
+    """
+
+    groups: list[tuple[str, str]]
+    bytes: int
 
 
 @dataclass
@@ -333,6 +356,8 @@ class ModelProfile:
             (workspaces, gradients in flight); 0 on CPU.
         saved_bytes: everything saved for backward by the unplanned step.
         step_time: median seconds of an unplanned forward + backward.
+        shared: tensors several groups of the blocks save (:class:`SharedSaved`); those that a
+            module outside the blocks saves too are in ``outside_bytes``.
     """
 
     blocks: list[BlockProfile]
@@ -349,6 +374,7 @@ class ModelProfile:
     options: list[str]
     group_size: int
     min_numel: int
+    shared: list[SharedSaved] = field(default_factory=list)
 
     @property
     def static_bytes(self) -> int:
@@ -883,34 +909,60 @@ def profile(
         _sync(device)
         peak = torch.cuda.max_memory_allocated(device) - base_alloc
         transient = max(0, int(peak) - rec.saved_bytes - n_params)  # gradients are allocated in the step
-    by_module = dict(rec.by_module)
+    # each saved storage: the one module that saves it (own bytes), or several (shared)
+    block_at = {fqn: btype for btype, fqns in blocks for fqn in fqns}
+
+    def locate(name: str) -> tuple[str, str, str] | None:  # (block type, block fqn, relative name)
+        parts = name.split(".") if name else []
+        for k in range(len(parts), 0, -1):
+            fqn = ".".join(parts[:k])
+            if fqn in block_at:
+                return block_at[fqn], fqn, ".".join(parts[k:])
+        return None
+
+    own: dict[str, int] = {}
+    shared_of: dict[str, int] = {}
+    shared_sets: dict[tuple, int] = {}
+    for nbytes, savers in rec.savers.values():
+        if len(savers) == 1:
+            own[savers[0]] = own.get(savers[0], 0) + nbytes
+            continue
+        for name in savers:
+            shared_of[name] = shared_of.get(name, 0) + nbytes
+        locs = [locate(name) for name in savers]
+        if all(loc is not None for loc in locs):  # else a module outside the blocks keeps it: outside
+            key = tuple(sorted({(loc[0], loc[2]) for loc in locs}))
+            shared_sets[key] = shared_sets.get(key, 0) + nbytes
 
     # groups: modules of the first block that save something, in call order
     timings, step_time = _block_timings(work, blocks, example_batch, loss_fn, device, repeats)
     groups: dict[str, dict[str, bool]] = {}
     block_profiles: list[BlockProfile] = []
-    inside = 0
+    inside = sum(shared_sets.values())
     for btype, fqns in blocks:
-        rel_bytes: dict[str, int] = {}
-        for fqn in fqns:
-            for name, b in by_module.items():
-                if name == fqn or name.startswith(fqn + "."):
-                    rel = name[len(fqn) + 1:] if name != fqn else ""
-                    rel_bytes[rel] = max(rel_bytes.get(rel, 0), b)
-                    inside += b
+        rel_bytes: dict[str, list[int]] = {}  # relative name -> [own, shared] per block (max over blocks)
+        for name in set(own) | set(shared_of):
+            loc = locate(name)
+            if loc is None or loc[0] != btype:
+                continue
+            b = rel_bytes.setdefault(loc[2], [0, 0])
+            b[0] = max(b[0], own.get(name, 0))
+            b[1] = max(b[1], shared_of.get(name, 0))
+            inside += own.get(name, 0)
         times, fwd_time, in_bytes = timings[btype]
         gs = []
-        for rel, b in rel_bytes.items():
-            if b <= 0:
+        for rel, (b, sb) in rel_bytes.items():
+            if b <= 0 and sb <= 0:
                 continue
             mod = named[f"{fqns[0]}.{rel}"] if rel else named[fqns[0]]
             o, end = times.get(rel, (-1, fwd_time))
             gs.append(GroupProfile(rel, type(mod).__name__, is_activation_module(mod), o, end,
-                                   {"keep": [b, 0.0]}))
+                                   {"keep": [b, 0.0]}, sb))
         gs.sort(key=lambda g: (g.end_time, g.order))
         groups[btype] = {g.name: g.activation for g in gs}
         block_profiles.append(BlockProfile(btype, list(fqns), in_bytes, fwd_time, gs))
     outside = rec.saved_bytes - inside
+    shared = [SharedSaved(list(key), b) for key, b in shared_sets.items()]
 
     # 2. bytes per option: one recorded step with every group under it
     like = Plan(budget_bytes=0, blocks=[], static_bytes=0, outside_bytes=0, predicted_peak_bytes=0,
@@ -966,7 +1018,7 @@ def profile(
         outside_bytes=max(0, outside), transient_bytes=transient, saved_bytes=rec.saved_bytes,
         step_time=step_time, optimizer=optimizer, device=str(device),
         fused_cross_entropy=bool(fused_cross_entropy), options=[o.name for o in opts],
-        group_size=group_size, min_numel=min_numel)
+        group_size=group_size, min_numel=min_numel, shared=shared)
 
 
 # --------------------------------------------------------------------------- plan
@@ -1024,6 +1076,9 @@ class Plan:
         fused_cross_entropy: the loss is computed by :func:`fewbit.losses.patch_causal_lm_`.
         optimizer, group_size, min_numel, device: as profiled.
         version: :data:`PLAN_VERSION`.
+        shared_bytes: tensors that several groups save (a ReLU's result, the next Linear's
+            input), counted once, kept because one of those groups keeps them (included in
+            ``predicted_peak_bytes``).
         parameter_bytes: bytes of the profiled model's parameters; :func:`apply_plan` refuses a
             model whose parameters add up to other bytes (another width or dtype: the plan's
             bytes are not its bytes). ``None`` in plans saved before the field existed (not
@@ -1045,6 +1100,7 @@ class Plan:
     device: str = "cpu"
     version: int = PLAN_VERSION
     parameter_bytes: int | None = None
+    shared_bytes: int = 0
 
     @property
     def predicted_saved_bytes(self) -> int:
@@ -1109,7 +1165,8 @@ class Plan:
             f"predicted step {self.predicted_step_time * 1e3:.1f} ms (unplanned {self.vanilla_step_time * 1e3:.1f} ms)",
             f"  static {_fmt_bytes(self.static_bytes)} (parameters, gradients, {self.optimizer} state), "
             f"saved outside blocks {_fmt_bytes(self.outside_bytes)}, fused cross-entropy "
-            f"{'on' if self.fused_cross_entropy else 'off'}",
+            f"{'on' if self.fused_cross_entropy else 'off'}"
+            + (f", kept for several groups {_fmt_bytes(self.shared_bytes)}" if self.shared_bytes else ""),
         ]
         for b in self.blocks:
             lines.append(f"  {b.block_type} x{len(b.blocks)} ({b.blocks[0]} ...): "
@@ -1126,7 +1183,8 @@ class Plan:
 
 def _objective_terms(prof: ModelProfile, accuracy_weight: float):
     """Variables of the MILP: x[b, g, o] binaries, z[b, g] chain binaries, w[b, g, o] (compress
-    re-run) binaries, and one continuous T (recomputed bytes, transient)."""
+    re-run) binaries, y[k] in [0, 1] (shared tensors k kept: y >= x[b, g, keep] for each group
+    that saves them), and one continuous T (recomputed bytes, transient)."""
     var: list[tuple] = []
     cost: list[float] = []
     index: dict[tuple, int] = {}
@@ -1149,6 +1207,8 @@ def _objective_terms(prof: ModelProfile, accuracy_weight: float):
                     add(("w", bi, gi, name), n * t)
             add(("z", bi, gi), n * max(0.0, g.end_time - prev))
             prev = max(prev, g.end_time)
+    for k in range(len(prof.shared)):
+        add(("y", k), 0.0)
     add(("T",), 0.0)
     return var, cost, index
 
@@ -1195,6 +1255,13 @@ def solve(prof: ModelProfile, budget_bytes: int | None, *, accuracy_weight: floa
             mem[z0] = mem.get(z0, 0.0) + n * bp.input_bytes
         rec_bytes[index[("T",)]] = -1.0
         row(rec_bytes, -np.inf, 0)  # T >= recomputed bytes of one block
+    where = {(bp.block_type, g.name): (bi, gi) for bi, bp in enumerate(prof.blocks) for gi, g in enumerate(bp.groups)}
+    for k, sh in enumerate(prof.shared):  # kept once while any group that saves them keeps them
+        y = index[("y", k)]
+        mem[y] = mem.get(y, 0.0) + float(sh.bytes)
+        for member in sh.groups:
+            bi, gi = where[tuple(member)]
+            row({y: 1.0, index[("x", bi, gi, "keep")]: -1.0}, 0, np.inf)
     mem[index[("T",)]] = mem.get(index[("T",)], 0.0) + 1.0
     c = np.array(cost, dtype=float)
     if budget_bytes is not None:
@@ -1208,6 +1275,8 @@ def solve(prof: ModelProfile, budget_bytes: int | None, *, accuracy_weight: floa
             A[r, j] = v
     integrality = np.ones(nv)
     integrality[index[("T",)]] = 0
+    for k in range(len(prof.shared)):
+        integrality[index[("y", k)]] = 0
     ub = np.ones(nv)
     ub[index[("T",)]] = np.inf
     from scipy.optimize import Bounds
@@ -1221,7 +1290,7 @@ def solve(prof: ModelProfile, budget_bytes: int | None, *, accuracy_weight: floa
     for key, j in index.items():
         if key[0] == "x" and x[j] > 0.5:
             choices[key[1]][key[2]] = key[3]
-    peak = fixed + sum(mem.get(j, 0.0) * x[j] for j in range(nv))
+    peak = fixed + sum(mem.get(j, 0.0) * x[j] for j in range(nv) if var[j][0] != "y") + _kept_shared(prof, choices)
     seconds = _added_time(prof, choices)  # without the accuracy tie-break, which is not time
     return choices, seconds, int(round(peak))
 
@@ -1239,9 +1308,17 @@ def _added_time(prof: ModelProfile, choices: list[list[str]]) -> float:
     return total
 
 
+def _kept_shared(prof: ModelProfile, choices: list[list[str]]) -> int:
+    """Bytes of the shared tensors (:attr:`ModelProfile.shared`) that some group keeps under ``choices``."""
+    keeps = {(bp.block_type, g.name) for bp, ch in zip(prof.blocks, choices)
+             for g, o in zip(bp.groups, ch) if o == "keep"}
+    return sum(sh.bytes for sh in prof.shared if any(tuple(m) in keeps for m in sh.groups))
+
+
 def _make_plan(prof: ModelProfile, choices: list[list[str]], budget_bytes: int) -> Plan:
     blocks = []
-    peak = prof.static_bytes + prof.outside_bytes
+    shared = _kept_shared(prof, choices)
+    peak = prof.static_bytes + prof.outside_bytes + shared
     worst_rec = 0
     for bp, ch in zip(prof.blocks, choices):
         gs = [GroupChoice(g.name, g.module_type, o, g.bytes, int(g.options[o][0]), float(g.options[o][1]))
@@ -1258,7 +1335,7 @@ def _make_plan(prof: ModelProfile, choices: list[list[str]], budget_bytes: int) 
                 vanilla_peak_bytes=prof.vanilla_peak_bytes, vanilla_step_time=prof.step_time,
                 fused_cross_entropy=prof.fused_cross_entropy, optimizer=prof.optimizer,
                 group_size=prof.group_size, min_numel=prof.min_numel, device=prof.device,
-                parameter_bytes=prof.parameter_bytes)
+                parameter_bytes=prof.parameter_bytes, shared_bytes=shared)
 
 
 def plan_from_profile(prof: ModelProfile, memory_budget: Any, *, accuracy_weight: float = 1.0) -> Plan:
