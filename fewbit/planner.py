@@ -412,15 +412,24 @@ class _State:
 class _GroupHook:
     """Forward pre-hook / hook (always called) pushing the saved-tensor hooks of one group."""
 
-    def __init__(self, state: _State, option: Option) -> None:
+    def __init__(self, state: _State, option: Option, fqn: str = "") -> None:
         self.state = state
         self.option = option
+        self.fqn = fqn
         self.stack: list = []
 
     def pre(self, module, args):
         o = self.option
         if o.kind == "quant":
             ctx = self.state.compressors[o.name]
+            ctx.__enter__()
+            # as convert_: the module's kind, and a norm's rows for its saved tensors (Compressor.within)
+            from fewbit.convert import layer_kind, normalization_size
+
+            kind = layer_kind(module)
+            ctx._push_module(self.fqn, kind, functools.partial(normalization_size, module) if kind == "norm" else None)
+            self.stack.append(ctx)
+            return
         elif o.kind == "recompute":
             top = self.state.checkpoint_hooks[-1] if self.state.checkpoint_hooks else None
             ctx = torch.autograd.graph.saved_tensors_hooks(*top) if top is not None else None
@@ -434,6 +443,8 @@ class _GroupHook:
         if self.stack:
             ctx = self.stack.pop()
             if ctx is not None:
+                if self.option.kind == "quant":
+                    ctx._pop_module()
                 ctx.__exit__(None, None, None)
 
 
@@ -579,7 +590,7 @@ def _apply_choices(model: nn.Module, plan: "Plan") -> _State:
             root = None
             for g in bp.groups:
                 o = get_option(g.option)
-                hook = _GroupHook(state, o)
+                hook = _GroupHook(state, o, f"{fqn}.{g.name}" if g.name else fqn)
                 if not g.name:
                     root = hook
                     continue
