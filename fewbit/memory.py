@@ -118,12 +118,13 @@ _ACTIVE: list["SavedTensorRecorder"] = []
 
 
 def resume_recording():
-    """``active_recorder.resume()`` for the innermost active recorder, else a no-op context.
+    """``active_recorder.resume()`` for the innermost active recorder, else a no-op context
+    (also when that recorder's hooks are the innermost already).
 
     Use it inside code that pushes its own saved-tensor hooks, so that a surrounding
     :class:`SavedTensorRecorder` still sees what is saved.
     """
-    if _ACTIVE:
+    if _ACTIVE and not _ACTIVE[-1]._is_top():
         return _ACTIVE[-1].resume()
     return contextlib.nullcontext()
 
@@ -147,10 +148,10 @@ class SavedTensorRecorder:
         by_module: ``{module name: bytes}`` (parameters excluded).
         num_saved: number of pack-hook calls.
         num_unique: number of distinct storages / packed objects counted.
-        savers: ``{storage key: (bytes, [module names])}`` for each storage saved as it is
-            (parameters excluded): the modules that saved it, in call order, each once. A
-            storage with several names is one tensor that several modules keep (a ReLU's
-            result and the next Linear's input); ``by_module`` counts it for the first.
+        savers: ``{key: (bytes, [module names])}`` for each storage or packed object counted
+            (parameters excluded): the modules that saved it, in call order, each once. One
+            with several names is one tensor that several modules keep (a ReLU's result and
+            the next Linear's input); ``by_module`` counts it for the first.
     """
 
     def __init__(self, model: nn.Module | None = None) -> None:
@@ -179,7 +180,7 @@ class SavedTensorRecorder:
 
     # -- hooks --------------------------------------------------------------
     def _add(self, key: Any, nbytes: int, category: str) -> None:
-        if category in ("activation", "other") and key[0] != "packed":
+        if category != "parameters":
             name = self._stack[-1] if self._stack else ""
             names = self.savers.setdefault(key, (nbytes, []))[1]
             if name not in names:

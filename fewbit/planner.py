@@ -77,6 +77,7 @@ from torch import nn
 
 from fewbit._checks import check_positive_int, is_int
 from fewbit.convert import _is_causal_lm
+from fewbit.memory import resume_recording
 
 __all__ = [
     "Option",
@@ -322,15 +323,24 @@ class GroupProfile:
 @dataclass
 class SharedSaved:
     """Tensors that several groups save (a ReLU's result, which the next Linear saves as its
-    input): kept once, and kept as long as one of the groups keeps them.
+    input, or the input of q, k and v): stored once, and kept as long as one of the groups
+    keeps them; groups that compress them with one option share one compressed copy.
 
     Attributes:
         groups: ``[(block type, group name), ...]`` that save them.
-        bytes: their bytes over all blocks.
+        bytes: their bytes over all blocks, as they are (``keep``).
+        options: ``{option name: bytes over all blocks}`` of what an option stores of them
+            (measured with every group under it).
+        raw: ``{option name: bytes}``, the part of ``options`` the option keeps as it is
+            (inputs that need no gradient, statistics, a few-bit table's values): one storage,
+            stored once whichever of those options the groups use (and counted again with
+            ``keep``'s, which may hold the same storage: an over-estimate).
     """
 
     groups: list[tuple[str, str]]
     bytes: int
+    options: dict[str, int] = field(default_factory=dict)
+    raw: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -473,7 +483,8 @@ def _checkpointed_forward(state: _State, block: nn.Module, forward: Callable, ro
             if root is not None:
                 root.pre(block, a)
             try:
-                return forward(*a, **k)
+                with resume_recording():  # a SavedTensorRecorder sees what the block's own forward saves
+                    return forward(*a, **k)
             finally:
                 if root is not None:
                     root.post(block, a, None)
@@ -511,7 +522,8 @@ def _checkpointed_forward(state: _State, block: nn.Module, forward: Callable, ro
 def _plain_forward(block: nn.Module, forward: Callable, root: _GroupHook, *args, **kwargs):
     root.pre(block, args)
     try:
-        return forward(*args, **kwargs)
+        with resume_recording():  # a SavedTensorRecorder sees what the block's own forward saves
+            return forward(*args, **kwargs)
     finally:
         root.post(block, args, None)
 
@@ -683,6 +695,39 @@ def _uniform_plan(prof_blocks: list[BlockProfile], groups: dict[str, list[str]],
                 predicted_step_time=0.0, vanilla_peak_bytes=0, vanilla_step_time=0.0,
                 fused_cross_entropy=False, optimizer=base.optimizer, group_size=base.group_size,
                 min_numel=base.min_numel)
+
+
+def _locate(block_at: dict[str, str], name: str) -> tuple[str, str, str] | None:
+    """``(block type, block fqn, name relative to the block)`` of module ``name``; None outside
+    the blocks (``block_at``: block fqn -> block type)."""
+    parts = name.split(".") if name else []
+    for k in range(len(parts), 0, -1):
+        fqn = ".".join(parts[:k])
+        if fqn in block_at:
+            return block_at[fqn], fqn, ".".join(parts[k:])
+    return None
+
+
+def _split_saved(rec, locate: Callable) -> tuple[dict[str, int], dict[str, int], dict[tuple, list[int]]]:
+    """What a recorded step saved (``rec.savers``), split: ``own`` bytes per module (saved by
+    that module alone), ``shared_of`` bytes per module of what others save too, and per set
+    of block groups ``((block type, relative name), ...)`` that save the same tensors, the
+    bytes ``[kept as they are, compressed copies]`` (tensors a module outside the blocks saves
+    too are in neither: they stay, outside)."""
+    own: dict[str, int] = {}
+    shared_of: dict[str, int] = {}
+    sets: dict[tuple, list[int]] = {}
+    for key, (nbytes, savers) in rec.savers.items():
+        if len(savers) == 1:
+            own[savers[0]] = own.get(savers[0], 0) + nbytes
+            continue
+        for name in savers:
+            shared_of[name] = shared_of.get(name, 0) + nbytes
+        locs = [locate(name) for name in savers]
+        if all(loc is not None for loc in locs):
+            k = tuple(sorted({(loc[0], loc[2]) for loc in locs}))
+            sets.setdefault(k, [0, 0])[1 if key[0] == "packed" else 0] += nbytes
+    return own, shared_of, sets
 
 
 def _block_timings(work: nn.Module, blocks: list[tuple[str, list[str]]], batch, loss_fn, device, repeats):
@@ -922,34 +967,14 @@ def profile(
         transient = max(0, int(peak) - rec.saved_bytes - n_params)  # gradients are allocated in the step
     # each saved storage: the one module that saves it (own bytes), or several (shared)
     block_at = {fqn: btype for btype, fqns in blocks for fqn in fqns}
-
-    def locate(name: str) -> tuple[str, str, str] | None:  # (block type, block fqn, relative name)
-        parts = name.split(".") if name else []
-        for k in range(len(parts), 0, -1):
-            fqn = ".".join(parts[:k])
-            if fqn in block_at:
-                return block_at[fqn], fqn, ".".join(parts[k:])
-        return None
-
-    own: dict[str, int] = {}
-    shared_of: dict[str, int] = {}
-    shared_sets: dict[tuple, int] = {}
-    for nbytes, savers in rec.savers.values():
-        if len(savers) == 1:
-            own[savers[0]] = own.get(savers[0], 0) + nbytes
-            continue
-        for name in savers:
-            shared_of[name] = shared_of.get(name, 0) + nbytes
-        locs = [locate(name) for name in savers]
-        if all(loc is not None for loc in locs):  # else a module outside the blocks keeps it: outside
-            key = tuple(sorted({(loc[0], loc[2]) for loc in locs}))
-            shared_sets[key] = shared_sets.get(key, 0) + nbytes
+    locate = functools.partial(_locate, block_at)
+    own, shared_of, shared_sets = _split_saved(rec, locate)
 
     # groups: modules of the first block that save something, in call order
     timings, step_time = _block_timings(work, blocks, example_batch, loss_fn, device, repeats)
     groups: dict[str, dict[str, bool]] = {}
     block_profiles: list[BlockProfile] = []
-    inside = sum(shared_sets.values())
+    inside = sum(sum(b) for b in shared_sets.values())
     for btype, fqns in blocks:
         rel_bytes: dict[str, list[int]] = {}  # relative name -> [own, shared] per block (max over blocks)
         for name in set(own) | set(shared_of):
@@ -973,7 +998,7 @@ def profile(
         groups[btype] = {g.name: g.activation for g in gs}
         block_profiles.append(BlockProfile(btype, list(fqns), in_bytes, fwd_time, gs))
     outside = rec.saved_bytes - inside
-    shared = [SharedSaved(list(key), b) for key, b in shared_sets.items()]
+    shared = {key: SharedSaved(list(key), sum(b)) for key, b in shared_sets.items()}
 
     # 2. bytes per option: one recorded step with every group under it
     like = Plan(budget_bytes=0, blocks=[], static_bytes=0, outside_bytes=0, predicted_peak_bytes=0,
@@ -989,12 +1014,18 @@ def profile(
             r = _recorded_step(trial, example_batch, loss_fn)
         finally:
             remove_plan(trial)
+        own_o, _, sets_o = _split_saved(r, locate)
         for bp in block_profiles:
             for g in bp.groups:
                 if not o.applies_to(g.activation):
                     continue
-                b = max(r.by_module.get(f"{fqn}.{g.name}" if g.name else fqn, 0) for fqn in bp.blocks)
+                b = max(own_o.get(f"{fqn}.{g.name}" if g.name else fqn, 0) for fqn in bp.blocks)
                 g.options[o.name] = [b, 0.0]
+        for key, (raw, packed) in sets_o.items():  # what groups under o share (also a few-bit table's values)
+            sh = shared.setdefault(key, SharedSaved(list(key), 0))
+            sh.options[o.name] = packed + raw
+            if raw:  # kept as they are under o too (no-grad inputs, statistics): stored once with keep's
+                sh.raw[o.name] = raw
         del trial
 
     # 3. times: compress + decompress on the real tensors, fewbit against the original
@@ -1029,7 +1060,7 @@ def profile(
         outside_bytes=max(0, outside), transient_bytes=transient, saved_bytes=rec.saved_bytes,
         step_time=step_time, optimizer=optimizer, device=str(device),
         fused_cross_entropy=bool(fused_cross_entropy), options=[o.name for o in opts],
-        group_size=group_size, min_numel=min_numel, shared=shared)
+        group_size=group_size, min_numel=min_numel, shared=list(shared.values()))
 
 
 # --------------------------------------------------------------------------- plan
@@ -1087,8 +1118,9 @@ class Plan:
         fused_cross_entropy: the loss is computed by :func:`fewbit.losses.patch_causal_lm_`.
         optimizer, group_size, min_numel, device: as profiled.
         version: :data:`PLAN_VERSION`.
-        shared_bytes: tensors that several groups save (a ReLU's result, the next Linear's
-            input), counted once, kept because one of those groups keeps them (included in
+        shared_bytes: what the plan stores of tensors that several groups save (a ReLU's
+            result, the next Linear's input): once as they are if one of the groups keeps
+            them, once per compressing option the groups use (included in
             ``predicted_peak_bytes``).
         parameter_bytes: bytes of the profiled model's parameters; :func:`apply_plan` refuses a
             model whose parameters add up to other bytes (another width or dtype: the plan's
@@ -1177,7 +1209,7 @@ class Plan:
             f"  static {_fmt_bytes(self.static_bytes)} (parameters, gradients, {self.optimizer} state), "
             f"saved outside blocks {_fmt_bytes(self.outside_bytes)}, fused cross-entropy "
             f"{'on' if self.fused_cross_entropy else 'off'}"
-            + (f", kept for several groups {_fmt_bytes(self.shared_bytes)}" if self.shared_bytes else ""),
+            + (f", tensors several groups save {_fmt_bytes(self.shared_bytes)}" if self.shared_bytes else ""),
         ]
         for b in self.blocks:
             lines.append(f"  {b.block_type} x{len(b.blocks)} ({b.blocks[0]} ...): "
@@ -1195,7 +1227,9 @@ class Plan:
 def _objective_terms(prof: ModelProfile, accuracy_weight: float):
     """Variables of the MILP: x[b, g, o] binaries, z[b, g] chain binaries, w[b, g, o] (compress
     re-run) binaries, y[k] in [0, 1] (shared tensors k kept: y >= x[b, g, keep] for each group
-    that saves them), and one continuous T (recomputed bytes, transient)."""
+    that saves them), u[k, o] in [0, 1] (their copy under option o stored: u >= x[b, g, o]),
+    r[k] in [0, 1] (the part that compressing options keep as it is: r >= x[b, g, o]), and one
+    continuous T (recomputed bytes, transient)."""
     var: list[tuple] = []
     cost: list[float] = []
     index: dict[tuple, int] = {}
@@ -1218,8 +1252,12 @@ def _objective_terms(prof: ModelProfile, accuracy_weight: float):
                     add(("w", bi, gi, name), n * t)
             add(("z", bi, gi), n * max(0.0, g.end_time - prev))
             prev = max(prev, g.end_time)
-    for k in range(len(prof.shared)):
+    for k, sh in enumerate(prof.shared):
         add(("y", k), 0.0)
+        for o in sh.options:
+            add(("u", k, o), 0.0)
+        if sh.raw:
+            add(("r", k), 0.0)
     add(("T",), 0.0)
     return var, cost, index
 
@@ -1267,12 +1305,18 @@ def solve(prof: ModelProfile, budget_bytes: int | None, *, accuracy_weight: floa
         rec_bytes[index[("T",)]] = -1.0
         row(rec_bytes, -np.inf, 0)  # T >= recomputed bytes of one block
     where = {(bp.block_type, g.name): (bi, gi) for bi, bp in enumerate(prof.blocks) for gi, g in enumerate(bp.groups)}
-    for k, sh in enumerate(prof.shared):  # kept once while any group that saves them keeps them
-        y = index[("y", k)]
-        mem[y] = mem.get(y, 0.0) + float(sh.bytes)
-        for member in sh.groups:
-            bi, gi = where[tuple(member)]
-            row({y: 1.0, index[("x", bi, gi, "keep")]: -1.0}, 0, np.inf)
+    for k, sh in enumerate(prof.shared):  # stored once per form while any group that saves them uses it
+        forms = [(index[("y", k)], sh.bytes, ("keep",))]
+        forms += [(index[("u", k, o)], b - sh.raw.get(o, 0), (o,)) for o, b in sh.options.items()]
+        if sh.raw:
+            forms.append((index[("r", k)], max(sh.raw.values()), tuple(sh.raw)))
+        for v, b, users in forms:
+            mem[v] = mem.get(v, 0.0) + float(b)
+            for member in sh.groups:
+                bi, gi = where[tuple(member)]
+                for o in users:
+                    if ("x", bi, gi, o) in index:
+                        row({v: 1.0, index[("x", bi, gi, o)]: -1.0}, 0, np.inf)
     mem[index[("T",)]] = mem.get(index[("T",)], 0.0) + 1.0
     c = np.array(cost, dtype=float)
     if budget_bytes is not None:
@@ -1286,8 +1330,9 @@ def solve(prof: ModelProfile, budget_bytes: int | None, *, accuracy_weight: floa
             A[r, j] = v
     integrality = np.ones(nv)
     integrality[index[("T",)]] = 0
-    for k in range(len(prof.shared)):
-        integrality[index[("y", k)]] = 0
+    for j, key in enumerate(var):
+        if key[0] in ("y", "u", "r"):
+            integrality[j] = 0
     ub = np.ones(nv)
     ub[index[("T",)]] = np.inf
     from scipy.optimize import Bounds
@@ -1301,7 +1346,8 @@ def solve(prof: ModelProfile, budget_bytes: int | None, *, accuracy_weight: floa
     for key, j in index.items():
         if key[0] == "x" and x[j] > 0.5:
             choices[key[1]][key[2]] = key[3]
-    peak = fixed + sum(mem.get(j, 0.0) * x[j] for j in range(nv) if var[j][0] != "y") + _kept_shared(prof, choices)
+    peak = fixed + sum(mem.get(j, 0.0) * x[j] for j in range(nv) if var[j][0] not in ("y", "u", "r")) + _shared_bytes(
+        prof, choices)
     seconds = _added_time(prof, choices)  # without the accuracy tie-break, which is not time
     return choices, seconds, int(round(peak))
 
@@ -1319,16 +1365,23 @@ def _added_time(prof: ModelProfile, choices: list[list[str]]) -> float:
     return total
 
 
-def _kept_shared(prof: ModelProfile, choices: list[list[str]]) -> int:
-    """Bytes of the shared tensors (:attr:`ModelProfile.shared`) that some group keeps under ``choices``."""
-    keeps = {(bp.block_type, g.name) for bp, ch in zip(prof.blocks, choices)
-             for g, o in zip(bp.groups, ch) if o == "keep"}
-    return sum(sh.bytes for sh in prof.shared if any(tuple(m) in keeps for m in sh.groups))
+def _shared_bytes(prof: ModelProfile, choices: list[list[str]]) -> int:
+    """Bytes stored for the shared tensors (:attr:`ModelProfile.shared`) under ``choices``: as
+    they are if a group that saves them keeps them, plus one copy per compressing option that
+    one of those groups uses."""
+    chosen = {(bp.block_type, g.name): o for bp, ch in zip(prof.blocks, choices) for g, o in zip(bp.groups, ch)}
+    total = 0
+    for sh in prof.shared:
+        used = {chosen.get(tuple(m)) for m in sh.groups}
+        total += (sh.bytes if "keep" in used else 0) + sum(
+            b - sh.raw.get(o, 0) for o, b in sh.options.items() if o in used)
+        total += max(sh.raw.values()) if used & set(sh.raw) else 0
+    return total
 
 
 def _make_plan(prof: ModelProfile, choices: list[list[str]], budget_bytes: int) -> Plan:
     blocks = []
-    shared = _kept_shared(prof, choices)
+    shared = _shared_bytes(prof, choices)
     peak = prof.static_bytes + prof.outside_bytes + shared
     worst_rec = 0
     for bp, ch in zip(prof.blocks, choices):

@@ -189,8 +189,10 @@ def test_tensors_two_groups_save_are_kept_while_one_keeps_them(budget):
         return torch.nn.functional.cross_entropy(out, y)
 
     prof = planner.profile(_ReluNet(), (x,), loss_fn=loss_fn, optimizer="sgd", repeats=1, min_numel=0)
-    assert [(sh.groups, sh.bytes) for sh in prof.shared] == [([("_ReluBlock", "act"), ("_ReluBlock", "fc2")],
-                                                              3 * 512 * 128 * 4)]
+    assert [(sh.groups, sh.bytes) for sh in prof.shared if sh.bytes] == [
+        ([("_ReluBlock", "act"), ("_ReluBlock", "fc2")], 3 * 512 * 128 * 4)]
+    # the few-bit ReLUs of the three blocks share one table of values: stored once
+    assert [(sh.groups, sh.options["fewbit3"]) for sh in prof.shared if not sh.bytes] == [([("_ReluBlock", "act")], 8)]
     assert [(g.name, g.options["keep"][0], g.shared_bytes) for g in prof.blocks[0].groups] == [
         ("fc1", 512 * 64 * 4, 0), ("act", 0, 512 * 128 * 4), ("fc2", 0, 512 * 128 * 4)]
     rep0 = saved_tensor_report(_ReluNet(), (x,), loss_fn=loss_fn)
@@ -199,16 +201,65 @@ def test_tensors_two_groups_save_are_kept_while_one_keeps_them(budget):
     model = _ReluNet()
     fewbit.convert_(model, p)
     rep = saved_tensor_report(model, (x,), loss_fn=loss_fn)
-    assert abs(rep.saved_bytes - p.predicted_saved_bytes) <= 64, (rep.saved_bytes, p.predicted_saved_bytes)
+    assert rep.saved_bytes == p.predicted_saved_bytes, (rep.saved_bytes, p.predicted_saved_bytes)
     assert p.static_bytes + rep.saved_bytes <= p.budget_bytes
-    # one group keeps the tensor, the other compresses its copy: kept, and counted once
-    choices = [["keep", "keep", "quant2"]]
-    mixed = planner._make_plan(prof, choices, prof.vanilla_peak_bytes)
+    # ReLU keeps its result, fc2 compresses its input: the result stays, and fc2's copy is its own
+    mixed = planner._make_plan(prof, [["keep", "keep", "quant2"]], prof.vanilla_peak_bytes)
     assert mixed.shared_bytes == 3 * 512 * 128 * 4
     model = _ReluNet()
     fewbit.convert_(model, mixed)
     rep = saved_tensor_report(model, (x,), loss_fn=loss_fn)
-    assert abs(rep.saved_bytes - mixed.predicted_saved_bytes) <= 64, (rep.saved_bytes, mixed.predicted_saved_bytes)
+    assert rep.saved_bytes == mixed.predicted_saved_bytes
+
+
+class _GatedBlock(torch.nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.gate, self.up = torch.nn.Linear(width, 2 * width), torch.nn.Linear(width, 2 * width)
+        self.down = torch.nn.Linear(2 * width, width)
+
+    def forward(self, x):
+        return x + self.down(torch.nn.functional.silu(self.gate(x)) * self.up(x))
+
+
+def test_a_tensor_two_groups_compress_alike_is_stored_once():
+    """gate and up save the same input. Under one option the compressor packs it once; under
+    two, twice; and the block's own saves are measured under their option. Before (at 50 % on a tiny RoBERTa, whose q, k, v share their input) the plan
+    counted no copy for k and v: 25600 to 50176 bytes more than predicted, over the budget."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 64, generator=g)
+
+    def make():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(_GatedBlock(64), _GatedBlock(64))
+
+    def loss_fn(out):
+        return out.square().mean()
+
+    prof = planner.profile(make(), (x,), loss_fn=loss_fn, optimizer="sgd", repeats=1, min_numel=0,
+                           options=("keep", "quant2", "quant4"))
+    # the block's own forward saves silu's input (kept exact: its backward is not linear in
+    # it) and the product's two factors (compressed). Before, a recorder under the block's
+    # hooks saw none of it and the profile said 0 bytes under quant2.
+    root = next(g for g in prof.blocks[0].groups if g.name == "")
+    assert root.options["keep"][0] == 3 * 256 * 128 * 4
+    assert 256 * 128 * 4 < root.options["quant2"][0] < 256 * 128 * 4 * 5 // 4  # + two factors at < 2/8
+    inputs = next(sh for sh in prof.shared if sh.bytes)
+    assert inputs.groups == [("_GatedBlock", "gate"), ("_GatedBlock", "up")] and inputs.bytes == 2 * 256 * 64 * 4
+    # the first block's input needs no gradient: every option keeps it as it is, one storage
+    assert inputs.raw == {"quant2": 256 * 64 * 4, "quant4": 256 * 64 * 4}
+    raw = 256 * 64 * 4
+    for choice, stored, over in (({"gate": "quant2", "up": "quant2"}, inputs.options["quant2"], 0),
+                                 ({"gate": "quant4", "up": "quant2"},
+                                  inputs.options["quant4"] + inputs.options["quant2"] - raw, 0),
+                                 ({"gate": "keep", "up": "quant4"}, inputs.bytes + inputs.options["quant4"], raw)):
+        p = choices_plan(prof, choice)
+        assert p.shared_bytes == stored, choice
+        model = make()
+        fewbit.convert_(model, p)
+        rep = saved_tensor_report(model, (x,), loss_fn=loss_fn)
+        # keep's storage and quant4's kept input are one: counted twice by the plan (over, never under)
+        assert rep.saved_bytes == p.predicted_saved_bytes - over, (choice, rep.saved_bytes, p.predicted_saved_bytes)
 
 
 class _PyRMSNorm(torch.nn.Module):
