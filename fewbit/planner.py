@@ -332,9 +332,9 @@ class SharedSaved:
         options: ``{option name: bytes over all blocks}`` of what an option stores of them
             (measured with every group under it).
         raw: ``{option name: bytes}``, the part of ``options`` the option keeps as it is
-            (inputs that need no gradient, statistics, a few-bit table's values): one storage,
-            stored once whichever of those options the groups use (and counted again with
-            ``keep``'s, which may hold the same storage: an over-estimate).
+            (inputs that need no gradient, tensors whose backward is not linear in them, a
+            few-bit table's values): stored once whichever of those options the groups use,
+            and up to ``bytes`` the same storage as ``keep``'s.
     """
 
     groups: list[tuple[str, str]]
@@ -1021,7 +1021,10 @@ def profile(
                     continue
                 b = max(own_o.get(f"{fqn}.{g.name}" if g.name else fqn, 0) for fqn in bp.blocks)
                 g.options[o.name] = [b, 0.0]
+        applies = {(bp.block_type, g.name) for bp in block_profiles for g in bp.groups if o.applies_to(g.activation)}
         for key, (raw, packed) in sets_o.items():  # what groups under o share (also a few-bit table's values)
+            if not all(m in applies for m in key):  # some kept as they are: not o's
+                continue
             sh = shared.setdefault(key, SharedSaved(list(key), 0))
             sh.options[o.name] = packed + raw
             if raw:  # kept as they are under o too (no-grad inputs, statistics): stored once with keep's
@@ -1228,7 +1231,7 @@ def _objective_terms(prof: ModelProfile, accuracy_weight: float):
     """Variables of the MILP: x[b, g, o] binaries, z[b, g] chain binaries, w[b, g, o] (compress
     re-run) binaries, y[k] in [0, 1] (shared tensors k kept: y >= x[b, g, keep] for each group
     that saves them), u[k, o] in [0, 1] (their copy under option o stored: u >= x[b, g, o]),
-    r[k] in [0, 1] (the part that compressing options keep as it is: r >= x[b, g, o]), and one
+    v[k], r[k] in [0, 1] (the parts kept as they are, :func:`_shared_forms`), and one
     continuous T (recomputed bytes, transient)."""
     var: list[tuple] = []
     cost: list[float] = []
@@ -1253,11 +1256,8 @@ def _objective_terms(prof: ModelProfile, accuracy_weight: float):
             add(("z", bi, gi), n * max(0.0, g.end_time - prev))
             prev = max(prev, g.end_time)
     for k, sh in enumerate(prof.shared):
-        add(("y", k), 0.0)
-        for o in sh.options:
-            add(("u", k, o), 0.0)
-        if sh.raw:
-            add(("r", k), 0.0)
+        for f, o, _, _ in _shared_forms(sh):
+            add((f, k) if f != "u" else (f, k, o), 0.0)
     add(("T",), 0.0)
     return var, cost, index
 
@@ -1306,10 +1306,7 @@ def solve(prof: ModelProfile, budget_bytes: int | None, *, accuracy_weight: floa
         row(rec_bytes, -np.inf, 0)  # T >= recomputed bytes of one block
     where = {(bp.block_type, g.name): (bi, gi) for bi, bp in enumerate(prof.blocks) for gi, g in enumerate(bp.groups)}
     for k, sh in enumerate(prof.shared):  # stored once per form while any group that saves them uses it
-        forms = [(index[("y", k)], sh.bytes, ("keep",))]
-        forms += [(index[("u", k, o)], b - sh.raw.get(o, 0), (o,)) for o, b in sh.options.items()]
-        if sh.raw:
-            forms.append((index[("r", k)], max(sh.raw.values()), tuple(sh.raw)))
+        forms = [(index[(f, k) if f != "u" else (f, k, o)], b, users) for f, o, b, users in _shared_forms(sh)]
         for v, b, users in forms:
             mem[v] = mem.get(v, 0.0) + float(b)
             for member in sh.groups:
@@ -1331,7 +1328,7 @@ def solve(prof: ModelProfile, budget_bytes: int | None, *, accuracy_weight: floa
     integrality = np.ones(nv)
     integrality[index[("T",)]] = 0
     for j, key in enumerate(var):
-        if key[0] in ("y", "u", "r"):
+        if key[0] in _SHARED_VARS:
             integrality[j] = 0
     ub = np.ones(nv)
     ub[index[("T",)]] = np.inf
@@ -1346,7 +1343,7 @@ def solve(prof: ModelProfile, budget_bytes: int | None, *, accuracy_weight: floa
     for key, j in index.items():
         if key[0] == "x" and x[j] > 0.5:
             choices[key[1]][key[2]] = key[3]
-    peak = fixed + sum(mem.get(j, 0.0) * x[j] for j in range(nv) if var[j][0] not in ("y", "u", "r")) + _shared_bytes(
+    peak = fixed + sum(mem.get(j, 0.0) * x[j] for j in range(nv) if var[j][0] not in _SHARED_VARS) + _shared_bytes(
         prof, choices)
     seconds = _added_time(prof, choices)  # without the accuracy tie-break, which is not time
     return choices, seconds, int(round(peak))
@@ -1373,10 +1370,27 @@ def _shared_bytes(prof: ModelProfile, choices: list[list[str]]) -> int:
     total = 0
     for sh in prof.shared:
         used = {chosen.get(tuple(m)) for m in sh.groups}
-        total += (sh.bytes if "keep" in used else 0) + sum(
-            b - sh.raw.get(o, 0) for o, b in sh.options.items() if o in used)
-        total += max(sh.raw.values()) if used & set(sh.raw) else 0
+        total += sum(b for _, _, b, users in _shared_forms(sh) if used & set(users))
     return total
+
+
+_SHARED_VARS = ("y", "u", "r", "v")
+
+
+def _shared_forms(sh: SharedSaved) -> list[tuple[str, str | None, int, tuple[str, ...]]]:
+    """What may be stored of shared tensors ``sh``: ``(variable, option, bytes, options that
+    store it)``. ``u``: the compressed copy of each option. The tensors kept as they are: ``v``,
+    the part that ``keep`` and the options that keep some as they are (no-grad inputs, tensors
+    whose backward is not linear in them) hold alike -- the same storage, as these options pass
+    them through; ``y``: the rest of ``keep``'s; ``r``: the rest of those options' (a few-bit
+    table's values)."""
+    raw = max(sh.raw.values(), default=0)
+    both = min(raw, sh.bytes)
+    forms = [("y", None, sh.bytes - both, ("keep",))]
+    forms += [("u", o, b - sh.raw.get(o, 0), (o,)) for o, b in sh.options.items()]
+    if raw:
+        forms += [("v", None, both, ("keep",) + tuple(sh.raw)), ("r", None, raw - both, tuple(sh.raw))]
+    return forms
 
 
 def _make_plan(prof: ModelProfile, choices: list[list[str]], budget_bytes: int) -> Plan:
