@@ -318,6 +318,31 @@ def test_quantized_norm_groups_stay_inside_its_rows():
     assert min(cos) > 0.99, cos  # 0.17-0.27 before
 
 
+@pytest.mark.parametrize("arch", ["roberta", "llama"])
+def test_plan_of_models_whose_groups_share_inputs_measures_its_prediction(arch):
+    """q, k, v share their input (and LLaMA's gate and up theirs); LLaMA's RMSNorm is Python.
+    Before: RoBERTa's plans measured up to 50 KB over their prediction and the 50 % budget."""
+    torch.manual_seed(0)
+    if arch == "roberta":
+        model = transformers.RobertaForMaskedLM(transformers.RobertaConfig(
+            num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4, vocab_size=100,
+            max_position_embeddings=40))
+    else:
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=100))
+    ids = torch.randint(0, 100, (4, 32), generator=torch.Generator().manual_seed(1))
+    batch = {"input_ids": ids, "labels": ids}
+    # no recompute: its transient (counted in the peak, not saved) would make the comparison loose
+    p = fewbit.plan(model, batch, memory_budget="50%", optimizer="sgd", repeats=1,
+                    options=("keep", "quant8", "quant4", "quant2", "fewbit3"))
+    assert p.shared_bytes > 0
+    fewbit.convert_(model, p)
+    rep = saved_tensor_report(model, batch)
+    assert rep.saved_bytes == p.predicted_saved_bytes
+    assert p.static_bytes + rep.saved_bytes <= p.budget_bytes
+
+
 def test_profile_groups_and_static(prof):
     """The groups are GPT-2's per-block savers, in call order; static memory is 2x parameters for
     SGD (parameters + gradients); the profile counts exactly what the unplanned step saves."""
