@@ -102,8 +102,9 @@ from fewbit.activations import ACTIVATIONS, get_activation
 
 __all__ = ["Config", "ConversionSummary", "convert_", "LAYER_KINDS", "layer_kind"]
 
-#: Kinds of layers whose saved tensors :func:`convert_` can compress.
-LAYER_KINDS: tuple[str, ...] = ("linear", "conv", "norm", "attention")
+#: Kinds of layers whose saved tensors :func:`convert_` can compress (:func:`layer_kind`;
+#: ``block``: the model's repeated blocks, :func:`fewbit.planner.find_blocks`).
+LAYER_KINDS: tuple[str, ...] = ("linear", "conv", "norm", "attention", "block")
 
 #: ``Config.compressor`` values (docs/compression.md §1-§4).
 COMPRESSOR_CHOICES: tuple[str, ...] = ("group", "division", "adacc")
@@ -122,8 +123,11 @@ class Config:
         group_size: elements per quantization group (>= 1); stats overhead is
             ``32 / group_size`` bits per element (bf16 min and scale).
         layers: kinds of layers whose saved tensors are compressed, from
-            ``("linear", "conv", "norm", "attention")``; ``"all"`` (or a tuple holding
-            it) selects every kind. A single string is accepted.
+            ``("linear", "conv", "norm", "attention", "block")``; ``"all"`` (or a tuple
+            holding it) selects every kind. A single string is accepted. ``"block"``: the
+            model's repeated blocks (a transformer's layers; :func:`fewbit.planner.find_blocks`)
+            with everything saved inside them, also by code outside the other kinds (a gated
+            MLP's product ``act(gate(x)) * up(x)``, mixture-of-experts layers, dropout masks).
         min_numel: saved tensors with fewer elements are kept as they are (>= 0).
         stochastic: unbiased stochastic rounding (True) or nearest rounding (False).
         average_bits: with ``saved_bits="auto"`` (required then, refused otherwise): the
@@ -803,8 +807,16 @@ def _install_compression_hooks(
     shared = _SharedCompressor(config)
     summary.compressor = shared.compressor
     model.register_forward_pre_hook(_StepHook(shared))
+    blocks: set[str] = set()
+    if "block" in config.layers:
+        from fewbit._blocks import find_blocks
+
+        try:
+            blocks = {fqn for _, fqns in find_blocks(model) for fqn in fqns}
+        except ValueError:  # no repeated blocks
+            pass
     for fqn, m in named:
-        kind = layer_kind(m)
+        kind = "block" if fqn in blocks else layer_kind(m)
         if kind is None or kind not in config.layers or not selected(m, fqn):
             continue
         m.register_forward_pre_hook(_EnterHook(shared, fqn, kind))
