@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Train a small GPT-2-style byte-level LM from scratch on the Python standard library sources.
+"""Train a small byte-level LM from scratch on the Python standard library sources: GPT-2
+(``--arch gpt2``, default) or LLaMA-style (``--arch llama``: gated SiLU MLP, RMSNorm).
 
 Variants (``--variants``; defined, with the training loop, in ``scripts/_training.py``):
 
@@ -41,14 +42,34 @@ import _training  # noqa: E402
 from _training import VARIANTS, apply_variant, check_variant, positive_int, write_csv  # noqa: E402,F401
 
 
-def build_lm(n_layer: int, n_embd: int, n_head: int, seq_len: int, attention: str = "sdpa") -> nn.Module:
-    """GPT-2 (transformers) with a 256-byte vocabulary, exact GELU, no dropout, random init;
-    ``attention``: transformers' attention implementation, ``"sdpa"`` (fused) or ``"eager"``
-    (explicit softmax, whose probabilities are saved for backward)."""
-    from transformers import GPT2Config, GPT2LMHeadModel
+#: ``--arch`` choices of :func:`build_lm`.
+ARCHS = ("gpt2", "llama")
+
+
+def build_lm(n_layer: int, n_embd: int, n_head: int, seq_len: int, attention: str = "sdpa",
+             arch: str = "gpt2") -> nn.Module:
+    """A transformers causal LM with a 256-byte vocabulary, no dropout, random init.
+
+    ``arch``: ``"gpt2"`` (exact GELU MLP, LayerNorm) or ``"llama"`` (gated SiLU MLP,
+    ``act(gate(x)) * up(x)`` with ``intermediate_size`` = 8/3 of the width rounded up to a
+    multiple of 8, RMSNorm, rotary positions). ``attention``: transformers' attention
+    implementation, ``"sdpa"`` (fused) or ``"eager"`` (explicit softmax, whose probabilities
+    are saved for backward).
+    """
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
+    if arch == "llama":
+        cfg = LlamaConfig(
+            vocab_size=_data.VOCAB_SIZE, max_position_embeddings=seq_len, hidden_size=n_embd,
+            intermediate_size=-(-8 * n_embd // 3 // 8) * 8, num_hidden_layers=n_layer, num_attention_heads=n_head,
+            num_key_value_heads=n_head, bos_token_id=0, eos_token_id=0, pad_token_id=None,
+        )
+        cfg._attn_implementation = attention
+        return LlamaForCausalLM(cfg)
+    if arch != "gpt2":
+        raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
     cfg = GPT2Config(
         vocab_size=_data.VOCAB_SIZE, n_positions=seq_len, n_embd=n_embd, n_layer=n_layer,
         n_head=n_head, activation_function="gelu", resid_pdrop=0.0, embd_pdrop=0.0,
@@ -84,6 +105,7 @@ def run_lm(
     device: str = "cpu",
     progress: bool = False,
     attention: str = "sdpa",
+    arch: str = "gpt2",
 ) -> list[dict]:
     """Train one (variant, seed) and return the CSV rows."""
     check_variant(variant)
@@ -107,7 +129,7 @@ def run_lm(
         return tot / n, correct / n
 
     task = _training.Task(next_batch, lm_loss, evaluate)
-    return _training.train_variant("lm", variant, seed, lambda: build_lm(n_layer, n_embd, n_head, seq_len, attention), task,
+    return _training.train_variant("lm", variant, seed, lambda: build_lm(n_layer, n_embd, n_head, seq_len, attention, arch), task,
                                    device=device, progress=progress, steps=steps, lr=lr, warmup=warmup,
                                    eval_every=eval_every)
 
@@ -122,6 +144,8 @@ def main(argv: Iterable[str] | None = None) -> int:
     p.add_argument("--val-batches", type=positive_int, default=8)
     p.add_argument("--attention", choices=("sdpa", "eager"), default="sdpa",
                    help="transformers' attention implementation (eager saves the softmax probabilities)")
+    p.add_argument("--arch", choices=ARCHS, default="gpt2",
+                   help="gpt2 (GELU MLP, LayerNorm) or llama (gated SiLU MLP, RMSNorm, rotary positions)")
     args = p.parse_args(argv)
     if args.width % args.heads:
         p.error(f"--width must be a multiple of --heads, got {args.width} and {args.heads}")
@@ -133,7 +157,8 @@ def main(argv: Iterable[str] | None = None) -> int:
           f"{len(data.val):,} val bytes ({data.val_files} files)", flush=True)
     return _training.run_all(args, "lm", lambda variant, seed: run_lm(
         variant, seed, data=data, seq_len=args.seq_len, n_layer=args.layers, n_embd=args.width,
-        n_head=args.heads, val_batches=args.val_batches, attention=args.attention, **_training.loop_options(args)))
+        n_head=args.heads, val_batches=args.val_batches, attention=args.attention, arch=args.arch,
+        **_training.loop_options(args)))
 
 
 if __name__ == "__main__":

@@ -126,6 +126,24 @@ def test_train_lm_quick_all_variants(tmp_path):
     assert saved["fewbit3+quant4"] < saved["fewbit3"]
 
 
+def test_train_lm_llama_arch(tmp_path):
+    """``--arch llama``: a gated SiLU MLP; its product's factors, saved in the MLP's own code,
+    are compressed (layer kind ``block``), so 2 bits keep well under a fifth of vanilla's bytes."""
+    r = _run("train_lm.py", "--quick", "--arch", "llama", "--variants", "vanilla", "fewbit3+quant2", "--seeds", "0",
+             "--out", tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    saved = {}
+    for variant in ("vanilla", "fewbit3+quant2"):
+        rows = _read(tmp_path / f"lm_{variant}_seed0.csv")
+        assert all(math.isfinite(float(r["val_loss"])) for r in rows)
+        saved[variant] = int(rows[-1]["peak_saved_bytes"])
+    assert saved["fewbit3+quant2"] < 0.4 * saved["vanilla"]
+    model = train_lm.build_lm(1, 48, 2, 32, arch="llama")
+    assert type(model).__name__ == "LlamaForCausalLM" and model.config.intermediate_size == 128
+    with pytest.raises(ValueError, match="arch must be one of"):
+        train_lm.build_lm(1, 48, 2, 32, arch="bert")
+
+
 def test_train_lm_eager_attention_saves_probabilities_at_8_bits(tmp_path):
     """``--attention eager``: the softmax probabilities are saved for backward, and at 8
     bits (fewbit.quant.compressor.RESULT_BITS) under the 2-bit quantizer; the fused
