@@ -89,9 +89,11 @@ def test_find_blocks():
 
 
 class _Res(torch.nn.Module):
-    def __init__(self, width: int) -> None:
+    """A residual MLP block, ``x + fc2(act(fc1(x)))``."""
+
+    def __init__(self, width: int, act: type = torch.nn.GELU) -> None:
         super().__init__()
-        self.fc1, self.act, self.fc2 = torch.nn.Linear(width, 2 * width), torch.nn.GELU(), torch.nn.Linear(2 * width, width)
+        self.fc1, self.act, self.fc2 = torch.nn.Linear(width, 2 * width), act(), torch.nn.Linear(2 * width, width)
 
     def forward(self, x):
         return x + self.fc2(self.act(self.fc1(x)))
@@ -152,21 +154,12 @@ def test_plan_a_sequential_model_trains_like_vanilla_in_budget():
     assert losses["vanilla"] < 0.5  # it learned (log 4 = 1.39 at the start)
 
 
-class _ReluBlock(torch.nn.Module):
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.fc1, self.act, self.fc2 = torch.nn.Linear(width, 2 * width), torch.nn.ReLU(), torch.nn.Linear(2 * width, width)
-
-    def forward(self, x):
-        return x + self.fc2(self.act(self.fc1(x)))
-
-
 class _ReluNet(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.inp, self.out = torch.nn.Linear(16, 64), torch.nn.Linear(64, 4)
-        self.h = torch.nn.ModuleList([_ReluBlock(64) for _ in range(3)])
+        self.h = torch.nn.ModuleList([_Res(64, torch.nn.ReLU) for _ in range(3)])
 
     def forward(self, x):
         x = self.inp(x)
@@ -190,9 +183,9 @@ def test_tensors_two_groups_save_are_kept_while_one_keeps_them(budget):
 
     prof = planner.profile(_ReluNet(), (x,), loss_fn=loss_fn, optimizer="sgd", repeats=1, min_numel=0)
     assert [(sh.groups, sh.bytes) for sh in prof.shared if sh.bytes] == [
-        ([("_ReluBlock", "act"), ("_ReluBlock", "fc2")], 3 * 512 * 128 * 4)]
+        ([("_Res", "act"), ("_Res", "fc2")], 3 * 512 * 128 * 4)]
     # the few-bit ReLUs of the three blocks share one table of values: stored once
-    assert [(sh.groups, sh.options["fewbit3"]) for sh in prof.shared if not sh.bytes] == [([("_ReluBlock", "act")], 8)]
+    assert [(sh.groups, sh.options["fewbit3"]) for sh in prof.shared if not sh.bytes] == [([("_Res", "act")], 8)]
     assert [(g.name, g.options["keep"][0], g.shared_bytes) for g in prof.blocks[0].groups] == [
         ("fc1", 512 * 64 * 4, 0), ("act", 0, 512 * 128 * 4), ("fc2", 0, 512 * 128 * 4)]
     rep0 = saved_tensor_report(_ReluNet(), (x,), loss_fn=loss_fn)
