@@ -129,7 +129,8 @@ def run_lm(
         return tot / n, correct / n
 
     task = _training.Task(next_batch, lm_loss, evaluate)
-    return _training.train_variant("lm", variant, seed, lambda: build_lm(n_layer, n_embd, n_head, seq_len, attention, arch), task,
+    return _training.train_variant("lm", variant, seed,
+                                   lambda: build_lm(n_layer, n_embd, n_head, seq_len, attention, arch), task,
                                    device=device, progress=progress, steps=steps, lr=lr, warmup=warmup,
                                    eval_every=eval_every)
 

@@ -953,7 +953,8 @@ class _Gated(nn.Module):
 
     def __init__(self, width: int = 64) -> None:
         super().__init__()
-        self.gate, self.up, self.down = nn.Linear(width, 4 * width), nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+        self.gate, self.up = nn.Linear(width, 4 * width), nn.Linear(width, 4 * width)
+        self.down = nn.Linear(4 * width, width)
         self.act = nn.SiLU()
 
     def forward(self, x):

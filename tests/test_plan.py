@@ -217,8 +217,9 @@ class _GatedBlock(torch.nn.Module):
 
 def test_a_tensor_two_groups_compress_alike_is_stored_once():
     """gate and up save the same input. Under one option the compressor packs it once; under
-    two, twice; and the block's own saves are measured under their option. Before (at 50 % on a tiny RoBERTa, whose q, k, v share their input) the plan
-    counted no copy for k and v: 25600 to 50176 bytes more than predicted, over the budget."""
+    two, twice; and the block's own saves are measured under their option. Before (at 50 % on
+    a tiny RoBERTa, whose q, k, v share their input) the plan counted no copy for k and v:
+    25600 to 50176 bytes more than predicted, over the budget."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(256, 64, generator=g)
 
