@@ -1026,8 +1026,10 @@ class GroupChoice:
 
     Attributes:
         name: fqn relative to the block; module_type: class name; option: option name;
-        saved_bytes: bytes it saves unplanned; planned_bytes: bytes it keeps under the plan;
-        added_time: seconds it adds per block (pack + unpack, fewbit), recompute excluded.
+        saved_bytes: bytes it saves unplanned; planned_bytes: bytes it keeps under the plan,
+        those that other groups save too excluded (they are in :attr:`Plan.shared_bytes`);
+        added_time: seconds it adds per block (pack + unpack, fewbit), recompute excluded;
+        shared_bytes: of ``saved_bytes``, those other groups save too.
     """
 
     name: str
@@ -1036,6 +1038,7 @@ class GroupChoice:
     saved_bytes: int
     planned_bytes: int
     added_time: float
+    shared_bytes: int = 0
 
 
 @dataclass
@@ -1163,18 +1166,21 @@ class Plan:
             f"  static {_fmt_bytes(self.static_bytes)} (parameters, gradients, {self.optimizer} state), "
             f"saved outside blocks {_fmt_bytes(self.outside_bytes)}, fused cross-entropy "
             f"{'on' if self.fused_cross_entropy else 'off'}"
-            + (f", tensors several groups save {_fmt_bytes(self.shared_bytes)}" if self.shared_bytes else ""),
+            + (f", kept of tensors several groups save {_fmt_bytes(self.shared_bytes)} (in no row's 'kept')"
+               if self.shared_bytes else ""),
         ]
         for b in self.blocks:
             lines.append(f"  {b.block_type} x{len(b.blocks)} ({b.blocks[0]} ...): "
                          + (f"checkpointed, input {_fmt_bytes(b.input_bytes)} kept, recompute "
                             f"{b.recompute_time * 1e3:.2f} ms/block" if b.checkpoint else "not checkpointed"))
             w = max([len(g.name or "<block>") for g in b.groups] + [6])
-            lines.append(f"    {'tensors':<{w}}  {'module':<16} {'choice':<10} {'saved':>11} {'kept':>11} {'added':>9}")
+            lines.append(f"    {'tensors':<{w}}  {'module':<16} {'choice':<10} {'saved':>11} {'kept':>11} {'added':>9}"
+                         f"  {'of saved, shared':>16}")
             for g in b.groups:
                 lines.append(f"    {g.name or '<block>':<{w}}  {g.module_type[:16]:<16} {g.option:<10} "
                              f"{_fmt_bytes(g.saved_bytes):>11} {_fmt_bytes(g.planned_bytes):>11} "
-                             f"{g.added_time * 1e3:>6.2f} ms")
+                             f"{g.added_time * 1e3:>6.2f} ms"
+                             + (f"  {_fmt_bytes(g.shared_bytes):>16}" if g.shared_bytes else ""))
         return "\n".join(lines)
 
 
@@ -1350,7 +1356,8 @@ def _make_plan(prof: ModelProfile, choices: list[list[str]], budget_bytes: int) 
     peak = prof.static_bytes + prof.outside_bytes + shared
     worst_rec = 0
     for bp, ch in zip(prof.blocks, choices):
-        gs = [GroupChoice(g.name, g.module_type, o, g.bytes, int(g.options[o][0]), float(g.options[o][1]))
+        gs = [GroupChoice(g.name, g.module_type, o, g.bytes, int(g.options[o][0]), float(g.options[o][1]),
+                          g.shared_bytes)
               for g, o in zip(bp.groups, ch)]
         last = max((i for i, o in enumerate(ch) if o == "recompute"), default=-1)
         ck = last >= 0
