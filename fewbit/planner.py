@@ -77,7 +77,7 @@ from torch import nn
 
 from fewbit._checks import check_positive_int, is_int
 from fewbit._blocks import find_blocks
-from fewbit.convert import _is_causal_lm
+from fewbit.convert import _is_causal_lm, layer_kind, normalization_size
 from fewbit.memory import resume_recording
 
 __all__ = [
@@ -385,8 +385,6 @@ class _GroupHook:
             ctx = self.state.compressors[o.name]
             ctx.__enter__()
             # as convert_: the module's kind, and a norm's rows for its saved tensors (Compressor.within)
-            from fewbit.convert import layer_kind, normalization_size
-
             kind = layer_kind(module)
             ctx._push_module(self.fqn, kind, functools.partial(normalization_size, module) if kind == "norm" else None)
             self.stack.append(ctx)
