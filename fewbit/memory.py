@@ -180,8 +180,8 @@ class SavedTensorRecorder:
 
     # -- hooks --------------------------------------------------------------
     def _add(self, key: Any, nbytes: int, category: str) -> None:
+        name = self._stack[-1] if self._stack else ""
         if category != "parameters":
-            name = self._stack[-1] if self._stack else ""
             names = self.savers.setdefault(key, (nbytes, []))[1]
             if name not in names:
                 names.append(name)
@@ -191,7 +191,6 @@ class SavedTensorRecorder:
         self.num_unique += 1
         self.by_category[category] += nbytes
         if category != "parameters":
-            name = self._stack[-1] if self._stack else ""
             self.by_module[name] = self.by_module.get(name, 0) + nbytes
 
     def _make_hooks(self, inner: tuple[Callable, Callable] | None) -> tuple[Callable, Callable]:

@@ -924,10 +924,10 @@ def profile(
     groups: dict[str, dict[str, bool]] = {}
     block_profiles: list[BlockProfile] = []
     inside = sum(sum(b) for b in shared_sets.values())
+    located = {name: locate(name) for name in set(own) | set(shared_of)}
     for btype, fqns in blocks:
         rel_bytes: dict[str, list[int]] = {}  # relative name -> [own, shared] per block (max over blocks)
-        for name in set(own) | set(shared_of):
-            loc = locate(name)
+        for name, loc in located.items():
             if loc is None or loc[0] != btype:
                 continue
             b = rel_bytes.setdefault(loc[2], [0, 0])
@@ -1212,7 +1212,7 @@ def _objective_terms(prof: ModelProfile, accuracy_weight: float):
             prev = max(prev, g.end_time)
     for k, sh in enumerate(prof.shared):
         for f, o, _, _ in _shared_forms(sh):
-            add((f, k) if f != "u" else (f, k, o), 0.0)
+            add((f, k, o), 0.0)
     add(("T",), 0.0)
     return var, cost, index
 
@@ -1261,14 +1261,14 @@ def solve(prof: ModelProfile, budget_bytes: int | None, *, accuracy_weight: floa
         row(rec_bytes, -np.inf, 0)  # T >= recomputed bytes of one block
     where = {(bp.block_type, g.name): (bi, gi) for bi, bp in enumerate(prof.blocks) for gi, g in enumerate(bp.groups)}
     for k, sh in enumerate(prof.shared):  # stored once per form while any group that saves them uses it
-        forms = [(index[(f, k) if f != "u" else (f, k, o)], b, users) for f, o, b, users in _shared_forms(sh)]
-        for v, b, users in forms:
+        for f, o, b, users in _shared_forms(sh):
+            v = index[(f, k, o)]
             mem[v] = mem.get(v, 0.0) + float(b)
             for member in sh.groups:
                 bi, gi = where[tuple(member)]
-                for o in users:
-                    if ("x", bi, gi, o) in index:
-                        row({v: 1.0, index[("x", bi, gi, o)]: -1.0}, 0, np.inf)
+                for user in users:
+                    if ("x", bi, gi, user) in index:
+                        row({v: 1.0, index[("x", bi, gi, user)]: -1.0}, 0, np.inf)
     mem[index[("T",)]] = mem.get(index[("T",)], 0.0) + 1.0
     c = np.array(cost, dtype=float)
     if budget_bytes is not None:
@@ -1334,7 +1334,7 @@ _SHARED_VARS = ("y", "u", "r", "v")
 
 def _shared_forms(sh: SharedSaved) -> list[tuple[str, str | None, int, tuple[str, ...]]]:
     """What may be stored of shared tensors ``sh``: ``(variable, option, bytes, options that
-    store it)``. ``u``: the compressed copy of each option. The tensors kept as they are: ``v``,
+    store it)``; the MILP's variable for set ``k`` is ``(variable, k, option)``. ``u``: the compressed copy of each option. The tensors kept as they are: ``v``,
     the part that ``keep`` and the options that keep some as they are (no-grad inputs, tensors
     whose backward is not linear in them) hold alike -- the same storage, as these options pass
     them through; ``y``: the rest of ``keep``'s; ``r``: the rest of those options' (a few-bit
