@@ -1298,10 +1298,22 @@ def solve(prof: ModelProfile, budget_bytes: int | None, *, accuracy_weight: floa
     for key, j in index.items():
         if key[0] == "x" and x[j] > 0.5:
             choices[key[1]][key[2]] = key[3]
-    peak = fixed + sum(mem.get(j, 0.0) * x[j] for j in range(nv) if var[j][0] not in _SHARED_VARS) + _shared_bytes(
-        prof, choices)
     seconds = _added_time(prof, choices)  # without the accuracy tie-break, which is not time
-    return choices, seconds, int(round(peak))
+    return choices, seconds, _predicted_peak(prof, choices)
+
+
+def _predicted_peak(prof: ModelProfile, choices: list[list[str]]) -> int:
+    """The peak bytes the MILP's memory row gives ``choices``: static + outside + the shared
+    tensors' forms + each block's planned bytes (and its input when it is checkpointed) + the
+    largest recompute transient (one block's recomputed bytes)."""
+    peak = prof.static_bytes + prof.outside_bytes + _shared_bytes(prof, choices)
+    worst_rec = 0
+    for bp, ch in zip(prof.blocks, choices):
+        ck = "recompute" in ch
+        planned = sum(int(g.options[o][0]) for g, o in zip(bp.groups, ch))
+        peak += len(bp.blocks) * (planned + (bp.input_bytes if ck else 0))
+        worst_rec = max(worst_rec, sum(g.bytes for g, o in zip(bp.groups, ch) if o == "recompute"))
+    return int(peak + worst_rec)
 
 
 def _added_time(prof: ModelProfile, choices: list[list[str]]) -> float:
@@ -1350,9 +1362,6 @@ def _shared_forms(sh: SharedSaved) -> list[tuple[str, str | None, int, tuple[str
 
 def _make_plan(prof: ModelProfile, choices: list[list[str]], budget_bytes: int) -> Plan:
     blocks = []
-    shared = _shared_bytes(prof, choices)
-    peak = prof.static_bytes + prof.outside_bytes + shared
-    worst_rec = 0
     for bp, ch in zip(prof.blocks, choices):
         gs = [GroupChoice(g.name, g.module_type, o, g.bytes, int(g.options[o][0]), float(g.options[o][1]),
                           g.shared_bytes)
@@ -1361,15 +1370,13 @@ def _make_plan(prof: ModelProfile, choices: list[list[str]], budget_bytes: int) 
         ck = last >= 0
         rec_time = max((g.end_time for g in bp.groups[: last + 1]), default=0.0)
         blocks.append(BlockPolicy(bp.block_type, list(bp.blocks), ck, bp.input_bytes if ck else 0, gs, rec_time))
-        peak += len(bp.blocks) * (sum(g.planned_bytes for g in gs) + (bp.input_bytes if ck else 0))
-        worst_rec = max(worst_rec, sum(g.saved_bytes for g in gs if g.option == "recompute"))
     return Plan(budget_bytes=int(budget_bytes), blocks=blocks, static_bytes=prof.static_bytes,
-                outside_bytes=prof.outside_bytes, predicted_peak_bytes=int(peak + worst_rec),
+                outside_bytes=prof.outside_bytes, predicted_peak_bytes=_predicted_peak(prof, choices),
                 predicted_step_time=prof.step_time + _added_time(prof, choices),
                 vanilla_peak_bytes=prof.vanilla_peak_bytes, vanilla_step_time=prof.step_time,
                 fused_cross_entropy=prof.fused_cross_entropy, optimizer=prof.optimizer,
                 group_size=prof.group_size, min_numel=prof.min_numel, device=prof.device,
-                parameter_bytes=prof.parameter_bytes, shared_bytes=shared)
+                parameter_bytes=prof.parameter_bytes, shared_bytes=_shared_bytes(prof, choices))
 
 
 def plan_from_profile(prof: ModelProfile, memory_budget: Any, *, accuracy_weight: float = 1.0) -> Plan:
