@@ -961,10 +961,24 @@ class _Gated(nn.Module):
         return x + self.down(self.act(self.gate(x)) * self.up(x))
 
 
+class _FusedGated(_Gated):
+    """Phi-3's and Mixtral's layout: one fused ``gate_up`` projection split with ``chunk``,
+    so ``up`` is a strided view (rows of 4 * width with a stride of 8 * width)."""
+
+    def __init__(self, width: int = 64) -> None:
+        super().__init__(width)
+        del self.gate, self.up
+        self.gate_up = nn.Linear(width, 8 * width)
+
+    def forward(self, x):
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return x + self.down(self.act(gate) * up)
+
+
 class _GatedNet(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, block=_Gated) -> None:
         super().__init__()
-        self.layers = nn.ModuleList([_Gated() for _ in range(2)])
+        self.layers = nn.ModuleList([block() for _ in range(2)])
 
     def forward(self, x):
         for layer in self.layers:
@@ -998,12 +1012,30 @@ def test_block_kind_compresses_what_blocks_save_in_their_own_code():
     assert sizes["all"] < 0.15 * vanilla.saved_bytes
 
 
-def test_block_kind_gradient_is_unbiased():
-    """200 draws of the whole gradient of two gated blocks at 2 bits (the factors compressed in
-    the blocks' own code, SiLU few-bit): the mean, projected on 5 random directions, within 3
-    standard errors of the gradient with exact factors."""
+def test_block_kind_compresses_strided_halves_of_fused_projections():
+    """``up``, half of a fused projection split with ``chunk``, is a strided view that does
+    not overlap itself: it is compressed like any other tensor, which frees the projection's
+    whole output (its other half is stored as few-bit codes). It was kept exact (reason
+    ``layout``) with that whole output: 0.57 of vanilla's saved bytes against 0.13 with
+    separate projections (now 0.13 for both)."""
     torch.manual_seed(0)
-    model = _GatedNet()
+    x = torch.randn(128, 64)
+    ref = _GatedNet(_FusedGated)
+    vanilla = fewbit.memory.saved_tensor_report(copy.deepcopy(ref), x, loss_fn=lambda y: y.square().mean())
+    s = convert_(ref, Config(activation_bits=3, saved_bits=2, min_numel=0))
+    rep = fewbit.memory.saved_tensor_report(ref, x, loss_fn=lambda y: y.square().mean())
+    assert "layout" not in s.compressor.stats.skipped
+    assert rep.saved_bytes < 0.15 * vanilla.saved_bytes, (rep.saved_bytes, vanilla.saved_bytes)
+
+
+@pytest.mark.parametrize("block", [_Gated, _FusedGated], ids=["separate", "fused"])
+def test_block_kind_gradient_is_unbiased(block):
+    """200 draws of the whole gradient of two gated blocks at 2 bits (the factors compressed in
+    the blocks' own code, SiLU few-bit; with a fused ``gate_up``, ``up`` is a strided view):
+    the mean, projected on 5 random directions, within 3 standard errors of the gradient
+    with exact factors."""
+    torch.manual_seed(0)
+    model = _GatedNet(block)
     x, t = torch.randn(256, 64), torch.randn(256, 64)
     exact_model = copy.deepcopy(model)
     convert_(exact_model, Config(activation_bits=3, saved_bits=None))  # few-bit SiLU only: deterministic

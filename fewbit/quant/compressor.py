@@ -188,13 +188,26 @@ def _is_parameter(t: torch.Tensor) -> bool:
 
 
 def _dense_non_overlapping(t: torch.Tensor) -> bool:
-    """True if the elements of ``t`` occupy ``numel`` distinct memory slots (no stride-0 expand)."""
+    """True if the elements of ``t`` occupy ``numel`` distinct, adjacent memory slots."""
     dims = sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz != 1)
     expected = 1
     for st, sz in dims:
         if st != expected:
             return False
         expected *= sz
+    return True
+
+
+def _non_overlapping(t: torch.Tensor) -> bool:
+    """True if no two elements of ``t`` share a memory slot (gaps allowed: a ``chunk`` or a
+    strided slice of a larger tensor; not a stride-0 ``expand`` or an overlapping
+    ``as_strided``). Sufficient test: with the dims sorted by stride, each stride is larger
+    than the span of the dims before it."""
+    span = 0  # offset of the last element reached by the dims so far
+    for st, sz in sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz != 1):
+        if st <= span:
+            return False
+        span += st * (sz - 1)
     return True
 
 
@@ -455,7 +468,7 @@ class ActivationCompressor:
             return self._skip(t, "dtype")
         if t.numel() < max(self.min_numel, 1):
             return self._skip(t, "small")
-        if not _dense_non_overlapping(t):
+        if not _non_overlapping(t):  # an expanded view: its elements are not its bytes
             return self._skip(t, "layout")
         mask_value = None
         if not is_bool and not t.requires_grad:
