@@ -43,6 +43,7 @@ MODELS: dict[str, _Spec] = {
     "t5": _Spec("T5Config", "T5ForConditionalGeneration", "seq2seq", "d_ff"),
     "opt": _Spec("OPTConfig", "OPTForCausalLM", "causal", "ffn_dim"),
     "llama": _Spec("LlamaConfig", "LlamaForCausalLM", "causal", "intermediate_size", 8 / 3),
+    "phi3": _Spec("Phi3Config", "Phi3ForCausalLM", "causal", "intermediate_size", 8 / 3),
     "bloom": _Spec("BloomConfig", "BloomForCausalLM", "causal", None),
 }
 
@@ -101,7 +102,7 @@ def _make_config(name: str, layers: int | None, hidden: int | None):
         cfg.num_attention_heads = heads
         if name == "t5":
             cfg.d_kv = hidden // heads
-        if name == "llama":
+        if name in ("llama", "phi3"):
             cfg.num_key_value_heads = heads
             cfg.head_dim = hidden // heads
         if name == "opt":
