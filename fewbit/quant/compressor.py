@@ -351,8 +351,9 @@ class ActivationCompressor:
                                                  stats_dtype=stats_dtype)
         # key -> (weakref to the tensor or its base, weakref to the handle)
         self._cache: dict = {}
-        # key -> weakref to the tensor or its base, of tensors kept exact by a call whose
-        # backward is not linear in what it saves (fewbit.quant.nonlinear); > 0 inside one
+        # (storage, device, version) -> weakref to the tensor or its base, of storages kept
+        # exact by a call whose backward is not linear in what it saves
+        # (fewbit.quant.nonlinear); _keep_depth > 0 inside one
         self._kept: dict = {}
         self._keep_depth = 0
 
@@ -490,14 +491,17 @@ class ActivationCompressor:
             (t.numel(),) if t.is_contiguous() else (tuple(t.shape), t.stride())
         )
         if not is_bool and mask_value is None:
-            kept = self._kept.get(key)
+            # Kept exact is keyed by storage: any view of a storage kept exact (the other half
+            # of a fused projection split with chunk) is held anyway.
+            storage = (key[0], t.device, t._version)
+            kept = self._kept.get(storage)
             kept = kept() if kept is not None else None
             if self._keep_depth:  # inside a call whose backward is not linear in it
                 if kept is None:
-                    self._kept[key] = weakref.ref(t._base if t._base is not None else t,
-                                                  functools.partial(_drop_kept, self._kept, key))
+                    self._kept[storage] = weakref.ref(t._base if t._base is not None else t,
+                                                      functools.partial(_drop_kept, self._kept, storage))
                     return self._skip(t, "nonlinear")
-            if kept is not None:  # already kept exact: a quantized copy would only add bytes
+            if kept is not None:  # its storage is kept exact: a quantized copy would only add bytes
                 self.stats.deduplicated += 1
                 return t.detach()
         hit = self._cache.get(key)

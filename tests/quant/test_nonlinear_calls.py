@@ -187,6 +187,36 @@ def test_a_tensor_kept_exact_is_not_quantized_again():
     assert torch.equal(w_grad, lin.weight.grad)
 
 
+class _FusedSiLUProduct(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fused, self.down = nn.Linear(64, 512), nn.Linear(256, 64)
+
+    def forward(self, x):
+        gate, up = self.fused(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+def test_a_view_of_a_storage_kept_exact_is_not_quantized():
+    """A fused projection split in two: ``F.silu`` keeps its half ``gate`` exact, which holds
+    the whole output's storage; the product then saves the other half ``up``, a view of the
+    same storage. A quantized copy of ``up`` would only add bytes (before: 2-bit codes and
+    stats of ``up`` on top); it reuses the kept storage."""
+    torch.manual_seed(0)
+    model, x = _FusedSiLUProduct(), torch.randn(128, 64)
+    comp = ActivationCompressor(2, min_numel=0)
+    with comp:
+        rep = fewbit.memory.saved_tensor_report(model, x)
+    assert comp.stats.skipped["nonlinear"] == 1  # gate
+    # silu(gate), the product (down's input) and the output (the report's loss squares it)
+    assert comp.stats.compressed == 3, comp.stats
+    assert comp.stats.deduplicated == 1  # up
+    q = fewbit.quant.compressors.GroupQuantizer(2)
+    quantized = [round(q.bytes_per_element(torch.empty(shape)) * shape[0] * shape[1])
+                 for shape in ((128, 256), (128, 256), (128, 64))]
+    assert rep.saved_bytes == x.nbytes + 128 * 512 * 4 + sum(quantized), rep.saved_bytes
+
+
 def test_tensors_outside_those_calls_are_quantized():
     """The rule is about the call: a Linear's input saved before a gelu of the same tensor
     was quantized already and stays so; the gelu's copy is exact (it adds bytes, never a
