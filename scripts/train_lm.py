@@ -1,6 +1,7 @@
 #!/usr/bin/env python
 """Train a small byte-level LM from scratch on the Python standard library sources: GPT-2
-(``--arch gpt2``, default) or LLaMA-style (``--arch llama``: gated SiLU MLP, RMSNorm).
+(``--arch gpt2``, default), LLaMA-style (``--arch llama``: gated SiLU MLP, RMSNorm) or
+Phi-3-style (``--arch phi3``: the same with fused q/k/v and gate/up projections).
 
 Variants (``--variants``; defined, with the training loop, in ``scripts/_training.py``):
 
@@ -43,7 +44,7 @@ from _training import VARIANTS, apply_variant, check_variant, positive_int, writ
 
 
 #: ``--arch`` choices of :func:`build_lm`.
-ARCHS = ("gpt2", "llama")
+ARCHS = ("gpt2", "llama", "phi3")
 
 
 def build_lm(n_layer: int, n_embd: int, n_head: int, seq_len: int, attention: str = "sdpa",
@@ -52,22 +53,26 @@ def build_lm(n_layer: int, n_embd: int, n_head: int, seq_len: int, attention: st
 
     ``arch``: ``"gpt2"`` (exact GELU MLP, LayerNorm) or ``"llama"`` (gated SiLU MLP,
     ``act(gate(x)) * up(x)`` with ``intermediate_size`` = 8/3 of the width rounded up to a
-    multiple of 8, RMSNorm, rotary positions). ``attention``: transformers' attention
+    multiple of 8, RMSNorm, rotary positions) or ``"phi3"`` (LLaMA's layout with fused
+    ``qkv_proj`` and ``gate_up_proj`` projections, split with ``chunk``/slicing: the factor
+    ``up`` is a strided view of the fused output). ``attention``: transformers' attention
     implementation, ``"sdpa"`` (fused) or ``"eager"`` (explicit softmax, whose probabilities
     are saved for backward).
     """
-    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+    from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Phi3Config,
+                              Phi3ForCausalLM)
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
-    if arch == "llama":
-        cfg = LlamaConfig(
+    if arch in ("llama", "phi3"):
+        config, model = (LlamaConfig, LlamaForCausalLM) if arch == "llama" else (Phi3Config, Phi3ForCausalLM)
+        cfg = config(
             vocab_size=_data.VOCAB_SIZE, max_position_embeddings=seq_len, hidden_size=n_embd,
             intermediate_size=-(-8 * n_embd // 3 // 8) * 8, num_hidden_layers=n_layer, num_attention_heads=n_head,
             num_key_value_heads=n_head, bos_token_id=0, eos_token_id=0, pad_token_id=None,
         )
         cfg._attn_implementation = attention
-        return LlamaForCausalLM(cfg)
+        return model(cfg)
     if arch != "gpt2":
         raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
     cfg = GPT2Config(
@@ -146,7 +151,8 @@ def main(argv: Iterable[str] | None = None) -> int:
     p.add_argument("--attention", choices=("sdpa", "eager"), default="sdpa",
                    help="transformers' attention implementation (eager saves the softmax probabilities)")
     p.add_argument("--arch", choices=ARCHS, default="gpt2",
-                   help="gpt2 (GELU MLP, LayerNorm) or llama (gated SiLU MLP, RMSNorm, rotary positions)")
+                   help="gpt2 (GELU MLP, LayerNorm), llama (gated SiLU MLP, RMSNorm, rotary positions) or "
+                        "phi3 (llama with fused qkv and gate/up projections)")
     args = p.parse_args(argv)
     if args.width % args.heads:
         p.error(f"--width must be a multiple of --heads, got {args.width} and {args.heads}")

@@ -126,10 +126,13 @@ def test_train_lm_quick_all_variants(tmp_path):
     assert saved["fewbit3+quant4"] < saved["fewbit3"]
 
 
-def test_train_lm_llama_arch(tmp_path):
+@pytest.mark.parametrize("arch", ["llama", "phi3"])
+def test_train_lm_llama_arch(tmp_path, arch):
     """``--arch llama``: a gated SiLU MLP; its product's factors, saved in the MLP's own code,
-    are compressed (layer kind ``block``), so 2 bits keep well under a fifth of vanilla's bytes."""
-    r = _run("train_lm.py", "--quick", "--arch", "llama", "--variants", "vanilla", "fewbit3+quant2", "--seeds", "0",
+    are compressed (layer kind ``block``), so 2 bits keep well under a fifth of vanilla's
+    bytes. ``--arch phi3`` too, although its factor ``up`` is a strided half of the fused
+    ``gate_up_proj`` output."""
+    r = _run("train_lm.py", "--quick", "--arch", arch, "--variants", "vanilla", "fewbit3+quant2", "--seeds", "0",
              "--out", tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
     saved = {}
@@ -138,8 +141,9 @@ def test_train_lm_llama_arch(tmp_path):
         assert all(math.isfinite(float(r["val_loss"])) for r in rows)
         saved[variant] = int(rows[-1]["peak_saved_bytes"])
     assert saved["fewbit3+quant2"] < 0.4 * saved["vanilla"]
-    model = train_lm.build_lm(1, 48, 2, 32, arch="llama")
-    assert type(model).__name__ == "LlamaForCausalLM" and model.config.intermediate_size == 128
+    model = train_lm.build_lm(1, 48, 2, 32, arch=arch)
+    assert type(model).__name__ == f"{'Llama' if arch == 'llama' else 'Phi3'}ForCausalLM"
+    assert model.config.intermediate_size == 128
     with pytest.raises(ValueError, match="arch must be one of"):
         train_lm.build_lm(1, 48, 2, 32, arch="bert")
 
