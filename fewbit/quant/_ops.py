@@ -177,7 +177,8 @@ def _affine_codes_cuda(x, mins, scales, bits, rowlen, per_col, offset, seed, sto
 # stats rule (docs/method.md §7 steps 2-3) for each pair ``(pairs[2i], pairs[2i+1])``, as
 # :func:`fewbit.quant._reference.group_stats_reference` with group_size 2: the per-tensor
 # or per-channel stats of the affine compressors. The reference is about thirty small torch
-# ops (0.3 ms a call on the CI VM, on CUDA as many kernel launches); the CPU kernel is numba.
+# ops (0.3 ms a call on the CI VM, on CUDA as many kernel launches); the CPU kernel is numba,
+# the CUDA kernel the group quantizer's Triton stats kernel on groups of 2.
 
 
 def _check_pairs(pairs: torch.Tensor, bits: int, stats_dtype: torch.dtype) -> None:
@@ -210,6 +211,17 @@ def _(pairs, bits, stats_dtype):
     from fewbit.quant import _cpu
 
     return _cpu.pair_stats_cpu(pairs, bits, stats_dtype)
+
+
+@pair_stats.register_kernel("cuda")
+def _pair_stats_cuda(pairs, bits, stats_dtype):
+    _check_pairs(pairs, bits, stats_dtype)
+    if not _triton_ok(pairs.dtype, pairs.numel()):
+        m, s, _ = ref.group_stats_reference(pairs, bits, 2, stats_dtype)
+        return m, s
+    from fewbit.quant import _triton  # noqa: F401
+
+    return torch.ops.fewbit.pair_stats_triton(pairs.contiguous(), bits, stats_dtype)
 
 
 @torch.library.custom_op("fewbit::affine_decode", mutates_args=())

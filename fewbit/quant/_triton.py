@@ -176,6 +176,27 @@ def _fmax(stats_dtype: torch.dtype) -> float:
     return float(torch.finfo(stats_dtype).max)
 
 
+def stats(x, bits, group_size, stats_dtype, *, block_elems=4096):
+    """Launch the stats kernel on a flat contiguous ``x``: float32 ``(mins, scales)`` of its
+    groups of ``group_size`` on the ``stats_dtype`` grid (docs/method.md §7 steps 2-3; NaN for
+    a group with a non-finite value). ``block_elems``: elements per stats tile."""
+    n = x.numel()
+    G = group_size
+    n_groups = -(-n // G)
+    m = torch.empty(n_groups, dtype=torch.float32, device=x.device)
+    s = torch.empty(n_groups, dtype=torch.float32, device=x.device)
+    if n == 0:
+        return m, s
+    block_g = min(triton.next_power_of_2(G), block_elems)
+    block_groups = max(1, block_elems // block_g)
+    wrap_triton(_stats_kernel)[(triton.cdiv(n_groups, block_groups),)](
+        x, m, s, n, G, n_groups, float((1 << bits) - 1), _fmax(stats_dtype),
+        IS_BF16=stats_dtype == torch.bfloat16, BLOCK_GROUPS=block_groups, BLOCK_G=block_g,
+        N_ITER=triton.cdiv(G, block_g), enable_fp_fusion=False,
+    )
+    return m, s
+
+
 def quantize(x, bits, group_size, seed, stochastic, stats_dtype, *, block_w=256, block_elems=4096):
     """Launch the stats and codes kernels on a flat contiguous ``x`` (float16/bfloat16/float32).
 
@@ -184,22 +205,11 @@ def quantize(x, bits, group_size, seed, stochastic, stats_dtype, *, block_w=256,
     """
     n = x.numel()
     G = group_size
-    n_groups = -(-n // G)
-    nbytes = packed_nbytes(n, bits)
-    dev = x.device
-    m = torch.empty(n_groups, dtype=torch.float32, device=dev)
-    s = torch.empty(n_groups, dtype=torch.float32, device=dev)
-    packed = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    packed = torch.empty(packed_nbytes(n, bits), dtype=torch.uint8, device=x.device)
+    m, s = stats(x, bits, group_size, stats_dtype, block_elems=block_elems)
     if n == 0:
         return packed, m.to(stats_dtype), s.to(stats_dtype)
-    block_g = min(triton.next_power_of_2(G), block_elems)
-    block_groups = max(1, block_elems // block_g)
     levels = float((1 << bits) - 1)
-    wrap_triton(_stats_kernel)[(triton.cdiv(n_groups, block_groups),)](
-        x, m, s, n, G, n_groups, levels, _fmax(stats_dtype),
-        IS_BF16=stats_dtype == torch.bfloat16, BLOCK_GROUPS=block_groups, BLOCK_G=block_g,
-        N_ITER=triton.cdiv(G, block_g), enable_fp_fusion=False,
-    )
     n_words = -(-n // 8)
     wrap_triton(_codes_kernel)[(triton.cdiv(n_words, block_w),)](
         x, m, s, packed, n, G, _as_int32(seed), _as_int32(seed >> 32), levels,
@@ -351,6 +361,18 @@ def _affine_decode_op(
     offset: int, numel: int, dtype: torch.dtype,
 ) -> torch.Tensor:
     return affine_decode(packed, mins, scales, bits, rowlen, per_col, offset, numel, dtype)
+
+
+def pair_stats(pairs, bits, stats_dtype):
+    """``fewbit::pair_stats`` on CUDA: the stats kernel on groups of 2 (float16/bfloat16/
+    float32 ``pairs``), the stats in ``stats_dtype``."""
+    m, s = stats(pairs, bits, 2, stats_dtype)
+    return m.to(stats_dtype), s.to(stats_dtype)
+
+
+@triton_op("fewbit::pair_stats_triton", mutates_args=())
+def _pair_stats_op(pairs: torch.Tensor, bits: int, stats_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    return pair_stats(pairs, bits, stats_dtype)
 
 
 @triton_op("fewbit::block_mean_triton", mutates_args=())

@@ -460,10 +460,11 @@ def test_opcheck(device):
 
 @pytest.mark.parametrize("stats_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_pair_stats_op_equals_the_reference(dtype, stats_dtype):
-    """``fewbit::pair_stats`` (numba on CPU; the stats of ChannelWise and Softmax, which
-    took about thirty small torch ops a call) against ``group_stats_reference`` with
-    group_size 2, on pairs in either order, equal, zero, NaN, infinite, tiny and huge."""
+def test_pair_stats_op_equals_the_reference(dtype, stats_dtype, device):
+    """``fewbit::pair_stats`` (numba on CPU, the Triton stats kernel on CUDA; the stats of
+    ChannelWise and Softmax, which took about thirty small torch ops a call) against
+    ``group_stats_reference`` with group_size 2, on pairs in either order, equal, zero, NaN,
+    infinite, tiny and huge."""
     from fewbit.quant import _reference as ref
 
     big = torch.finfo(dtype).max
@@ -472,8 +473,8 @@ def test_pair_stats_op_equals_the_reference(dtype, stats_dtype):
             (-1e-40, 1e-40)]
     pairs = torch.tensor([v for p in vals for v in p], dtype=dtype)
     for bits in (1, 3, 7, 8):
-        m, s = torch.ops.fewbit.pair_stats(pairs, bits, stats_dtype)
+        m, s = torch.ops.fewbit.pair_stats(pairs.to(device), bits, stats_dtype)
         rm, rs, _ = ref.group_stats_reference(pairs, bits, 2, stats_dtype)
-        assert same(m, rm) and same(s, rs), bits
-    finite = torch.tensor([0.0, 1.0, -3.0, 2.5, 2.0, 2.0], dtype=dtype)  # opcheck compares NaN != NaN
+        assert same(m.cpu(), rm) and same(s.cpu(), rs), bits
+    finite = torch.tensor([0.0, 1.0, -3.0, 2.5, 2.0, 2.0], dtype=dtype, device=device)  # opcheck: NaN != NaN
     torch.library.opcheck(torch.ops.fewbit.pair_stats.default, (finite, 2, stats_dtype))

@@ -38,8 +38,30 @@ def _division_decode(*a):
     return ref.division_decode_reference(*a, affine_decode=_decode)
 
 
-# fewbit::pair_stats has no Triton kernel: on CUDA it runs the reference's torch ops
-TRITON = _Kernels(_codes, _decode, _division_compress, _division_decode, _REFERENCE.pair_stats)
+TRITON = _Kernels(_codes, _decode, _division_compress, _division_decode, T.pair_stats)
+
+
+def test_pair_stats_bit_exact_vs_reference():
+    """fewbit::pair_stats's Triton kernel (the group quantizer's stats kernel on groups of 2):
+    equal ranges, a range at the top of float32, reversed pairs, non-finite values, zeros."""
+    lo = torch.randn(300, generator=torch.Generator().manual_seed(1)) * 10
+    hi = lo + torch.rand(300, generator=torch.Generator().manual_seed(2)) * 5
+    hi[:5] = lo[:5]  # empty range
+    lo[5], hi[5] = -3e38, 3e38
+    lo[6], hi[6] = 2.0, 1.0
+    lo[7], hi[8], lo[9] = float("nan"), float("inf"), float("-inf")
+    lo[10], hi[10] = 0.0, 1e-40
+    pairs = torch.stack([lo, hi], dim=1).reshape(-1)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        x = pairs.to(dtype)
+        if dtype == torch.bfloat16:  # the interpreter's bfloat16 -> float32 cast flushes subnormals (GPUs shift bits)
+            x[21] = 1.0
+        for stats_dtype in (torch.float32, torch.bfloat16):
+            for bits in (1, 3, 7, 8):
+                a = T.pair_stats(x, bits, stats_dtype)
+                b = _REFERENCE.pair_stats(x, bits, stats_dtype)
+                assert a[0].dtype == b[0].dtype == stats_dtype
+                assert same(a[0], b[0]) and same(a[1], b[1]), (dtype, stats_dtype, bits)
 
 
 @pytest.mark.parametrize("name", [n for n in NEW if n != "outlier"])  # outlier: the group quantizer's kernels
