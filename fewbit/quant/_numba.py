@@ -90,6 +90,53 @@ def _uniform(e, s0, s1):
     return _uniform32(e, s0, s1)
 
 
+@intrinsic
+def _uniform_lo(typingctx, i, lo, s0, s1x):
+    """:func:`_uniform32` of flat index ``e = lo + i`` for ``lo + i < 2**32`` within the
+    piece, given ``lo`` (the low word of the piece's first index) and ``s1x = s1 ^ hi``
+    (its high word folded into the seed): all in 32 bits, so a vectorised loop over ``i``
+    carries no 64-bit lanes (the 64-bit index and its split into two words took about
+    half of a codes loop on AVX2)."""
+    if not isinstance(i, types.Integer):
+        return None
+    sig = types.float32(i, lo, s0, s1x)
+
+    def codegen(context, builder, signature, args):
+        i_, lo_, s0_, s1x_ = args
+        i32 = ir.IntType(32)
+
+        def c(v):
+            return ir.Constant(i32, v)
+
+        def lowbias32(x):
+            x = builder.xor(x, builder.lshr(x, c(16)))
+            x = builder.mul(x, c(0x7FEB352D))
+            x = builder.xor(x, builder.lshr(x, c(15)))
+            x = builder.mul(x, c(0x846CA68B))
+            return builder.xor(x, builder.lshr(x, c(16)))
+
+        e_lo = builder.add(builder.trunc(i_, i32), builder.trunc(lo_, i32))
+        h = lowbias32(builder.xor(lowbias32(builder.xor(e_lo, builder.trunc(s0_, i32))), builder.trunc(s1x_, i32)))
+        f = builder.uitofp(builder.lshr(h, c(8)), ir.FloatType())
+        return builder.fmul(f, ir.Constant(ir.FloatType(), 2.0 ** -24))
+
+    return sig, codegen
+
+
+@njit(inline="always", cache=True)
+def _noise(e0, out, s0, s1):
+    """``out[i] = u(e0 + i)`` (:func:`_uniform`) for ``i < len(out)``: 32-bit lanes
+    (:func:`_uniform_lo`) up to the next multiple of 2**32, the 64-bit index past it."""
+    n = out.shape[0]
+    lo = np.uint64(e0) & _MASK32
+    s1x = s1 ^ (np.uint64(e0) >> np.uint64(32))
+    k = min(n, (1 << 32) - np.int64(lo))
+    for i in range(k):
+        out[i] = _uniform_lo(i, lo, s0, s1x)
+    for i in range(k, n):
+        out[i] = _uniform(e0 + i, s0, s1)
+
+
 @njit(inline="always", cache=True)
 def _prev_on_grid(v, mant_bits, min_exp, fmax):
     """Largest grid value ``< v`` for ``v > 0`` on the grid (float64 in and out)."""
@@ -183,6 +230,9 @@ def quantize_kernel(x, bits, group_size, chunk_groups, seed, stochastic, mant_bi
         e1 = min(g1 * G, n)
         L = e1 - e0
         sc = np.zeros(L, np.uint8)
+        us = np.empty(L if stochastic else 0, np.float32)
+        if stochastic:
+            _noise(e0, us, s0, s1)
         for g in range(g0, g1):
             a = g * G
             b = min(a + G, n)
@@ -193,9 +243,10 @@ def quantize_kernel(x, bits, group_size, chunk_groups, seed, stochastic, mant_bi
             xs = x[a:b]
             cs = sc[a - e0:b - e0]
             if stochastic:
+                u = us[a - e0:b - e0]
                 for i in range(b - a):
                     t = (xs[i] - m) * s
-                    qf = np.floor(t + _uniform(a + i, s0, s1))
+                    qf = np.floor(t + u[i])
                     cs[i] = np.uint8(min(max(qf, zero), levels))
             else:
                 for i in range(b - a):
@@ -282,6 +333,11 @@ def affine_codes_kernel(x, m_arr, s_arr, rowlen, per_col, seed, stochastic, bits
         e0 = c * AFFINE_CHUNK
         e1 = min(e0 + AFFINE_CHUNK, n)
         sc = np.empty(e1 - e0, np.uint8)
+        us = np.empty(e1 - e0, np.float32)
+        if stochastic:
+            _noise(e0, us, s0, s1)
+        else:
+            us[:] = half
         e = e0
         while e < e1:
             r = e // rowlen
@@ -289,18 +345,17 @@ def affine_codes_kernel(x, m_arr, s_arr, rowlen, per_col, seed, stochastic, bits
             k = min(e1, e + rowlen - c0) - e
             xs = x[e:e + k]
             cs = sc[e - e0:e - e0 + k]
+            u = us[e - e0:e - e0 + k]
             if per_col:
                 ms = m_arr[c0:c0 + k]
                 ss = s_arr[c0:c0 + k]
                 for i in range(k):
-                    u = _uniform(e + i, s0, s1) if stochastic else half
-                    cs[i] = _affine_code((xs[i] - ms[i]) * ss[i], u, off, zero, levels)
+                    cs[i] = _affine_code((xs[i] - ms[i]) * ss[i], u[i], off, zero, levels)
             else:
                 mm = m_arr[r]
                 sv = s_arr[r]
                 for i in range(k):
-                    u = _uniform(e + i, s0, s1) if stochastic else half
-                    cs[i] = _affine_code((xs[i] - mm) * sv, u, off, zero, levels)
+                    cs[i] = _affine_code((xs[i] - mm) * sv, u[i], off, zero, levels)
             e += k
         o0 = e0 * bits // 8
         pack_codes(sc, out_packed[o0:o0 + ((e1 - e0) * bits + 7) // 8], bits)
@@ -532,6 +587,8 @@ def division_codes_kernel(xf, lfc, H, W, I, bh, bw, seed, bits, consts, mins, sc
         e0 = c * AFFINE_CHUNK
         e1 = min(e0 + AFFINE_CHUNK, n)
         sc = np.empty(e1 - e0, np.uint8)
+        us = np.empty(e1 - e0, np.float32)
+        _noise(e0, us, s0, s1)
         buf = np.empty(WI, xf.dtype)
         cur = -1
         e = e0
@@ -549,8 +606,9 @@ def division_codes_kernel(xf, lfc, H, W, I, bh, bw, seed, bits, consts, mins, sc
             xs = xf[e:e + L]
             bs = buf[k0:k0 + L]
             cs = sc[e - e0:e - e0 + L]
+            u = us[e - e0:e - e0 + L]
             for j in range(L):
-                qf = np.floor(((xs[j] - bs[j]) - m) * s + _uniform(e + j, s0, s1))
+                qf = np.floor(((xs[j] - bs[j]) - m) * s + u[j])
                 qf = qf if qf == qf else zero
                 cs[j] = np.uint8(min(max(qf, zero), levels))
             e += L

@@ -156,6 +156,21 @@ def test_uniform_noise_cpu_kernel_matches_definition_past_2_32():
     assert not torch.equal(ref.uniform_noise(64, 5), ref.uniform_noise(64, 5, start=2**32))
 
 
+def test_noise_fill_of_the_codes_loops_matches_definition_across_2_32():
+    """``_noise`` (the codes loops' noise, 32-bit lanes up to the next multiple of 2**32 and
+    the 64-bit index past it) is the reference's, also for pieces that cross 2**32."""
+    import numpy as np
+
+    from fewbit.quant import _numba
+
+    for start in (0, 2**32 - 37, 2**32, 5 * 2**32 - 1, 2**40 + 3):
+        for seed in (0, 123456789012345, 2**64 - 1):
+            s0, s1 = np.uint64(seed & 0xFFFFFFFF), np.uint64(seed >> 32)
+            out = np.empty(100, np.float32)
+            _numba._noise(start, out, s0, s1)
+            assert torch.equal(torch.from_numpy(out), ref.uniform_noise(100, seed, start=start)), (start, seed)
+
+
 @pytest.mark.parametrize("bits", [1, 2, 4])
 def test_unbiased_and_variance(bits):
     """Mean of N stochastic dequantizations converges to x at rate 1/sqrt(N).
