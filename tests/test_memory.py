@@ -211,7 +211,8 @@ def test_cli_table_vit():
     (["--model", "gpt2", "--average-bits", "2"], "--average-bits is only used with --saved-bits auto"),
     (["--model", "gpt2", "--saved-bits", "auto", "--average-bits", "0.5"], "--average-bits must be in 1..32"),
     (["--model", "gpt2", "--compressor", "zip"], "Invalid value for '--compressor'"),
-    (["--model", "bert", "--fused-cross-entropy"], "--fused-cross-entropy needs a causal LM (gpt2, opt, llama, phi3, bloom), got bert"),
+    (["--model", "bert", "--fused-cross-entropy"],
+     "--fused-cross-entropy needs a causal LM (gpt2, opt, llama, phi3, bloom), got bert"),
     (["--model", "bert", "--seq-len", "100000"], "--seq-len must be <= 512 for bert, got 100000"),
     (["--model", "llama", "--batch", "64", "--seq-len", "2048"], "GiB available"),
 ])

@@ -45,6 +45,24 @@ def _floor_to_grid(v, mant_bits, min_exp, fmax):
     return r
 
 
+def _lowbias32_ir(builder, x):
+    """LLVM IR of one round of lowbias32 on the i32 value ``x`` (modulo 2**32)."""
+    def c(v):
+        return ir.Constant(ir.IntType(32), v)
+
+    x = builder.xor(x, builder.lshr(x, c(16)))
+    x = builder.mul(x, c(0x7FEB352D))
+    x = builder.xor(x, builder.lshr(x, c(15)))
+    x = builder.mul(x, c(0x846CA68B))
+    return builder.xor(x, builder.lshr(x, c(16)))
+
+
+def _u24_ir(builder, h):
+    """LLVM IR of ``(h >> 8) * 2**-24`` (float32) of the i32 hash ``h``."""
+    f = builder.uitofp(builder.lshr(h, ir.Constant(ir.IntType(32), 8)), ir.FloatType())
+    return builder.fmul(f, ir.Constant(ir.FloatType(), 2.0 ** -24))
+
+
 @intrinsic
 def _uniform32(typingctx, e, s0, s1):
     """``u`` of flat index ``e`` (:func:`fewbit.quant._reference.uniform_noise`; ``s0``, ``s1``
@@ -62,23 +80,11 @@ def _uniform32(typingctx, e, s0, s1):
         e_, s0_, s1_ = args
         i32 = ir.IntType(32)
         e_ = builder.sext(e_, ir.IntType(64)) if e_.type.width < 64 else e_
-
-        def c(v):
-            return ir.Constant(i32, v)
-
-        def lowbias32(x):
-            x = builder.xor(x, builder.lshr(x, c(16)))
-            x = builder.mul(x, c(0x7FEB352D))
-            x = builder.xor(x, builder.lshr(x, c(15)))
-            x = builder.mul(x, c(0x846CA68B))
-            return builder.xor(x, builder.lshr(x, c(16)))
-
         lo = builder.trunc(e_, i32)
         hi = builder.trunc(builder.lshr(e_, ir.Constant(e_.type, 32)), i32)
-        h = lowbias32(builder.xor(builder.xor(lowbias32(builder.xor(lo, builder.trunc(s0_, i32))),
-                                              builder.trunc(s1_, i32)), hi))
-        f = builder.uitofp(builder.lshr(h, c(8)), ir.FloatType())
-        return builder.fmul(f, ir.Constant(ir.FloatType(), 2.0 ** -24))
+        h = _lowbias32_ir(builder, builder.xor(lo, builder.trunc(s0_, i32)))
+        h = _lowbias32_ir(builder, builder.xor(builder.xor(h, builder.trunc(s1_, i32)), hi))
+        return _u24_ir(builder, h)
 
     return sig, codegen
 
@@ -104,21 +110,10 @@ def _uniform_lo(typingctx, i, lo, s0, s1x):
     def codegen(context, builder, signature, args):
         i_, lo_, s0_, s1x_ = args
         i32 = ir.IntType(32)
-
-        def c(v):
-            return ir.Constant(i32, v)
-
-        def lowbias32(x):
-            x = builder.xor(x, builder.lshr(x, c(16)))
-            x = builder.mul(x, c(0x7FEB352D))
-            x = builder.xor(x, builder.lshr(x, c(15)))
-            x = builder.mul(x, c(0x846CA68B))
-            return builder.xor(x, builder.lshr(x, c(16)))
-
         e_lo = builder.add(builder.trunc(i_, i32), builder.trunc(lo_, i32))
-        h = lowbias32(builder.xor(lowbias32(builder.xor(e_lo, builder.trunc(s0_, i32))), builder.trunc(s1x_, i32)))
-        f = builder.uitofp(builder.lshr(h, c(8)), ir.FloatType())
-        return builder.fmul(f, ir.Constant(ir.FloatType(), 2.0 ** -24))
+        h = _lowbias32_ir(builder, builder.xor(e_lo, builder.trunc(s0_, i32)))
+        h = _lowbias32_ir(builder, builder.xor(h, builder.trunc(s1x_, i32)))
+        return _u24_ir(builder, h)
 
     return sig, codegen
 
