@@ -101,8 +101,8 @@ def _uniform_lo(typingctx, i, lo, s0, s1x):
     """:func:`_uniform32` of flat index ``e = lo + i`` for ``lo + i < 2**32`` within the
     piece, given ``lo`` (the low word of the piece's first index) and ``s1x = s1 ^ hi``
     (its high word folded into the seed): all in 32 bits, so a vectorised loop over ``i``
-    carries no 64-bit lanes (the 64-bit index and its split into two words took about
-    half of a codes loop on AVX2)."""
+    carries no 64-bit lanes (on an AVX2 VM the 64-bit index and its split into two words
+    took a quarter of an affine codes loop: 1.45 -> 1.07-1.11 ns an element at 2**20)."""
     if not isinstance(i, types.Integer):
         return None
     sig = types.float32(i, lo, s0, s1x)
