@@ -328,11 +328,9 @@ def affine_codes_kernel(x, m_arr, s_arr, rowlen, per_col, seed, stochastic, bits
         e0 = c * AFFINE_CHUNK
         e1 = min(e0 + AFFINE_CHUNK, n)
         sc = np.empty(e1 - e0, np.uint8)
-        us = np.empty(e1 - e0, np.float32)
+        us = np.empty(e1 - e0 if stochastic else 0, np.float32)
         if stochastic:
             _noise(e0, us, s0, s1)
-        else:
-            us[:] = half
         e = e0
         while e < e1:
             r = e // rowlen
@@ -345,12 +343,12 @@ def affine_codes_kernel(x, m_arr, s_arr, rowlen, per_col, seed, stochastic, bits
                 ms = m_arr[c0:c0 + k]
                 ss = s_arr[c0:c0 + k]
                 for i in range(k):
-                    cs[i] = _affine_code((xs[i] - ms[i]) * ss[i], u[i], off, zero, levels)
+                    cs[i] = _affine_code((xs[i] - ms[i]) * ss[i], u[i] if stochastic else half, off, zero, levels)
             else:
                 mm = m_arr[r]
                 sv = s_arr[r]
                 for i in range(k):
-                    cs[i] = _affine_code((xs[i] - mm) * sv, u[i], off, zero, levels)
+                    cs[i] = _affine_code((xs[i] - mm) * sv, u[i] if stochastic else half, off, zero, levels)
             e += k
         o0 = e0 * bits // 8
         pack_codes(sc, out_packed[o0:o0 + ((e1 - e0) * bits + 7) // 8], bits)

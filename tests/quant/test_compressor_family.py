@@ -458,6 +458,24 @@ def test_opcheck(device):
                               (packed, mins, scales, 4, args[4], per_col, 7, flat.numel(), torch.float32))
 
 
+@pytest.mark.parametrize("stochastic", [True, False], ids=["stochastic", "nearest"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_affine_codes_op_equals_the_reference(dtype, stochastic):
+    """``fewbit::affine_codes`` on the CPU (numba; the compressors use only its stochastic
+    rounding) against ``affine_codes_reference`` bit for bit, stats per row and per column,
+    with rows that cross the kernel's chunks."""
+    from fewbit.quant import _reference as ref
+
+    x = torch.randn(40000, generator=gen(4), dtype=dtype) * 3
+    for rowlen, per_col in ((37, True), (37, False), (20000, False)):
+        k = rowlen if per_col else -(-x.numel() // rowlen)  # stats per column, or per row (last one partial)
+        mins = torch.randn(k, generator=gen(5), dtype=dtype) - 8
+        scales = torch.rand(k, generator=gen(6), dtype=dtype) + 0.25
+        a = torch.ops.fewbit.affine_codes(x, mins, scales, 4, rowlen, per_col, 7, 11, stochastic)
+        b = ref.affine_codes_reference(x, mins, scales, 4, rowlen, per_col, 7, 11 if stochastic else None)
+        assert torch.equal(a, b), (rowlen, per_col)
+
+
 @pytest.mark.parametrize("stats_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_pair_stats_op_equals_the_reference(dtype, stats_dtype, device):
