@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from fewbit._checks import check_bits, check_positive_int
+from fewbit._saved import Kept, keep, unpack
 
 __all__ = [
     "CATEGORIES",
@@ -199,27 +200,28 @@ class SavedTensorRecorder:
         def pack(t: torch.Tensor) -> Any:
             self.num_saved += 1
             in_activation = any(self._act_stack)
-            packed = inner[0](t) if inner is not None else t.detach()
-            if isinstance(packed, torch.Tensor):
-                key = _storage_key(packed)
+            packed = inner[0](t) if inner is not None else keep(t)
+            held = packed.tensor if isinstance(packed, Kept) else packed
+            if isinstance(held, torch.Tensor):
+                key = _storage_key(held)
                 if key is None:
                     pass
                 elif key in self._param_keys:
-                    self._add(key, packed.untyped_storage().nbytes(), "parameters")
+                    self._add(key, held.untyped_storage().nbytes(), "parameters")
                 else:
                     category = "activation" if in_activation else "other"
-                    self._add(key, packed.untyped_storage().nbytes(), category)
+                    self._add(key, held.untyped_storage().nbytes(), category)
             else:
                 self._keep.append(packed)
                 category = "activation" if in_activation else "compressed"
                 self._add(("packed", id(packed)), _packed_nbytes(packed), category)
             return packed
 
-        def unpack(packed: Any) -> torch.Tensor:
-            return inner[1](packed) if inner is not None else packed
+        def unpack_(packed: Any) -> torch.Tensor:
+            return inner[1](packed) if inner is not None else unpack(packed)
 
         self._mine[id(pack)] = pack
-        return pack, unpack
+        return pack, unpack_
 
     def _is_top(self) -> bool:
         top = self._top_hooks()

@@ -77,6 +77,7 @@ from torch import nn
 
 from fewbit._checks import check_positive_int, is_int
 from fewbit._blocks import find_blocks
+from fewbit._saved import keep, unpack
 from fewbit.convert import _is_causal_lm, layer_kind, normalization_size
 from fewbit.memory import resume_recording
 
@@ -350,14 +351,6 @@ class ModelProfile:
 # --------------------------------------------------------------------------- applying a policy
 
 
-def _identity_pack(t: torch.Tensor) -> torch.Tensor:
-    return t.detach()  # a detached alias: no reference cycle through a saved output
-
-
-def _identity_unpack(t: torch.Tensor) -> torch.Tensor:
-    return t
-
-
 class _State:
     """What :func:`apply_plan` did to a model, so that :func:`remove_plan` can undo it."""
 
@@ -393,7 +386,7 @@ class _GroupHook:
             top = self.state.checkpoint_hooks[-1] if self.state.checkpoint_hooks else None
             ctx = torch.autograd.graph.saved_tensors_hooks(*top) if top is not None else None
         else:  # keep, fewbit (the fewbit module saves its codes; keep them)
-            ctx = torch.autograd.graph.saved_tensors_hooks(_identity_pack, _identity_unpack)
+            ctx = torch.autograd.graph.saved_tensors_hooks(keep, unpack)
         if ctx is not None:
             ctx.__enter__()
         self.stack.append(ctx)
@@ -424,9 +417,31 @@ class _HoldInput(torch.autograd.Function):
 _CACHE_ARGS = ("past_key_values", "past_key_value", "layer_past")
 
 
+def _check_unchanged(block: nn.Module, versions: list) -> None:
+    """Raise torch's in-place error if a parameter of ``block`` changed since its forward.
+
+    torch's checkpoint recomputes with the parameters as they are at backward, silently; without
+    the plan torch would have refused backward (the weights are saved tensors), so a plan that
+    recomputes must refuse it too, not train on a gradient of weights the forward never used."""
+    for name, p, version in versions:
+        if p._version != version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an "
+                f"inplace operation: parameter {name!r} {list(p.shape)} of a block that the plan "
+                f"recomputes is at version {p._version}; expected version {version} instead "
+                "(changed between the forward and backward, e.g. an optimizer step before "
+                "backward; without the plan torch raises the same error)"
+            )
+
+
 def _checkpointed_forward(state: _State, block: nn.Module, forward: Callable, root: _GroupHook | None,
                           signature: inspect.Signature | None, *args, **kwargs):
+    calls = [0]
+
     def run(*a, **k):
+        if calls[0]:  # a recomputation in backward
+            _check_unchanged(block, versions)
+        calls[0] += 1
         state.checkpoint_hooks.append(torch._C._autograd._top_saved_tensors_default_hooks(False))
         try:
             if root is not None:
@@ -463,6 +478,7 @@ def _checkpointed_forward(state: _State, block: nn.Module, forward: Callable, ro
         if isinstance(a, torch.Tensor) and a.is_floating_point():
             args[i] = _HoldInput.apply(a)
             break
+    versions = [(n, p, p._version) for n, p in block.named_parameters()]  # read by run's recomputation
     from torch.utils.checkpoint import checkpoint
 
     return checkpoint(run, *args, use_reentrant=False, **kwargs)
@@ -761,12 +777,12 @@ def _capture(work: nn.Module, blocks, batch, loss_fn, groups):
 
             def pack(t, _k=key):
                 saved.setdefault(_k, []).append(t)
-                return t.detach()
+                return keep(t)
 
             def pre(m, args, _p=pack, _k=key, _act=groups[btype][rel]):
                 if _act and args and isinstance(args[0], torch.Tensor):
                     act_in.setdefault(_k, args[0].detach())
-                ctx = torch.autograd.graph.saved_tensors_hooks(_p, _identity_unpack)
+                ctx = torch.autograd.graph.saved_tensors_hooks(_p, unpack)
                 ctx.__enter__()
                 stack.append(ctx)
 

@@ -32,6 +32,7 @@ from torch import nn
 import fewbit
 import fewbit.quant as fq
 from fewbit.quant.compressor import _Handle, _is_parameter
+from fewbit._saved import Kept
 
 
 def _versions() -> str:
@@ -133,12 +134,13 @@ class _Counter:
 
     def pack(self, t):
         p = self.inner._pack(t) if self.inner is not None else t
+        held = p.tensor if isinstance(p, Kept) else p  # kept as it is (fewbit._saved)
         if isinstance(p, _Handle):
             key, nb = ("h", id(p)), p.nbytes
-        elif _is_parameter(p):
+        elif _is_parameter(held):
             return p
         else:
-            key, nb = ("s", p.untyped_storage().data_ptr()), p.untyped_storage().nbytes()
+            key, nb = ("s", held.untyped_storage().data_ptr()), held.untyped_storage().nbytes()
         if key not in self.seen:
             self.seen.add(key)
             self.nbytes += nb

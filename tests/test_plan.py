@@ -469,6 +469,21 @@ def test_compress_inside_checkpoint(prof, batch):
     assert rep.saved_bytes < rep_q.saved_bytes < rep0.saved_bytes
 
 
+@pytest.mark.parametrize("default", ["keep", "quant4", "recompute"])
+def test_a_planned_model_refuses_weights_changed_before_backward(prof, batch, default):
+    """Keep groups hold their tensors as they are and every option keeps the weights: a weight
+    changed in place between forward and backward (an optimizer step too early) is torch's
+    error, as without the plan (before: a keep group's hooks returned the changed weight and
+    backward used it silently)."""
+    model = make_model()
+    fewbit.convert_(model, choices_plan(prof, {}, default))
+    loss = model(**batch).loss
+    with torch.no_grad():
+        model.transformer.h[0].mlp.c_fc.weight.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
 def test_fewbit_option_replaces_activation_and_remove_restores(prof, batch):
     model = make_model()
     keys = list(model.state_dict())

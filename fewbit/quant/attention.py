@@ -67,6 +67,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from fewbit._saved import keep, unpack
 from fewbit.quant.nonlinear import NOT_HANDLED
 
 __all__ = ["scaled_dot_product_attention", "reroute", "QK_BITS"]
@@ -96,22 +97,12 @@ class _Bypass:
         _STATE.bypass = self.prev
 
 
-def _keep(t):
-    # detach(): a pack hook that returns the tensor itself closes a reference cycle when the
-    # op saves its own output (SDPA saves out and lse: out -> grad_fn -> out), which
-    # Python's gc cannot see, so every call's graph leaked (about 3 MiB a call at
-    # batch 8 x 4 heads x 128 tokens x 32). The detached alias shares storage and version
-    # counter: nothing is copied, and in-place changes are still detected.
-    return t.detach()
-
-
-def _same(t):
-    return t
-
-
 def _no_saved_tensor_hooks():
-    """Saved-tensor hooks that keep what is saved inside exact, whatever hooks are active."""
-    return torch.autograd.graph.saved_tensors_hooks(_keep, _same)
+    """Saved-tensor hooks that keep what is saved inside exact, whatever hooks are active
+    (:func:`fewbit._saved.keep`: a detached alias, so SDPA's saved out and lse close no
+    reference cycle through out -> grad_fn -> out, which leaked about 3 MiB a call at
+    batch 8 x 4 heads x 128 tokens x 32)."""
+    return torch.autograd.graph.saved_tensors_hooks(keep, unpack)
 
 
 def _rng_state(device: torch.device) -> torch.Tensor:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fewbit._checks import check_positive_int
+from fewbit._saved import Kept, keep
 
 __all__ = ["ActivationCompressor", "CompressionStats", "SavedTensorRecord", "compress_activations"]
 
@@ -453,11 +454,7 @@ class ActivationCompressor:
         self.stats.skipped[reason] = self.stats.skipped.get(reason, 0) + 1
         self.stats.skipped_bytes[reason] = self.stats.skipped_bytes.get(reason, 0) + nbytes
         self.stats.bytes_skipped += nbytes
-        # A detached alias (same storage and version counter, nothing copied), not ``t``: a
-        # result its own op saves (exp, rsqrt) would otherwise hold itself alive through
-        # result -> grad_fn -> saved result, a cycle in C++ that gc cannot see, and every
-        # graph dropped without backward leaked it (fewbit.quant.attention._keep).
-        return t.detach()
+        return keep(t)  # checked for in-place changes on unpack, as torch does (fewbit._saved)
 
     def _pack(self, t: torch.Tensor):
         if t.layout != torch.strided or t.device.type == "meta":
@@ -503,7 +500,7 @@ class ActivationCompressor:
                     return self._skip(t, "nonlinear")
             if kept is not None:  # its storage is kept exact: a quantized copy would only add bytes
                 self.stats.deduplicated += 1
-                return t.detach()
+                return keep(t)
         hit = self._cache.get(key)
         if hit is not None:
             anchor, handle = hit[0](), hit[1]()
@@ -571,7 +568,7 @@ class ActivationCompressor:
 
     @staticmethod
     def _unpack(packed):
-        if isinstance(packed, (_Handle, _ViewHandle)):
+        if isinstance(packed, (_Handle, _ViewHandle, Kept)):
             return packed.unpack()
         return packed
 

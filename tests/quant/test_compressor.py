@@ -12,6 +12,7 @@ from torch import nn
 import fewbit
 from fewbit.quant import ActivationCompressor, compress_activations
 from fewbit.quant.compressor import _Handle, _pack_bool, _unpack_bool
+from fewbit._saved import Kept
 
 
 def _grads(model, x, comp=None, seed=0):
@@ -120,7 +121,10 @@ def test_dedup_one_copy_and_cache_released():
 
 def _as_is(packed, t):
     """``packed`` is ``t`` left as it is: an alias of the same elements (a detached view
-    sharing storage and version counter), not a copy."""
+    sharing storage and version counter, in a :class:`fewbit._saved.Kept`), not a copy."""
+    if not isinstance(packed, Kept):
+        return False
+    packed = packed.tensor
     return (isinstance(packed, torch.Tensor) and packed.data_ptr() == t.data_ptr() and packed.shape == t.shape
             and packed.stride() == t.stride() and packed.dtype == t.dtype and packed._version == t._version)
 
