@@ -186,3 +186,19 @@ def test_convert_keeps_modules_with_refused_parameters_as_torch():
     assert "value of threshold must be finite" in summary.unsupported["2"]
     x = torch.randn(8, 4)
     assert torch.equal(model(x), ref(x))
+
+
+@pytest.mark.parametrize("name", ["GELU", "SiLU", "ELU"])
+def test_modules_on_the_meta_device_run_without_warnings(name):
+    """Meta tensors (shape-only model building, e.g. before loading weights) have no values to
+    probe torch's gradient rules with: the CPU's are used, without a warning (before: a
+    RuntimeWarning 'could not evaluate torch's gradient ... unsupported scalarType')."""
+    import warnings
+
+    act = getattr(fewbit, name)(bits=3)
+    x = torch.randn(4, 8, device="meta", requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        y = act(x)
+        y.sum().backward()
+    assert y.device.type == "meta" and y.shape == x.shape and x.grad.shape == x.shape

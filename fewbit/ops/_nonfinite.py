@@ -426,6 +426,8 @@ def derive_grad_rules(
         :class:`GradRules`.
     """
     device = torch.device(device)
+    if device.type == "meta":  # no values to probe (shapes only): the CPU's rules, no warning
+        device = torch.device("cpu")
     # Outside any torch.func transform, autocast, torch function mode (fewbit's own modes
     # would send torch's F.gelu to fewbit's) or the caller's saved-tensor hooks (the probes
     # are not part of the user's graph). torch.func transforms disable saved-tensor hooks
