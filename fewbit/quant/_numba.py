@@ -387,6 +387,25 @@ def affine_decode_kernel(packed, m_arr, s_arr, rowlen, per_col, bits, consts, ou
 
 
 @njit(inline="always", cache=True)
+def _column_block_means(col, W, I, bw, rows, acc):
+    """``acc[wb, i]``: the mean of block ``wb``'s columns ``col[w * I + i]`` (sums over
+    ``rows`` rows), added in the reference's order from 0, divided by the count in float64
+    and rounded once to the dtype of ``acc``. The sum runs in a local, not in ``acc``: an
+    update of ``acc`` in place is a store and a reload per column (it may alias ``col``),
+    which made this tail cost 4x the row sums before it."""
+    for wb in range(acc.shape[0]):
+        w0 = wb * bw
+        w1 = min(w0 + bw, W)
+        cnt = rows * (w1 - w0)
+        for i in range(I):
+            acc[wb, i] = 0
+            t = acc[wb, i]  # 0 in the dtype of acc
+            for w in range(w0, w1):
+                t += col[w * I + i]
+            acc[wb, i] = t / cnt
+
+
+@njit(inline="always", cache=True)
 def _block_means(xf, a, hb, H, W, I, bh, bw, col, acc):
     """Means of row-block ``(a, hb)`` (:func:`fewbit.quant._reference.block_mean_reference`,
     the same order of additions) into ``acc`` ``(Wb, I)``; ``col`` a ``W * I`` scratch. The
@@ -401,16 +420,7 @@ def _block_means(xf, a, hb, H, W, I, bh, bw, col, acc):
         row = xf[(a * H + h) * WI:(a * H + h + 1) * WI]
         for k in range(WI):
             col[k] += row[k]
-    acc[:, :] = 0
-    for wb in range(acc.shape[0]):
-        w0 = wb * bw
-        w1 = min(w0 + bw, W)
-        for w in range(w0, w1):
-            for i in range(I):
-                acc[wb, i] += col[w * I + i]
-        cnt = (h1 - h0) * (w1 - w0)
-        for i in range(I):
-            acc[wb, i] = acc[wb, i] / cnt
+    _column_block_means(col, W, I, bw, h1 - h0, acc)
 
 
 @njit(inline="always", cache=True)
@@ -437,16 +447,35 @@ def block_mean_kernel(x, bh, bw, out):
 
 
 @njit(inline="always", cache=True)
-def _upsample_row(lfc_row, bw, W, I, buf):
-    """``buf[w * I + i] = lfc_row[w // bw, i]``: one row of the upsampled block means."""
-    if I == 1:  # conv maps: one channel per position, no inner loop
-        for w in range(W):
-            buf[w] = lfc_row[w // bw, 0]
+def _upsample(lfc_row, bw, I, k0, L, buf):
+    """``buf[j] = up[k0 + j]`` for ``j < L``, ``up[w * I + i] = lfc_row[w // bw, i]``: a
+    piece of one row of the upsampled block means (the whole row: ``k0 = 0, L = W * I``).
+    Block by block: one division for the piece, none per element."""
+    w = k0 // I
+    i = k0 - w * I
+    wb = w // bw
+    r = w - wb * bw  # position in block wb
+    j = 0
+    if I == 1:  # conv maps: one channel per position, runs of bw equal values
+        while j < L:
+            m = min(bw - r, L - j)
+            v = lfc_row[wb, 0]
+            for t in range(m):
+                buf[j + t] = v
+            j += m
+            r = 0
+            wb += 1
         return
-    for w in range(W):
-        wb = w // bw
-        for i in range(I):
-            buf[w * I + i] = lfc_row[wb, i]
+    while j < L:
+        m = min(I - i, L - j)
+        for t in range(m):
+            buf[j + t] = lfc_row[wb, i + t]
+        j += m
+        i = 0
+        r += 1
+        if r == bw:
+            r = 0
+            wb += 1
 
 
 # DIVISION's residual, fused (fewbit.quant._reference.division_encode_reference /
@@ -511,7 +540,7 @@ def _minmax_task(xf, lfc, a, hb, H, W, I, bh, bw, scratch, row_stats, out_lo, ou
     row is not finite, whose stats are NaN either way; ``out_ok`` unused). ``scratch``:
     ``(6, W * I)``, its first row the upsampled means (:func:`_rows_minmax` uses the others)."""
     buf = scratch[0]
-    _upsample_row(lfc[a, hb], bw, W, I, buf)
+    _upsample(lfc[a, hb], bw, I, 0, W * I, buf)
     WI = W * I
     h0 = hb * bh
     h1 = min(h0 + bh, H)
@@ -544,21 +573,178 @@ def division_minmax_kernel(xf, lfc, H, W, I, bh, bw, row_stats, out_lo, out_hi, 
             _minmax_task(xf, lfc, a, t - a * Hb, H, W, I, bh, bw, scratch, row_stats, out_lo, out_hi, out_ok)
 
 
+@njit(inline="always", cache=True)
+def _block_means_range(xf, a, hb, H, W, I, bh, bw, zero, scratch, acc):
+    """:func:`_block_means` of row-block ``(a, hb)`` into ``acc``, and its residual's min, max
+    and finiteness (as :func:`_rows_minmax`) from the same pass over its rows. Within a
+    block the residual is ``x - m`` with one mean ``m`` per column, and rounding is monotone,
+    so ``min fl(x - m) = fl(min x - m)``: the columns' min and max of ``x`` are taken beside
+    their sums (in the two-buffer form of :func:`_rows_minmax`), and the means subtracted
+    from them at the end, bit for bit the residual's min and max. ``zero``: 0 in the dtype
+    of ``xf``; ``scratch``: ``(6, W * I)``, row 0 the column sums."""
+    WI = W * I
+    col = scratch[0]
+    bad = scratch[5]
+    h0 = hb * bh
+    h1 = min(h0 + bh, H)
+    if h1 - h0 == 8:  # DIVISION's B = 8: all rows in one loop, nothing stored between rows
+        _eight_rows_range(xf[(a * H + h0) * WI:(a * H + h1) * WI], WI, zero, scratch)
+        return _blocks_range(W, I, bw, h1 - h0, scratch, acc)
+    row = xf[(a * H + h0) * WI:(a * H + h0 + 1) * WI]
+    lov = scratch[1]
+    hiv = scratch[2]
+    for k in range(WI):
+        v = row[k]
+        col[k] = 0
+        col[k] += v  # the reference's order of additions (0 + v: -0.0 sums to +0.0)
+        lov[k] = v
+        hiv[k] = v
+        bad[k] = v - v
+    for h in range(h0 + 1, h1):
+        src = 1 + 2 * ((h - h0 - 1) & 1)
+        dst = 4 - src
+        lo_in = scratch[src]
+        hi_in = scratch[src + 1]
+        lo_out = scratch[dst]
+        hi_out = scratch[dst + 1]
+        row = xf[(a * H + h) * WI:(a * H + h + 1) * WI]
+        for k in range(WI):
+            v = row[k]
+            col[k] += v
+            lo = lo_in[k]
+            hi = hi_in[k]
+            lo_out[k] = v if v < lo else lo
+            hi_out[k] = v if v > hi else hi
+            bad[k] += v - v
+    last = 1 + 2 * ((h1 - h0 - 1) & 1)
+    if last != 1:
+        scratch[1, :] = scratch[3]
+        scratch[2, :] = scratch[4]
+    return _blocks_range(W, I, bw, h1 - h0, scratch, acc)
+
+
+@njit(inline="always", cache=True)
+def _eight_rows_range(rows, WI, zero, scratch):
+    """Column sums (the reference's order, from ``zero``, 0 in the dtype of ``rows``), min,
+    max and non-finite flags of 8 rows of ``WI`` (flat ``rows``) into ``scratch`` rows 0, 1,
+    2 and 5, in one loop: no partial result is stored and reloaded between rows (3.4x faster
+    than row by row at 64 columns)."""
+    col = scratch[0]
+    lov = scratch[1]
+    hiv = scratch[2]
+    bad = scratch[5]
+    r0 = rows[0:WI]
+    r1 = rows[WI:2 * WI]
+    r2 = rows[2 * WI:3 * WI]
+    r3 = rows[3 * WI:4 * WI]
+    r4 = rows[4 * WI:5 * WI]
+    r5 = rows[5 * WI:6 * WI]
+    r6 = rows[6 * WI:7 * WI]
+    r7 = rows[7 * WI:8 * WI]
+    for k in range(WI):
+        v0 = r0[k]
+        v1 = r1[k]
+        v2 = r2[k]
+        v3 = r3[k]
+        v4 = r4[k]
+        v5 = r5[k]
+        v6 = r6[k]
+        v7 = r7[k]
+        col[k] = (((((((zero + v0) + v1) + v2) + v3) + v4) + v5) + v6) + v7
+        a0 = v0 if v0 < v1 else v1
+        a1 = v2 if v2 < v3 else v3
+        a2 = v4 if v4 < v5 else v5
+        a3 = v6 if v6 < v7 else v7
+        a0 = a0 if a0 < a1 else a1
+        a2 = a2 if a2 < a3 else a3
+        lov[k] = a0 if a0 < a2 else a2
+        b0 = v0 if v0 > v1 else v1
+        b1 = v2 if v2 > v3 else v3
+        b2 = v4 if v4 > v5 else v5
+        b3 = v6 if v6 > v7 else v7
+        b0 = b0 if b0 > b1 else b1
+        b2 = b2 if b2 > b3 else b3
+        hiv[k] = b0 if b0 > b2 else b2
+        bad[k] = (((v0 - v0) + (v1 - v1)) + ((v2 - v2) + (v3 - v3))) + (((v4 - v4) + (v5 - v5)) + ((v6 - v6) + (v7 - v7)))
+
+
+@njit(inline="always", cache=True)
+def _blocks_range(W, I, bw, rows, scratch, acc):
+    """From a row-block's column sums, min, max and flags (``scratch`` rows 0, 1, 2, 5):
+    its block means into ``acc`` ``(Wb, I)`` (added in the reference's order, divided in
+    float64, rounded once) and its residual's min, max and finiteness, ``min x - m``,
+    ``max x - m`` per column."""
+    col = scratch[0]
+    lov = scratch[1]
+    hiv = scratch[2]
+    bad = scratch[5]
+    _column_block_means(col, W, I, bw, rows, acc)
+    nan = False
+    lo = np.inf
+    hi = -np.inf
+    for wb in range(acc.shape[0]):
+        w0 = wb * bw
+        w1 = min(w0 + bw, W)
+        for w in range(w0, w1):
+            for i in range(I):
+                k = w * I + i
+                m = acc[wb, i]
+                rlo = lov[k] - m
+                rhi = hiv[k] - m
+                lo = rlo if rlo < lo else lo
+                hi = rhi if rhi > hi else hi
+                nan |= bad[k] != 0
+    return lo, hi, not nan and (lo - lo) == 0 and (hi - hi) == 0
+
+
 @njit(parallel=True, error_model="numpy", cache=True)
 def block_mean_minmax_kernel(x, bh, bw, out, row_stats, out_lo, out_hi, out_ok):
-    """:func:`block_mean_kernel` and :func:`division_minmax_kernel` in one pass: each
-    row-block's residual min/max is taken right after its means, while its rows are in
-    cache (only when the means are stored in the compute dtype, float32/float64 input)."""
+    """:func:`block_mean_kernel` and :func:`division_minmax_kernel` in one pass over ``x``
+    (only when the means are stored in the compute dtype, float32/float64 input): with one
+    range per row-block, from the columns' min and max (:func:`_block_means_range`); with
+    ``row_stats``, each row's residual range right after its block's means, while its rows
+    are in cache."""
     A, H, W, I = x.shape
     Hb = out.shape[1]
     xf = x.reshape(A * H * W * I)
     per, chunks = _task_chunks(A * Hb, bh * W * I)
     for c in prange(chunks):
         scratch = np.empty((6, W * I), x.dtype)
+        zero = np.zeros(1, x.dtype)[0]
         for t in range(c * per, min((c + 1) * per, A * Hb)):
             a = t // Hb
-            _block_means(xf, a, t - a * Hb, H, W, I, bh, bw, scratch[0], out[a, t - a * Hb])
-            _minmax_task(xf, out, a, t - a * Hb, H, W, I, bh, bw, scratch, row_stats, out_lo, out_hi, out_ok)
+            hb = t - a * Hb
+            if row_stats:
+                _block_means(xf, a, hb, H, W, I, bh, bw, scratch[0], out[a, hb])
+                _minmax_task(xf, out, a, hb, H, W, I, bh, bw, scratch, row_stats, out_lo, out_hi, out_ok)
+            else:
+                out_lo[t], out_hi[t], out_ok[t] = _block_means_range(xf, a, hb, H, W, I, bh, bw, zero, scratch,
+                                                                     out[a, hb])
+
+
+@njit(inline="always", cache=True)
+def _row_position(e, WI, H, bh):
+    """Where flat index ``e`` lies in the view ``(A, H, W, I)`` with row-blocks of ``bh``
+    rows: ``(row, a, hb, hr, k)``, the flat row ``a * H + h``, its ``a``, its row-block
+    ``hb``, its row within the block ``hr`` and the offset ``k`` in the row."""
+    row = e // WI
+    a = row // H
+    h = row - a * H
+    hb = h // bh
+    return row, a, hb, h - hb * bh, e - row * WI
+
+
+@njit(inline="always", cache=True)
+def _next_row(row, a, hb, hr, H, bh):
+    """The position of the next row (:func:`_row_position` without its divisions, three
+    64-bit divisions a row cost a fifth of the codes loop on rows of 64) and whether it
+    starts a new row-block."""
+    hr += 1
+    if (hb * bh + hr) == H:  # the next sample's first row
+        return row + 1, a + 1, 0, 0, True
+    if hr == bh:
+        return row + 1, a, hb + 1, 0, True
+    return row + 1, a, hb, hr, False
 
 
 @njit(parallel=True, error_model="numpy", cache=True)
@@ -566,9 +752,10 @@ def division_codes_kernel(xf, lfc, H, W, I, bh, bw, seed, bits, consts, mins, sc
     """Codes ``floor((x - up - m) * s + u)`` (clamped; 0 for NaN stats), packed. One task per
     chunk of :data:`AFFINE_CHUNK` elements (whole bytes of codes): its codes go to a
     chunk-sized scratch in cache and are packed at once; the upsampled means of a row are
-    rebuilt only when the row-block changes. ``consts`` (compute dtype) = [2**bits - 1, 0];
+    rebuilt only when the row-block changes (rows longer than a chunk: the chunk's piece of
+    its row, each time; building the whole row in every chunk, 8 times over for rows of
+    2**17, had cost 22 ns an element). ``consts`` (compute dtype) = [2**bits - 1, 0];
     ``mins``, ``scales`` (compute dtype): one pair for the tensor, or one per row ``(a, h)``."""
-    Hb = lfc.shape[1]
     WI = W * I
     n = xf.shape[0]
     s0 = np.uint64(seed) & _MASK32
@@ -576,28 +763,28 @@ def division_codes_kernel(xf, lfc, H, W, I, bh, bw, seed, bits, consts, mins, sc
     levels = consts[0]
     zero = consts[1]
     per_row = mins.shape[0] > 1
+    wide = WI > AFFINE_CHUNK  # rows longer than a chunk: each chunk upsamples its own piece
     for c in prange((n + AFFINE_CHUNK - 1) // AFFINE_CHUNK):
         e0 = c * AFFINE_CHUNK
         e1 = min(e0 + AFFINE_CHUNK, n)
         sc = np.empty(e1 - e0, np.uint8)
         us = np.empty(e1 - e0, np.float32)
         _noise(e0, us, s0, s1)
-        buf = np.empty(WI, xf.dtype)
-        cur = -1
+        buf = np.empty(min(WI, AFFINE_CHUNK), xf.dtype)
+        row, a, hb, hr, k0 = _row_position(e0, WI, H, bh)
+        if not wide:
+            _upsample(lfc[a, hb], bw, I, 0, WI, buf)
         e = e0
         while e < e1:
-            row = e // WI
-            a = row // H
-            hb = (row - a * H) // bh
-            if a * Hb + hb != cur:
-                cur = a * Hb + hb
-                _upsample_row(lfc[a, hb], bw, W, I, buf)
-            k0 = e - row * WI
             L = min(WI - k0, e1 - e)  # this row's elements in the chunk
             m = mins[row] if per_row else mins[0]
             s = scales[row] if per_row else scales[0]
             xs = xf[e:e + L]
-            bs = buf[k0:k0 + L]
+            if wide:  # only this chunk's piece of the row
+                _upsample(lfc[a, hb], bw, I, k0, L, buf)
+                bs = buf[0:L]
+            else:
+                bs = buf[k0:k0 + L]
             cs = sc[e - e0:e - e0 + L]
             u = us[e - e0:e - e0 + L]
             for j in range(L):
@@ -605,6 +792,10 @@ def division_codes_kernel(xf, lfc, H, W, I, bh, bw, seed, bits, consts, mins, sc
                 qf = qf if qf == qf else zero
                 cs[j] = np.uint8(min(max(qf, zero), levels))
             e += L
+            row, a, hb, hr, new_block = _next_row(row, a, hb, hr, H, bh)
+            k0 = 0
+            if new_block and e < e1 and not wide:
+                _upsample(lfc[a, hb], bw, I, 0, WI, buf)
         o0 = e0 * bits // 8
         pack_codes(sc, out_packed[o0:o0 + ((e1 - e0) * bits + 7) // 8], bits)
 
@@ -614,32 +805,35 @@ def division_decode_kernel(packed, lfc, H, W, I, bh, bw, bits, mins, scales, out
     """``out = up + (m + q / s)`` (flat, compute dtype); one task per chunk of
     :data:`AFFINE_CHUNK` elements, unpacked into a chunk-sized scratch; ``mins``, ``scales``:
     one pair for the tensor, or one per row ``(a, h)``."""
-    Hb = lfc.shape[1]
     WI = W * I
     n = out.shape[0]
     per_row = mins.shape[0] > 1
+    wide = WI > AFFINE_CHUNK  # rows longer than a chunk: each chunk upsamples its own piece
     for c in prange((n + AFFINE_CHUNK - 1) // AFFINE_CHUNK):
         e0 = c * AFFINE_CHUNK
         e1 = min(e0 + AFFINE_CHUNK, n)
         sc = np.empty(e1 - e0, np.uint8)
         unpack_codes(packed[e0 * bits // 8:], sc, bits)
-        buf = np.empty(WI, out.dtype)
-        cur = -1
+        buf = np.empty(min(WI, AFFINE_CHUNK), out.dtype)
+        row, a, hb, hr, k0 = _row_position(e0, WI, H, bh)
+        if not wide:
+            _upsample(lfc[a, hb], bw, I, 0, WI, buf)
         e = e0
         while e < e1:
-            row = e // WI
-            a = row // H
-            hb = (row - a * H) // bh
-            if a * Hb + hb != cur:
-                cur = a * Hb + hb
-                _upsample_row(lfc[a, hb], bw, W, I, buf)
-            k0 = e - row * WI
             L = min(WI - k0, e1 - e)
             m = mins[row] if per_row else mins[0]
             s = scales[row] if per_row else scales[0]
             ys = out[e:e + L]
-            bs = buf[k0:k0 + L]
+            if wide:  # only this chunk's piece of the row
+                _upsample(lfc[a, hb], bw, I, k0, L, buf)
+                bs = buf[0:L]
+            else:
+                bs = buf[k0:k0 + L]
             cs = sc[e - e0:e - e0 + L]
             for j in range(L):
                 ys[j] = bs[j] + (m + np.float32(cs[j]) / s)
             e += L
+            row, a, hb, hr, new_block = _next_row(row, a, hb, hr, H, bh)
+            k0 = 0
+            if new_block and e < e1 and not wide:
+                _upsample(lfc[a, hb], bw, I, 0, WI, buf)

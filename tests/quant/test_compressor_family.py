@@ -79,17 +79,49 @@ def test_kernels_equal_the_reference_bit_for_bit(name, dtype):
 
 
 @pytest.mark.parametrize("bits", [1, 2, 4, 8])
-@pytest.mark.parametrize("shape", [(2, 3, 100, 97), (3, 1000, 37), (7, 5000)], ids=str)
+@pytest.mark.parametrize("shape", [(2, 3, 100, 97), (3, 1000, 37), (7, 5000), (1, 2, 12, 20001), (11, 20001)],
+                         ids=str)
 def test_division_kernels_bit_exact_across_chunks(shape, bits):
     """The CPU kernels work in chunks of AFFINE_CHUNK elements that start mid-row and
-    mid-block (rows of 97 and 37 elements, a row-block across a chunk boundary): codes,
-    stats, block means and the decompression equal the reference's bit for bit."""
+    mid-block (rows of 97 and 37 elements, a row-block across a chunk boundary; rows of
+    20001, longer than a chunk, whose pieces each chunk upsamples alone): codes, stats,
+    block means and the decompression equal the reference's bit for bit."""
     comp = get_compressor("division", bits=bits)
     x = torch.randn(shape, generator=gen(3))
     x.view(-1)[12345] = 40.0  # an outlier, so the residual's range is set by one element
     a = comp.compress(x, generator=gen(9))
     b = comp.compress_reference(x, generator=gen(9))
     assert torch.equal(a.lfc, b.lfc)
+    assert torch.equal(a.hfc.packed, b.hfc.packed)
+    assert same(a.hfc.mins, b.hfc.mins) and same(a.hfc.scales, b.hfc.scales)
+    assert same(a.decompress(), b.decompress())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("case", ["nan", "inf", "negzero", "overflow", "constant"])
+def test_division_conv_map_ranges_equal_the_reference_at_the_edges(case, dtype):
+    """Conv maps take the residual's range from the columns' min and max beside the block
+    sums (8-row blocks in one loop, a partial block of 3 rows row by row): block means,
+    codes and stats equal the reference's bit for bit where a value is NaN or infinite, a
+    block is all -0.0, a block's sum overflows, or a block is constant."""
+    g = gen(5)
+    x = torch.randn(2, 3, 19, 24, generator=g, dtype=torch.float64).to(dtype)  # 19 = 2 * 8 + 3 rows
+    if case == "nan":
+        x[1, 2, 9, 5] = float("nan")
+    elif case == "inf":
+        x[0, 1, 17, 3] = -float("inf")
+    elif case == "negzero":
+        x[0, 0, :8, :8] = -0.0
+        x[1, 1, 16:, 8:] = -0.0
+    elif case == "overflow":
+        x[0, 2, :8, :8] = torch.finfo(dtype).max / 2
+    else:
+        x[:, :, :16] = 1.5
+    comp = Division()
+    a = comp.compress(x, generator=gen(9))
+    b = comp.compress_reference(x, generator=gen(9))
+    assert torch.equal(a.lfc.view(-1).view(torch.int32 if dtype == torch.float32 else torch.int64),
+                       b.lfc.view(-1).view(torch.int32 if dtype == torch.float32 else torch.int64))
     assert torch.equal(a.hfc.packed, b.hfc.packed)
     assert same(a.hfc.mins, b.hfc.mins) and same(a.hfc.scales, b.hfc.scales)
     assert same(a.decompress(), b.decompress())
