@@ -275,6 +275,14 @@ class ActivationCompressor:
         To keep the global stream untouched, pass a ``generator`` (seeded by you) and
         reuse it across steps.
 
+    In-place changes. A tensor kept as it is (a parameter, a small, integer or ``keep``
+        tensor) is checked when backward reads it, as torch checks saved tensors without
+        hooks: if it was changed in place after the forward saved it (an optimizer step
+        before ``backward``), backward raises torch's ``RuntimeError`` ("... modified by an
+        inplace operation"), never computes a gradient from the changed values. A
+        compressed copy holds the values as saved, so backward gives the gradient of the
+        forward that ran (:mod:`fewbit._saved`).
+
     Passes. The tensors of one *pass* (one forward) are numbered in save order, which
     per-tensor policies key on: :meth:`step` starts a pass. ``fewbit.convert_`` calls it
     in a forward pre-hook of the converted model; used directly, every outermost ``with``
