@@ -392,7 +392,7 @@ def _column_block_means(col, W, I, bw, rows, acc):
     ``rows`` rows), added in the reference's order from 0, divided by the count in float64
     and rounded once to the dtype of ``acc``. The sum runs in a local, not in ``acc``: an
     update of ``acc`` in place is a store and a reload per column (it may alias ``col``),
-    which made this tail cost 4x the row sums before it on conv maps). With channels
+    which made this tail cost 4x the row sums before it on conv maps. With channels
     (``I > 1``, token sequences) the loops along ``i`` vectorise instead."""
     for wb in range(acc.shape[0]):
         w0 = wb * bw
