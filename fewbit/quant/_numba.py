@@ -605,8 +605,7 @@ def _block_means_range(xf, a, hb, H, W, I, bh, bw, zero, scratch, acc):
     hiv = scratch[2]
     for k in range(WI):
         v = row[k]
-        col[k] = 0
-        col[k] += v  # the reference's order of additions (0 + v: -0.0 sums to +0.0)
+        col[k] = zero + v  # the reference's order of additions (0 + v: -0.0 sums to +0.0)
         lov[k] = v
         hiv[k] = v
         bad[k] = v - v
@@ -757,6 +756,24 @@ def _next_row(row, a, hb, hr, H, bh):
     return row + 1, a, hb, hr, False
 
 
+@njit(inline="always", cache=True)
+def _up_row(lfc_row, bw, I, WI, buf, wide):
+    """The codes and decode kernels' row buffer at a new row-block: its whole upsampled row,
+    or nothing for rows longer than a chunk (``wide``: :func:`_up_piece` builds each piece)."""
+    if not wide:
+        _upsample(lfc_row, bw, I, 0, WI, buf)
+
+
+@njit(inline="always", cache=True)
+def _up_piece(lfc_row, bw, I, k0, L, buf, wide):
+    """The upsampled means of elements ``k0 .. k0 + L`` of the current row: a slice of the
+    row buffer, or (``wide``) that piece alone, built now into its start."""
+    if wide:
+        _upsample(lfc_row, bw, I, k0, L, buf)
+        return buf[0:L]
+    return buf[k0:k0 + L]
+
+
 @njit(parallel=True, error_model="numpy", cache=True)
 def division_codes_kernel(xf, lfc, H, W, I, bh, bw, seed, bits, consts, mins, scales, out_packed):
     """Codes ``floor((x - up - m) * s + u)`` (clamped; 0 for NaN stats), packed. One task per
@@ -782,19 +799,14 @@ def division_codes_kernel(xf, lfc, H, W, I, bh, bw, seed, bits, consts, mins, sc
         _noise(e0, us, s0, s1)
         buf = np.empty(min(WI, AFFINE_CHUNK), xf.dtype)
         row, a, hb, hr, k0 = _row_position(e0, WI, H, bh)
-        if not wide:
-            _upsample(lfc[a, hb], bw, I, 0, WI, buf)
+        _up_row(lfc[a, hb], bw, I, WI, buf, wide)
         e = e0
         while e < e1:
             L = min(WI - k0, e1 - e)  # this row's elements in the chunk
             m = mins[row] if per_row else mins[0]
             s = scales[row] if per_row else scales[0]
             xs = xf[e:e + L]
-            if wide:  # only this chunk's piece of the row
-                _upsample(lfc[a, hb], bw, I, k0, L, buf)
-                bs = buf[0:L]
-            else:
-                bs = buf[k0:k0 + L]
+            bs = _up_piece(lfc[a, hb], bw, I, k0, L, buf, wide)
             cs = sc[e - e0:e - e0 + L]
             u = us[e - e0:e - e0 + L]
             for j in range(L):
@@ -804,8 +816,8 @@ def division_codes_kernel(xf, lfc, H, W, I, bh, bw, seed, bits, consts, mins, sc
             e += L
             row, a, hb, hr, new_block = _next_row(row, a, hb, hr, H, bh)
             k0 = 0
-            if new_block and e < e1 and not wide:
-                _upsample(lfc[a, hb], bw, I, 0, WI, buf)
+            if new_block and e < e1:
+                _up_row(lfc[a, hb], bw, I, WI, buf, wide)
         o0 = e0 * bits // 8
         pack_codes(sc, out_packed[o0:o0 + ((e1 - e0) * bits + 7) // 8], bits)
 
@@ -826,24 +838,19 @@ def division_decode_kernel(packed, lfc, H, W, I, bh, bw, bits, mins, scales, out
         unpack_codes(packed[e0 * bits // 8:], sc, bits)
         buf = np.empty(min(WI, AFFINE_CHUNK), out.dtype)
         row, a, hb, hr, k0 = _row_position(e0, WI, H, bh)
-        if not wide:
-            _upsample(lfc[a, hb], bw, I, 0, WI, buf)
+        _up_row(lfc[a, hb], bw, I, WI, buf, wide)
         e = e0
         while e < e1:
             L = min(WI - k0, e1 - e)
             m = mins[row] if per_row else mins[0]
             s = scales[row] if per_row else scales[0]
             ys = out[e:e + L]
-            if wide:  # only this chunk's piece of the row
-                _upsample(lfc[a, hb], bw, I, k0, L, buf)
-                bs = buf[0:L]
-            else:
-                bs = buf[k0:k0 + L]
+            bs = _up_piece(lfc[a, hb], bw, I, k0, L, buf, wide)
             cs = sc[e - e0:e - e0 + L]
             for j in range(L):
                 ys[j] = bs[j] + (m + np.float32(cs[j]) / s)
             e += L
             row, a, hb, hr, new_block = _next_row(row, a, hb, hr, H, bh)
             k0 = 0
-            if new_block and e < e1 and not wide:
-                _upsample(lfc[a, hb], bw, I, 0, WI, buf)
+            if new_block and e < e1:
+                _up_row(lfc[a, hb], bw, I, WI, buf, wide)
