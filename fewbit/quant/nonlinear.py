@@ -136,6 +136,13 @@ def _instance_norm_size(args, kwargs):
     return _norm_rows.instance_norm(tuple(args[0].shape))
 
 
+def _batch_norm_size(args, kwargs):
+    # F.batch_norm(input, running_mean, running_var, weight, bias, training, ...): on batch
+    # statistics, one channel plane (fewbit.convert.normalization_size says why)
+    training = args[5] if len(args) > 5 else kwargs.get("training", False)
+    return _norm_rows.instance_norm(tuple(args[0].shape)) if training is True else None
+
+
 #: normalization functions -> ``(args, kwargs) -> elements per normalized row`` of their
 #: input (contiguous in C order), as :func:`fewbit.convert.normalization_size` for modules.
 NORMS: dict[Callable, Callable] = {
@@ -144,6 +151,7 @@ NORMS: dict[Callable, Callable] = {
         (getattr(F, "rms_norm", None), _layer_norm_size),
         (F.group_norm, _group_norm_size),
         (F.instance_norm, _instance_norm_size),
+        (F.batch_norm, _batch_norm_size),
     ) if f is not None
 }
 

@@ -54,11 +54,11 @@ class SavedTensorInfo:
             e.g. eager attention's probabilities; tanh; sigmoid), which the compressor
             takes at 8 bits (softmax: in rows) whatever the policy chooses, unless it
             keeps it exact; else None.
-        norm_size: inside a per-sample normalization layer, the elements of ``x`` (in C
-            order) that share one mean/variance, a contiguous run
+        norm_size: inside a normalization layer whose backward is not linear in ``x``,
+            the elements of ``x`` (in C order) that share one mean/variance, a contiguous run
             (:func:`fewbit.convert.normalization_size`: LayerNorm's ``normalized_shape``,
-            InstanceNorm's channel plane, ...); for a softmax or log-softmax ``"result"``
-            over the last dim, its row length; else None (BatchNorm included). The
+            InstanceNorm's channel plane, a training BatchNorm's channel plane, ...); for a
+            softmax or log-softmax ``"result"`` over the last dim, its row length; else None. The
             compressor the policy chooses for such a tensor is replaced by its
             :meth:`~fewbit.quant.compressors.Compressor.within` ``(norm_size)``: statistics
             inside each row.
