@@ -490,6 +490,9 @@ class _Group(click.Group):
             return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         try:
             rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except click.exceptions.NoArgsIsHelpError as exc:  # `fewbit` alone: click's help, as it prints it
+            exc.show()
+            sys.exit(exc.exit_code)
         except click.UsageError as exc:
             hint = f" (see '{exc.ctx.command_path} --help')" if exc.ctx is not None else ""
             click.echo(f"Error: {_one_line_text(exc.format_message())}{hint}", err=True)
@@ -601,6 +604,11 @@ def error_cmd(names, bits, domain, params, as_json, refit, weight, grid, symmetr
     \f
     The error is docs/method.md §3.
     """
+    if not refit:
+        given = [o for o, v in (("--weight", weight != "uniform"), ("--grid", grid is not None),
+                                ("--symmetric/--no-symmetric", symmetric is not None)) if v]
+        if given:
+            raise click.UsageError(f"{', '.join(given)} only apply with --refit (the fit options of new tables)")
     asked_bits, bits = bits, bits or DEFAULT_BITS
     results: dict[str, dict[int, float | None]] = {}
     missing: list[str] = []

@@ -140,8 +140,8 @@ class Config:
             ``saved_bits``-bit residual; 1-D tensors get the group quantizer at
             ``saved_bits``) or ``"adacc"`` (Adacc's layer-specific choice:
             outlier-separated for linear/norm inputs, channel-wise for q/k/v, softmax for
-            attention probabilities; :class:`fewbit.quant.policies.AdaccPolicy`). With
-            ``saved_bits="auto"`` only ``"group"``.
+            attention probabilities; :class:`fewbit.quant.policies.AdaccPolicy`; saved_bits
+            2, 4 or 8). With ``saved_bits="auto"`` only ``"group"``.
         adapt_interval: ``saved_bits="auto"``: the longest gap, in steps (``adapt``
             calls), between two GACT re-plans, >= 1 (default 1000); re-plans come at calls
             1, 2, 4, 8, ... until the gap reaches it.
@@ -196,6 +196,9 @@ class Config:
                 )
         if self.compressor not in COMPRESSOR_CHOICES:
             raise ValueError(f"compressor must be one of {COMPRESSOR_CHOICES}, got {self.compressor!r}")
+        if self.compressor == "adacc" and self.saved_bits == 1:  # its q/k/v quantizer is symmetric: 2, 4, 8
+            raise ValueError("saved_bits must be one of (2, 4, 8) with compressor='adacc' (its channel-wise "
+                             "quantizer of values is symmetric), got 1")
         object.__setattr__(self, "adapt_interval", check_positive_int(self.adapt_interval, "adapt_interval"))
         check_noise_norm(self.noise_norm)
         object.__setattr__(self, "group_size", check_positive_int(self.group_size, "group_size"))

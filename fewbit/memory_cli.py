@@ -66,7 +66,13 @@ def _model_setup(key: str, layers: int | None, hidden: int | None, seq_len: int,
     try:
         dev = torch.device(device)
     except RuntimeError:
-        _fail(f"--device must be a torch device such as cpu or cuda, got {device!r}")
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):  # meta, mps, xla, ...: no step to measure there
+        _fail(f"--device must be cpu or cuda[:N], got {device!r}")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        _fail(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) here")
+    if key in ("llama", "phi3") and hidden is not None and hidden % 2:
+        _fail(f"--hidden must be even for {key} (its rotary positions need an even head size), got {hidden}")
 
     import transformers
     from transformers.utils import logging as hf_logging
@@ -96,7 +102,8 @@ def _make_config(name: str, layers: int | None, hidden: int | None):
             cfg.num_decoder_layers = layers
     if hidden is not None:
         heads = max(1, hidden // 64)
-        while hidden % heads:
+        rotary = name in ("llama", "phi3")  # an even head size (rotary positions), found for an even hidden
+        while hidden % heads or (rotary and (hidden // heads) % 2 and heads > 1):
             heads -= 1
         cfg.hidden_size = hidden
         cfg.num_attention_heads = heads
@@ -125,6 +132,36 @@ def _seq_tokens(cfg, kind: str, seq_len: int) -> int:
     if kind == "image":
         return (cfg.image_size // cfg.patch_size) ** 2 + 1
     return seq_len
+
+
+def _count_parameters(key: str, cfg, model_cls) -> int:
+    """Parameters of ``model_cls(cfg)``, counted on meta models of one and two layers and
+    extrapolated (the count is affine in the number of layers), so that a huge ``--layers``
+    is refused at once instead of building its meta model first."""
+    import torch
+
+    layers = int(cfg.num_hidden_layers)
+    counts = []
+    for n in (1, 2) if layers > 2 else (layers,):
+        c = copy.deepcopy(cfg)
+        c.num_hidden_layers = n
+        if key == "t5":
+            c.num_decoder_layers = n
+        with torch.device("meta"):
+            counts.append(sum(p.numel() for p in model_cls(c).parameters()))
+    return counts[0] if len(counts) == 1 else counts[0] + (layers - 1) * (counts[1] - counts[0])
+
+
+def _check_fits(key: str, cfg, model_cls, batch: int, seq: int, device: str) -> int:
+    """The model's parameter count; a one-line error if one training step would need
+    more than 80% of the device's free memory (:func:`_estimate_bytes`)."""
+    n_params = _count_parameters(key, cfg, model_cls)
+    need = _estimate_bytes(key, cfg, n_params, batch, seq)
+    avail = _available_bytes(device)
+    if avail is not None and need > 0.8 * avail:
+        _fail(f"{key} with batch {batch} and {seq} tokens needs about {need / _GIB:.1f} GiB, "
+              f"only {avail / _GIB:.1f} GiB available; lower --seq-len/--batch or use --layers/--hidden")
+    return n_params
 
 
 def _estimate_bytes(name: str, cfg, n_params: int, batch: int, seq: int) -> int:
@@ -325,17 +362,18 @@ def memory(model_name, seq_len, batch, bits, saved_bits, average_bits, compresso
 
     import torch
 
+    import fewbit
+
+    try:  # the combination, before any progress bar (e.g. compressor adacc refuses 1 bit)
+        fewbit.Config(activation_bits=bits, saved_bits=saved_bits, average_bits=average_bits,
+                      compressor=compressor, group_size=group_size, fused_cross_entropy=fused_cross_entropy)
+    except ValueError as exc:
+        _fail(f"{exc} (--saved-bits, --average-bits, --compressor, --group-size)")
     dev, spec, cfg, seq, model_cls = _model_setup(key, layers, hidden, seq_len, device)
 
     from fewbit import memory as fm
 
-    with torch.device("meta"):
-        n_params = sum(p.numel() for p in model_cls(cfg).parameters())
-    need = _estimate_bytes(key, cfg, n_params, batch, seq)
-    avail = _available_bytes(device)
-    if avail is not None and need > 0.8 * avail:
-        _fail(f"{key} with batch {batch} and {seq} tokens needs about {need / _GIB:.1f} GiB, "
-              f"only {avail / _GIB:.1f} GiB available; lower --seq-len/--batch or use --layers/--hidden")
+    n_params = _check_fits(key, cfg, model_cls, batch, seq, device)
 
     from tqdm import tqdm
 

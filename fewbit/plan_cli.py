@@ -16,7 +16,7 @@ from pathlib import Path
 
 import click
 
-from fewbit.memory_cli import MODELS, _fail, _inputs, _model_setup, _positive
+from fewbit.memory_cli import MODELS, _check_fits, _fail, _inputs, _model_setup, _positive
 
 __all__ = ["plan"]
 
@@ -76,13 +76,19 @@ def plan(model_name, budget, seq_len, batch, layers, hidden, device, optimizer, 
     key = model_name.lower()
     if key not in MODELS:
         _fail(f"unknown model {model_name!r}; supported: {', '.join(MODELS)}")
-    if output is not None and output.exists():
-        _fail(f"--output {output} exists; not overwriting it")
+    if output is not None:
+        if output.exists():
+            _fail(f"--output {output} exists; not overwriting it")
+        from fewbit.cli import _check_writable
+
+        _check_writable(output, force=True)  # before the profile and the solve, not after
     from fewbit import planner  # imports torch
 
     try:
         parsed = planner.parse_budget(budget, "--budget")
         opts = None if options is None else [o.strip() for o in options.split(",") if o.strip()]
+        if opts is not None and not opts:
+            _fail(f"--options must name at least one option, got {options!r}")
         if opts is not None:
             for o in opts:
                 planner.get_option(o)
@@ -93,7 +99,8 @@ def plan(model_name, budget, seq_len, batch, layers, hidden, device, optimizer, 
 
     import fewbit
 
-    dev, _, cfg, _, model_cls = _model_setup(key, layers, hidden, seq_len, device)  # as `fewbit memory`
+    dev, spec, cfg, seq, model_cls = _model_setup(key, layers, hidden, seq_len, device)  # as `fewbit memory`
+    _check_fits(key, cfg, model_cls, batch, seq, device)
     torch.manual_seed(0)
     model = model_cls(cfg).to(dev)
     model.train()

@@ -16,12 +16,12 @@ Public API:
 from __future__ import annotations
 
 from . import registry, weights
-from .fit import DEFAULT_DOMAIN, DEFAULT_GRID, approximation_error, fit, fit_many
+from .fit import DEFAULT_DOMAIN, DEFAULT_GRID, MAX_GRID, approximation_error, fit, fit_many
 from .registry import get, names
 
 __all__ = [
     # fitting
-    "fit", "fit_many", "approximation_error", "DEFAULT_GRID", "DEFAULT_DOMAIN",
+    "fit", "fit_many", "approximation_error", "DEFAULT_GRID", "MAX_GRID", "DEFAULT_DOMAIN",
     # functions and weights
     "registry", "get", "names", "weights",
 ]

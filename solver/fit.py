@@ -19,10 +19,13 @@ from . import registry as _registry
 from . import weights as _weights
 from .objective import Objective, table_error
 
-__all__ = ["fit", "fit_many", "approximation_error", "DEFAULT_GRID", "DEFAULT_DOMAIN"]
+__all__ = ["fit", "fit_many", "approximation_error", "DEFAULT_GRID", "MAX_GRID", "DEFAULT_DOMAIN"]
 
 #: Default number of DP grid cells on the fitted interval (``[A, B]``, or ``[0, B]`` when mirrored).
 DEFAULT_GRID = 8000
+#: Largest accepted ``grid``: the DP takes O(grid² · 2**bits) time (the default grid fits
+#: in seconds; this one takes about 600 times longer) and O(grid · 2**bits) memory.
+MAX_GRID = 200_000
 DEFAULT_DOMAIN = (-10.0, 10.0)
 
 
@@ -33,6 +36,8 @@ def _check_domain(domain) -> tuple[float, float]:
         raise ValueError(f"domain must be a pair (A, B) of finite numbers with A < B, got {domain!r}") from None
     if not (math.isfinite(A) and math.isfinite(B) and A < B):
         raise ValueError(f"domain must be a pair (A, B) of finite numbers with A < B, got {domain!r}")
+    if not math.isfinite(B - A):
+        raise ValueError(f"domain width B - A must be a finite float64, got {domain!r}")
     return A, B
 
 
@@ -91,6 +96,8 @@ def _prepare(fn, bits_list, domain, weight, grid, symmetric, params):
     k_max = max(1 << b for b in bits_list)
     if grid < k_max:
         raise ValueError(f"grid must be at least 2**bits = {k_max} cells, got {grid}")
+    if grid > MAX_GRID:
+        raise ValueError(f"grid must be at most {MAX_GRID} cells (the DP takes O(grid**2 * 2**bits) time), got {grid}")
     if symmetric not in (None, True, False):
         raise ValueError(f"symmetric must be None, True or False, got {symmetric!r}")
     straddles = A < 0.0 < B
@@ -251,7 +258,7 @@ def fit(
         weight: ``"uniform"``, ``"normal:SIGMA"``, or a :class:`fewbit.solver.weights.Weight`
             (e.g. :func:`fewbit.solver.weights.histogram`).
         grid: DP grid cells on the fitted interval (default :data:`DEFAULT_GRID` = 8000);
-            at least ``2**bits``. Time is O(grid^2 * 2**bits).
+            at least ``2**bits``, at most :data:`MAX_GRID` (200000). Time is O(grid^2 * 2**bits).
         symmetric: ``None`` mirrors when ``f'`` is even (registry flag) and ``A < 0 < B``;
             ``True`` forces it (``ValueError`` if ``f'`` is not even); ``False`` never.
         params: the function's parameters, merged over its defaults.

@@ -331,6 +331,40 @@ def test_refit_grid_too_small():
     assert_one_line_error(r, "2**bits = 8")
 
 
+@pytest.mark.parametrize("cmd", [["fit", "gelu", "-o", "o.json"], ["error", "gelu", "--refit"]])
+def test_grid_too_large_is_refused_before_any_allocation(cmd, tmp_path):
+    """A grid of 1e11 cells once reached numpy (a 745 GiB ``linspace``) and printed its
+    traceback; the DP's O(grid**2) time caps it (fewbit.solver.MAX_GRID)."""
+    from fewbit.solver import MAX_GRID
+
+    cmd = [str(tmp_path / c) if c.endswith(".json") else c for c in cmd]
+    assert_one_line_error(run(*cmd, "--grid", "100000000000", "--no-progress"), f"at most {MAX_GRID}",
+                          "100000000000")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_domain_whose_width_overflows_is_one_line(tmp_path):
+    r = run("fit", "gelu", "--domain", "-1e308", "1e308", "--grid", "300", "-o", tmp_path / "o.json")
+    assert_one_line_error(r, "width", "finite")
+    assert "RuntimeWarning" not in r.output
+
+
+def test_error_refuses_fit_options_without_refit():
+    """``fewbit error gelu --grid 5`` printed the shipped table's error as if the options
+    had been used."""
+    for args, needle in ((["--grid", "5"], "--grid"), (["--symmetric"], "--symmetric"),
+                         (["--weight", "normal:0.1"], "--weight")):
+        assert_one_line_error(run("error", "gelu", "--bits", "4", *args), needle, "only apply with --refit")
+    assert run("error", "gelu", "--bits", "4", "--weight", "uniform").exit_code == 0
+
+
+def test_no_arguments_prints_the_help():
+    """``fewbit`` alone printed the whole help folded into one ``Error:`` line."""
+    r = run()
+    assert "Error" not in r.output
+    assert r.output.startswith("Usage: fewbit") and "Commands:" in r.output and len(r.output.splitlines()) > 8
+
+
 @pytest.mark.parametrize("source, attr, needle", [
     ("raise RuntimeError('broken module')\n", "f", "cannot import module"),
     ("import torch\nnot_callable = 3\n", "not_callable", "not callable"),

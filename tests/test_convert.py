@@ -757,6 +757,8 @@ def test_transformers_unsupported_listed(name):
     ({"saved_bits": "auto", "average_bits": 2, "compressor": "division"}, "compressor must be 'group'"),
     ({"saved_bits": 4, "adapt_interval": 0}, "adapt_interval"),
     ({"saved_bits": "auto", "average_bits": 2, "noise_norm": "l2"}, "noise_norm"),
+    # accepted once, then the first forward failed inside the q/k/v quantizer
+    ({"saved_bits": 1, "compressor": "adacc"}, "saved_bits must be one of \\(2, 4, 8\\) with compressor='adacc'"),
 ])
 def test_config_compression_policy_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):

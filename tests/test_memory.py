@@ -215,6 +215,14 @@ def test_cli_table_vit():
      "--fused-cross-entropy needs a causal LM (gpt2, opt, llama, phi3, bloom), got bert"),
     (["--model", "bert", "--seq-len", "100000"], "--seq-len must be <= 512 for bert, got 100000"),
     (["--model", "llama", "--batch", "64", "--seq-len", "2048"], "GiB available"),
+    # once tracebacks: a device with no training step to measure, an odd head size for
+    # rotary positions; a huge --layers built its meta model for minutes first
+    (["--model", "gpt2", "--device", "meta"], "--device must be cpu or cuda[:N], got 'meta'"),
+    (["--model", "gpt2", "--device", "mps"], "--device must be cpu or cuda[:N], got 'mps'"),
+    (["--model", "llama", "--hidden", "65", "--layers", "1"], "--hidden must be even for llama"),
+    (["--model", "gpt2", "--layers", "100000000", "--hidden", "64", "--seq-len", "8"], "GiB available"),
+    (["--model", "gpt2", "--layers", "1", "--hidden", "32", "--seq-len", "8", "--compressor", "adacc",
+      "--saved-bits", "1"], "saved_bits must be one of (2, 4, 8) with compressor='adacc'"),
 ])
 def test_cli_errors_are_one_line(args, match):
     r = _run(args)
@@ -222,6 +230,27 @@ def test_cli_errors_are_one_line(args, match):
     assert match in r.output
     assert "Traceback" not in r.output
     assert len(r.output.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("model", sorted(memory_cli.MODELS))
+def test_parameter_count_from_two_small_models_is_exact(model):
+    """The size check counts parameters on models of 1 and 2 layers and extrapolates (so a
+    huge --layers is refused at once): the count equals the full model's."""
+    import torch
+    import transformers
+
+    cls = getattr(transformers, memory_cli.MODELS[model].model)
+    for layers, hidden in ((None, None), (3, 64)):
+        cfg = memory_cli._make_config(model, layers, hidden)
+        with torch.device("meta"):
+            direct = sum(p.numel() for p in cls(cfg).parameters())
+        assert memory_cli._count_parameters(model, cfg, cls) == direct
+
+
+def test_llama_head_size_is_even_for_rotary_positions():
+    for hidden in (66, 96, 130, 2):
+        cfg = memory_cli._make_config("llama", 1, hidden)
+        assert cfg.head_dim % 2 == 0 and cfg.head_dim * cfg.num_attention_heads == hidden
 
 
 @pytest.mark.parametrize("model", sorted(memory_cli.MODELS))

@@ -44,6 +44,9 @@ def test_plan_cli_infeasible_budget_is_one_line():
     (("--model", "gpt2", "--budget", "lots"), ("--budget", "'lots'")),
     (("--model", "gpt2", "--budget", "1GiB", "--options", "keep,zip"), ("--options", "'zip'")),
     (("--model", "gpt2", "--budget", "1GiB", "--device", "nonsense"), ("--device",)),
+    (("--model", "gpt2", "--budget", "1GiB", "--device", "meta"), ("--device", "'meta'")),
+    (("--model", "gpt2", "--budget", "1GiB", "--options", ","), ("--options", "at least one")),
+    (("--model", "gpt2", "--budget", "1GiB", "--layers", "100000000"), ("GiB available",)),
 ])
 def test_plan_cli_argument_errors(args, needles):
     assert_one_line_error(run("plan", *args), *needles)
@@ -64,3 +67,10 @@ def test_memory_and_plan_share_the_model_checks(args):
     a = assert_one_line_error(run("memory", *args))
     b = assert_one_line_error(run("plan", *args, "--budget", "1GiB"))
     assert a == b
+
+
+def test_plan_cli_unwritable_output_fails_before_profiling(tmp_path):
+    """An --output in a missing directory failed only after the profile and the solve."""
+    r = run("plan", *TINY, "--budget", "100%", "--output", tmp_path / "nodir" / "p.json")
+    assert_one_line_error(r, "nodir", "does not exist")
+    assert "fewbit plan: budget" not in r.output
