@@ -141,7 +141,7 @@ def check_variant(variant: str) -> str:
     return variant
 
 
-def apply_variant(model: nn.Module, variant: str) -> StepContext:
+def apply_variant(model: nn.Module, variant: str, *, group_size: int = 256) -> StepContext:
     """Convert ``model`` in place for ``variant``; return a factory of the per-step context.
 
     ``fewbitB``: ``fewbit.convert_(model, Config(activation_bits=B))``; ``fewbit3+quantQ``:
@@ -152,6 +152,9 @@ def apply_variant(model: nn.Module, variant: str) -> StepContext:
     :class:`QuantizedSavedActivation` (inputs kept at 2 bits). The returned context (entered around each
     forward) is currently a no-op for every variant.
 
+    ``group_size`` goes to ``Config(group_size=...)`` (and to the actnn2 wrappers): the
+    group quantizer's elements per (min, scale) pair; variants without one ignore it.
+
     Raises:
         ValueError: for an unknown variant.
         RuntimeError: if a fewbit variant finds no activation to convert.
@@ -161,32 +164,34 @@ def apply_variant(model: nn.Module, variant: str) -> StepContext:
     if variant == "vanilla":
         return null
     if variant == "actnn2":
-        n = _replace_activations(model, lambda m: QuantizedSavedActivation(m, bits=2))
+        n = _replace_activations(model, lambda m: QuantizedSavedActivation(m, bits=2, group_size=group_size))
         if n == 0:
             raise RuntimeError("actnn2: the model has no activation module")
         return null
     import fewbit
 
     if variant in _POLICY_VARIANTS:
-        fewbit.convert_(model, fewbit.Config(activation_bits=3, **_POLICY_VARIANTS[variant]))
+        fewbit.convert_(model, fewbit.Config(activation_bits=3, group_size=group_size, **_POLICY_VARIANTS[variant]))
         return null
     bits = int(variant[len("fewbit")])
     saved_bits = int(variant[-1]) if "+quant" in variant else None
-    summary = fewbit.convert_(model, fewbit.Config(activation_bits=bits, saved_bits=saved_bits))
+    summary = fewbit.convert_(model, fewbit.Config(activation_bits=bits, saved_bits=saved_bits, group_size=group_size))
     if not summary.replaced:
         raise RuntimeError(f"{variant}: fewbit.convert_ replaced no activation")
     return null
 
 
 def prepare_model(
-    variant: str, seed: int, build_model: Callable[[], nn.Module], device: str | torch.device = "cpu"
+    variant: str, seed: int, build_model: Callable[[], nn.Module], device: str | torch.device = "cpu",
+    *, group_size: int = 256,
 ) -> tuple[nn.Module, StepContext]:
     """Seed torch's generator with ``seed``, build the model on ``device`` and convert it
-    for ``variant``; return the model and its per-step context (see :func:`apply_variant`)."""
+    for ``variant`` (with ``group_size``); return the model and its per-step context (see
+    :func:`apply_variant`)."""
     check_variant(variant)
     torch.manual_seed(seed)
     model = build_model().to(torch.device(device))
-    return model, apply_variant(model, variant)
+    return model, apply_variant(model, variant, group_size=group_size)
 
 
 # ---------------------------------------------------------------------------------------
@@ -297,12 +302,13 @@ def train_variant(
     *,
     device: str = "cpu",
     progress: bool = False,
+    group_size: int = 256,
     **loop: Any,
 ) -> list[dict]:
     """Train one (variant, seed): :func:`prepare_model`, then :func:`train_loop` with the
     keyword arguments ``loop`` (``steps``, ``lr``, ``warmup``, ``eval_every``) and a progress
     bar titled ``"<kind> <variant> seed <seed>"`` if ``progress``; return the CSV rows."""
-    model, step_ctx = prepare_model(variant, seed, build_model, device)
+    model, step_ctx = prepare_model(variant, seed, build_model, device, group_size=group_size)
     if torch.device(device).type == "cpu" and variant != "vanilla":  # step times of the numba kernels from step 1
         from fewbit.ops import load_cpu_kernels
 
@@ -344,6 +350,10 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch default)")
     p.add_argument("--quick", action="store_true", help="tiny sizes for tests (seconds)")
     p.add_argument("--progress", action="store_true", help="tqdm progress bar per run")
+    p.add_argument("--group-size", type=positive_int, default=256,
+                   help="elements per (min, scale) pair of the group quantizer: fewbit.Config(group_size=...) "
+                        "of the variants that quantize saved tensors (+quantQ, gact2/4, actnn2); CSVs of a "
+                        "size other than 256 are named <task>_<variant>_g<size>_seed<N>.csv")
     return p
 
 
@@ -363,7 +373,8 @@ def setup(p: argparse.ArgumentParser, args: argparse.Namespace, quick: dict[str,
 def loop_options(args: argparse.Namespace) -> dict[str, Any]:
     """The options of :func:`build_parser` that every ``run_<kind>`` function takes."""
     return dict(steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup=args.warmup,
-                eval_every=args.eval_every, device=args.device, progress=args.progress)
+                eval_every=args.eval_every, device=args.device, progress=args.progress,
+                group_size=args.group_size)
 
 
 def run_all(
@@ -374,7 +385,8 @@ def run_all(
     for variant in args.variants:
         for seed in args.seeds:
             rows = run(variant, seed)
-            path = args.out / f"{kind}_{variant}_seed{seed}.csv"
+            tag = "" if args.group_size == 256 else f"_g{args.group_size}"
+            path = args.out / f"{kind}_{variant}{tag}_seed{seed}.csv"
             write_csv(path, rows)
             last = rows[-1]
             print(f"{variant:>15} seed {seed}: val_loss {float(last['val_loss']):.4f} "

@@ -61,8 +61,10 @@ def run_cnn(
     device: str = "cpu",
     progress: bool = False,
     n_train: int | None = None,
+    group_size: int = 256,
 ) -> list[dict]:
-    """Train one (variant, seed); return the CSV rows."""
+    """Train one (variant, seed); return the CSV rows (``group_size``: the group
+    quantizer's, see ``_training.apply_variant``)."""
     _training.check_variant(variant)
     dev = torch.device(device)
     xtr, ytr, xva, yva = _data.load_digits()
@@ -85,7 +87,8 @@ def run_cnn(
 
     task = _training.Task(next_batch, forward_loss, evaluate)
     return _training.train_variant("cnn", variant, seed, lambda: build_cnn(width), task, device=device,
-                                   progress=progress, steps=steps, lr=lr, warmup=warmup, eval_every=eval_every)
+                                   progress=progress, group_size=group_size, steps=steps, lr=lr, warmup=warmup,
+                                   eval_every=eval_every)
 
 
 def main(argv: Iterable[str] | None = None) -> int:

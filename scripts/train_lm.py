@@ -111,8 +111,10 @@ def run_lm(
     progress: bool = False,
     attention: str = "sdpa",
     arch: str = "gpt2",
+    group_size: int = 256,
 ) -> list[dict]:
-    """Train one (variant, seed) and return the CSV rows."""
+    """Train one (variant, seed) and return the CSV rows (``group_size``: the group
+    quantizer's, see ``_training.apply_variant``)."""
     check_variant(variant)
     data = data or _data.load_text()
     dev = torch.device(device)
@@ -136,8 +138,8 @@ def run_lm(
     task = _training.Task(next_batch, lm_loss, evaluate)
     return _training.train_variant("lm", variant, seed,
                                    lambda: build_lm(n_layer, n_embd, n_head, seq_len, attention, arch), task,
-                                   device=device, progress=progress, steps=steps, lr=lr, warmup=warmup,
-                                   eval_every=eval_every)
+                                   device=device, progress=progress, group_size=group_size, steps=steps, lr=lr,
+                                   warmup=warmup, eval_every=eval_every)
 
 
 def main(argv: Iterable[str] | None = None) -> int:

@@ -183,6 +183,32 @@ def test_train_lm_same_seed_same_curve_and_bad_args(tmp_path, capsys):
         assert exc.value.code != 0 and msg in capsys.readouterr().err
 
 
+def test_train_lm_group_size_reaches_the_quantizer(tmp_path, capsys):
+    """``--group-size``: the group quantizer's (``Config(group_size=...)``): smaller groups
+    hold more (min, scale) pairs; a CSV of a size other than 256 is named ``_g<size>`` so
+    it never overwrites the default's."""
+    r = _run("train_lm.py", "--quick", "--variants", "fewbit3+quant2", "--seeds", "0", "--out", tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    r = _run("train_lm.py", "--quick", "--variants", "fewbit3+quant2", "--seeds", "0", "--group-size", "32",
+             "--out", tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    default = int(_read(tmp_path / "lm_fewbit3+quant2_seed0.csv")[-1]["peak_saved_bytes"])
+    small = int(_read(tmp_path / "lm_fewbit3+quant2_g32_seed0.csv")[-1]["peak_saved_bytes"])
+    assert small > default
+    import fewbit
+
+    seen = []
+    real = fewbit.Config
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(fewbit, "Config", lambda **kw: seen.append(kw["group_size"]) or real(**kw))
+        for variant in ("fewbit3+quant2", "gact2"):
+            train_lm.apply_variant(train_lm.build_lm(1, 16, 2, 16), variant, group_size=64)
+    assert seen == [64, 64]
+    with pytest.raises(SystemExit) as exc:
+        train_lm.main(["--group-size", "0", "--out", str(tmp_path)])
+    assert exc.value.code != 0 and "must be > 0" in capsys.readouterr().err
+
+
 def test_train_cnn_and_summarize(tmp_path):
     r = _run("train_cnn.py", "--quick", "--variants", "vanilla", "fewbit2", "--seeds", "0", "1", "--out", tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
