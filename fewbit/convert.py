@@ -85,6 +85,7 @@ conversion are removed before new ones are registered.
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 import sys
 import threading
@@ -483,12 +484,38 @@ def _replacement(m: nn.Module, model: nn.Module, factory: _Factory, bits: int) -
         return f"kept as torch's: {exc}"
 
 
+#: nn.Module's per-instance hook registries that a replacement takes over.
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
+               "_forward_hooks_always_called", "_backward_pre_hooks", "_backward_hooks")
+
+
+def _carry_over(old: nn.Module, new: nn.Module) -> None:
+    """Give replacement ``new`` what the user set on activation ``old``: its forward,
+    forward-pre and backward hooks (the same registries, so the handles the user holds
+    still remove them; hooks then receive ``new`` as the module) and its own attributes
+    (those that are neither its constructor's arguments nor something ``new`` has)."""
+    for name in _HOOK_DICTS:
+        if name in vars(old):
+            object.__setattr__(new, name, vars(old)[name])
+    if "_is_full_backward_hook" in vars(old):
+        object.__setattr__(new, "_is_full_backward_hook", old._is_full_backward_hook)
+    try:
+        fields = set(inspect.signature(type(old).__init__).parameters)
+    except (TypeError, ValueError):  # pragma: no cover - a class without an inspectable __init__
+        fields = set()
+    for key, value in vars(old).items():
+        if key.startswith("_") or key in fields or key == "training" or hasattr(new, key):
+            continue
+        object.__setattr__(new, key, value)
+
+
 def _replace_activations(model: nn.Module, bits: int, selected: _Selected, summary: ConversionSummary) -> None:
     """Phase 1 of :func:`convert_`: replace the activation modules of ``model`` in place.
 
     Fills ``summary.replaced``, ``.changed`` (fewbit modules already there, given ``bits``)
     and ``.unsupported`` (activations left as they were, with the reason). A module shared
-    by several parents is replaced in every parent slot, so it stays shared.
+    by several parents is replaced in every parent slot, so it stays shared. Hooks and
+    attributes set on a replaced module carry over (:func:`_carry_over`).
     """
     factories = _torch_factories()
     hf_factories, hf_unsupported = _hf_factories()
@@ -536,6 +563,7 @@ def _replace_activations(model: nn.Module, bits: int, selected: _Selected, summa
             summary.unsupported[fqn] = f"{type(m).__name__} ({new})"
             continue
         new.train(m.training)
+        _carry_over(m, new)
         new_for[id(m)] = new
         summary.replaced[fqn] = (type(m).__name__, repr(new))
     if not new_for:
@@ -681,7 +709,10 @@ class _StepHook:
 
 
 class _EnterHook:
-    """Forward pre-hook: enter the shared compressor."""
+    """Forward pre-hook: enter the shared compressor, unless grad is disabled (no_grad,
+    inference_mode: nothing is saved for backward, and a torch-function mode would turn
+    off torch's inference fast paths, e.g. ``nn.TransformerEncoderLayer``'s, whose nested
+    tensors then fail outside them)."""
 
     def __init__(self, shared: _SharedCompressor, fqn: str = "", kind: str | None = None) -> None:
         self.shared = shared
@@ -689,6 +720,8 @@ class _EnterHook:
         self.kind = kind
 
     def __call__(self, module: nn.Module, args: Any) -> None:
+        if not torch.is_grad_enabled():
+            return None
         self.shared.compressor.__enter__()
         norm_size = functools.partial(normalization_size, module) if self.kind == "norm" else None
         self.shared.compressor._push_module(self.fqn, self.kind, norm_size)
@@ -921,8 +954,11 @@ def convert_(
     ``config.saved_bits`` bits per element plus per-group stats (ActNN, docs/method.md §7).
     Forward outputs are bit-identical (each new module computes the replaced module's own
     expression; see the table in :mod:`fewbit.convert`); parameters, buffers,
-    ``state_dict()`` keys and ``training`` flags are unchanged. Converting again applies
-    the new config: fewbit modules already there get the new ``activation_bits``
+    ``state_dict()`` keys and ``training`` flags are unchanged; hooks and attributes set on
+    a replaced activation module move to its replacement (the handles still remove them).
+    Under ``torch.no_grad()`` / ``inference_mode`` nothing is compressed (nothing is saved)
+    and torch's inference fast paths run as in the unconverted model. Converting again
+    applies the new config: fewbit modules already there get the new ``activation_bits``
     (``.changed``), nothing is wrapped twice and hooks are never stacked.
 
     Args:

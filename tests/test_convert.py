@@ -1054,3 +1054,59 @@ def test_block_kind_gradient_is_unbiased(block):
     mean_err = (draws.mean(0) - exact).norm()
     noise = (draws.std(0) / len(draws) ** 0.5).norm()
     assert mean_err < 1.2 * noise, (float(mean_err), float(noise))
+
+
+def test_compressed_layers_leave_torch_inference_fast_paths_alone():
+    """Under no_grad / inference_mode nothing is saved, so the compressor is not entered: its
+    torch-function mode had turned off ``nn.TransformerEncoder``'s fast path, whose nested
+    tensors (a padding mask) then failed outside it ("MultiheadAttention does not support
+    NestedTensor outside of its fast path"); without nested tensors the output differed from
+    torch's by ~7e-7. Training forwards still compress."""
+    import copy
+
+    torch.manual_seed(0)
+    enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(32, 4, 64, batch_first=True), 2,
+                                enable_nested_tensor=True)
+    conv = copy.deepcopy(enc)
+    summary = convert_(conv, Config(saved_bits=4, min_numel=0))
+    enc.eval(), conv.eval()
+    x = torch.randn(3, 7, 32)
+    pad = torch.zeros(3, 7, dtype=torch.bool)
+    pad[0, -2:] = True
+    with torch.no_grad():
+        assert torch.equal(conv(x, src_key_padding_mask=pad), enc(x, src_key_padding_mask=pad))
+    layer, conv_layer = enc.layers[0], conv.layers[0]
+    with torch.inference_mode():
+        assert torch.equal(conv_layer(x), layer(x))
+    assert summary.compressor.stats.compressed == 0
+    conv.train()
+    conv(x.requires_grad_()).sum().backward()
+    assert summary.compressor.stats.compressed > 0
+
+
+def test_hooks_and_attributes_of_replaced_activations_carry_over():
+    """A replaced activation's hooks and the attributes set on it once vanished: a forward
+    hook that changed the output no longer ran, so the converted model's forward differed."""
+    import copy
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 2))
+    calls = []
+    model[1].register_forward_pre_hook(lambda mod, args: (args[0] + 1,))
+    model[1].register_forward_hook(lambda mod, args, out: out * 2)
+    model[1].register_full_backward_hook(lambda mod, gin, gout: calls.append(type(mod).__name__))
+    model[1].tag = "mlp act"
+    converted = copy.deepcopy(model)
+    summary = convert_(converted, bits=3)
+    assert summary.replaced and isinstance(converted[1], fewbit.GELU) and converted[1].tag == "mlp act"
+    x = torch.randn(4, 8, requires_grad=True)
+    assert torch.equal(converted(x), model(x))
+    converted(x).sum().backward()
+    assert calls == ["GELU"]  # the backward hook ran, on the replacement (converted[1])
+    # handles taken before the conversion still remove the hooks
+    model2 = nn.Sequential(nn.GELU())
+    h = model2[0].register_forward_hook(lambda mod, args, out: out * 0)
+    convert_(model2, bits=3)
+    assert not torch.equal(model2(x), torch.nn.functional.gelu(x)) and (model2(x) == 0).all()
+    h.remove()
+    assert torch.equal(model2(x), torch.nn.functional.gelu(x))
