@@ -923,6 +923,8 @@ def _check_arguments(model: Any, config: Any, bits: Any, filter_fn: Any) -> Conf
     if config is not None and bits is not None:
         raise ValueError(f"pass either config or bits, not both (got bits={bits!r} and a config)")
     if config is None:
+        if bits is not None:  # the shorthand's own name in the error (Config's says activation_bits)
+            check_bits(bits, "bits")
         config = Config() if bits is None else Config(activation_bits=bits)
     elif not isinstance(config, Config):
         raise TypeError(f"config must be a fewbit.Config or a fewbit.Plan, got {type(config).__name__}")

@@ -1110,3 +1110,12 @@ def test_hooks_and_attributes_of_replaced_activations_carry_over():
     assert not torch.equal(model2(x), torch.nn.functional.gelu(x)) and (model2(x) == 0).all()
     h.remove()
     assert torch.equal(model2(x), torch.nn.functional.gelu(x))
+
+
+@pytest.mark.parametrize("bits", [0, 9, 2.5, True])
+def test_convert_bits_shorthand_names_its_own_argument(bits):
+    """``convert_(model, bits=0)`` named ``activation_bits`` (Config's field) in its error."""
+    with pytest.raises(ValueError, match=r"^bits must be an integer in 1\.\.8"):
+        convert_(nn.Sequential(nn.GELU()), bits=bits)
+    with pytest.raises(ValueError, match="either config or bits"):
+        convert_(nn.Sequential(nn.GELU()), Config(), bits=3)
