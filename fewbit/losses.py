@@ -203,7 +203,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         need = ctx.needs_input_grad[:3]
         if ctx.grad_in_forward:
             gi, gw, gb = ctx.saved_tensors
-            out = [None if g is None or not nd else g * grad_output.to(g.dtype) for g, nd in zip((gi, gw, gb), need)]
+            out = [None if g is None or not nd else _times(g, grad_output) for g, nd in zip((gi, gw, gb), need)]
         else:
             x, weight, bias, target, count = ctx.saved_tensors
             scale = _row_scale(grad_output.to(count.dtype), count, ctx.reduction, x.shape[0])
@@ -212,6 +212,24 @@ class _LinearCrossEntropy(torch.autograd.Function):
                                         row_scale=scale, need=need)
             out = [gi, gw, gb]
         return (*out, None, None, None, None, None, None)
+
+
+#: Elements per float32 piece of :func:`_times`.
+_TIMES_CHUNK = 1 << 20
+
+
+def _times(g: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
+    """``g * grad_output`` (a 0-d incoming gradient) for gradients stored in forward. A
+    float16 ``g`` is multiplied in float32, a piece of ``_TIMES_CHUNK`` elements at a time:
+    a loss scale such as GradScaler's 2**16 is inf in float16, and ``grad_output.to(g.dtype)``
+    made every gradient non-finite."""
+    if g.dtype != torch.float16:
+        return g * grad_output.to(g.dtype)
+    go = grad_output.to(torch.float32)
+    out = torch.empty_like(g)
+    for src, dst in zip(g.view(-1).split(_TIMES_CHUNK), out.view(-1).split(_TIMES_CHUNK)):
+        dst.copy_(src.to(torch.float32).mul_(go))
+    return out
 
 
 def _check_args(input, weight, target, bias, ignore_index, reduction, label_smoothing, chunk_size,
@@ -294,7 +312,10 @@ def linear_cross_entropy(
     - ``grad_in_forward=True`` (the Liger-Kernel way): the gradients, computed in forward
       for an incoming gradient of 1 and scaled in backward: grad input (N·H·b), grad weight
       (V·H·b) and grad bias (V·b) where they are needed; no extra matmul. In float32 smaller
-      than torch's only when N > H tokens (768 for GPT-2).
+      than torch's only when N > H tokens (768 for GPT-2). In float16 the gradients are
+      rounded before a loss scale can lift them: entries below float16's range are 0
+      (GradScaler's scale does not help, as it does for the default); prefer the default
+      or bfloat16 there.
 
     At most ``chunk_size`` x V logits (and their gradient, in place) exist at once.
 

@@ -534,3 +534,20 @@ def test_benchmark_script_runs_at_tiny_sizes():
     bad = subprocess.run([sys.executable, "scripts/bench_linear_cross_entropy.py", "--tokens", "0"],
                          cwd=root, capture_output=True, text=True, timeout=600)
     assert bad.returncode == 2 and "--tokens and --chunk-size must be >= 1" in bad.stderr
+
+
+def test_grad_in_forward_float16_under_a_loss_scale_stays_finite():
+    """GradScaler's initial scale 2**16 is inf in float16: the stored gradients were
+    multiplied by ``grad_output.to(float16)`` and every entry became non-finite."""
+    torch.manual_seed(0)
+    x0 = (torch.randn(64, 32) * 0.1).half()
+    w0 = (torch.randn(100, 32) * 0.1).half()
+    t = torch.randint(0, 100, (64,))
+    grads = {}
+    for gif in (False, True):
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        (fewbit.losses.linear_cross_entropy(x, w, t, grad_in_forward=gif) * 65536.0).backward()
+        grads[gif] = (x.grad, w.grad)
+    for a, b in zip(grads[False], grads[True]):
+        assert b.isfinite().all()
+        torch.testing.assert_close(b.float(), a.float(), rtol=2e-2, atol=2.0)

@@ -39,6 +39,24 @@ def _check_args(bits: int, group_size: int, dtype: torch.dtype) -> None:
         torch._check_type(False, lambda: f"dtype must be a floating-point dtype, got {dtype}")
 
 
+def _check_dequantize_args(packed, mins, scales, bits, group_size, numel, dtype) -> None:
+    """:func:`_check_args`, and buffers large enough for ``numel`` elements: the kernels
+    read ``packed`` and the stats without bounds checks (a malformed
+    :class:`fewbit.quant.QuantizedTensor` read past them)."""
+    _check_args(bits, group_size, dtype)
+    if numel < 0:
+        torch._check_value(False, lambda: f"numel must be >= 0, got {numel}")
+    need = packed_nbytes(numel, bits)
+    if packed.numel() < need:
+        torch._check_value(False, lambda: f"packed holds {packed.numel()} bytes, {need} needed for {numel} "
+                                          f"elements at {bits} bits")
+    groups = -(-numel // group_size)
+    for name, t in (("mins", mins), ("scales", scales)):
+        if t.numel() < groups:
+            torch._check_value(False, lambda: f"{name} holds {t.numel()} values, {groups} needed for {numel} "
+                                              f"elements in groups of {group_size}")
+
+
 @torch.library.custom_op("fewbit::group_quantize", mutates_args=())
 def group_quantize(
     x: torch.Tensor, bits: int, group_size: int, seed: int, stochastic: bool,
@@ -85,19 +103,19 @@ def group_dequantize(
     numel: int, dtype: torch.dtype,
 ) -> torch.Tensor:
     """Default kernel (devices without their own backend): the pure-torch reference."""
-    _check_args(bits, group_size, dtype)
+    _check_dequantize_args(packed, mins, scales, bits, group_size, numel, dtype)
     return ref.dequantize_reference(packed, mins, scales, bits, group_size, numel, dtype)
 
 
 @group_dequantize.register_fake
 def _(packed, mins, scales, bits, group_size, numel, dtype):
-    _check_args(bits, group_size, dtype)
+    _check_dequantize_args(packed, mins, scales, bits, group_size, numel, dtype)
     return packed.new_empty((numel,), dtype=dtype)
 
 
 @cpu_kernel("group_dequantize")
 def _(packed, mins, scales, bits, group_size, numel, dtype):
-    _check_args(bits, group_size, dtype)
+    _check_dequantize_args(packed, mins, scales, bits, group_size, numel, dtype)
     from fewbit.quant import _cpu
 
     return _cpu.dequantize_cpu(packed, mins, scales, bits, group_size, numel, dtype)
@@ -105,7 +123,7 @@ def _(packed, mins, scales, bits, group_size, numel, dtype):
 
 @group_dequantize.register_kernel("cuda")
 def _group_dequantize_cuda(packed, mins, scales, bits, group_size, numel, dtype):
-    _check_args(bits, group_size, dtype)
+    _check_dequantize_args(packed, mins, scales, bits, group_size, numel, dtype)
     if dtype == torch.float64 or numel == 0:
         return ref.dequantize_reference(packed, mins, scales, bits, group_size, numel, dtype)
     from fewbit.quant import _triton  # noqa: F401  (registers fewbit::group_*_triton)

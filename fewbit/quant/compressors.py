@@ -495,7 +495,10 @@ class _OutlierCompressed:
         return self.rest.nbytes + _nbytes(self.exact, self.index)
 
     def decompress(self) -> torch.Tensor:
-        y = self._dequantize(self.rest).view(-1, self.shape[-1])
+        y = self._dequantize(self.rest)
+        if y.numel() == 0:  # a last dim of 0 has no (-1, 0) view
+            return y.reshape(self.shape)
+        y = y.view(-1, self.shape[-1])
         if self.index.numel():
             y[:, self.index.long()] = self.exact
         return y.reshape(self.shape)
@@ -541,7 +544,7 @@ class OutlierSeparated(_KernelCompressor):
         quantize = Q.quantize_reference if ref else Q.quantize
         dequantize = Q.dequantize_reference if ref else Q.dequantize
         c = x.shape[-1]
-        h = x.detach().reshape(-1, c)
+        h = x.detach().reshape(-1, c) if x.numel() else x.detach().reshape(0, max(c, 1))
         index = outlier_channels(h, self.z) if h.numel() else torch.zeros(0, dtype=torch.int32, device=x.device)
         exact = h[:, index.long()].contiguous()
         if index.numel():

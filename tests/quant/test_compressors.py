@@ -85,3 +85,16 @@ def test_bad_compressor_and_name_are_clear_errors():
         get_compressor("nope")
     with pytest.raises(ValueError, match="bits"):
         get_compressor("group", bits=3)
+
+
+@pytest.mark.parametrize("name", ["group", "division", "outlier", "channelwise", "softmax", "keep"])
+def test_an_empty_last_dim_round_trips(name):
+    """The outlier compressor raised torch's reshape error on a (5, 0) tensor."""
+    from fewbit.quant.compressors import get_compressor
+
+    for shape in ((5, 0), (0, 4), (2, 0, 3)):
+        x = torch.empty(shape)
+        c = get_compressor(name)
+        if c.supports(x):
+            y = c.compress(x).decompress()
+            assert y.shape == x.shape and y.dtype == x.dtype

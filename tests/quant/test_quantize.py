@@ -300,3 +300,38 @@ def test_float64_stats_past_the_stats_range_equal_the_reference(stats_dtype, sca
         assert torch.equal(u.isnan(), v.isnan()) and torch.equal(u.nan_to_num(), v.nan_to_num())
     if scale < 1:  # the scale is the stats dtype's largest value; for 1e300 both give NaN (scale 0)
         assert torch.equal(a.scales.float(), torch.full((4,), torch.finfo(stats_dtype).max))
+
+
+def test_float16_near_its_largest_finite_values_decodes_finite():
+    """x near -65504: the bfloat16 min, rounded down, is -65536 (-inf in float16); x at
+    65504: m + 15 / s went past it. Both decoded to +-inf. The decoded values are clamped
+    to float16's finite range, within one step of the input."""
+    from fewbit.quant.compressors import get_compressor
+
+    for x in (torch.tensor([-65400.0, 0.0, 1.0, 2.0]), torch.tensor([65504.0, 0.0, 1.0, 2.0]),
+              torch.tensor([-65504.0, 65504.0, 3.0, -7.0])):
+        x = x.half()
+        for decode in (lambda t: fq.quantize(t, 4, stochastic=False).dequantize(),
+                       lambda t: fq.dequantize_reference(fq.quantize_reference(t, 4, stochastic=False)),
+                       lambda t: get_compressor("group").compress(t).decompress(),
+                       lambda t: get_compressor("outlier").compress(t.reshape(1, 4)).decompress().reshape(4)):
+            y = decode(x)
+            assert y.dtype == torch.float16 and y.isfinite().all(), (x, y)
+            assert (y.float() - x.float()).abs().max() <= 65504 * 2 / 15, (x, y)
+    nan_group = torch.tensor([float("nan"), 1.0, 2.0, 3.0], dtype=torch.float16)
+    assert fq.quantize(nan_group, 4).dequantize().isnan().all()  # a non-finite group stays NaN
+
+
+@pytest.mark.parametrize("field", ["packed", "mins", "scales", "numel"])
+def test_dequantize_refuses_buffers_too_small_for_its_shape(field):
+    """A QuantizedTensor built by hand with a shape larger than its buffers: the CPU kernel
+    decoded it anyway, reading past the buffers (two calls gave different values)."""
+    q = fq.quantize(torch.randn(100), 4, group_size=16)
+    parts = dict(packed=q.packed, mins=q.mins, scales=q.scales, shape=q.shape)
+    if field == "numel":
+        parts["shape"] = torch.Size([2_000_000])
+    else:
+        parts[field] = parts[field][: parts[field].numel() // 2]
+    bad = fq.QuantizedTensor(parts["packed"], parts["mins"], parts["scales"], parts["shape"], torch.float32, 4, 16)
+    with pytest.raises(ValueError, match="needed"):
+        fq.dequantize(bad)
