@@ -21,6 +21,7 @@ from __future__ import annotations
 import difflib
 import importlib
 import math
+import numbers
 import struct
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
@@ -388,10 +389,16 @@ def merge_params(name: str, defaults: Mapping[str, float], params: Mapping[str, 
         raise ValueError(f"params: {name} takes {takes}; got {', '.join(sorted(unknown))}")
     out = {}
     for k, default in defaults.items():
-        try:
-            v = float(params.get(k, default))
-        except (TypeError, ValueError):
-            raise ValueError(f"params: {k} of {name} must be a number, got {params[k]!r}") from None
+        given = params.get(k, default)
+        # a number (or a one-element real tensor), as torch takes (its nn.ELU(alpha='1')
+        # raises): not a string or a bool, which float() would turn into one
+        if isinstance(given, torch.Tensor):
+            number = given.numel() == 1 and given.dtype != torch.bool and not given.is_complex()
+        else:
+            number = isinstance(given, numbers.Real) and not isinstance(given, bool)
+        if not number:
+            raise ValueError(f"params: {k} of {name} must be a number, got {given!r}")
+        v = float(given)
         if not math.isfinite(v):
             raise ValueError(f"params: {k} of {name} must be finite, got {v}")
         out[k] = v

@@ -356,7 +356,9 @@ class _State:
 
     def __init__(self, plan: "Plan") -> None:
         self.plan = plan
-        self.blocks: list[nn.Module] = []
+        #: ``(block, its own instance forward or None)``: the forward set on the instance
+        #: before the plan wrapped it (a user's or accelerate's), put back by remove_plan.
+        self.blocks: list[tuple[nn.Module, Callable | None]] = []
         self.replaced: list[tuple[nn.Module, str, nn.Module]] = []  # (parent, name, original)
         self.compressors: dict[str, Any] = {}
         self.checkpoint_hooks: list = []  # the checkpoint's (pack, unpack) per running block
@@ -493,6 +495,16 @@ def _plain_forward(block: nn.Module, forward: Callable, root: _GroupHook, *args,
         root.post(block, args, None)
 
 
+def _refuse_shared(model: nn.Module, fqn: str) -> None:
+    """A clear error if ``fqn`` is a path to a module that ``named_modules()`` lists under
+    another path (one module shared by two blocks: its hooks would serve both groups)."""
+    aliases = dict(model.named_modules(remove_duplicate=False))
+    if fqn in aliases:
+        first = next(name for name, m in model.named_modules() if m is aliases[fqn])
+        raise ValueError(f"module {fqn} is the module {first} (one module shared by two blocks); fewbit.plan "
+                         "plans each block's own modules: give each block its own copy, or plan without it")
+
+
 def remove_plan(model: nn.Module) -> bool:
     """Undo :func:`apply_plan` in place (hooks, block forwards, fewbit activations, fused loss).
 
@@ -508,8 +520,10 @@ def remove_plan(model: nn.Module) -> bool:
                 if isinstance(getattr(h, "__self__", None), _GroupHook):
                     del hooks[k]
                     m._forward_hooks_always_called.pop(k, None)
-    for block in state.blocks:
+    for block, own_forward in state.blocks:
         vars(block).pop("forward", None)
+        if own_forward is not None:
+            block.forward = own_forward
     for parent, name, original in state.replaced:
         parent._modules[name] = original
     if state.patched_loss:
@@ -535,6 +549,7 @@ def _apply_choices(model: nn.Module, plan: "Plan") -> _State:
                 raise ValueError(f"plan does not fit the model: it has no module {fqn!r} (block type {bp.block_type})")
             for g in bp.groups:
                 if g.name and f"{fqn}.{g.name}" not in named:
+                    _refuse_shared(model, f"{fqn}.{g.name}")
                     raise ValueError(f"plan does not fit the model: it has no module {fqn}.{g.name}")
     planned = {fqn: bp.block_type for bp in plan.blocks for fqn in bp.blocks}
     found = {fqn: t for t, fqns in find_blocks(model) for fqn in fqns}
@@ -586,6 +601,7 @@ def _apply_choices(model: nn.Module, plan: "Plan") -> _State:
                 module.register_forward_pre_hook(hook.pre)
                 module.register_forward_hook(hook.post, always_call=True)
             forward = block.forward
+            own_forward = vars(block).get("forward")
             if checkpointed:
                 try:
                     sig = inspect.signature(forward)
@@ -596,7 +612,7 @@ def _apply_choices(model: nn.Module, plan: "Plan") -> _State:
                 block.forward = functools.partial(_plain_forward, block, forward, root)
             else:
                 continue
-            state.blocks.append(block)
+            state.blocks.append((block, own_forward))
     model.__dict__[_STATE_ATTR] = state
     return state
 
@@ -1448,16 +1464,20 @@ def plan(
 
     Returns:
         A :class:`Plan` (print it; ``save``/``load``; ``predicted_peak_bytes``,
-        ``predicted_step_time``).
+        ``predicted_step_time``). torch's random state is as it was before the call.
 
     Raises:
         ValueError: a malformed argument (named), or a budget below the smallest feasible one
             (the message gives it in bytes).
     """
     budget = parse_budget(memory_budget)  # check before the (slow) profile
-    prof = profile(model, example_batch, loss_fn=loss_fn, options=options, optimizer=optimizer,
-                   fused_cross_entropy=fused_cross_entropy, group_size=group_size, min_numel=min_numel,
-                   repeats=repeats)
+    # the profile's steps draw dropout masks and quantizer noise: the caller's random
+    # streams (CPU and every CUDA device) are left as they were
+    cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=cuda):
+        prof = profile(model, example_batch, loss_fn=loss_fn, options=options, optimizer=optimizer,
+                       fused_cross_entropy=fused_cross_entropy, group_size=group_size, min_numel=min_numel,
+                       repeats=repeats)
     return plan_from_profile(prof, budget if isinstance(budget, int) else memory_budget,
                              accuracy_weight=accuracy_weight)
 

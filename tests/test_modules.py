@@ -202,3 +202,16 @@ def test_modules_on_the_meta_device_run_without_warnings(name):
         y = act(x)
         y.sum().backward()
     assert y.device.type == "meta" and y.shape == x.shape and x.grad.shape == x.shape
+
+
+@pytest.mark.parametrize("make", [
+    lambda: fewbit.ELU(alpha="1"), lambda: fewbit.ELU(alpha=True), lambda: fewbit.Softplus(beta="2"),
+    lambda: fewbit.LeakyReLU("0.1"), lambda: fewbit.Hardtanh("-1", "1"),
+    lambda: fewbit.functional.elu(torch.randn(3), alpha="1"),
+    lambda: fewbit.FewBitActivation("elu", params={"alpha": "0.5"}),
+])
+def test_parameters_given_as_strings_or_bools_are_refused(make):
+    """``fewbit.ELU(alpha='1')`` was accepted (float('1')) and kept the string, where
+    torch's nn.ELU(alpha='1') raises."""
+    with pytest.raises(ValueError, match="must be a number"):
+        make()

@@ -781,3 +781,63 @@ def test_convert_fused_cross_entropy():
     with pytest.raises(ValueError, match="fused_cross_entropy"):
         fewbit.Config(fused_cross_entropy="yes")
     assert dataclasses.fields(fewbit.Config)[-1].name == "fused_cross_entropy"
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, shared=None):
+        super().__init__()
+        self.fc = torch.nn.Linear(32, 32)
+        self.ln = shared if shared is not None else torch.nn.LayerNorm(32)
+        self.act = torch.nn.GELU()
+
+    def forward(self, x):
+        return self.act(self.fc(self.ln(x)))
+
+
+class _Blocks(torch.nn.Module):
+    def __init__(self, shared=None):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([_Block(shared), _Block(shared)])
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def _square_loss(out):
+    return out.pow(2).mean()
+
+
+def test_a_forward_set_on_a_block_survives_reapplying_and_removing_the_plan():
+    """Re-applying a plan, or remove_plan, popped the block's instance ``forward``: one the
+    user (or accelerate's hooks) had set was lost."""
+    import types
+
+    torch.manual_seed(0)
+    model, x, calls = _Blocks(), torch.randn(1024, 32), []
+    p = fewbit.plan(model, x, "90%", loss_fn=_square_loss, repeats=1, options=("recompute",))
+    assert any(b.checkpoint for b in p.blocks)
+    own = types.MethodType(lambda self, h: (calls.append(1), type(self).forward(self, h))[1], model.blocks[0])
+    model.blocks[0].forward = own
+    for _ in range(2):
+        fewbit.convert_(model, p)
+        model(x)
+    assert len(calls) == 2
+    planner.remove_plan(model)
+    assert vars(model.blocks[0])["forward"] is own
+    model(x)
+    assert len(calls) == 3
+
+
+def test_planning_leaves_the_random_state_and_refuses_shared_modules_clearly():
+    torch.manual_seed(0)
+    model, x = _Blocks(), torch.randn(1024, 32)
+    torch.manual_seed(123)
+    fewbit.plan(model, x, "60%", loss_fn=_square_loss, repeats=1)
+    after = torch.rand(3)
+    torch.manual_seed(123)
+    assert torch.equal(after, torch.rand(3))  # the profile's draws did not move the caller's stream
+    shared = _Blocks(torch.nn.LayerNorm(32))
+    with pytest.raises(ValueError, match=r"module blocks\.1\.ln is the module blocks\.0\.ln .*shared"):
+        fewbit.plan(shared, x, "100%", loss_fn=_square_loss, repeats=1)
