@@ -320,16 +320,29 @@ def train_variant(
 # Command line
 # ---------------------------------------------------------------------------------------
 
-def _positive(kind):
+def _at_least(kind, low: float, strict: bool):
     def parse(s):
         v = kind(s)
-        if v <= 0:
-            raise argparse.ArgumentTypeError(f"must be > 0, got {s}")
+        if not math.isfinite(v) or (v <= low if strict else v < low):  # nan and inf too (--lr nan)
+            finite = " and finite" if kind is float else ""
+            raise argparse.ArgumentTypeError(f"must be {'>' if strict else '>='} {low:g}{finite}, got {s}")
         return v
     return parse
 
 
-positive_int, positive_float = _positive(int), _positive(float)
+positive_int, positive_float, nonneg_int = _at_least(int, 0, True), _at_least(float, 0, True), _at_least(int, 0, False)
+
+
+def check_device(p: argparse.ArgumentParser, device: str) -> None:
+    """``p.error`` unless ``device`` is cpu or an available cuda device."""
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        p.error(f"--device must be cpu or cuda[:N], got {device!r}")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda given but CUDA is not available")
 
 
 def build_parser(description: str) -> argparse.ArgumentParser:
@@ -343,11 +356,11 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--steps", type=positive_int, default=200)
     p.add_argument("--batch-size", type=positive_int, default=8)
     p.add_argument("--lr", type=positive_float, default=3e-3)
-    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--warmup", type=nonneg_int, default=20)
     p.add_argument("--eval-every", type=positive_int, default=25)
     p.add_argument("--device", default="cpu", help="torch device, e.g. cuda")
     p.add_argument("--out", type=Path, default=Path("results"), help="directory for the CSVs")
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch default)")
+    p.add_argument("--threads", type=nonneg_int, default=0, help="torch CPU threads (0: torch default)")
     p.add_argument("--quick", action="store_true", help="tiny sizes for tests (seconds)")
     p.add_argument("--progress", action="store_true", help="tqdm progress bar per run")
     p.add_argument("--group-size", type=positive_int, default=256,
@@ -359,15 +372,14 @@ def build_parser(description: str) -> argparse.ArgumentParser:
 
 def setup(p: argparse.ArgumentParser, args: argparse.Namespace, quick: dict[str, Any]) -> None:
     """After the script's own checks of ``args``: set torch's CPU threads, apply the
-    ``quick`` sizes if ``--quick`` was given, and stop (``p.error``) if ``--device cuda``
-    is given without CUDA."""
+    ``quick`` sizes if ``--quick`` was given, and stop (``p.error``) on a ``--device``
+    other than cpu or an available cuda (:func:`check_device`)."""
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.quick:
         for name, value in quick.items():
             setattr(args, name, value)
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        p.error("--device cuda given but CUDA is not available")
+    check_device(p, args.device)
 
 
 def loop_options(args: argparse.Namespace) -> dict[str, Any]:

@@ -27,6 +27,7 @@ import statistics
 import time
 
 import torch
+from _training import check_device, positive_int
 
 
 def _model(args):
@@ -72,15 +73,16 @@ def _peak(model, batch, static, device):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--hidden", type=int, default=64)
-    ap.add_argument("--vocab", type=int, default=100)
-    ap.add_argument("--seq-len", type=int, default=32)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--optimizer", default="sgd")
-    ap.add_argument("--steps", type=int, default=5, help="timed steps per variant (median)")
+    ap.add_argument("--layers", type=positive_int, default=2)
+    ap.add_argument("--hidden", type=positive_int, default=64)
+    ap.add_argument("--vocab", type=positive_int, default=100)
+    ap.add_argument("--seq-len", type=positive_int, default=32)
+    ap.add_argument("--batch", type=positive_int, default=8)
+    ap.add_argument("--optimizer", default="sgd", choices=["adamw", "adam", "sgd", "sgd_momentum", "none"])
+    ap.add_argument("--steps", type=positive_int, default=5, help="timed steps per variant (median)")
     ap.add_argument("--device", default="cpu")
     args = ap.parse_args()
+    check_device(ap, args.device)
     device = torch.device(args.device)
 
     import fewbit

@@ -27,6 +27,7 @@ import sys
 import time
 
 import torch
+from _training import positive_int
 from torch import nn
 
 import fewbit
@@ -225,14 +226,14 @@ def bench_models(args, device):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--sizes", type=int, nargs="+", default=[1 << 20, 1 << 24], help="numel of the test tensors")
+    ap.add_argument("--sizes", type=positive_int, nargs="+", default=[1 << 20, 1 << 24], help="numel of the test tensors")
     ap.add_argument("--bits", type=int, nargs="+", default=[1, 2, 4, 8])
-    ap.add_argument("--group-size", type=int, default=256)
+    ap.add_argument("--group-size", type=positive_int, default=256)
     ap.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16", "float64"])
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=positive_int, default=5)
     ap.add_argument("--reference", action="store_true", help="also time the pure-torch reference (slow)")
-    ap.add_argument("--reference-max", type=int, default=1 << 22, help="largest size timed with --reference")
+    ap.add_argument("--reference-max", type=positive_int, default=1 << 22, help="largest size timed with --reference")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch.set_num_threads and numba.set_num_threads (1 is steadier on a loaded machine)")
     ap.add_argument("--compressors", nargs="*", default=["group", "division", "outlier", "channelwise", "softmax"],
@@ -240,17 +241,17 @@ def main(argv=None) -> int:
                          "after the quantizer table; none: skip")
     ap.add_argument("--models", nargs="*", default=["mlp", "gpt2"], choices=["mlp", "gpt2"])
     ap.add_argument("--skip-throughput", action="store_true")
-    ap.add_argument("--model-bits", type=int, default=4)
-    ap.add_argument("--mlp-dim", type=int, default=256)
-    ap.add_argument("--mlp-layers", type=int, default=2)
-    ap.add_argument("--mlp-batch", type=int, default=512)
-    ap.add_argument("--gpt2-layers", type=int, default=2)
-    ap.add_argument("--gpt2-embd", type=int, default=128)
-    ap.add_argument("--gpt2-heads", type=int, default=4)
-    ap.add_argument("--vocab", type=int, default=2048)
-    ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--step-repeats", type=int, default=5)
+    ap.add_argument("--model-bits", type=positive_int, default=4)
+    ap.add_argument("--mlp-dim", type=positive_int, default=256)
+    ap.add_argument("--mlp-layers", type=positive_int, default=2)
+    ap.add_argument("--mlp-batch", type=positive_int, default=512)
+    ap.add_argument("--gpt2-layers", type=positive_int, default=2)
+    ap.add_argument("--gpt2-embd", type=positive_int, default=128)
+    ap.add_argument("--gpt2-heads", type=positive_int, default=4)
+    ap.add_argument("--vocab", type=positive_int, default=2048)
+    ap.add_argument("--seq", type=positive_int, default=128)
+    ap.add_argument("--batch", type=positive_int, default=4)
+    ap.add_argument("--step-repeats", type=positive_int, default=5)
     args = ap.parse_args(argv)
     try:
         device = torch.device(args.device)

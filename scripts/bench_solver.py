@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from _training import positive_int
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -72,14 +73,16 @@ def _best(fn, repeat: int) -> tuple[float, object]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--n", type=int, default=10_000, help="DP grid cells for the numba timing")
-    p.add_argument("--k", type=int, default=16, help="pieces K")
-    p.add_argument("--numpy-n", type=int, default=1000, help="grid cells for the numpy reference timing")
-    p.add_argument("--repeat", type=int, default=3, help="runs per timing (min is reported)")
+    p.add_argument("--n", type=positive_int, default=10_000, help="DP grid cells for the numba timing")
+    p.add_argument("--k", type=positive_int, default=16, help="pieces K")
+    p.add_argument("--numpy-n", type=positive_int, default=1000, help="grid cells for the numpy reference timing")
+    p.add_argument("--repeat", type=positive_int, default=3, help="runs per timing (min is reported)")
     p.add_argument("--functions", nargs="+", default=["gelu", "silu", "sigmoid", "tanh", "selu", "softplus"])
     p.add_argument("--bits", nargs="+", type=int, default=[1, 2, 3, 4])
     p.add_argument("--skip-tables", action="store_true", help="do not time the regeneration of all tables")
     args = p.parse_args(argv)
+    if args.k > min(args.n, args.numpy_n):
+        p.error(f"--k must be at most --n and --numpy-n ({min(args.n, args.numpy_n)}), got {args.k}")
 
     from fewbit.solver import fit_many
     from fewbit.solver.dp import dp_numba, dp_numpy

@@ -183,8 +183,7 @@ def main(argv: Iterable[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.steps < 1:
         p.error(f"--steps must be >= 1, got {args.steps}")
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        p.error("--device cuda given but CUDA is not available")
+    _training.check_device(p, args.device)
     try:
         args.out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:

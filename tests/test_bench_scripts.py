@@ -40,3 +40,21 @@ def test_bench_activations_bad_json_dir(tmp_path):
     cmd = [sys.executable, "scripts/bench_activations.py", "--sizes", "3", "--json", str(tmp_path / "no" / "x.json")]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and proc.stderr.startswith("error: --json") and proc.stderr.count("\n") == 1
+
+
+def test_scripts_refuse_bad_arguments_in_one_line():
+    """Each once ended in a traceback (or ran on with nan: train_lm.py --lr inf)."""
+    cases = [
+        (["scripts/train_lm.py", "--lr", "nan"], "--lr"),
+        (["scripts/train_lm.py", "--lr", "inf", "--steps", "1"], "--lr"),
+        (["scripts/train_cnn.py", "--warmup", "-1"], "--warmup"),
+        (["scripts/main_job.py", "--device", "foo"], "--device"),
+        (["scripts/bench_plan.py", "--layers", "0"], "--layers"),
+        (["scripts/bench_plan.py", "--optimizer", "lion"], "--optimizer"),
+        (["scripts/bench_quant.py", "--sizes", "0"], "--sizes"),
+        (["scripts/bench_solver.py", "--k", "1000000"], "--k"),
+    ]
+    for args, needle in cases:
+        proc = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 2, (args, proc.stderr[-500:])
+        assert "Traceback" not in proc.stderr and needle in proc.stderr.strip().splitlines()[-1], (args, proc.stderr)
