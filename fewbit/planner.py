@@ -1158,8 +1158,10 @@ class Plan:
         """
         if not isinstance(d, Mapping):
             raise ValueError(f"a plan must be a JSON object, got {type(d).__name__}")
-        if d.get("version") != PLAN_VERSION:
-            raise ValueError(f"plan format version {d.get('version')!r} is not supported (expected {PLAN_VERSION})")
+        if "version" not in d or "blocks" not in d:
+            raise ValueError(f"not a fewbit plan: no 'version' or 'blocks' field (fields: {', '.join(map(str, d))})")
+        if type(d["version"]) is not int or d["version"] != PLAN_VERSION:
+            raise ValueError(f"plan format version {d['version']!r} is not supported (expected {PLAN_VERSION})")
         try:
             d = dict(d)
             d["blocks"] = [BlockPolicy(**{**b, "groups": [GroupChoice(**g) for g in b["groups"]]})
@@ -1167,26 +1169,49 @@ class Plan:
             p = cls(**d)
         except (KeyError, TypeError) as e:
             raise ValueError(f"not a fewbit plan: {e}") from None
-        for b in p.blocks:
-            for g in b.groups:
+        _check_fields(p, "")
+        for i, b in enumerate(p.blocks):
+            _check_fields(b, f"blocks[{i}].")
+            names = [g.name for g in b.groups]
+            if len(set(names)) != len(names):
+                raise ValueError(f"not a fewbit plan: blocks[{i}] lists a group twice: {names}")
+            for j, g in enumerate(b.groups):
+                _check_fields(g, f"blocks[{i}].groups[{j}].")
                 get_option(g.option)
         return p
 
     @classmethod
     def from_json(cls, text: str) -> "Plan":
+        """:meth:`from_dict` of JSON ``text``.
+
+        Raises:
+            ValueError: invalid JSON (a key given twice included), or as :meth:`from_dict`.
+        """
         try:
-            d = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"not a fewbit plan (invalid JSON: {e})") from None
+            d = json.loads(text, object_pairs_hook=_unique_keys)
+        except (json.JSONDecodeError, RecursionError) as e:
+            raise ValueError(f"not a fewbit plan (invalid JSON: {type(e).__name__}: {e})") from None
         return cls.from_dict(d)
 
     def save(self, path: str | Path) -> None:
-        """Write :meth:`to_json` to ``path``."""
-        Path(path).write_text(self.to_json() + "\n")
+        """Write :meth:`to_json` to ``path`` (atomically: a failed write leaves what was there)."""
+        from fewbit.table import atomic_output
+
+        with atomic_output(path) as tmp:
+            Path(tmp).write_text(self.to_json() + "\n", encoding="utf-8")
 
     @classmethod
     def load(cls, path: str | Path) -> "Plan":
-        return cls.from_json(Path(path).read_text())
+        """The plan saved at ``path`` (UTF-8, a byte-order mark allowed).
+
+        Raises:
+            ValueError: not a readable fewbit plan; OSError: the file cannot be read.
+        """
+        try:
+            text = Path(path).read_text(encoding="utf-8-sig")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"not a fewbit plan ({path} is not UTF-8 text: {e})") from None
+        return cls.from_json(text)
 
     def __str__(self) -> str:
         lines = [
@@ -1212,6 +1237,38 @@ class Plan:
                              f"{g.added_time * 1e3:>6.2f} ms"
                              + (f"  {_fmt_bytes(g.shared_bytes):>16}" if g.shared_bytes else ""))
         return "\n".join(lines)
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    keys = [k for k, _ in pairs]
+    dup = sorted({k for k in keys if keys.count(k) > 1})
+    if dup:
+        raise ValueError(f"not a fewbit plan: a key given twice in one object: {', '.join(dup)}")
+    return dict(pairs)
+
+
+#: How :func:`_check_fields` checks a plan field of each annotated type.
+_FIELD_CHECKS: dict[str, Callable[[Any], bool]] = {
+    "int": lambda v: type(v) is int,
+    "int | None": lambda v: v is None or type(v) is int,
+    "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v),
+    "bool": lambda v: isinstance(v, bool),
+    "str": lambda v: isinstance(v, str),
+    "list[str]": lambda v: isinstance(v, list) and bool(v) and all(isinstance(x, str) for x in v),
+}
+
+
+def _check_fields(obj: Any, where: str) -> None:
+    """ValueError naming the field of a plan read from JSON whose value is not of its type
+    (``"checkpoint": "false"`` was truthy, ``"parameter_bytes": "123"`` failed later)."""
+    import dataclasses
+
+    for f in dataclasses.fields(obj):
+        check = _FIELD_CHECKS.get(f.type)
+        value = getattr(obj, f.name)
+        if check is not None and not check(value):
+            what = "a non-empty list of str" if f.type == "list[str]" else f.type
+            raise ValueError(f"not a fewbit plan: {where}{f.name} must be {what}, got {value!r}")
 
 
 def _objective_terms(prof: ModelProfile, accuracy_weight: float):

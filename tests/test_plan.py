@@ -841,3 +841,41 @@ def test_planning_leaves_the_random_state_and_refuses_shared_modules_clearly():
     shared = _Blocks(torch.nn.LayerNorm(32))
     with pytest.raises(ValueError, match=r"module blocks\.1\.ln is the module blocks\.0\.ln .*shared"):
         fewbit.plan(shared, x, "100%", loss_fn=_square_loss, repeats=1)
+
+
+@pytest.mark.parametrize("edit, needle", [
+    (lambda d: d["blocks"][0].update(checkpoint="false"), r"blocks\[0\]\.checkpoint must be bool"),
+    (lambda d: d.update(version=True), "version True is not supported"),
+    (lambda d: d.update(parameter_bytes="123"), "parameter_bytes must be int | None"),
+    (lambda d: d.update(budget_bytes="x"), "budget_bytes must be int"),
+    (lambda d: d["blocks"][0].update(blocks=[]), r"blocks\[0\]\.blocks must be a non-empty list of str"),
+    (lambda d: d["blocks"][0].update(blocks="blocks.0"), r"blocks\[0\]\.blocks must be a non-empty list of str"),
+    (lambda d: d.update(fused_cross_entropy="yes"), "fused_cross_entropy must be bool"),
+    (lambda d: d["blocks"][0]["groups"].append(dict(d["blocks"][0]["groups"][0])), "lists a group twice"),
+    (lambda d: d.pop("version"), "not a fewbit plan: no 'version'"),
+])
+def test_plan_files_with_fields_of_the_wrong_type_are_refused(prof, edit, needle, tmp_path):
+    """A plan file edited by hand: ``"checkpoint": "false"`` was truthy (the block ran
+    checkpointed), ``"version": true`` passed, ``"parameter_bytes": "123"`` failed at
+    ``convert_`` with a TypeError, an empty ``blocks`` list made ``str(plan)`` raise."""
+    d = json.loads(planner.plan_from_profile(prof, "100%").to_json())
+    edit(d)
+    with pytest.raises(ValueError, match=needle):
+        fewbit.Plan.from_dict(d)
+
+
+def test_plan_json_refuses_repeated_keys_deep_nesting_and_bad_bytes(prof, tmp_path):
+    p = planner.plan_from_profile(prof, "100%")
+    text = p.to_json()
+    with pytest.raises(ValueError, match="twice"):
+        fewbit.Plan.from_json(text[:-1] + ', "optimizer": "sgd"}')
+    with pytest.raises(ValueError, match="invalid JSON"):
+        fewbit.Plan.from_json("[" * 100000 + "]" * 100000)
+    path = tmp_path / "p.json"
+    path.write_bytes(b"\xff\xfe" + text.encode())
+    with pytest.raises(ValueError, match="not UTF-8"):
+        fewbit.Plan.load(path)
+    path.write_bytes(b"\xef\xbb\xbf" + text.encode())  # a byte-order mark, as table files allow
+    assert fewbit.Plan.load(path) == p
+    p.save(path)
+    assert fewbit.Plan.load(path) == p
