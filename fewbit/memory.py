@@ -363,7 +363,12 @@ class Report:
         return sum(k[1] * e for k, (_, e, _) in hist.items()) / elements if elements else None
 
     def format(self, top: int = 10) -> str:
-        """A readable table in MiB, with the ``top`` largest modules."""
+        """A readable table in MiB, with the ``top`` largest modules (``top`` >= 0).
+
+        Raises:
+            ValueError: ``top`` is not an integer >= 0 (``-1`` had dropped the last module).
+        """
+        check_positive_int(top, "top", minimum=0)
         mib = 2.0**20
         lines = [f"saved for backward: {self.saved_bytes / mib:.3f} MiB "
                  f"({self.num_unique} unique of {self.num_saved} saved)"]
@@ -412,6 +417,18 @@ def _call(model: nn.Module, inputs: Any) -> Any:
     return model(inputs)
 
 
+def check_loss(loss: Any) -> torch.Tensor:
+    """``loss`` if it is a one-element tensor (what ``loss_fn`` must return).
+
+    Raises:
+        TypeError: anything else, with what it is.
+    """
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        what = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise TypeError(f"loss_fn must return a scalar tensor, got {what}")
+    return loss
+
+
 def saved_tensor_report(
     model: nn.Module,
     inputs: Any,
@@ -451,8 +468,7 @@ def saved_tensor_report(
         with rec:
             output = _call(model, inputs)
             loss = loss_fn(output)
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            raise TypeError("loss_fn must return a scalar tensor")
+        check_loss(loss)
         loss.backward()
     peak = None
     if cuda:
@@ -548,7 +564,7 @@ def compare(
         activation_bits=bits, saved_bits=saved_bits, group_size=group_size, average_bits=average_bits,
         compressor=compressor, fused_cross_entropy=fused_cross_entropy,
     )
-    variants = tuple(variants)
+    variants = (variants,) if isinstance(variants, str) else tuple(variants)  # "vanilla": one variant
     for v in variants:
         if v not in VARIANTS:
             raise ValueError(f"variant must be one of {VARIANTS}, got {v!r}")

@@ -649,19 +649,21 @@ def _sync(device: torch.device) -> None:
 
 
 def _step(model: nn.Module, batch: Any, loss_fn: Callable) -> torch.Tensor:
+    from fewbit.memory import check_loss
+
     with torch.enable_grad():
-        loss = loss_fn(_call(model, batch))
+        loss = check_loss(loss_fn(_call(model, batch)))
         loss.backward()
     return loss.detach()
 
 
 def _recorded_step(model: nn.Module, batch: Any, loss_fn: Callable):
-    from fewbit.memory import SavedTensorRecorder
+    from fewbit.memory import SavedTensorRecorder, check_loss
 
     rec = SavedTensorRecorder(model)
     with torch.enable_grad():
         with rec:
-            loss = loss_fn(_call(model, batch))
+            loss = check_loss(loss_fn(_call(model, batch)))
         loss.backward()
     model.zero_grad(set_to_none=True)
     return rec

@@ -276,3 +276,21 @@ def test_memory_cli_import_is_light():
             "bad = [m for m in ('transformers', 'fewbit.memory', 'numba', 'scipy') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_single_variant_name_report_top_and_a_non_scalar_loss():
+    """``variants="vanilla"`` was iterated by character ("got 'v'"); ``format(top=-1)``
+    silently dropped the last module; a non-scalar loss_fn output failed inside autograd."""
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    res = fm.compare(_tiny_gpt2, {"input_ids": ids, "labels": ids}, variants="vanilla")
+    assert list(res) == ["vanilla"]
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU())
+    rep = fm.saved_tensor_report(model, torch.randn(4, 8), loss_fn=lambda out: out.sum())
+    with pytest.raises(ValueError, match="top"):
+        rep.format(top=-1)
+    assert rep.format(top=0)
+    with pytest.raises(TypeError, match=r"loss_fn must return a scalar tensor, got a tensor of shape \(4, 8\)"):
+        fm.saved_tensor_report(model, torch.randn(4, 8), loss_fn=lambda out: out)
+    with pytest.raises(TypeError, match="loss_fn must return a scalar tensor"):
+        blocks = torch.nn.Sequential(*(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU()) for _ in range(2)))
+        fewbit.plan(blocks, torch.randn(4, 8), "100%", loss_fn=lambda out: out)
