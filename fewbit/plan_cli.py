@@ -99,7 +99,7 @@ def plan(model_name, budget, seq_len, batch, layers, hidden, device, optimizer, 
 
     import fewbit
 
-    dev, spec, cfg, seq, model_cls = _model_setup(key, layers, hidden, seq_len, device)  # as `fewbit memory`
+    dev, _, cfg, seq, model_cls = _model_setup(key, layers, hidden, seq_len, device)  # as `fewbit memory`
     _check_fits(key, cfg, model_cls, batch, seq, device)
     torch.manual_seed(0)
     model = model_cls(cfg).to(dev)
