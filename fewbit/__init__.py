@@ -37,6 +37,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     # Group quantizer for other layers' saved tensors
     "quant": ("fewbit.quant", None),
     "compress_activations": ("fewbit.quant", "compress_activations"),
+    "manual_seed": ("fewbit.quant", "manual_seed"),
     # Memory report
     "memory": ("fewbit.memory", None),
     # Fused linear + cross-entropy for language-model heads
@@ -57,7 +58,7 @@ __all__ = [
     # conversion
     "Config", "convert_", "ConversionSummary",
     # saved-tensor compression
-    "quant", "compress_activations",
+    "quant", "compress_activations", "manual_seed",
     # reporting
     "memory",
     # losses

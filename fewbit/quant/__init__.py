@@ -19,12 +19,13 @@ NaN, other groups are unaffected).
 Random numbers: ``u`` is a counter-based hash of the flat element index and one 64-bit
 seed (:func:`fewbit.quant._reference.uniform_noise`, the one definition that the numba and
 Triton kernels implement). The seed is one draw per call from a *CPU* generator (``generator``,
-or torch's default CPU generator), whatever the device of ``x``: the draw needs no device
+or fewbit's own noise stream, seeded from torch's seed: :func:`manual_seed`), whatever the device of ``x``: the draw needs no device
 synchronisation, and the same generator state gives the same codes on CPU and CUDA (a CUDA
 generator and a CPU generator seeded alike draw different numbers, so CUDA generators are
 refused). Every backend computes the same noise, so the stochastic path is bit-identical
 to :func:`quantize_reference` for the same generator state, no noise tensor is
-materialised, and a run is reproducible under ``torch.manual_seed``.
+materialised, and a run is reproducible under ``torch.manual_seed`` (in one process,
+under :func:`manual_seed`) while torch's own random streams are left as they are.
 
 Backends (``fewbit::group_quantize`` / ``fewbit::group_dequantize`` torch.library ops):
 numba on CPU, Triton on CUDA, both imported lazily (``import fewbit`` imports neither).
@@ -38,6 +39,8 @@ Saved-tensor compression: :class:`ActivationCompressor` / :func:`compress_activa
 from __future__ import annotations
 
 import math
+import numbers
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -50,6 +53,8 @@ from fewbit.quant.compressor import ActivationCompressor, CompressionStats, comp
 __all__ = [
     # quantizer
     "QuantizedTensor", "quantize", "dequantize",
+    # noise seeds
+    "manual_seed",
     # pure-torch definition
     "quantize_reference", "dequantize_reference",
     # saved-tensor compression
@@ -160,15 +165,91 @@ def _rank() -> int:
     return dist.get_rank()
 
 
+#: Mixed into torch's seed to seed fewbit's noise stream, so that the stream is not torch's
+#: own (a stream equal to the global one would correlate the rounding noise with dropout).
+_NOISE_SALT = 0x6A09E667F3BCC909
+
+
+class _NoiseStream:
+    """fewbit's own CPU generator for noise seeds, one per process (see :func:`manual_seed`).
+
+    Seeded from ``torch.initial_seed()`` at the first draw, and again whenever that seed
+    changes (``torch.manual_seed`` with another value, ``transformers.set_seed``, ...); reset
+    by :func:`manual_seed`. It never draws from torch's generators, so compression leaves
+    every other random number of a run (dropout masks, data shuffling) as it is without
+    compression."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.generator: torch.Generator | None = None
+        self.torch_seed: int | None = None
+
+    def get(self) -> torch.Generator:
+        torch_seed = torch.initial_seed()
+        with self.lock:
+            if self.generator is None or self.torch_seed != torch_seed:
+                # splitmix64's finaliser of the salted seed: nearby torch seeds give unrelated streams
+                z = (torch_seed ^ _NOISE_SALT) & 0xFFFFFFFFFFFFFFFF
+                z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+                z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+                self.generator = torch.Generator().manual_seed(z ^ (z >> 31))
+                self.torch_seed = torch_seed
+            return self.generator
+
+    def reset(self) -> None:
+        with self.lock:
+            self.generator = None
+
+
+_noise_stream = _NoiseStream()
+
+
+def manual_seed(seed: int) -> torch.Generator:
+    """Seed torch and fewbit's noise stream: ``torch.manual_seed(seed)``, then restart the
+    stream that compression draws its noise seeds from.
+
+    Compression with ``generator=None`` takes its noise seeds (one 64-bit draw per
+    compressed tensor) from a CPU generator of fewbit's own, never from torch's, so a
+    converted model draws the same dropout masks and the same data order as the vanilla
+    model under the same seed. That stream is seeded from ``torch.initial_seed()``, so a
+    fresh process and every ``torch.manual_seed`` call with a *new* value reproduce a run.
+    Re-seeding torch with the *same* value in one process cannot be seen from outside, so
+    the stream goes on (fresh noise, not a replay): call this function instead of
+    ``torch.manual_seed`` to replay a run within a process.
+
+    Args:
+        seed: an int accepted by ``torch.manual_seed`` (-2**63 ... 2**64 - 1).
+
+    Returns:
+        torch's default CPU generator, as ``torch.manual_seed`` does.
+
+    Raises:
+        TypeError: ``seed`` not an int (bools too).
+        ValueError: ``seed`` out of torch's range (raised by ``torch.manual_seed``).
+
+    Example:
+        >>> fewbit.manual_seed(0); loss1 = train_step(model)
+        >>> fewbit.manual_seed(0); loss2 = train_step(model)  # the same noise: loss2 == loss1
+    """
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+        raise TypeError(f"seed must be an int, got {type(seed).__name__} {seed!r}")
+    generator = torch.manual_seed(int(seed))
+    _noise_stream.reset()
+    return generator
+
+
 def _draw_seed(generator: torch.Generator | None) -> int:
     """The 64-bit noise seed of one quantization: one draw from ``generator`` (a CPU
-    generator), or from torch's default CPU generator if None (advancing it, as any random
-    op does). The draw never depends on the device of the tensor being quantized.
+    generator), or from fewbit's own noise stream if None (:func:`manual_seed`; torch's
+    generators are never advanced). The draw never depends on the device of the tensor
+    being quantized.
 
     Under ``torch.distributed`` (an initialised process group) rank ``r`` adds
     ``r * _RANK_STEP`` (mod 2**63) to the draw: ranks seeded alike (the common
     ``set_seed(seed)`` on every rank) would otherwise round with the same noise pattern,
     and their errors would not average out in the gradient all-reduce."""
+    if generator is None:
+        generator = _noise_stream.get()
     seed = int(torch.randint(0, 2**63 - 1, (1,), generator=generator).item())
     rank = _rank()
     return (seed + rank * _RANK_STEP) % (2**63 - 1) if rank else seed
@@ -195,8 +276,9 @@ def quantize(
             rounding (``u = 1/2``) if False.
         stats_dtype: dtype of the stored ``m`` and ``s``: torch.bfloat16 or torch.float32.
         generator: a CPU ``torch.Generator``, source of the 64-bit noise seed (one draw per
-            call when ``stochastic``, whatever the device of ``x``); torch's default CPU
-            generator if None (then ``torch.manual_seed`` makes the result reproducible).
+            call when ``stochastic``, whatever the device of ``x``); if None, fewbit's own
+            noise stream, seeded from torch's seed (:func:`manual_seed`), which leaves
+            torch's random streams untouched.
 
     Returns:
         A :class:`QuantizedTensor` holding ``ceil(numel * bits / 8)`` bytes of codes plus

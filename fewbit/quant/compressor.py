@@ -246,8 +246,8 @@ class ActivationCompressor:
         stochastic: stochastic (unbiased) rounding if True, nearest if False.
         stats_dtype: torch.bfloat16 or torch.float32 for the per-group min and scale.
         generator: a CPU ``torch.Generator`` that supplies the noise seeds (one 64-bit draw
-            per compressed tensor). If None (default), the seeds are drawn from torch's
-            default CPU generator, like any other random op (see the note below).
+            per compressed tensor). If None (default), they come from fewbit's own noise
+            stream, seeded from torch's seed (see the note below).
         compressor: a :class:`fewbit.quant.compressors.Compressor` applied to every
             floating tensor taken (then ``bits``, ``group_size``, ``stochastic`` and
             ``stats_dtype`` are not used); default ``GroupQuantizer(bits, group_size=...,
@@ -262,18 +262,14 @@ class ActivationCompressor:
         Random numbers. Every compressed tensor gets a new 64-bit seed, so no two
         tensors, layers, steps or compressor instances reuse a noise pattern (a replayed
         pattern is a bias that SGD does not average away; docs/compression.md §1). With
-        ``generator=None`` the seeds come from torch's default CPU generator, which
-        ``torch.manual_seed`` resets: the same seed and program give the same gradients,
-        also after re-seeding in the same process. Compression therefore *advances* the
-        global CPU RNG stream by one draw per compressed tensor, so CPU random draws made
-        after it (CPU dropout masks, a ``DataLoader`` that shuffles with the default
-        generator) differ from an uncompressed run with the same seed; CUDA dropout uses
-        the CUDA generator and is unaffected. This is deliberate: a compressor that left
-        the global stream untouched would have to keep its own state, which
-        ``torch.manual_seed`` does not reset, so either fresh compressors would replay
-        the same noise (the earlier behaviour) or re-seeding would not reproduce a run.
-        To keep the global stream untouched, pass a ``generator`` (seeded by you) and
-        reuse it across steps.
+        ``generator=None`` the seeds come from fewbit's own CPU generator
+        (:func:`fewbit.manual_seed`), never from torch's: a converted model draws the same
+        dropout masks and data order as the vanilla model under the same seed. That
+        stream is seeded from ``torch.initial_seed()``, so the same seed and program give
+        the same gradients in a fresh process, and after ``torch.manual_seed`` with a new
+        value. To replay a run within one process with the *same* seed, call
+        ``fewbit.manual_seed(seed)`` (it seeds torch too), or pass a ``generator`` seeded
+        by you and reuse it across steps.
 
     In-place changes. A tensor kept as it is (a parameter, a small, integer or ``keep``
         tensor) is checked when backward reads it, as torch checks saved tensors without
@@ -348,7 +344,7 @@ class ActivationCompressor:
         self.min_numel = min_numel
         self.stochastic = bool(stochastic)
         self.stats_dtype = stats_dtype
-        self.generator = generator  # None: torch's default CPU generator, read at each draw
+        self.generator = generator  # None: fewbit's noise stream (fewbit.manual_seed), read at each draw
         self.stats = CompressionStats()
         self._stack: list = []
         self._where: list = []  # (fqn, kind) of the converted modules running, innermost last

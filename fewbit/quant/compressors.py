@@ -4,7 +4,7 @@ A :class:`Compressor` turns one floating tensor into a :class:`Compressed` handl
 holds fewer bytes and gives back a tensor of the same shape, dtype and device. Every
 compressor here is *unbiased* (``E[decompress(compress(x))] = x``, stochastic rounding)
 and draws *fresh noise* on every call (one 64-bit seed from ``generator``, or from
-torch's default CPU generator, so a run is reproducible under ``torch.manual_seed``);
+fewbit's own noise stream, :func:`fewbit.manual_seed`, which leaves torch's generators alone);
 docs/compression.md §1 says why both matter.
 
 :class:`fewbit.quant.ActivationCompressor` applies one to every saved tensor it takes
@@ -79,8 +79,8 @@ class Compressor(abc.ABC):
 
         Args:
             x: the tensor to compress.
-            generator: a CPU ``torch.Generator`` for the noise seed; torch's default CPU
-                generator if None.
+            generator: a CPU ``torch.Generator`` for the noise seed; fewbit's own noise
+                stream if None (:func:`fewbit.manual_seed`).
         """
 
     @abc.abstractmethod

@@ -1,0 +1,122 @@
+"""Compression's noise seeds come from fewbit's own stream, never from torch's generators.
+
+A converted model must draw the same dropout masks (and anything else random) as the
+vanilla model under the same seed; ``fewbit.manual_seed`` replays the compression noise
+within a process, and a fresh process reproduces it from ``torch.manual_seed`` alone."""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import fewbit
+from fewbit import quant as fq
+
+
+def _gpt2_losses(convert: bool, steps: int = 3):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=100, n_positions=64)
+    model = transformers.GPT2LMHeadModel(cfg)  # default dropout 0.1 (CPU dropout: torch's CPU generator)
+    if convert:
+        fewbit.convert_(model, fewbit.Config(saved_bits=4))
+    model.train()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    ids = torch.randint(0, 100, (2, 32))
+    losses = []
+    for _ in range(steps):
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, torch.rand(4)
+
+
+def test_converted_model_draws_the_vanilla_dropout_masks():
+    """Step 1's loss is the vanilla loss bit for bit (same weights, same dropout masks:
+    the forward is exact); later steps differ only by the compressed gradients, and the
+    torch stream after training is where vanilla's is. Before, each compressed tensor took
+    one draw from torch's CPU generator, so step 1's masks already differed."""
+    vanilla, after_vanilla = _gpt2_losses(convert=False)
+    converted, after_converted = _gpt2_losses(convert=True)
+    assert converted[0] == vanilla[0]
+    assert torch.equal(after_converted, after_vanilla)
+    assert converted[1:] != vanilla[1:]  # the 4-bit gradients did train differently
+    assert all(abs(a - b) < 0.05 for a, b in zip(converted, vanilla))
+
+
+def test_dropout_mask_after_a_compressed_backward_is_vanilla_mask():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(128, 128), nn.GELU(), nn.Dropout(0.5), nn.Linear(128, 128))
+
+
+    ref = copy.deepcopy(model)
+    fewbit.convert_(model, fewbit.Config(saved_bits=2))
+    x = torch.randn(64, 128)
+    outs = {}
+    for name, m in (("vanilla", ref), ("converted", model)):
+        torch.manual_seed(1)
+        m(x).sum().backward()  # compresses the Linear inputs (64 x 128 = 8192 elements each)
+        outs[name] = m(x)  # the second forward's dropout mask
+    assert torch.equal(outs["converted"], outs["vanilla"])
+
+
+def test_fewbit_manual_seed_replays_compression_noise():
+    x = torch.randn(5000)
+    fewbit.manual_seed(3)
+    a = fq.quantize(x, 2)
+    b = fq.quantize(x, 2)
+    fewbit.manual_seed(3)
+    c = fq.quantize(x, 2)
+    assert torch.equal(a.packed, c.packed)
+    assert not torch.equal(a.packed, b.packed)  # fresh noise at every call
+    # torch's stream is seeded too, as torch.manual_seed does
+    fewbit.manual_seed(3)
+    r = torch.rand(3)
+    torch.manual_seed(3)
+    assert torch.equal(r, torch.rand(3))
+
+
+def test_a_new_torch_seed_restarts_the_noise_stream():
+    x = torch.randn(5000)
+    torch.manual_seed(11)
+    a = fq.quantize(x, 2)
+    torch.manual_seed(12)
+    b = fq.quantize(x, 2)
+    fewbit.manual_seed(11)
+    c = fq.quantize(x, 2)
+    assert torch.equal(a.packed, c.packed)
+    assert not torch.equal(a.packed, b.packed)
+
+
+def test_quantize_does_not_advance_torch_generator():
+    torch.manual_seed(5)
+    fq.quantize(torch.ones(5000).cumsum(0), 2)
+    r = torch.rand(3)
+    torch.manual_seed(5)
+    torch.ones(5000).cumsum(0)
+    assert torch.equal(r, torch.rand(3))
+
+
+def test_fresh_process_reproduces_noise_from_torch_seed():
+    code = (
+        "import hashlib, torch, fewbit.quant as fq; torch.manual_seed(21); x = torch.linspace(-3, 3, 5000);"
+        "print(*(hashlib.sha256(fq.quantize(x, 2).packed.numpy().tobytes()).hexdigest() for _ in range(2)))"
+    )
+    outs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+            for _ in range(2)]
+    assert outs[0] == outs[1]
+    first, second = outs[0].split()
+    assert first != second
+
+
+@pytest.mark.parametrize("seed", [True, 1.5, "0", None])
+def test_manual_seed_refuses_non_integers(seed):
+    with pytest.raises(TypeError, match="seed must be an int"):
+        fewbit.manual_seed(seed)
