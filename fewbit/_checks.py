@@ -20,6 +20,7 @@ __all__ = [
     "FLOAT_DTYPES",
     "TABLE_BITS",
     "check_bits",
+    "check_device",
     "check_float_tensor",
     "check_noise_norm",
     "check_positive_int",
@@ -128,3 +129,28 @@ def packed_nbytes(numel: int, bits: int) -> int:
                 raise ValueError(f"numel must be an integer >= 0, got {numel!r}")
             numel = int(numel)
     return (numel * bits + 7) // 8
+
+
+def check_device(device: str, name: str = "--device") -> torch.device:
+    """The device a command or script trains on: ``cpu``, or ``cuda[:N]`` that is here.
+
+    Other device types (meta, mps, xla, ...) have no training step to measure. Shared by
+    ``fewbit memory``/``fewbit plan`` and the scripts under ``scripts/``.
+
+    Raises:
+        ValueError: naming ``name``, the allowed devices and the value given.
+    """
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"{name} must be cpu or cuda[:N], got {device!r}")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"{name} {device} given but CUDA is not available")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"{name} {device}: only {torch.cuda.device_count()} CUDA device(s) here")
+    return dev

@@ -61,16 +61,12 @@ def _model_setup(key: str, layers: int | None, hidden: int | None, seq_len: int,
     or a ``--seq-len`` above the model's positions is a one-line error."""
     import torch
 
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        _fail("--device cuda given but CUDA is not available")
+    from fewbit._checks import check_device
+
     try:
-        dev = torch.device(device)
-    except RuntimeError:
-        dev = None
-    if dev is None or dev.type not in ("cpu", "cuda"):  # meta, mps, xla, ...: no step to measure there
-        _fail(f"--device must be cpu or cuda[:N], got {device!r}")
-    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
-        _fail(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) here")
+        dev = check_device(device)
+    except ValueError as e:
+        _fail(str(e))
     if key in ("llama", "phi3") and hidden is not None and hidden % 2:
         _fail(f"--hidden must be even for {key} (its rotary positions need an even head size), got {hidden}")
 

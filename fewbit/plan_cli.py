@@ -16,9 +16,13 @@ from pathlib import Path
 
 import click
 
+from fewbit._optimizers import OPTIMIZER_STATES
 from fewbit.memory_cli import MODELS, _check_fits, _fail, _inputs, _model_setup, _positive
 
 __all__ = ["plan"]
+
+#: The optimizers ``--optimizer`` takes: the planner's, less "none" (the command measures a real step).
+_OPTIMIZERS = [name for name in OPTIMIZER_STATES if name != "none"]
 
 
 def _measure(model, batch, optimizer: str, device) -> tuple[int, int, float]:
@@ -58,7 +62,7 @@ def _measure(model, batch, optimizer: str, device) -> tuple[int, int, float]:
               help="Override the hidden size (MLP width and heads follow).")
 @click.option("--device", default="cpu", show_default=True, help="torch device (cpu, cuda).")
 @click.option("--optimizer", default="adamw", show_default=True,
-              type=click.Choice(["adamw", "adam", "sgd", "sgd_momentum"]),
+              type=click.Choice(_OPTIMIZERS),
               help="Optimizer whose state counts as static memory.")
 @click.option("--options", "options", default=None, metavar="LIST",
               help="Comma-separated options per tensor group, of keep, recompute, quant<b>, division<b>, "

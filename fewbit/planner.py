@@ -75,6 +75,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import torch
 from torch import nn
 
+from fewbit import _optimizers
 from fewbit._checks import check_positive_int, is_int
 from fewbit._blocks import find_blocks
 from fewbit._saved import keep, unpack
@@ -107,7 +108,7 @@ __all__ = [
 PLAN_VERSION = 1
 
 #: Optimizer state per parameter, in multiples of the parameter's bytes.
-OPTIMIZER_STATES: dict[str, int] = {"adamw": 2, "adam": 2, "sgd": 0, "sgd_momentum": 1, "none": 0}
+OPTIMIZER_STATES = _optimizers.OPTIMIZER_STATES
 
 #: Options the planner considers when none are given.
 DEFAULT_OPTIONS: tuple[str, ...] = ("keep", "quant8", "quant4", "quant2", "fewbit3", "recompute")

@@ -334,15 +334,14 @@ positive_int, positive_float, nonneg_int = _at_least(int, 0, True), _at_least(fl
 
 
 def check_device(p: argparse.ArgumentParser, device: str) -> None:
-    """``p.error`` unless ``device`` is cpu or an available cuda device."""
+    """``p.error`` unless ``device`` is cpu or an available cuda device
+    (:func:`fewbit._checks.check_device`)."""
+    from fewbit._checks import check_device as _check
+
     try:
-        dev = torch.device(device)
-    except RuntimeError:
-        dev = None
-    if dev is None or dev.type not in ("cpu", "cuda"):
-        p.error(f"--device must be cpu or cuda[:N], got {device!r}")
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        p.error("--device cuda given but CUDA is not available")
+        _check(device)
+    except ValueError as e:
+        p.error(str(e))
 
 
 def build_parser(description: str) -> argparse.ArgumentParser:

@@ -29,6 +29,8 @@ import time
 import torch
 from _training import check_device, positive_int
 
+from fewbit._optimizers import OPTIMIZER_STATES
+
 
 def _model(args):
     import transformers
@@ -78,7 +80,7 @@ def main() -> None:
     ap.add_argument("--vocab", type=positive_int, default=100)
     ap.add_argument("--seq-len", type=positive_int, default=32)
     ap.add_argument("--batch", type=positive_int, default=8)
-    ap.add_argument("--optimizer", default="sgd", choices=["adamw", "adam", "sgd", "sgd_momentum", "none"])
+    ap.add_argument("--optimizer", default="sgd", choices=list(OPTIMIZER_STATES))
     ap.add_argument("--steps", type=positive_int, default=5, help="timed steps per variant (median)")
     ap.add_argument("--device", default="cpu")
     args = ap.parse_args()
