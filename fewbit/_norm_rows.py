@@ -7,6 +7,22 @@ share one mean/variance. One home for the rule, used for norm modules
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+
+#: A training BatchNorm's channel planes smaller than this are grouped channel-major
+#: (:class:`Channels`): per-plane groups of fewer elements would cost more in statistics
+#: (bfloat16 min and scale: 4 bytes a group, 0.125 bytes per element at 32) than the
+#: transposed copy saves.
+MIN_PLANE = 32
+
+
+@dataclass(frozen=True)
+class Channels:
+    """The statistics are per channel (dim 1) of ``(N, C, *spatial)``, over ``size =
+    N * prod(spatial)`` elements that are not contiguous: compress the ``(C, N, *spatial)``
+    copy, whose channel runs are (:meth:`fewbit.quant.ActivationCompressor._compress`)."""
+
+    size: int
 
 
 def layer_norm(normalized_shape: tuple[int, ...], shape: tuple[int, ...]) -> int | None:
@@ -26,3 +42,16 @@ def group_norm(num_groups: int, shape: tuple[int, ...]) -> int | None:
 def instance_norm(shape: tuple[int, ...]) -> int | None:
     """InstanceNorm of ``(N, C, *spatial)``: one channel plane, ``prod(spatial)``."""
     return math.prod(shape[2:]) if len(shape) >= 3 else None
+
+
+def batch_norm(shape: tuple[int, ...]) -> int | Channels | None:
+    """BatchNorm on batch statistics of ``(N, C, *spatial)``: one channel plane,
+    ``prod(spatial)``, where it has at least :data:`MIN_PLANE` elements; else (``(N, C)``
+    inputs, small planes) the channel's elements, channel-major (:class:`Channels`)."""
+    if len(shape) < 2:
+        return None
+    plane = math.prod(shape[2:])
+    if plane >= MIN_PLANE:
+        return plane
+    size = shape[0] * plane
+    return Channels(size) if size > 0 else None

@@ -607,7 +607,7 @@ def layer_kind(module: nn.Module) -> str | None:
     return None
 
 
-def normalization_size(module: nn.Module, shape: tuple[int, ...]) -> int | None:
+def normalization_size(module: nn.Module, shape: tuple[int, ...]) -> int | _norm_rows.Channels | None:
     """Elements of a tensor of ``shape`` saved by norm layer ``module`` that share one
     mean/variance, a contiguous run in C order; None where the backward is linear in the
     saved input or the runs are not known.
@@ -624,8 +624,10 @@ def normalization_size(module: nn.Module, shape: tuple[int, ...]) -> int | None:
       channel's ``N`` planes, but a group that spans two channels gives the channel of
       smaller scale the other's step: on 8 channels of scales 0.1 to 10 (6x6 planes), 2-bit
       groups of 256 put one draw's input gradient ~125x its norm off and the mean of 300
-      draws 9.3x; groups inside planes, 0.03x and 0.0016x (``tests/quant/test_norm_rows.py``). A
-      ``(N, C)`` input has no contiguous run per channel: None (groups span channels).
+      draws 9.3x; groups inside planes, 0.03x and 0.0016x (``tests/quant/test_norm_rows.py``).
+      ``(N, C)`` inputs and planes under ``fewbit._norm_rows.MIN_PLANE`` (32) elements have
+      no useful contiguous run per channel: :class:`fewbit._norm_rows.Channels` (the
+      compressor groups the ``(C, N, *spatial)`` copy inside each channel).
       In eval mode (running statistics) the backward is linear in the input: None.
 
     Used for :attr:`fewbit.quant.policies.SavedTensorInfo.norm_size`.
@@ -640,7 +642,7 @@ def normalization_size(module: nn.Module, shape: tuple[int, ...]) -> int | None:
         return _norm_rows.instance_norm(shape)
     if isinstance(module, nn.modules.batchnorm._NormBase):
         batch_statistics = module.training or not module.track_running_stats
-        return _norm_rows.instance_norm(shape) if batch_statistics else None
+        return _norm_rows.batch_norm(shape) if batch_statistics else None
     if type(module).__name__.endswith(("LayerNorm", "RMSNorm")):
         # a last dim of 1 is a per-row statistic (LLaMA's rsqrt of the mean square), not a row
         return shape[-1] if shape[-1] > 1 else None

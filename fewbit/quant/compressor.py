@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from fewbit import _norm_rows
 from fewbit._checks import check_positive_int
 from fewbit._saved import Kept, keep
 
@@ -146,6 +147,25 @@ class _Handle:
         if self.mask_value is None:
             return bits
         return bits.to(self.dtype) * self.mask_value
+
+
+class _ChannelMajor:
+    """A :class:`~fewbit.quant.compressors.Compressed` of ``(N, C, *spatial)`` made from its
+    ``(C, N, *spatial)`` copy, so that groups lie inside one channel (a training BatchNorm's
+    ``(N, C)`` input: :class:`fewbit._norm_rows.Channels`); decompresses to the original
+    layout, contiguous."""
+
+    __slots__ = ("qt",)
+
+    def __init__(self, qt):
+        self.qt = qt
+
+    @property
+    def nbytes(self) -> int:
+        return self.qt.nbytes
+
+    def decompress(self) -> torch.Tensor:
+        return self.qt.decompress().movedim(0, 1).contiguous()
 
 
 class _ViewHandle:
@@ -540,6 +560,9 @@ class ActivationCompressor:
         forced = self.compressor is not self._default  # fewbit.quant.attention's q and k
         fqn, kind, norm_size = self._where[-1] if self._where else (None, None, None)
         norm_size = norm_size(tuple(t.shape)) if norm_size is not None else None
+        channels = isinstance(norm_size, _norm_rows.Channels)  # BatchNorm's (N, C): channel-major
+        if channels:
+            norm_size = norm_size.size
         role = "qk" if forced else None
         if _result_of(t) in _NONLINEAR_RESULTS:
             role, norm_size = "result", _softmax_rows(t)
@@ -562,7 +585,10 @@ class ActivationCompressor:
         else:
             generator = self.policy.generator(info) or self.generator
             with torch.no_grad():
-                qt = compressor.compress(t.detach(), generator=generator)
+                if channels and role is None:
+                    qt = _ChannelMajor(compressor.compress(t.detach().movedim(1, 0).contiguous(), generator=generator))
+                else:
+                    qt = compressor.compress(t.detach(), generator=generator)
             self.stats.compressed += 1
         nbytes = qt.nbytes if qt is not None else t.numel() * t.element_size()
         self.records[info.index] = SavedTensorRecord(

@@ -140,7 +140,7 @@ def _batch_norm_size(args, kwargs):
     # F.batch_norm(input, running_mean, running_var, weight, bias, training, ...): on batch
     # statistics, one channel plane (fewbit.convert.normalization_size says why)
     training = args[5] if len(args) > 5 else kwargs.get("training", False)
-    return _norm_rows.instance_norm(tuple(args[0].shape)) if training is True else None
+    return _norm_rows.batch_norm(tuple(args[0].shape)) if training is True else None
 
 
 #: normalization functions -> ``(args, kwargs) -> elements per normalized row`` of their

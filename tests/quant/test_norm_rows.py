@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 import fewbit
+from fewbit._norm_rows import Channels
 from fewbit.convert import normalization_size
 from fewbit.quant.compressors import ChannelWise, Division, GroupQuantizer, Keep, OutlierSeparated, Softmax
 
@@ -58,11 +59,12 @@ class PyRMSNorm(nn.Module):
     (nn.LayerNorm(5), (3, 4), None),  # not the normalized shape
     (nn.GroupNorm(2, 4), (2, 4, 3, 3), 18),
     (nn.InstanceNorm2d(3), (2, 3, 4, 4), 16),
-    (nn.BatchNorm2d(3), (2, 3, 4, 4), 16),  # batch statistics: groups inside channel planes
-    (nn.BatchNorm1d(3), (2, 3, 5), 5),
-    (nn.BatchNorm1d(3), (2, 3), None),  # no contiguous run per channel
+    (nn.BatchNorm2d(3), (2, 3, 8, 4), 32),  # batch statistics: groups inside channel planes
+    (nn.BatchNorm2d(3), (2, 3, 4, 4), Channels(32)),  # planes < 32: inside channels, channel-major
+    (nn.BatchNorm1d(3), (2, 3, 5), Channels(10)),
+    (nn.BatchNorm1d(3), (2, 3), Channels(2)),  # no contiguous run per channel
     (nn.BatchNorm2d(3).eval(), (2, 3, 4, 4), None),  # running statistics: backward linear in x
-    (nn.BatchNorm2d(3, track_running_stats=False).eval(), (2, 3, 4, 4), 16),
+    (nn.BatchNorm2d(3, track_running_stats=False).eval(), (2, 3, 8, 8), 64),
     (nn.LocalResponseNorm(2), (2, 3, 4, 4), None),
     (PyRMSNorm(7), (2, 7), 7),
     (nn.LayerNorm(3), (), None),
@@ -144,16 +146,17 @@ def test_division_policy_quantizes_norm_inputs_by_rows():
     assert kinds == {"norm": "group", "linear": "division"}
 
 
-def _batchnorm_input_grad_bias(bits: int, draws: int, bare: bool = False) -> tuple[float, float]:
+def _batchnorm_input_grad_bias(bits: int, draws: int, bare: bool = False, shape=(16, 8, 6, 6)) -> tuple[float, float]:
     """``(bias, noise)``: the mean of ``draws`` compressed input gradients of a training
-    BatchNorm2d whose 8 channels have scales 0.1 to 10 (6x6 planes), against the exact one,
-    relative to its norm; ``noise``: the standard error of that mean."""
+    BatchNorm whose 8 channels (dim 1 of ``shape``) have scales 0.1 to 10, against the
+    exact one, relative to its norm; ``noise``: the standard error of that mean."""
     torch.manual_seed(3)
-    scale = torch.tensor([0.1, 1, 3, 10, 0.5, 2, 5, 1.0]).view(1, 8, 1, 1)
-    shift = torch.tensor([0, 1, -2, 5, 0, 3, 0, 1.0]).view(1, 8, 1, 1)
-    x0 = (torch.randn(16, 8, 6, 6) * scale + shift).double()
-    w = torch.randn(16, 8, 6, 6, generator=torch.Generator().manual_seed(9)).double()
-    norm = nn.BatchNorm2d(8).double()
+    view = (1, 8) + (1,) * (len(shape) - 2)
+    scale = torch.tensor([0.1, 1, 3, 10, 0.5, 2, 5, 1.0]).view(view)
+    shift = torch.tensor([0, 1, -2, 5, 0, 3, 0, 1.0]).view(view)
+    x0 = (torch.randn(shape) * scale + shift).double()
+    w = torch.randn(shape, generator=torch.Generator().manual_seed(9)).double()
+    norm = (nn.BatchNorm2d(8) if len(shape) == 4 else nn.BatchNorm1d(8)).double()
 
     def grad(m):
         x = x0.clone().requires_grad_()
@@ -170,20 +173,24 @@ def _batchnorm_input_grad_bias(bits: int, draws: int, bare: bool = False) -> tup
     else:
         model = nn.Sequential(norm)
         fewbit.convert_(model, fewbit.Config(activation_bits=None, saved_bits=bits, layers=("norm",)))
-    torch.manual_seed(1)
+    fewbit.manual_seed(1)
     gs = torch.stack([grad(model) for _ in range(draws)])
-    noise = (gs - ref).pow(2).sum((1, 2, 3, 4)).mean().sqrt() / draws**0.5
+    dims = tuple(range(1, gs.dim()))
+    noise = (gs - ref).pow(2).sum(dims).mean().sqrt() / draws**0.5
     return float((gs.mean(0) - ref).norm() / ref.norm()), float(noise / ref.norm())
 
 
+@pytest.mark.parametrize("shape", [(16, 8, 6, 6), (512, 8), (256, 8, 2)], ids=["2d-planes", "1d-NC", "1d-NCL"])
 @pytest.mark.parametrize("bare", [False, True], ids=["converted", "bare block"])
-def test_batchnorm_input_gradient_not_biased_by_channels_of_other_scales(bare):
+def test_batchnorm_input_gradient_not_biased_by_channels_of_other_scales(bare, shape):
     """A training BatchNorm's backward is quadratic in its saved input, as LayerNorm's:
     with 2-bit groups of 256 spanning channels of scales 0.1 to 10, one draw's input
-    gradient was off by ~125x the gradient's norm and the mean of 300 by 9.3x; with groups
-    inside channel planes, 0.03x and 0.0016x (within 3 standard errors of the mean)."""
+    gradient was off by ~125x the gradient's norm and the mean of 300 by 9.3x (6x6 planes;
+    (512, 8) inputs: 114x and 8.6x); with groups inside channel planes, or inside the
+    channels of the (C, N) copy where planes are small, 0.03x and 0.0016x ((512, 8):
+    0.045x and 0.0021x), within 3 standard errors of the mean."""
     draws = 300
-    bias, noise = _batchnorm_input_grad_bias(bits=2, draws=draws, bare=bare)
+    bias, noise = _batchnorm_input_grad_bias(bits=2, draws=draws, bare=bare, shape=shape)
     assert noise * draws**0.5 < 0.1, (bias, noise)  # one draw's error, relative
     assert bias < 3 * noise + 0.01, (bias, noise)
 
@@ -195,6 +202,25 @@ def test_batchnorm_inputs_get_groups_inside_channel_planes():
     # DIVISION's block means span the channel planes: the group quantizer inside them
     assert [r.compressor for r in summary.compressor.records.values()] == ["group"]
     assert math.isfinite(summary.compressor.stats.bytes_after)
+
+
+@pytest.mark.parametrize("shape", [(512, 8), (256, 8, 2)], ids=["NC", "NCL"])
+def test_batchnorm_small_planes_grouped_channel_major(shape):
+    """(N, C) inputs and planes under 32 elements: 2-bit groups inside each channel of the
+    (C, N, L) copy (no per-plane groups of 1 or 2 elements, which cost 4 bytes of stats
+    each: 2.25 bytes per element for planes of 2), decoded to the (N, C, L) layout."""
+    from fewbit import _norm_rows
+    from fewbit.convert import normalization_size
+
+    norm = nn.BatchNorm1d(8)
+    assert normalization_size(norm, shape) == _norm_rows.Channels(math.prod(shape) // 8)
+    model = nn.Sequential(norm)
+    summary = fewbit.convert_(model, fewbit.Config(activation_bits=None, saved_bits=2, layers=("norm",)))
+    x = torch.randn(shape, requires_grad=True)
+    model(x * 1).sum().backward()
+    (record,) = summary.compressor.records.values()
+    assert record.compressor == "group"
+    assert record.nbytes / x.numel() == pytest.approx(2 / 8 + 4 / 256)
 
 
 class LlamaStyleRMSNorm(nn.Module):
