@@ -236,8 +236,8 @@ def _check_args(input, weight, target, bias, ignore_index, reduction, label_smoo
                 grad_in_forward) -> None:
     check_float_tensor(input, "input")
     check_float_tensor(weight, "weight")
-    if input.dim() < 1:
-        raise ValueError(f"input must have shape (..., H) with at least 1 dimension, got shape {tuple(input.shape)}")
+    if input.dim() < 1 or input.shape[-1] < 1:
+        raise ValueError(f"input must have shape (..., H) with H >= 1 features, got shape {tuple(input.shape)}")
     if weight.dim() != 2 or weight.shape[1] != input.shape[-1]:
         raise ValueError(f"weight must have shape (V, H) with H = input.shape[-1] = {input.shape[-1]}, "
                          f"got shape {tuple(weight.shape)}")
@@ -341,7 +341,8 @@ def linear_cross_entropy(
     Raises:
         TypeError: ``input``, ``weight`` or ``bias`` is not a floating tensor.
         ValueError: a shape, dtype or value out of range (the message names the argument),
-            including target values outside [0, V) other than ``ignore_index``.
+            including target values outside [0, V) other than ``ignore_index``, ``H = 0``,
+            or ``input`` on a device other than cpu/cuda (meta: no values to compute).
         RuntimeError: in a double backward (``create_graph=True``).
 
     Under ``torch.autocast``, ``input``, ``weight`` and ``bias`` are cast to the autocast
@@ -357,6 +358,8 @@ def linear_cross_entropy(
         True
     """
     device_type = input.device.type if isinstance(input, torch.Tensor) else "cpu"
+    if device_type not in ("cpu", "cuda"):  # before autocast, which knows no meta
+        raise ValueError(f"input must be on a cpu or cuda device (the loss is computed there), got {input.device}")
     if torch.is_autocast_enabled(device_type) and isinstance(input, torch.Tensor):
         dtype = torch.get_autocast_dtype(device_type)
         input, weight = input.to(dtype), weight.to(dtype) if isinstance(weight, torch.Tensor) else weight

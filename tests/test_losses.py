@@ -236,6 +236,11 @@ def test_double_backward_raises():
         (dict(ignore_index=1.5), ValueError, "ignore_index must be an integer"),
         (dict(grad_in_forward=1), ValueError, "grad_in_forward must be True or False"),
         (dict(grad_in_forward=True, reduction="none"), ValueError, "grad_in_forward=True needs reduction"),
+        (dict(input=torch.zeros(N, 0, dtype=torch.float64), weight=torch.zeros(V, 0, dtype=torch.float64)),
+         ValueError, r"input must have shape \(\.\.\., H\) with H >= 1 features, got shape \(\d+, 0\)"),
+        (dict(input=torch.zeros(N, H, dtype=torch.float64, device="meta"),
+              weight=torch.zeros(V, H, dtype=torch.float64, device="meta"), bias=None),
+         ValueError, "input must be on a cpu or cuda device .*got meta"),
     ],
 )
 def test_bad_arguments(change, exc, match):

@@ -35,7 +35,7 @@ from typing import Callable, ClassVar, NamedTuple, Protocol, runtime_checkable
 
 import torch
 
-from fewbit._checks import check_bits, check_positive_int
+from fewbit._checks import check_bits, check_float_tensor, check_positive_int
 from fewbit.quant import _reference as _ref
 
 __all__ = [
@@ -153,8 +153,8 @@ class GroupQuantizer(Compressor):
         from fewbit.quant import _validate_options
 
         _validate_options(bits, group_size, stats_dtype, None)
-        self.bits = bits
-        self.group_size = group_size
+        self.bits = int(bits)  # numpy integers too: equal quantizers hash alike
+        self.group_size = int(group_size)
         self.stochastic = bool(stochastic)
         self.stats_dtype = stats_dtype
 
@@ -230,6 +230,16 @@ class Keep(Compressor):
     name = "keep"
 
     def compress(self, x: torch.Tensor, *, generator: torch.Generator | None = None) -> _Kept:
+        """``x`` itself, held as it is (checked as the other compressors check theirs).
+
+        Raises:
+            TypeError: ``x`` not a floating tensor, ``generator`` not a torch.Generator.
+            ValueError: ``generator`` not on the CPU.
+        """
+        from fewbit.quant import _validate_generator
+
+        check_float_tensor(x, "x")
+        _validate_generator(generator)
         return _Kept(x)
 
     def bytes_per_element(self, x: torch.Tensor) -> float:

@@ -87,6 +87,24 @@ def test_bad_compressor_and_name_are_clear_errors():
         get_compressor("group", bits=3)
 
 
+def test_keep_checks_its_input_as_the_other_compressors():
+    with pytest.raises(TypeError, match="x must be a floating-point tensor"):
+        Keep().compress(torch.zeros(3, dtype=torch.int64))
+    with pytest.raises(TypeError, match="x must be a torch.Tensor"):
+        Keep().compress([1.0, 2.0])
+    with pytest.raises(TypeError, match="generator must be a torch.Generator"):
+        Keep().compress(torch.zeros(3), generator=0)
+
+
+def test_numpy_integer_settings_hash_like_ints():
+    """Equal compressors hash alike (a dict of compressors, the policies' caches): numpy
+    integers gave GroupQuantizer another repr, hence another hash, while comparing equal."""
+    np = pytest.importorskip("numpy")
+    a, b = GroupQuantizer(np.int64(4), group_size=np.int64(64)), GroupQuantizer(4, group_size=64)
+    assert a == b and hash(a) == hash(b)
+    assert type(a.bits) is int and type(a.group_size) is int
+
+
 @pytest.mark.parametrize("name", ["group", "division", "outlier", "channelwise", "softmax", "keep"])
 def test_an_empty_last_dim_round_trips(name):
     """The outlier compressor raised torch's reshape error on a (5, 0) tensor."""
