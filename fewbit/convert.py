@@ -836,6 +836,11 @@ def _remove_compression_hooks(module: nn.Module) -> None:
             module._forward_hooks_always_called.pop(k, None)
 
 
+def _compresses_saved_tensors(model: nn.Module) -> bool:
+    """Whether an earlier :func:`convert_` with a :class:`Config` set ``saved_bits`` on ``model``."""
+    return any(isinstance(h, _StepHook) for h in model._forward_pre_hooks.values())
+
+
 def _install_compression_hooks(
     model: nn.Module, config: Config, selected: _Selected, summary: ConversionSummary
 ) -> None:
@@ -988,7 +993,10 @@ def convert_(
             (``torch.jit.script``/``trace``: compiled, nothing in it can be replaced),
             ``config`` is not a :class:`Config`, or ``filter_fn`` is not callable.
         ValueError: if both ``config`` and ``bits`` are given, or ``bits`` is out of range;
-            ``config.fused_cross_entropy`` for a model that is not a Hugging Face causal LM.
+            ``config.fused_cross_entropy`` for a model that is not a Hugging Face causal LM;
+            a :class:`Config` for a model that has a plan applied, or a plan for a model
+            that compresses saved tensors by an earlier ``Config`` (the two would both
+            compress the same tensors; :func:`fewbit.planner.remove_plan` undoes a plan).
 
     Example:
         >>> summary = fewbit.convert_(model, fewbit.Config(activation_bits=3, saved_bits=4))
@@ -1002,6 +1010,9 @@ def convert_(
 
         return apply_plan(model, config)
     config = _check_arguments(model, config, bits, filter_fn)
+    if "_fewbit_plan_state" in vars(model):  # fewbit.planner._STATE_ATTR
+        raise ValueError("model has a fewbit plan applied (it decides each saved tensor's compression); "
+                         "fewbit.planner.remove_plan(model) removes it before a convert_(model, Config)")
 
     def selected(m: nn.Module, fqn: str) -> bool:
         return filter_fn is None or bool(filter_fn(m, fqn))

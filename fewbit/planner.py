@@ -60,6 +60,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import inspect
@@ -439,22 +440,30 @@ def _check_unchanged(block: nn.Module, versions: list) -> None:
 
 def _checkpointed_forward(state: _State, block: nn.Module, forward: Callable, root: _GroupHook | None,
                           signature: inspect.Signature | None, *args, **kwargs):
+    from fewbit.quant import _noise_stream
+
     calls = [0]
+    noise = [None]  # the compressors' noise stream at the forward, replayed by recomputations
 
     def run(*a, **k):
         if calls[0]:  # a recomputation in backward
             _check_unchanged(block, versions)
+            replay = _noise_stream.replay(noise[0])
+        else:
+            noise[0] = _noise_stream.get_state()
+            replay = contextlib.nullcontext()
         calls[0] += 1
         state.checkpoint_hooks.append(torch._C._autograd._top_saved_tensors_default_hooks(False))
         try:
-            if root is not None:
-                root.pre(block, a)
-            try:
-                with resume_recording():  # a SavedTensorRecorder sees what the block's own forward saves
-                    return forward(*a, **k)
-            finally:
+            with replay:
                 if root is not None:
-                    root.post(block, a, None)
+                    root.pre(block, a)
+                try:
+                    with resume_recording():  # a SavedTensorRecorder sees what the block's own forward saves
+                        return forward(*a, **k)
+                finally:
+                    if root is not None:
+                        root.post(block, a, None)
         finally:
             state.checkpoint_hooks.pop()
 
@@ -1552,12 +1561,18 @@ def apply_plan(model: nn.Module, plan: Plan):
         TypeError: ``plan`` is not a :class:`Plan`.
         ValueError: the plan names modules the model does not have, the model's repeated
             blocks (:func:`find_blocks`) are not the plan's (more blocks, another type), or its
-            parameters are not the profiled model's bytes (:attr:`Plan.parameter_bytes`).
+            parameters are not the profiled model's bytes (:attr:`Plan.parameter_bytes`);
+            the model compresses saved tensors by an earlier ``fewbit.convert_(model,
+            Config(saved_bits=...))`` (both would compress the same tensors).
     """
-    from fewbit.convert import Config, ConversionSummary
+    from fewbit.convert import Config, ConversionSummary, _compresses_saved_tensors
 
     if not isinstance(plan, Plan):
         raise TypeError(f"plan must be a fewbit.Plan, got {type(plan).__name__}")
+    if _compresses_saved_tensors(model):
+        raise ValueError("model compresses its saved tensors by an earlier fewbit.convert_(model, "
+                         "Config(saved_bits=...)); a plan decides each tensor itself: apply it to a model "
+                         "converted without saved_bits (Config(saved_bits=None) re-converts it so)")
     state = _apply_choices(model, plan)
     summary = ConversionSummary(model=model, config=Config(activation_bits=None,
                                                            fused_cross_entropy=plan.fused_cross_entropy))

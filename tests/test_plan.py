@@ -47,7 +47,7 @@ def choices_plan(prof, choice: dict[str, str], default: str = "keep") -> fewbit.
 
 
 def measured(model, batch, seed=1):
-    torch.manual_seed(seed)
+    fewbit.manual_seed(seed)  # torch and the compressors' noise: runs compare alike
     rep = saved_tensor_report(model, batch)
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
@@ -503,6 +503,27 @@ def test_fewbit_option_replaces_activation_and_remove_restores(prof, batch):
     assert "forward" not in vars(model.transformer.h[0])
     assert len(model.transformer.h[0].ln_1._forward_pre_hooks) == 0
     assert not planner.remove_plan(model)
+
+
+def test_a_plan_and_a_config_conversion_do_not_mix(prof, batch):
+    """Both would compress the same saved tensors (a Config's hooks inside a plan's
+    groups): each order is one ValueError, and the model is left as it was."""
+    p = choices_plan(prof, {"mlp.c_proj": "quant4"})
+    model = make_model()
+    fewbit.convert_(model, p)
+    hooks = {n: len(m._forward_pre_hooks) for n, m in model.named_modules()}
+    with pytest.raises(ValueError, match=r"model has a fewbit plan applied .*remove_plan"):
+        fewbit.convert_(model, fewbit.Config(saved_bits=4))
+    assert {n: len(m._forward_pre_hooks) for n, m in model.named_modules()} == hooks
+    assert planner.remove_plan(model)
+    fewbit.convert_(model, fewbit.Config(saved_bits=4))  # after remove_plan: fine
+
+    with pytest.raises(ValueError, match=r"model compresses its saved tensors by an earlier fewbit.convert_"):
+        fewbit.convert_(model, p)
+    assert "_fewbit_plan_state" not in vars(model)
+    fewbit.convert_(model, fewbit.Config(saved_bits=None))  # re-converted without compression
+    fewbit.convert_(model, p)
+    model(**batch).loss.backward()
 
 
 def test_division_and_outlier_options(batch):

@@ -38,6 +38,7 @@ Saved-tensor compression: :class:`ActivationCompressor` / :func:`compress_activa
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
 import threading
@@ -199,6 +200,29 @@ class _NoiseStream:
     def reset(self) -> None:
         with self.lock:
             self.generator = None
+
+    def get_state(self) -> tuple[int, torch.Tensor]:
+        """``(torch seed, generator state)``: where the stream is now (a checkpointed block's
+        forward records it, :meth:`replay` takes it back for the recomputation)."""
+        generator = self.get()
+        return self.torch_seed, generator.get_state()
+
+    @contextlib.contextmanager
+    def replay(self, state: tuple[int, torch.Tensor]):
+        """Draw from the stream as it was at :meth:`get_state` inside the block, and go on
+        from where it is now afterwards, as ``torch.utils.checkpoint`` replays torch's
+        generators for a recomputation: the recomputed tensors get the forward's noise."""
+        torch_seed, generator_state = state
+        with self.lock:
+            saved = self.generator, self.torch_seed
+            self.generator = torch.Generator()
+            self.generator.set_state(generator_state)
+            self.torch_seed = torch_seed
+        try:
+            yield
+        finally:
+            with self.lock:
+                self.generator, self.torch_seed = saved
 
 
 _noise_stream = _NoiseStream()
