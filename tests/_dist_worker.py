@@ -250,7 +250,7 @@ def train(job: Job, rank: int = 0, world: int = 1) -> dict:
 
 def rank_noise(noise_seeds: tuple[int, int], rank: int, world: int) -> dict:
     """Local gradients (DDP ``no_sync``: not averaged) of the stochastic GPT-2 on the SAME
-    input on every rank, after ``torch.manual_seed(noise_seeds[rank])``, run twice (the same
+    input on every rank, after ``fewbit.manual_seed(noise_seeds[rank])``, run twice (the same
     per-rank seed must give the same gradient bit for bit), all-gathered; and ``exact``, the
     gradient of the same model without saved-tensor compression (its expectation)."""
     import fewbit
@@ -268,7 +268,7 @@ def rank_noise(noise_seeds: tuple[int, int], rank: int, world: int) -> dict:
     ddp = DDP(model)
     runs = []
     for _ in range(2):
-        torch.manual_seed(noise_seeds[rank])
+        fewbit.manual_seed(noise_seeds[rank])  # torch and the compressors' noise stream
         ddp.zero_grad(set_to_none=True)
         with ddp.no_sync():
             loss_of("gpt2", ddp, x, y).backward()

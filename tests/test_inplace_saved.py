@@ -87,7 +87,7 @@ def test_a_compressed_tensor_changed_in_place_gives_the_gradient_of_the_forward_
     for change in (False, True):
         model = _mlp(256)
         fewbit.convert_(model, fewbit.Config(saved_bits=2))
-        torch.manual_seed(1)
+        fewbit.manual_seed(1)  # torch and the compressors' noise stream
         h = torch.randn(64, 256, requires_grad=True) * 1.0  # an activation (inputs are kept)
         loss = model(h).sum()
         if change:
