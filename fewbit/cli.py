@@ -40,7 +40,7 @@ import click
 
 from fewbit import __version__
 from fewbit._checks import check_bits, is_int
-from fewbit.memory_cli import memory
+from fewbit.memory_cli import OutputFile, memory
 from fewbit.plan_cli import plan
 from fewbit.table import Table, TableFormatError, atomic_output
 
@@ -525,7 +525,7 @@ def cli() -> None:
               help="Fitting interval [A, B] (default: -10 10).")
 @_fit_options
 @_param_option
-@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), default=None,
+@click.option("-o", "--output", type=OutputFile(), default=None,
               help="JSON file to write (default: ./<name>.json).")
 @click.option("-f", "--force", is_flag=True, help="Overwrite the output file if it exists.")
 @click.option("--progress/--no-progress", default=True, help="Show a progress bar on stderr.")
@@ -709,7 +709,7 @@ def list_cmd() -> None:
               help="Plot the tables of this JSON file (from `fewbit fit`) instead of the shipped or cached ones.")
 @click.option("--xlim", nargs=2, type=float, default=None, callback=_check_domain, metavar="A B",
               help="x range of the plot (default: the table's domain).")
-@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), default=None,
+@click.option("-o", "--output", type=OutputFile(), default=None,
               help="PNG file to write (default: ./<name>.png).")
 @click.option("-f", "--force", is_flag=True, help="Overwrite the output file if it exists.")
 def plot_cmd(name, bits, params, table_path, xlim, output, force) -> None:

@@ -18,6 +18,7 @@ import json
 import os
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import click
 
@@ -49,6 +50,19 @@ MODELS: dict[str, _Spec] = {
 
 _MIB = 2.0**20
 _GIB = 2.0**30
+
+
+class OutputFile(click.Path):
+    """A file to write: ``click.Path(dir_okay=False)`` that also refuses a path written as
+    a directory (``x.json/``), which ``pathlib`` would silently turn into ``x.json``."""
+
+    def __init__(self):
+        super().__init__(dir_okay=False, path_type=Path)
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, str) and value.endswith(tuple(filter(None, (os.sep, os.altsep)))):
+            self.fail(f"{value!r} ends with a path separator: give a file name", param, ctx)
+        return super().convert(value, param, ctx)
 
 
 def _fail(msg: str) -> None:

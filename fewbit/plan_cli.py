@@ -17,7 +17,7 @@ from pathlib import Path
 import click
 
 from fewbit._optimizers import OPTIMIZER_STATES
-from fewbit.memory_cli import MODELS, _check_fits, _fail, _inputs, _model_setup, _positive
+from fewbit.memory_cli import MODELS, OutputFile, _check_fits, _fail, _inputs, _model_setup, _positive
 
 __all__ = ["plan"]
 
@@ -69,7 +69,7 @@ def _measure(model, batch, optimizer: str, device) -> tuple[int, int, float]:
                    "outlier<b> (b in 1,2,4,8) and fewbit<b> (default: keep,quant8,quant4,quant2,fewbit3,recompute).")
 @click.option("--repeats", default=3, show_default=True, type=int, callback=_positive,
               help="Timed profiling steps.")
-@click.option("--output", type=click.Path(dir_okay=False, path_type=Path), default=None,
+@click.option("--output", type=OutputFile(), default=None,
               help="Save the plan as JSON here (an existing file is not overwritten).")
 def plan(model_name, budget, seq_len, batch, layers, hidden, device, optimizer, options, repeats, output):
     """Plan a training step of a Hugging Face model under a memory budget, apply it, measure it.

@@ -349,6 +349,15 @@ def test_domain_whose_width_overflows_is_one_line(tmp_path):
     assert "RuntimeWarning" not in r.output
 
 
+@pytest.mark.parametrize("command", [["fit", "gelu", "--bits", "1", "-o"], ["plot", "gelu", "-o"],
+                                     ["plan", "--model", "gpt2", "--budget", "50%", "--output"]])
+def test_output_written_as_a_directory_is_refused(tmp_path, command):
+    """``-o x.json/`` wrote ``x.json`` (pathlib drops the trailing separator)."""
+    r = run(*command, f"{tmp_path / 'x.json'}/")
+    assert_one_line_error(r, "ends with a path separator")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_error_refuses_fit_options_without_refit():
     """``fewbit error gelu --grid 5`` printed the shipped table's error as if the options
     had been used."""
