@@ -9,7 +9,7 @@ same code path (``_dist_worker.train(job)``: world size 1, the whole global batc
   give the loss curve and the final parameters of one process on 8 examples, within float
   tolerance (summation order differs: the gradient is averaged over ranks).
 - ``Config(activation_bits=3, saved_bits=4)`` rounds stochastically: the noise seeds come
-  from each rank's torch default CPU generator plus the rank, so ranks draw independent
+  from each rank's fewbit noise stream plus the rank, so ranks draw independent
   noise whether seeded alike or not, and the same per-rank seed reproduces a run bit for
   bit; the distributed loss curve stays within 3 sigma of the single-process curves of
   several noise seeds.

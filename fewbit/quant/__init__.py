@@ -38,7 +38,9 @@ Saved-tensor compression: :class:`ActivationCompressor` / :func:`compress_activa
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import hashlib
 import math
 import numbers
 import threading
@@ -166,46 +168,56 @@ def _rank() -> int:
     return dist.get_rank()
 
 
-#: Mixed into torch's seed to seed fewbit's noise stream, so that the stream is not torch's
-#: own (a stream equal to the global one would correlate the rounding noise with dropout).
-_NOISE_SALT = 0x6A09E667F3BCC909
+#: Mixed into what seeds fewbit's noise streams, so that no stream is torch's own (a stream
+#: equal to the global one would correlate the rounding noise with dropout).
+_NOISE_SALT = b"fewbit noise stream v1"
 
 
 class _NoiseStream:
-    """fewbit's own CPU generator for noise seeds, one per process (see :func:`manual_seed`).
+    """fewbit's own CPU generators for noise seeds (see :func:`manual_seed`): one stream per
+    torch seed (``torch.initial_seed()``), which goes on where it left off whenever torch's
+    seed comes back to it.
 
-    Seeded from ``torch.initial_seed()`` at the first draw, and again whenever that seed
-    changes (``torch.manual_seed`` with another value, ``transformers.set_seed``, ...); reset
-    by :func:`manual_seed`. It never draws from torch's generators, so compression leaves
-    every other random number of a run (dropout masks, data shuffling) as it is without
-    compression."""
+    A stream is created at its seed's first draw, from the seed and torch's CPU generator
+    state at that moment (hashed; read, never advanced), so a fresh process reproduces a
+    run, a run resumed from a saved torch RNG state draws other noise than its first steps,
+    and a side computation seeded alike at every step (``fork_rng`` + ``manual_seed``)
+    never makes the main stream start over. Compression therefore leaves every other random
+    number of a run (dropout masks, data shuffling) as it is without compression. At most
+    :attr:`MAX_STREAMS` streams are kept (least recently used dropped: seeding every step
+    with a new value keeps memory bounded)."""
+
+    MAX_STREAMS = 64
 
     def __init__(self):
         self.lock = threading.Lock()
-        self.generator: torch.Generator | None = None
-        self.torch_seed: int | None = None
+        self.streams: collections.OrderedDict[int, torch.Generator] = collections.OrderedDict()
 
     def get(self) -> torch.Generator:
         torch_seed = torch.initial_seed()
         with self.lock:
-            if self.generator is None or self.torch_seed != torch_seed:
-                # splitmix64's finaliser of the salted seed: nearby torch seeds give unrelated streams
-                z = (torch_seed ^ _NOISE_SALT) & 0xFFFFFFFFFFFFFFFF
-                z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-                z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
-                self.generator = torch.Generator().manual_seed(z ^ (z >> 31))
-                self.torch_seed = torch_seed
-            return self.generator
+            generator = self.streams.get(torch_seed)
+            if generator is None:
+                digest = hashlib.blake2b(
+                    torch_seed.to_bytes(8, "little") + torch.get_rng_state().numpy().tobytes(),
+                    digest_size=8, key=_NOISE_SALT).digest()
+                generator = torch.Generator().manual_seed(int.from_bytes(digest, "little"))
+                self.streams[torch_seed] = generator
+                while len(self.streams) > self.MAX_STREAMS:
+                    self.streams.popitem(last=False)
+            else:
+                self.streams.move_to_end(torch_seed)
+            return generator
 
     def reset(self) -> None:
         with self.lock:
-            self.generator = None
+            self.streams.clear()
 
     def get_state(self) -> tuple[int, torch.Tensor]:
         """``(torch seed, generator state)``: where the stream is now (a checkpointed block's
         forward records it, :meth:`replay` takes it back for the recomputation)."""
         generator = self.get()
-        return self.torch_seed, generator.get_state()
+        return torch.initial_seed(), generator.get_state()
 
     @contextlib.contextmanager
     def replay(self, state: tuple[int, torch.Tensor]):
@@ -213,16 +225,19 @@ class _NoiseStream:
         from where it is now afterwards, as ``torch.utils.checkpoint`` replays torch's
         generators for a recomputation: the recomputed tensors get the forward's noise."""
         torch_seed, generator_state = state
+        replayed = torch.Generator()
+        replayed.set_state(generator_state)
         with self.lock:
-            saved = self.generator, self.torch_seed
-            self.generator = torch.Generator()
-            self.generator.set_state(generator_state)
-            self.torch_seed = torch_seed
+            saved = self.streams.get(torch_seed)
+            self.streams[torch_seed] = replayed
         try:
             yield
         finally:
             with self.lock:
-                self.generator, self.torch_seed = saved
+                if saved is None:
+                    self.streams.pop(torch_seed, None)
+                else:
+                    self.streams[torch_seed] = saved
 
 
 _noise_stream = _NoiseStream()
@@ -233,13 +248,15 @@ def manual_seed(seed: int) -> torch.Generator:
     stream that compression draws its noise seeds from.
 
     Compression with ``generator=None`` takes its noise seeds (one 64-bit draw per
-    compressed tensor) from a CPU generator of fewbit's own, never from torch's, so a
+    compressed tensor) from CPU generators of fewbit's own, never from torch's, so a
     converted model draws the same dropout masks and the same data order as the vanilla
-    model under the same seed. That stream is seeded from ``torch.initial_seed()``, so a
-    fresh process and every ``torch.manual_seed`` call with a *new* value reproduce a run.
-    Re-seeding torch with the *same* value in one process cannot be seen from outside, so
-    the stream goes on (fresh noise, not a replay): call this function instead of
-    ``torch.manual_seed`` to replay a run within a process.
+    model under the same seed. There is one stream per torch seed, created at its first
+    draw from the seed and torch's generator state then, and it goes on where it left off
+    whenever torch's seed comes back to that value: a fresh process reproduces a run, but
+    re-seeding torch with a value already used in the process gives fresh noise, not a
+    replay (a re-seed cannot be seen from outside, and a side computation seeded alike at
+    every step must not make the training noise start over). Call this function instead
+    of ``torch.manual_seed`` to replay a run within a process: it drops every stream.
 
     Args:
         seed: an int accepted by ``torch.manual_seed`` (-2**63 ... 2**64 - 1).

@@ -1,7 +1,8 @@
 """Noise of stochastic rounding in saved-tensor compression (docs/compression.md §1).
 
 Every compression must draw new noise (no two steps, layers or compressor instances replay a
-pattern), and a run must be reproducible under ``torch.manual_seed``. The ActNN-style test
+pattern), and a run must be reproducible under ``fewbit.manual_seed`` (and, in a fresh
+process, ``torch.manual_seed``), without drawing from torch's generators. The ActNN-style test
 (Chen et al., ActNN, ICML 2021, repository test ``tests/test_conv_layer.py``: the mean of
 many compressed gradients of one conv layer against the exact gradient) checks that the
 compressed gradient is unbiased when a fresh compressor is made every step.

@@ -120,3 +120,51 @@ def test_fresh_process_reproduces_noise_from_torch_seed():
 def test_manual_seed_refuses_non_integers(seed):
     with pytest.raises(TypeError, match="seed must be an int"):
         fewbit.manual_seed(seed)
+
+
+def test_a_side_computation_seeded_alike_every_step_does_not_restart_the_noise():
+    """A stream per torch seed goes on where it left off: an evaluation seeded with
+    ``torch.manual_seed(123)`` under ``fork_rng`` at every step must not make the training
+    stream start over when torch's seed comes back (it did: one noise pattern for all
+    steps, a bias that SGD does not average away)."""
+    x = torch.randn(5000)
+    fewbit.manual_seed(0)
+    train, side = [], []
+    for _ in range(4):
+        train.append(fq.quantize(x, 2).packed.numpy().tobytes())
+        with torch.random.fork_rng():
+            torch.manual_seed(123)
+            side.append(fq.quantize(x, 2).packed.numpy().tobytes())
+    assert len(set(train)) == 4
+    assert len(set(side)) == 4
+    assert not set(train) & set(side)
+
+
+def test_resuming_from_a_saved_torch_rng_state_draws_new_noise():
+    """As a trainer resumes (a fresh process: ``set_seed``, then the saved torch RNG
+    state), the resumed steps' noise is not the first steps' (the stream was created again
+    from the seed alone and replayed them); it is made from torch's state at its first
+    draw, which the run's own torch draws (data, dropout) have moved."""
+
+    x = torch.linspace(-3, 3, 5000)
+
+    def step():
+        torch.randperm(100)  # the run's own draw from torch's generator (data order)
+        return fq.quantize(x, 2).packed.numpy().tobytes()
+
+    fewbit.manual_seed(42)
+    first = [step(), step()]
+    saved = torch.get_rng_state()
+    fq._noise_stream.reset()  # a fresh process
+    torch.manual_seed(42)
+    torch.set_rng_state(saved)
+    resumed = [step(), step()]
+    assert not set(first) & set(resumed)
+
+
+def test_noise_streams_are_bounded():
+    fq._noise_stream.reset()
+    for seed in range(fq._NoiseStream.MAX_STREAMS + 10):  # seeding every step with a new value
+        torch.manual_seed(seed)
+        fq.quantize(torch.randn(5000), 2)
+    assert len(fq._noise_stream.streams) == fq._NoiseStream.MAX_STREAMS
