@@ -525,8 +525,12 @@ class ActivationCompressor:
             if kept is not None:  # its storage is kept exact: a quantized copy would only add bytes
                 self.stats.deduplicated += 1
                 return keep(t)
+        # A norm layer needs groups inside its rows or channels (Compressor.within): a copy
+        # another module made first, with groups across them, does not serve it.
+        fn = self._where[-1][2] if self._where else None
+        rows = fn(tuple(t.shape)) if fn is not None and not is_bool and mask_value is None else None
         hit = self._cache.get(key)
-        if hit is not None:
+        if hit is not None and (rows is None or hit[2] == rows):
             anchor, handle = hit[0](), hit[1]()
             if anchor is not None and handle is not None:
                 self.stats.deduplicated += 1
@@ -550,7 +554,7 @@ class ActivationCompressor:
             if entry is not None and entry[1] is ref:
                 del cache[key]
 
-        self._cache[key] = (weakref.ref(anchor), weakref.ref(handle, _drop))
+        self._cache[key] = (weakref.ref(anchor), weakref.ref(handle, _drop), rows)
         return handle
 
     def _compress(self, t: torch.Tensor):
@@ -574,9 +578,12 @@ class ActivationCompressor:
             compressor = self._result_compressor
         if norm_size is not None:  # statistics inside each normalized row (Compressor.within)
             compressor = compressor.within(norm_size)
-        if compressor.name != "keep" and not compressor.supports(t):
+        if compressor.name != "keep" and (not compressor.supports(t)
+                                           or compressor.bytes_per_element(t) >= t.element_size()):
             # a policy that hands a tensor to a compressor that cannot take it: kept exact,
-            # never an error in the middle of the user's forward
+            # never an error in the middle of the user's forward; and one whose statistics
+            # would cost more than the tensor (rows of 2 elements of a BatchNorm's (2, C)
+            # input: 4 bytes of stats per 2 elements)
             from fewbit.quant.compressors import Keep
 
             compressor = Keep()
