@@ -357,9 +357,9 @@ def main(argv=None) -> int:
             raise ValueError(f"repeat must be >= 1, got {args.repeat}")
         if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
             raise ValueError(f"--json: directory of {args.json!r} does not exist")
-        dev = torch.device(args.device)
-        if dev.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError("device cuda requested but CUDA is not available")
+        from fewbit._checks import check_device
+
+        check_device(args.device)
         result = run(args)
         if args.json:
             with open(args.json, "w") as fh:

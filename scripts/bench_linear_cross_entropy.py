@@ -27,6 +27,8 @@ import time
 
 import torch
 
+from _training import check_device  # scripts/ is sys.path[0] when this script runs
+
 from fewbit.losses import linear_cross_entropy, linear_cross_entropy_reference, patch_causal_lm_
 from fewbit.memory import SavedTensorRecorder, compare
 
@@ -152,9 +154,8 @@ def main(argv=None) -> int:
             ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if min(args.tokens) < 1 or (args.chunk_size is not None and args.chunk_size < 1):
         ap.error("--tokens and --chunk-size must be >= 1")
+    check_device(ap, args.device)
     device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        ap.error("--device cuda: CUDA is not available on this machine")
     if args.threads:
         torch.set_num_threads(args.threads)
     print(_machine(device))

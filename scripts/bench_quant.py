@@ -32,6 +32,7 @@ from torch import nn
 
 import fewbit
 import fewbit.quant as fq
+from fewbit._checks import check_device
 from fewbit.quant.compressor import _Handle, _is_parameter
 from fewbit._saved import Kept
 
@@ -254,9 +255,7 @@ def main(argv=None) -> int:
     ap.add_argument("--step-repeats", type=positive_int, default=5)
     args = ap.parse_args(argv)
     try:
-        device = torch.device(args.device)
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError("--device cuda given but CUDA is not available")
+        device = check_device(args.device)
         for b in args.bits + [args.model_bits]:
             if b not in fq.SUPPORTED_BITS:
                 raise ValueError(f"bits must be in {fq.SUPPORTED_BITS}, got {b}")

@@ -53,6 +53,10 @@ def test_scripts_refuse_bad_arguments_in_one_line():
         (["scripts/bench_plan.py", "--optimizer", "lion"], "--optimizer"),
         (["scripts/bench_quant.py", "--sizes", "0"], "--sizes"),
         (["scripts/bench_solver.py", "--k", "1000000"], "--k"),
+        # a RuntimeError traceback or torch's long device message before fewbit._checks.check_device
+        (["scripts/bench_linear_cross_entropy.py", "--device", "CPU"], "--device"),
+        (["scripts/bench_quant.py", "--device", "CPU"], "--device"),
+        (["scripts/bench_activations.py", "--device", "CPU"], "--device"),
     ]
     for args, needle in cases:
         proc = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
