@@ -266,7 +266,7 @@ def manual_seed(seed: int) -> torch.Generator:
 
     Raises:
         TypeError: ``seed`` not an int (bools too).
-        ValueError: ``seed`` out of torch's range (raised by ``torch.manual_seed``).
+        ValueError: ``seed`` out of torch's range.
 
     Example:
         >>> fewbit.manual_seed(0); loss1 = train_step(model)
@@ -274,6 +274,8 @@ def manual_seed(seed: int) -> torch.Generator:
     """
     if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
         raise TypeError(f"seed must be an int, got {type(seed).__name__} {seed!r}")
+    if not -(2**63) <= int(seed) < 2**64:
+        raise ValueError(f"seed must be in [-2**63, 2**64 - 1] (torch.manual_seed's range), got {seed}")
     generator = torch.manual_seed(int(seed))
     _noise_stream.reset()
     return generator

@@ -116,6 +116,12 @@ def test_fresh_process_reproduces_noise_from_torch_seed():
     assert first != second
 
 
+@pytest.mark.parametrize("seed", [2**64, -(2**63) - 1])
+def test_manual_seed_refuses_out_of_range(seed):
+    with pytest.raises(ValueError, match=r"seed must be in \[-2\*\*63, 2\*\*64 - 1\]"):
+        fewbit.manual_seed(seed)
+
+
 @pytest.mark.parametrize("seed", [True, 1.5, "0", None])
 def test_manual_seed_refuses_non_integers(seed):
     with pytest.raises(TypeError, match="seed must be an int"):
