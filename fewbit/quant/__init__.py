@@ -168,76 +168,108 @@ def _rank() -> int:
     return dist.get_rank()
 
 
-#: Mixed into what seeds fewbit's noise streams, so that no stream is torch's own (a stream
-#: equal to the global one would correlate the rounding noise with dropout).
+#: Keys the hash that seeds fewbit's noise streams, so that no stream is torch's own (a
+#: stream equal to the global one would correlate the rounding noise with dropout).
 _NOISE_SALT = b"fewbit noise stream v1"
+
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(z: int) -> int:
+    z = (z + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
 
 
 class _NoiseStream:
-    """fewbit's own CPU generators for noise seeds (see :func:`manual_seed`): one stream per
-    torch seed (``torch.initial_seed()``), which goes on where it left off whenever torch's
-    seed comes back to it.
+    """fewbit's own noise seeds (see :func:`manual_seed`): one counter-based stream per
+    torch seed (``torch.initial_seed()``), ``seed_i = splitmix64(base + i * golden)``, which
+    goes on where it left off whenever torch's seed comes back to that value.
 
-    A stream is created at its seed's first draw, from the seed and torch's CPU generator
-    state at that moment (hashed; read, never advanced), so a fresh process reproduces a
-    run, a run resumed from a saved torch RNG state draws other noise than its first steps,
-    and a side computation seeded alike at every step (``fork_rng`` + ``manual_seed``)
-    never makes the main stream start over. Compression therefore leaves every other random
-    number of a run (dropout masks, data shuffling) as it is without compression. At most
-    :attr:`MAX_STREAMS` streams are kept (least recently used dropped: seeding every step
-    with a new value keeps memory bounded)."""
+    A stream's ``base`` is made at its seed's first draw from the seed and torch's
+    generator states at that moment (CPU, and CUDA where initialised; hashed, read, never
+    advanced), so a fresh process reproduces a run, a run resumed from a saved torch RNG
+    state draws other noise than its first steps (when the run's own draws moved torch's
+    state), and a side computation seeded alike at every step (``fork_rng`` +
+    ``manual_seed``) never makes the main stream start over. Compression therefore leaves
+    every other random number of a run (dropout masks, data shuffling) as it is without
+    compression. A stream is two ints; at most :attr:`MAX_STREAMS` are kept (least
+    recently used dropped).
 
-    MAX_STREAMS = 64
+    :meth:`replay` is per thread: a checkpointed block's recomputation draws its forward's
+    seeds without touching what other threads draw."""
+
+    MAX_STREAMS = 1 << 16
 
     def __init__(self):
         self.lock = threading.Lock()
-        self.streams: collections.OrderedDict[int, torch.Generator] = collections.OrderedDict()
+        self.streams: collections.OrderedDict[int, list[int]] = collections.OrderedDict()  # seed -> [base, count]
+        self.local = threading.local()  # .replay: (torch seed, [base or None, count]) or None
 
-    def get(self) -> torch.Generator:
-        torch_seed = torch.initial_seed()
+    @staticmethod
+    def _base(torch_seed: int) -> int:
+        h = hashlib.blake2b(torch_seed.to_bytes(8, "little", signed=False), digest_size=8, key=_NOISE_SALT)
+        h.update(torch.get_rng_state().numpy().tobytes())
+        cuda = getattr(torch, "cuda", None)
+        if cuda is not None and cuda.is_available() and cuda.is_initialized():
+            for state in cuda.get_rng_state_all():
+                h.update(state.numpy().tobytes())
+        return int.from_bytes(h.digest(), "little")
+
+    @staticmethod
+    def _next(entry: list) -> int:
+        value = _splitmix64((entry[0] + entry[1] * 0x9E3779B97F4A7C15) & _MASK64) & ((1 << 63) - 1)
+        entry[1] += 1
+        return value
+
+    def draw(self) -> int:
+        """The next 63-bit noise seed of the stream of torch's current seed."""
+        torch_seed = torch.initial_seed() & _MASK64
+        replay = getattr(self.local, "replay", None)
+        if replay is not None and replay[0] == torch_seed:
+            entry = replay[1]
+            if entry[0] is None:
+                entry[0] = self._base(torch_seed)
+            return self._next(entry)
         with self.lock:
-            generator = self.streams.get(torch_seed)
-            if generator is None:
-                digest = hashlib.blake2b(
-                    torch_seed.to_bytes(8, "little") + torch.get_rng_state().numpy().tobytes(),
-                    digest_size=8, key=_NOISE_SALT).digest()
-                generator = torch.Generator().manual_seed(int.from_bytes(digest, "little"))
-                self.streams[torch_seed] = generator
+            entry = self.streams.get(torch_seed)
+            if entry is None:
+                entry = self.streams[torch_seed] = [self._base(torch_seed), 0]
                 while len(self.streams) > self.MAX_STREAMS:
                     self.streams.popitem(last=False)
             else:
                 self.streams.move_to_end(torch_seed)
-            return generator
+            return self._next(entry)
 
     def reset(self) -> None:
         with self.lock:
             self.streams.clear()
 
-    def get_state(self) -> tuple[int, torch.Tensor]:
-        """``(torch seed, generator state)``: where the stream is now (a checkpointed block's
-        forward records it, :meth:`replay` takes it back for the recomputation)."""
-        generator = self.get()
-        return torch.initial_seed(), generator.get_state()
+    def get_state(self) -> tuple[int, int | None, int]:
+        """``(torch seed, base or None, count)``: where the stream is now, without creating
+        it (a checkpointed block's forward records it, :meth:`replay` takes it back)."""
+        torch_seed = torch.initial_seed() & _MASK64
+        replay = getattr(self.local, "replay", None)
+        if replay is not None and replay[0] == torch_seed:
+            return torch_seed, replay[1][0], replay[1][1]
+        with self.lock:
+            entry = self.streams.get(torch_seed)
+            return (torch_seed, None, 0) if entry is None else (torch_seed, entry[0], entry[1])
 
     @contextlib.contextmanager
-    def replay(self, state: tuple[int, torch.Tensor]):
-        """Draw from the stream as it was at :meth:`get_state` inside the block, and go on
-        from where it is now afterwards, as ``torch.utils.checkpoint`` replays torch's
-        generators for a recomputation: the recomputed tensors get the forward's noise."""
-        torch_seed, generator_state = state
-        replayed = torch.Generator()
-        replayed.set_state(generator_state)
-        with self.lock:
-            saved = self.streams.get(torch_seed)
-            self.streams[torch_seed] = replayed
+    def replay(self, state: tuple[int, int | None, int]):
+        """In this thread, draw from the stream as it was at :meth:`get_state` (a stream not
+        made yet is made at its first draw, from torch's state then, as in the forward);
+        afterwards, go on as before. ``torch.utils.checkpoint`` replays torch's generators
+        the same way: the recomputed tensors get the forward's noise."""
+        torch_seed, base, count = state
+        outer = getattr(self.local, "replay", None)
+        self.local.replay = (torch_seed, [base, count])
         try:
             yield
         finally:
-            with self.lock:
-                if saved is None:
-                    self.streams.pop(torch_seed, None)
-                else:
-                    self.streams[torch_seed] = saved
+            self.local.replay = outer
 
 
 _noise_stream = _NoiseStream()
@@ -292,8 +324,9 @@ def _draw_seed(generator: torch.Generator | None) -> int:
     ``set_seed(seed)`` on every rank) would otherwise round with the same noise pattern,
     and their errors would not average out in the gradient all-reduce."""
     if generator is None:
-        generator = _noise_stream.get()
-    seed = int(torch.randint(0, 2**63 - 1, (1,), generator=generator).item())
+        seed = _noise_stream.draw()
+    else:
+        seed = int(torch.randint(0, 2**63 - 1, (1,), generator=generator).item())
     rank = _rank()
     return (seed + rank * _RANK_STEP) % (2**63 - 1) if rank else seed
 

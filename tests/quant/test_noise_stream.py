@@ -168,9 +168,46 @@ def test_resuming_from_a_saved_torch_rng_state_draws_new_noise():
     assert not set(first) & set(resumed)
 
 
-def test_noise_streams_are_bounded():
+def test_noise_streams_are_bounded(monkeypatch):
+    monkeypatch.setattr(fq._NoiseStream, "MAX_STREAMS", 8)
     fq._noise_stream.reset()
-    for seed in range(fq._NoiseStream.MAX_STREAMS + 10):  # seeding every step with a new value
+    for seed in range(20):  # seeding every step with a new value
         torch.manual_seed(seed)
         fq.quantize(torch.randn(5000), 2)
-    assert len(fq._noise_stream.streams) == fq._NoiseStream.MAX_STREAMS
+    assert len(fq._noise_stream.streams) == 8
+
+
+def test_replay_is_per_thread_and_takes_the_forward_noise():
+    """A checkpointed block records the stream at its forward and replays it in the
+    recomputation: the same seeds, also when the stream is first made inside the block
+    (from torch's state then, which the checkpoint restores), and other threads' draws
+    are not affected (two overlapping replays left one thread's replayed copy installed
+    for good, replaying old noise)."""
+    import threading
+
+    fewbit.manual_seed(1)
+    state = fq._noise_stream.get_state()  # block entry: no stream yet
+    torch_state = torch.get_rng_state()
+    torch.rand(3)  # the block's dropout
+    forward = [fq._draw_seed(None) for _ in range(3)]
+    after = fq._noise_stream.get_state()
+
+    torch.set_rng_state(torch_state)  # the recomputation, as torch.utils.checkpoint does
+    torch.rand(3)
+    entered, release, other = threading.Event(), threading.Event(), []
+
+    def draw_elsewhere():
+        entered.wait()
+        other.append(fq._draw_seed(None))
+        release.set()
+
+    t = threading.Thread(target=draw_elsewhere)
+    t.start()
+    with fq._noise_stream.replay(state):
+        entered.set()
+        release.wait()
+        recomputed = [fq._draw_seed(None) for _ in range(3)]
+    t.join()
+    assert recomputed == forward
+    assert other[0] not in forward  # the other thread drew from the main stream, going on
+    assert fq._noise_stream.get_state()[1:] == (after[1], after[2] + 1)
