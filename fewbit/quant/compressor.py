@@ -543,6 +543,11 @@ class ActivationCompressor:
         else:
             handle = self._compress(t)
             if handle is None:
+                # held exact: later saves of its storage keep it too (a compressed copy by
+                # another module would only add bytes)
+                storage = (key[0], t.device, t._version)
+                self._kept[storage] = weakref.ref(t._base if t._base is not None else t,
+                                                  functools.partial(_drop_kept, self._kept, storage))
                 return self._skip(t, "kept")
         self.stats.bytes_before += t.numel() * t.element_size()
         self.stats.bytes_after += handle.nbytes

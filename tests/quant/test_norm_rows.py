@@ -393,3 +393,18 @@ def test_norm_does_not_reuse_a_copy_grouped_across_its_channels(linear_first):
     assert bias < 3 * noise + 0.002, (bias, noise)
     kinds = sorted(r.kind for r in summary.compressor.records.values())
     assert kinds == (["linear", "norm"] if linear_first else ["norm"])  # norm first: the Linear reuses its copy
+
+
+def test_a_storage_kept_exact_is_not_also_compressed_by_a_later_save():
+    """A bf16 (2, 4096) BatchNorm input is kept exact (its compression would cost more);
+    the Linear that saves the same tensor next keeps it too instead of adding a 2-bit copy
+    (2176 bytes more than vanilla before)."""
+    model = _BatchNormAndLinear(linear_first=False).to(torch.bfloat16)
+    model.bn, model.fc = nn.BatchNorm1d(4096).to(torch.bfloat16), nn.Linear(4096, 8).to(torch.bfloat16)
+    summary = fewbit.convert_(model, fewbit.Config(activation_bits=None, saved_bits=2))
+    x = torch.randn(2, 4096, dtype=torch.bfloat16, requires_grad=True)
+    a, b = model(x * 1)
+    (a.float().sum() + b.float().sum()).backward()
+    comp = summary.compressor
+    assert [r.compressor for r in comp.records.values()] == ["keep"]
+    assert comp.stats.deduplicated == 1 and comp.stats.compressed == 0
