@@ -837,8 +837,15 @@ def _remove_compression_hooks(module: nn.Module) -> None:
 
 
 def _compresses_saved_tensors(model: nn.Module) -> bool:
-    """Whether an earlier :func:`convert_` with a :class:`Config` set ``saved_bits`` on ``model``."""
-    return any(isinstance(h, _StepHook) for h in model._forward_pre_hooks.values())
+    """Whether an earlier :func:`convert_` with a :class:`Config` set ``saved_bits`` on
+    ``model`` or on a module inside it."""
+    return any(isinstance(h, (_StepHook, _EnterHook)) for m in model.modules() for h in m._forward_pre_hooks.values())
+
+
+def _has_plan_hooks(module: nn.Module) -> bool:
+    """Whether a plan's group hooks (:mod:`fewbit.planner`) run on ``module`` (applied to
+    the model or to one that holds it)."""
+    return any(type(getattr(h, "__self__", None)).__name__ == "_GroupHook" for h in module._forward_pre_hooks.values())
 
 
 def _install_compression_hooks(
@@ -1010,9 +1017,10 @@ def convert_(
 
         return apply_plan(model, config)
     config = _check_arguments(model, config, bits, filter_fn)
-    if "_fewbit_plan_state" in vars(model):  # fewbit.planner._STATE_ATTR
-        raise ValueError("model has a fewbit plan applied (it decides each saved tensor's compression); "
-                         "fewbit.planner.remove_plan(model) removes it before a convert_(model, Config)")
+    if "_fewbit_plan_state" in vars(model) or any(_has_plan_hooks(m) for m in model.modules()):
+        raise ValueError("model has a fewbit plan applied, or is part of a planned model (the plan decides each "
+                         "saved tensor's compression); fewbit.planner.remove_plan on the planned model removes it "
+                         "before a convert_(model, Config)")
 
     def selected(m: nn.Module, fqn: str) -> bool:
         return filter_fn is None or bool(filter_fn(m, fqn))

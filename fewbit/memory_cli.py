@@ -54,14 +54,18 @@ _GIB = 2.0**30
 
 class OutputFile(click.Path):
     """A file to write: ``click.Path(dir_okay=False)`` that also refuses a path written as
-    a directory (``x.json/``), which ``pathlib`` would silently turn into ``x.json``."""
+    a directory (``x.json/``, ``x.json/.``, ``""``), which ``pathlib`` would silently turn
+    into ``x.json`` (or ``.``)."""
 
     def __init__(self):
         super().__init__(dir_okay=False, path_type=Path)
 
     def convert(self, value, param, ctx):
-        if isinstance(value, str) and value.endswith(tuple(filter(None, (os.sep, os.altsep)))):
-            self.fail(f"{value!r} ends with a path separator: give a file name", param, ctx)
+        if isinstance(value, str):
+            if value.endswith(tuple(filter(None, (os.sep, os.altsep)))):
+                self.fail(f"{value!r} ends with a path separator: give a file name", param, ctx)
+            if os.path.basename(value) in ("", ".", ".."):  # "", "x.json/." name a directory
+                self.fail(f"{value!r} names a directory: give a file name", param, ctx)
         return super().convert(value, param, ctx)
 
 

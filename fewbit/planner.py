@@ -1570,8 +1570,8 @@ def apply_plan(model: nn.Module, plan: Plan):
     if not isinstance(plan, Plan):
         raise TypeError(f"plan must be a fewbit.Plan, got {type(plan).__name__}")
     if _compresses_saved_tensors(model):
-        raise ValueError("model compresses its saved tensors by an earlier fewbit.convert_(model, "
-                         "Config(saved_bits=...)); a plan decides each tensor itself: apply it to a model "
+        raise ValueError("model (or a module in it) compresses its saved tensors by an earlier fewbit.convert_("
+                         "..., Config(saved_bits=...)); a plan decides each tensor itself: apply it to a model "
                          "converted without saved_bits (Config(saved_bits=None) re-converts it so)")
     state = _apply_choices(model, plan)
     summary = ConversionSummary(model=model, config=Config(activation_bits=None,

@@ -355,6 +355,10 @@ def test_output_written_as_a_directory_is_refused(tmp_path, command):
     """``-o x.json/`` wrote ``x.json`` (pathlib drops the trailing separator)."""
     r = run(*command, f"{tmp_path / 'x.json'}/")
     assert_one_line_error(r, "ends with a path separator")
+    r = run(*command, f"{tmp_path / 'x.json'}/.")
+    assert_one_line_error(r, "names a directory")
+    r = run(*command, "")
+    assert_one_line_error(r, "names a directory")
     assert list(tmp_path.iterdir()) == []
 
 

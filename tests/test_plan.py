@@ -527,18 +527,26 @@ def test_a_plan_and_a_config_conversion_do_not_mix(prof, batch):
     model = make_model()
     fewbit.convert_(model, p)
     hooks = {n: len(m._forward_pre_hooks) for n, m in model.named_modules()}
-    with pytest.raises(ValueError, match=r"model has a fewbit plan applied .*remove_plan"):
+    with pytest.raises(ValueError, match=r"model has a fewbit plan applied.*remove_plan"):
         fewbit.convert_(model, fewbit.Config(saved_bits=4))
     assert {n: len(m._forward_pre_hooks) for n, m in model.named_modules()} == hooks
     assert planner.remove_plan(model)
     fewbit.convert_(model, fewbit.Config(saved_bits=4))  # after remove_plan: fine
 
-    with pytest.raises(ValueError, match=r"model compresses its saved tensors by an earlier fewbit.convert_"):
+    with pytest.raises(ValueError, match=r"model \(or a module in it\) compresses its saved tensors by an earlier"):
         fewbit.convert_(model, p)
     assert "_fewbit_plan_state" not in vars(model)
     fewbit.convert_(model, fewbit.Config(saved_bits=None))  # re-converted without compression
     fewbit.convert_(model, p)
     model(**batch).loss.backward()
+
+    # the same with a part of the model: a block converted with a Config, or a block of a planned model
+    with pytest.raises(ValueError, match=r"is part of a planned model"):
+        fewbit.convert_(model.transformer.h[0], fewbit.Config(saved_bits=2))
+    other = make_model()
+    fewbit.convert_(other.transformer, fewbit.Config(saved_bits=2))
+    with pytest.raises(ValueError, match=r"model \(or a module in it\) compresses its saved tensors"):
+        fewbit.convert_(other, p)
 
 
 def test_division_and_outlier_options(batch):
