@@ -57,7 +57,10 @@ class SavedTensorInfo:
         norm_size: inside a normalization layer whose backward is not linear in ``x``,
             the elements of ``x`` (in C order) that share one mean/variance, a contiguous run
             (:func:`fewbit.convert.normalization_size`: LayerNorm's ``normalized_shape``,
-            InstanceNorm's channel plane, a training BatchNorm's channel plane, ...); for a
+            InstanceNorm's channel plane, a training BatchNorm's channel plane, ...; a
+            BatchNorm's ``(N, C)`` input or planes under 32 elements: the channel's ``N *
+            prod(spatial)`` elements, which the compressor takes from the ``(C, N, ...)``
+            copy, :class:`fewbit._norm_rows.Channels`); for a
             softmax or log-softmax ``"result"`` over the last dim, its row length; else None. The
             compressor the policy chooses for such a tensor is replaced by its
             :meth:`~fewbit.quant.compressors.Compressor.within` ``(norm_size)``: statistics
