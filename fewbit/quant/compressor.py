@@ -282,12 +282,13 @@ class ActivationCompressor:
         Random numbers. Every compressed tensor gets a new 64-bit seed, so no two
         tensors, layers, steps or compressor instances reuse a noise pattern (a replayed
         pattern is a bias that SGD does not average away; docs/compression.md §1). With
-        ``generator=None`` the seeds come from fewbit's own CPU generator
-        (:func:`fewbit.manual_seed`), never from torch's: a converted model draws the same
-        dropout masks and data order as the vanilla model under the same seed. That
-        stream is seeded from ``torch.initial_seed()``, so the same seed and program give
-        the same gradients in a fresh process, and after ``torch.manual_seed`` with a new
-        value. To replay a run within one process with the *same* seed, call
+        ``generator=None`` the seeds come from fewbit's own noise streams
+        (:func:`fewbit.manual_seed`), never from torch's generators: a converted model
+        draws the same dropout masks and data order as the vanilla model under the same
+        seed. There is one stream per torch seed, made from the seed and torch's state at
+        its first draw, so the same seed and program give the same gradients in a fresh
+        process; a torch seed used before in the process goes on with its stream (fresh
+        noise, not a replay). To replay a run within one process with the *same* seed, call
         ``fewbit.manual_seed(seed)`` (it seeds torch too), or pass a ``generator`` seeded
         by you and reuse it across steps.
 
