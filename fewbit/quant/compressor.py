@@ -520,8 +520,7 @@ class ActivationCompressor:
             kept = kept() if kept is not None else None
             if self._keep_depth:  # inside a call whose backward is not linear in it
                 if kept is None:
-                    self._kept[storage] = weakref.ref(t._base if t._base is not None else t,
-                                                      functools.partial(_drop_kept, self._kept, storage))
+                    self._mark_kept(t, storage)
                     return self._skip(t, "nonlinear")
             if kept is not None:  # its storage is kept exact: a quantized copy would only add bytes
                 self.stats.deduplicated += 1
@@ -542,13 +541,11 @@ class ActivationCompressor:
                 handle = _Handle(None, _pack_bool(bits), t.shape, t.dtype, t.device, mask_value)
             self.stats.packed_bool += 1
         else:
-            handle = self._compress(t)
+            handle = self._compress(t, rows)
             if handle is None:
                 # held exact: later saves of its storage keep it too (a compressed copy by
                 # another module would only add bytes)
-                storage = (key[0], t.device, t._version)
-                self._kept[storage] = weakref.ref(t._base if t._base is not None else t,
-                                                  functools.partial(_drop_kept, self._kept, storage))
+                self._mark_kept(t, (key[0], t.device, t._version))
                 return self._skip(t, "kept")
         self.stats.bytes_before += t.numel() * t.element_size()
         self.stats.bytes_after += handle.nbytes
@@ -563,13 +560,20 @@ class ActivationCompressor:
         self._cache[key] = (weakref.ref(anchor), weakref.ref(handle, _drop), rows)
         return handle
 
-    def _compress(self, t: torch.Tensor):
-        """The policy's (or attention's forced) compressor on floating ``t``; None if kept."""
+    def _mark_kept(self, t: torch.Tensor, storage: tuple) -> None:
+        """Register ``storage`` (data pointer, device, version) as held exact while ``t``
+        (or the tensor it views) lives: later saves of any view of it are kept too."""
+        self._kept[storage] = weakref.ref(t._base if t._base is not None else t,
+                                          functools.partial(_drop_kept, self._kept, storage))
+
+    def _compress(self, t: torch.Tensor, norm_size):
+        """The policy's (or attention's forced) compressor on floating ``t``; None if kept.
+        ``norm_size``: the saving norm module's layout for ``t`` (``norm_size(shape)`` of
+        :meth:`_push_module`; an int, a :class:`fewbit._norm_rows.Channels` or None)."""
         from fewbit.quant.policies import SavedTensorInfo, compressor_bits
 
         forced = self.compressor is not self._default  # fewbit.quant.attention's q and k
-        fqn, kind, norm_size = self._where[-1] if self._where else (None, None, None)
-        norm_size = norm_size(tuple(t.shape)) if norm_size is not None else None
+        fqn, kind = self._where[-1][:2] if self._where else (None, None)
         channels = isinstance(norm_size, _norm_rows.Channels)  # BatchNorm's (N, C): channel-major
         if channels:
             norm_size = norm_size.size
