@@ -38,6 +38,8 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "quant": ("fewbit.quant", None),
     "compress_activations": ("fewbit.quant", "compress_activations"),
     "manual_seed": ("fewbit.quant", "manual_seed"),
+    "get_rng_state": ("fewbit.quant", "get_rng_state"),
+    "set_rng_state": ("fewbit.quant", "set_rng_state"),
     # Memory report
     "memory": ("fewbit.memory", None),
     # Fused linear + cross-entropy for language-model heads
@@ -58,7 +60,7 @@ __all__ = [
     # conversion
     "Config", "convert_", "ConversionSummary",
     # saved-tensor compression
-    "quant", "compress_activations", "manual_seed",
+    "quant", "compress_activations", "manual_seed", "get_rng_state", "set_rng_state",
     # reporting
     "memory",
     # losses

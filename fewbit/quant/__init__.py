@@ -57,7 +57,7 @@ __all__ = [
     # quantizer
     "QuantizedTensor", "quantize", "dequantize",
     # noise seeds
-    "manual_seed",
+    "manual_seed", "get_rng_state", "set_rng_state",
     # pure-torch definition
     "quantize_reference", "dequantize_reference",
     # saved-tensor compression
@@ -246,6 +246,18 @@ class _NoiseStream:
         with self.lock:
             self.streams.clear()
 
+    def snapshot(self) -> list[list[int]]:
+        """Every stream as ``[torch seed, base, count]``, least recently used first."""
+        with self.lock:
+            return [[seed, entry[0], entry[1]] for seed, entry in self.streams.items()]
+
+    def restore(self, streams: list[list[int]]) -> None:
+        """Replace every stream by ``streams`` (:meth:`snapshot`'s form, checked)."""
+        with self.lock:
+            self.streams = collections.OrderedDict((seed, [base, count]) for seed, base, count in streams)
+            while len(self.streams) > self.MAX_STREAMS:
+                self.streams.popitem(last=False)
+
     def get_state(self) -> tuple[int, int | None, int]:
         """``(torch seed, base or None, count)``: where the stream is now, without creating
         it (a checkpointed block's forward records it, :meth:`replay` takes it back)."""
@@ -311,6 +323,70 @@ def manual_seed(seed: int) -> torch.Generator:
     generator = torch.manual_seed(int(seed))
     _noise_stream.reset()
     return generator
+
+
+#: :func:`get_rng_state`'s format version.
+_RNG_STATE_VERSION = 1
+
+
+def get_rng_state() -> dict:
+    """The state of fewbit's noise streams (:func:`manual_seed`), to save beside torch's
+    RNG state for an exact resumption.
+
+    A run resumed from a checkpoint with ``torch.set_rng_state`` alone draws new rounding
+    noise, not the noise the uninterrupted run would have drawn; with this state restored
+    too (:func:`set_rng_state`), it draws the same noise, so its losses are the
+    uninterrupted run's bit for bit (on the same machine and thread count).
+
+    Returns:
+        ``{"version": 1, "streams": [[torch_seed, base, count], ...]}``: plain ints (each
+        in ``[0, 2**64)``), least recently used stream first; it pickles, saves with
+        ``torch.save`` and loads with ``torch.load(weights_only=True)``, and is valid
+        JSON. At most 65 536 streams, 3 ints each.
+
+    Example:
+        >>> torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(),
+        ...             "torch_rng": torch.get_rng_state(), "fewbit_rng": fewbit.get_rng_state()}, path)
+        >>> ckpt = torch.load(path)  # later, in a fresh process
+        >>> torch.set_rng_state(ckpt["torch_rng"]); fewbit.set_rng_state(ckpt["fewbit_rng"])
+    """
+    return {"version": _RNG_STATE_VERSION, "streams": _noise_stream.snapshot()}
+
+
+def set_rng_state(state: dict) -> None:
+    """Restore fewbit's noise streams from :func:`get_rng_state` (every stream made since
+    is dropped). Restore torch's own state (``torch.set_rng_state``) as well: the stream
+    drawn from is chosen by ``torch.initial_seed()``.
+
+    Args:
+        state: a dict as returned by :func:`get_rng_state` (also after a JSON or
+            ``torch.save`` round trip: lists or tuples of ints).
+
+    Raises:
+        TypeError: ``state`` is not a dict of that form.
+        ValueError: its ``version`` is not 1, or a stream is not three ints in
+            ``[0, 2**64)``. Nothing is changed when an error is raised.
+    """
+    if not isinstance(state, dict) or set(state) != {"version", "streams"}:
+        raise TypeError("state must be the dict fewbit.get_rng_state() returns, with keys 'version' and "
+                        f"'streams'; got {type(state).__name__}"
+                        + (f" with keys {sorted(map(str, state))}" if isinstance(state, dict) else ""))
+    if state["version"] != _RNG_STATE_VERSION:
+        raise ValueError(f"state['version'] must be {_RNG_STATE_VERSION}, got {state['version']!r}")
+    streams = state["streams"]
+    if not isinstance(streams, (list, tuple)):
+        raise TypeError(f"state['streams'] must be a list, got {type(streams).__name__}")
+    checked = []
+    for i, stream in enumerate(streams):
+        if (not isinstance(stream, (list, tuple)) or len(stream) != 3
+                or any(isinstance(v, bool) or not isinstance(v, numbers.Integral) or not 0 <= v < 2**64
+                       for v in stream)):
+            raise ValueError(f"state['streams'][{i}] must be three ints [torch_seed, base, count] in "
+                             f"[0, 2**64), got {stream!r}")
+        checked.append([int(v) for v in stream])
+    if len({seed for seed, _, _ in checked}) != len(checked):
+        raise ValueError("state['streams'] lists a torch seed twice")
+    _noise_stream.restore(checked)
 
 
 def _draw_seed(generator: torch.Generator | None) -> int:
