@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -166,6 +166,23 @@ class _ChannelMajor:
 
     def decompress(self) -> torch.Tensor:
         return self.qt.decompress().movedim(0, 1).contiguous()
+
+
+class _Shared:
+    """A :class:`_Handle`'s payload once a later save of the same tensor holds it in a way
+    that serves both saves (exact, or a copy grouped inside a norm's rows or channels):
+    the first copy is freed and its save unpacks ``target`` (a :class:`_Handle` or a
+    :class:`~fewbit._saved.Kept`) reshaped to its own shape."""
+
+    __slots__ = ("target", "shape")
+    nbytes = 0
+
+    def __init__(self, target, shape):
+        self.target = target
+        self.shape = shape
+
+    def decompress(self) -> torch.Tensor:
+        return self.target.unpack().reshape(self.shape)
 
 
 class _ViewHandle:
@@ -375,7 +392,8 @@ class ActivationCompressor:
         #: What results saved for their own nonlinear backward get (RESULT_BITS).
         self._result_compressor = GroupQuantizer(RESULT_BITS, group_size=group_size, stochastic=stochastic,
                                                  stats_dtype=stats_dtype)
-        # key -> (weakref to the tensor or its base, weakref to the handle)
+        # key -> (weakref to the tensor or its base, weakref to the handle, the norm layout
+        # it was grouped for or None, its index in records or None)
         self._cache: dict = {}
         # (storage, device, version) -> weakref to the tensor or its base, of storages kept
         # exact by a call whose backward is not linear in what it saves
@@ -530,11 +548,14 @@ class ActivationCompressor:
         fn = self._where[-1][2] if self._where else None
         rows = fn(tuple(t.shape)) if fn is not None and not is_bool and mask_value is None else None
         hit = self._cache.get(key)
-        if hit is not None and (rows is None or hit[2] == rows):
+        earlier = None  # a live copy of this tensor that does not serve this save
+        if hit is not None:
             anchor, handle = hit[0](), hit[1]()
             if anchor is not None and handle is not None:
-                self.stats.deduplicated += 1
-                return handle if tuple(handle.shape) == tuple(t.shape) else _ViewHandle(handle, t.shape)
+                if rows is None or hit[2] == rows:
+                    self.stats.deduplicated += 1
+                    return handle if tuple(handle.shape) == tuple(t.shape) else _ViewHandle(handle, t.shape)
+                earlier = (handle, hit[3], hit[2])
         if is_bool or mask_value is not None:
             with torch.no_grad():
                 bits = t if is_bool else t != 0
@@ -546,7 +567,13 @@ class ActivationCompressor:
                 # held exact: later saves of its storage keep it too (a compressed copy by
                 # another module would only add bytes)
                 self._mark_kept(t, (key[0], t.device, t._version))
-                return self._skip(t, "kept")
+                kept = self._skip(t, "kept")
+                if earlier is not None:  # and an earlier save's copy is not needed any more
+                    self._share(earlier, kept, None, t)
+                return kept
+            if earlier is not None and earlier[2] is None:
+                # the earlier save (which needed no layout) uses this copy: one copy held
+                self._share(earlier, handle, self.records.get(self._index - 1), t)
         self.stats.bytes_before += t.numel() * t.element_size()
         self.stats.bytes_after += handle.nbytes
         anchor = t._base if t._base is not None else t
@@ -557,8 +584,28 @@ class ActivationCompressor:
             if entry is not None and entry[1] is ref:
                 del cache[key]
 
-        self._cache[key] = (weakref.ref(anchor), weakref.ref(handle, _drop), rows)
+        record = self._index - 1 if handle.qt is not None else None
+        self._cache[key] = (weakref.ref(anchor), weakref.ref(handle, _drop), rows, record)
         return handle
+
+    def _share(self, earlier: tuple, target, record, t: torch.Tensor) -> None:
+        """Point the earlier save's ``(handle, record index, layout)`` of ``t`` at ``target`` (a new
+        copy whose groups also serve it, with ``record``; or a Kept, ``record`` None) and
+        free its own copy, adjusting :attr:`stats` and its row of :attr:`records`."""
+        handle, index, _ = earlier
+        if handle.qt is None or isinstance(handle.qt, _Shared):
+            return
+        self.stats.bytes_after -= handle.qt.nbytes
+        self.stats.bytes_before -= t.numel() * t.element_size()
+        handle.qt = _Shared(target, handle.shape)
+        old = self.records.get(index) if index is not None else None
+        if old is not None:
+            if record is None:  # held exact
+                bits = torch.finfo(t.dtype).bits
+                self.records[index] = replace(old, compressor="keep", bits=bits, nbytes=0)
+            else:
+                self.records[index] = replace(old, compressor=record.compressor, bits=record.bits,
+                                                          nbytes=0)
 
     def _mark_kept(self, t: torch.Tensor, storage: tuple) -> None:
         """Register ``storage`` (data pointer, device, version) as held exact while ``t``

@@ -410,3 +410,64 @@ def test_a_storage_kept_exact_is_not_also_compressed_by_a_later_save():
     comp = summary.compressor
     assert [r.compressor for r in comp.records.values()] == ["keep"]
     assert comp.stats.deduplicated == 1 and comp.stats.compressed == 0
+
+
+def test_a_copy_the_norm_regroups_replaces_the_earlier_copy():
+    """Linear first, then the training BatchNorm on the same (N, C) tensor: the norm needs a
+    channel-major copy, and the Linear's cross-channel copy is freed (its save unpacks the
+    norm's copy). Before, both copies were held and ``bytes_before`` counted the tensor twice."""
+    model = _BatchNormAndLinear(linear_first=True)
+    summary = fewbit.convert_(model, fewbit.Config(activation_bits=None, saved_bits=2))
+    comp = summary.compressor
+    x = torch.randn(512, 8, requires_grad=True)
+    a, b = model(x * 1)
+    records = sorted(comp.records.values(), key=lambda r: r.index)
+    assert [r.kind for r in records] == ["linear", "norm"]
+    assert records[0].nbytes == 0 and records[1].nbytes > 0  # one copy held: the norm's
+    assert comp.stats.bytes_before == x.numel() * 4
+    assert comp.stats.bytes_after == records[1].nbytes
+    (a.sum() + b.pow(2).sum()).backward()  # both saves unpack
+
+
+def test_a_tensor_the_norm_keeps_exact_frees_the_earlier_compressed_copy():
+    """Linear first, then a BatchNorm whose compression would cost more than its bf16 (2,
+    4096) input (kept exact): the Linear's 2-bit copy is freed and its save uses the exact
+    tensor, so nothing is held beyond vanilla (2176 bytes more before) and the Linear's
+    weight gradient is vanilla's exactly."""
+    torch.manual_seed(0)
+    ref = _BatchNormAndLinear(linear_first=True)
+    ref.bn, ref.fc = nn.BatchNorm1d(4096), nn.Linear(4096, 8)
+    ref = ref.to(torch.bfloat16)
+    model = copy.deepcopy(ref)
+    summary = fewbit.convert_(model, fewbit.Config(activation_bits=None, saved_bits=2))
+    comp = summary.compressor
+    x = torch.randn(2, 4096, dtype=torch.bfloat16, requires_grad=True)
+    grads = []
+    for m in (ref, model):
+        a, b = m(x * 1)
+        (a.float().sum() + (b.float() * torch.linspace(-1, 1, 4096)).sum()).backward()
+        grads.append(m.fc.weight.grad)
+    records = sorted(comp.records.values(), key=lambda r: r.index)
+    assert [(r.kind, r.compressor, r.nbytes) for r in records] == [("linear", "keep", 0), ("norm", "keep", 2 * 4096 * 2)]
+    assert comp.stats.compressed == 1 and comp.stats.skipped_bytes["kept"] == 2 * 4096 * 2
+    assert torch.equal(grads[0], grads[1])
+
+
+def test_an_earlier_norm_copy_is_not_replaced_by_a_copy_of_another_layout():
+    """A LayerNorm (groups inside rows of 8) and then a training BatchNorm (groups inside
+    channels) save the same (N, C): each keeps its own copy, as each norm's gradient needs."""
+
+    class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln, self.bn = nn.LayerNorm(8), nn.BatchNorm1d(8)
+
+        def forward(self, h):
+            return self.ln(h), self.bn(h)
+
+    model = Two()
+    summary = fewbit.convert_(model, fewbit.Config(activation_bits=None, saved_bits=2))
+    a, b = model(torch.randn(512, 8, requires_grad=True) * 1)
+    records = sorted(summary.compressor.records.values(), key=lambda r: r.index)
+    assert len(records) == 2 and all(r.nbytes > 0 for r in records)
+    (a.pow(2).sum() + b.pow(2).sum()).backward()
