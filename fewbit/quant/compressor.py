@@ -9,10 +9,12 @@ element + stats), bool masks are packed losslessly at 1 bit, and the rest is kep
 from __future__ import annotations
 
 import functools
+import threading
 import weakref
 from dataclasses import dataclass, field, replace
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 from fewbit import _norm_rows
 from fewbit._checks import check_positive_int
@@ -387,6 +389,7 @@ class ActivationCompressor:
         self._stack: list = []
         self._where: list = []  # (fqn, kind) of the converted modules running, innermost last
         self._index = 0
+        self._ordinals: dict = {}  # fqn -> tensors of that module taken in this pass
         self._auto_step = True  # fewbit.convert_ sets False and calls step() per forward
         self.records: dict = {}
         #: What results saved for their own nonlinear backward get (RESULT_BITS).
@@ -400,14 +403,26 @@ class ActivationCompressor:
         # (fewbit.quant.nonlinear); _keep_depth > 0 inside one
         self._kept: dict = {}
         self._keep_depth = 0
+        # .call: (args, kwargs) of the torch call running under CompressionMode, or None
+        self._local = threading.local()
 
     def __repr__(self) -> str:
         return f"ActivationCompressor(policy={self.policy!r}, min_numel={self.min_numel})"
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        del state["_local"]  # per thread, and only set while a call runs
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._local = threading.local()
 
     # passes and policies -------------------------------------------------------------
     def step(self) -> None:
         """Start a pass: the next tensor taken gets index 0 and :attr:`records` is emptied."""
         self._index = 0
+        self._ordinals = {}
         self.records = {}
 
     def adapt(self, model: torch.nn.Module, closure) -> bool:
@@ -551,7 +566,7 @@ class ActivationCompressor:
         earlier = None  # a live copy of this tensor that does not serve this save
         if hit is not None:
             anchor, handle = hit[0](), hit[1]()
-            if anchor is not None and handle is not None:
+            if anchor is not None and handle is not None and self._may_share(t):
                 if rows is None or hit[2] == rows:
                     self.stats.deduplicated += 1
                     return handle if tuple(handle.shape) == tuple(t.shape) else _ViewHandle(handle, t.shape)
@@ -607,6 +622,31 @@ class ActivationCompressor:
                 self.records[index] = replace(old, compressor=record.compressor, bits=record.bits,
                                                           nbytes=0)
 
+    def _may_share(self, t: torch.Tensor) -> bool:
+        """Whether the save of ``t`` now may use a copy an earlier save made (one noise draw
+        for both): only if no other argument of the saving call depends on ``t``.
+
+        Otherwise a gradient can take the same rounding error twice: in ``x * lin(x)`` the
+        Linear's weight gradient is ``Q(x)^T (g * Q(x))``, whose mean is off by
+        ``sum g Var(Q(x))`` on the diagonal when both factors are one copy (0.38 of the
+        gradient's norm at 2 bits), and exact in the mean with two independent copies.
+        A chain through a shared copy needs the later saving call to take, besides ``t``,
+        something computed from it; parallel uses (the q, k, v projections of one input,
+        attention's probabilities saved by softmax and by ``P @ V``) share. A save outside
+        a torch call the mode sees (a custom ``autograd.Function``'s ``save_for_backward``)
+        gets its own copy."""
+        call = getattr(self._local, "call", None)
+        if call is None:
+            return False
+        base = t._base if t._base is not None else t
+        ptr = base.untyped_storage().data_ptr()
+        others = [a for a in tree_leaves(call) if isinstance(a, torch.Tensor)
+                  and a.grad_fn is not None and a.untyped_storage().data_ptr() != ptr]
+        if not others:
+            return True
+        targets = {n for n in (t.grad_fn, base.grad_fn) if n is not None}
+        return not any(_depends_on(a.grad_fn, targets, base) for a in others)
+
     def _mark_kept(self, t: torch.Tensor, storage: tuple) -> None:
         """Register ``storage`` (data pointer, device, version) as held exact while ``t``
         (or the tensor it views) lives: later saves of any view of it are kept too."""
@@ -627,7 +667,9 @@ class ActivationCompressor:
         role = "qk" if forced else None
         if _result_of(t) in _NONLINEAR_RESULTS:
             role, norm_size = "result", _softmax_rows(t)
-        info = SavedTensorInfo(self._index, tuple(t.shape), t.dtype, fqn, kind, role, norm_size)
+        ordinal = self._ordinals.get(fqn, 0)
+        self._ordinals[fqn] = ordinal + 1
+        info = SavedTensorInfo(self._index, tuple(t.shape), t.dtype, fqn, kind, role, norm_size, (fqn, ordinal))
         self._index += 1
         self.policy.observe(info)
         compressor = self.compressor if forced and not self.policy.decides_qk else self.policy.choose(t, info)
@@ -716,6 +758,32 @@ def _per_row_statistic(t: torch.Tensor) -> bool:
     single-head attention, a one-channel map); a channels-first norm over dim 1 (ConvNeXt's)
     divides by a ``sqrt`` result, kept exact by :data:`_EXACT_RESULTS`."""
     return t.dim() >= 2 and t.shape[-1] == 1
+
+
+#: Most autograd nodes :func:`_depends_on` visits before it answers "depends".
+_MAX_VISITED = 4096
+
+
+def _depends_on(node, targets: set, leaf: torch.Tensor) -> bool:
+    """Whether the graph behind ``node`` reaches one of ``targets`` (autograd nodes), or,
+    with no targets, the AccumulateGrad node of ``leaf``. Nodes made before the oldest
+    target (lower sequence number, same thread) cannot depend on it and are not walked;
+    past :data:`_MAX_VISITED` nodes the answer is True (the caller then makes its own copy)."""
+    floor = min(n._sequence_nr() for n in targets) if targets else -1
+    seen, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        if n in targets:
+            return True
+        if not targets and type(n).__name__ == "AccumulateGrad" and n.variable is leaf:
+            return True
+        if len(seen) >= _MAX_VISITED:
+            return True
+        for nxt, _ in n.next_functions:
+            if nxt is not None and nxt not in seen and (not targets or nxt._sequence_nr() >= floor):
+                seen.add(nxt)
+                stack.append(nxt)
+    return False
 
 
 def _drop_kept(kept: dict, key, ref) -> None:

@@ -45,6 +45,14 @@ def variance_factor(bits: int) -> float:
     return 1.0 / float((1 << bits) - 1) ** 2
 
 
+def _restore_buffers(buffers: list) -> None:
+    """Copy back each ``(buffer, copy)``. Every one: kernels update some in place without
+    moving their version counter (BatchNorm's running mean and variance)."""
+    with torch.no_grad():
+        for b, saved in buffers:
+            b.copy_(saved)
+
+
 def allocate_bits(
     sensitivity: Sequence[float],
     numel: Sequence[int],
@@ -203,7 +211,11 @@ class GACTPolicy(Policy):
         seed: seed of the generator that draws the sensitivity runs' noise seeds.
 
     Attributes:
-        bits: ``{index: bits}`` of the last plan (the dtype's width = kept exact).
+        bits: ``{index: bits}`` of the last plan (the dtype's width = kept exact), by the
+            tensors' order in the pass it measured; later passes find a tensor's bits by
+            its place in its module (:attr:`~fewbit.quant.policies.SavedTensorInfo.key`),
+            and a tensor the plan did not see gets ``initial_bits`` (at least
+            ``norm_min_bits`` for a norm's input).
         sensitivity: ``{index: c_l}`` of the last plan, in the units of ``noise_norm``
             (squared gradient units for ``"absolute"``, dimensionless for ``"relative"``).
         numel: ``{index: D_l}`` of the tensors the last plan saw.
@@ -216,6 +228,8 @@ class GACTPolicy(Policy):
             2-3 to 0.3 at steps 64-65, against 0.003-0.35).
         skipped_nonfinite: calls of :meth:`adapt` that measured nothing because a
             probe gradient or a sensitivity was not finite.
+        skipped_zero: due re-plans that measured nothing because every sensitivity was
+            0 (a zero gradient); the plan stays and the next call tries again.
 
     Raises:
         ValueError: naming the argument, for any value out of range.
@@ -261,11 +275,13 @@ class GACTPolicy(Policy):
         self._keep = Keep()
         self._gen = torch.Generator().manual_seed(int(seed))
         self.bits: dict[int, int] = {}
+        self._by_key: dict[tuple, int] = {}  # SavedTensorInfo.key -> planned bits
         self.sensitivity: dict[int, float] = {}
         self.numel: dict[int, int] = {}
         self.compression_variance = math.nan
         self.gradient_variance = math.nan
         self.skipped_nonfinite = 0
+        self.skipped_zero = 0
         self._calls = 0
         self._next_plan = 1  # the call number of the next re-plan
         self._gap = 1  # doubles after each re-plan, up to adapt_interval
@@ -294,7 +310,12 @@ class GACTPolicy(Policy):
             return self._quantizers[8]
         if self._probe is not None:
             return self._quantizers[self.probe_bits]
-        b = self.bits.get(info.index, self.initial_bits)
+        # by the tensor's place in its module (SavedTensorInfo.key), not its place in the
+        # pass: a tensor skipped elsewhere (a smaller last batch under min_numel) would move
+        # every later tensor onto another's bits (a norm's input onto 1 bit)
+        b = self._by_key.get(info.key) if info.key is not None else self.bits.get(info.index)
+        if b is None:  # not in the plan: the starting bits, and never under a norm's floor
+            b = self.initial_bits if info.norm_size is None else max(self.initial_bits, self.norm_min_bits)
         return self._quantizers[b] if b in self._quantizers else self._keep
 
     def generator(self, info):
@@ -321,7 +342,10 @@ class GACTPolicy(Policy):
         own batch for the SGD-variance estimate behind ``alert_ratio``; other calls run
         nothing. A call whose probe gradient or sensitivities are not finite (a loss
         spike, an overflowing float16 step) measures nothing: the plan stays, and a due
-        re-plan is tried again at the next call (``skipped_nonfinite`` counts them).
+        re-plan is tried again at the next call (``skipped_nonfinite`` counts them); so
+        does a re-plan whose sensitivities are all 0 (``skipped_zero``). Buffers the
+        forward updates in place (BatchNorm's running statistics) are put back after
+        each run, so the call leaves the model as it found it.
 
         Args:
             model: the converted model (its parameters that require grad are differentiated).
@@ -357,6 +381,10 @@ class GACTPolicy(Policy):
             self._next_plan = self._calls + self._gap
             self._gap = min(2 * self._gap, self.adapt_interval)
         grads = [p.grad for p in params]
+        # buffers the forward updates in place (BatchNorm's running statistics and
+        # num_batches_tracked) are put back after each run: the measurement must leave
+        # the model as the training left it
+        buffers = [(b, b.detach().clone()) for b in model.buffers()]
         devices = sorted({p.device.index or 0 for p in params if p.device.type == "cuda"})
         base = int(torch.randint(0, 1 << 62, (), generator=self._gen))
         try:
@@ -365,6 +393,7 @@ class GACTPolicy(Policy):
                 cuda_states = [torch.cuda.get_rng_state(d) for d in devices]
 
                 def run(flipped: int) -> torch.Tensor:
+                    _restore_buffers(buffers)
                     torch.set_rng_state(cpu_state)
                     for d, s in zip(devices, cuda_states):
                         torch.cuda.set_rng_state(s, d)
@@ -398,8 +427,16 @@ class GACTPolicy(Policy):
                         sens[index] = 0.5 * _weighted_square_norm(g1.sub_(g0), sizes, scale) / s
                     finite = all(math.isfinite(v) for v in sens.values())
         finally:
+            _restore_buffers(buffers)
             for p, g in zip(params, grads):
                 p.grad = g
+        if finite and replan and sens and not any(v > 0 for v in sens.values()):
+            # a zero gradient (a zero loss, a batch masked out) measures nothing either: a
+            # plan from all-zero sensitivities would be ties broken by position
+            self._next_plan, self._gap = self._calls + 1, schedule[1]
+            self._last_g0 = None
+            self.skipped_zero += 1
+            return False
         if not finite:
             # an overflowing step (a loss spike, fp16 without a scaler's skip) measures nothing:
             # the plan stays, and the measurement is tried again at the next call
@@ -431,6 +468,7 @@ class GACTPolicy(Policy):
         floor = [self.norm_min_bits if seen[i].norm_size is not None else CANDIDATE_BITS[0] for i in order]
         bits = allocate_bits([sens[i] for i in order], numel, budget, keep, floor)
         self.bits = dict(zip(order, bits))
+        self._by_key = {seen[i].key: b for i, b in zip(order, bits) if seen[i].key is not None}
         self.sensitivity = sens
         self.numel = {i: seen[i].numel for i in seen}
         self.compression_variance = sum(sens[i] * variance_factor(b) for i, b in self.bits.items())

@@ -41,11 +41,21 @@ class CompressionMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func not in _ROUTED or torch.compiler.is_compiling() or not torch.is_grad_enabled():
+        if not torch.is_grad_enabled() or torch.compiler.is_compiling():
             return func(*args, **kwargs)
-        out = attention.reroute(self, func, types, args, kwargs)
-        if out is nonlinear.NOT_HANDLED:
-            out = nonlinear.reroute(self.compressor, func, args, kwargs)
-            if out is nonlinear.NOT_HANDLED:
+        # the call's arguments, for the compressor's pack hook: a copy of a tensor is shared
+        # with this call's save only if its other arguments do not depend on that tensor
+        local = self.compressor._local
+        outer = getattr(local, "call", None)
+        local.call = (args, kwargs)
+        try:
+            if func not in _ROUTED:
                 return func(*args, **kwargs)
-        return out
+            out = attention.reroute(self, func, types, args, kwargs)
+            if out is nonlinear.NOT_HANDLED:
+                out = nonlinear.reroute(self.compressor, func, args, kwargs)
+                if out is nonlinear.NOT_HANDLED:
+                    return func(*args, **kwargs)
+            return out
+        finally:
+            local.call = outer

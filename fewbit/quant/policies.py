@@ -65,6 +65,11 @@ class SavedTensorInfo:
             compressor the policy chooses for such a tensor is replaced by its
             :meth:`~fewbit.quant.compressors.Compressor.within` ``(norm_size)``: statistics
             inside each row.
+        key: ``(fqn, n)``: the tensor is the ``n``-th that module's saves brought to the
+            policy in this pass; unlike ``index`` it does not move when another module's
+            tensor is skipped (under ``min_numel`` on a smaller last batch) or a branch
+            elsewhere did not run. :class:`~fewbit.quant.gact.GACTPolicy` finds a tensor's
+            planned bits by it. None when made by hand.
     """
 
     index: int
@@ -74,6 +79,7 @@ class SavedTensorInfo:
     kind: str | None = None
     role: str | None = None
     norm_size: int | None = None
+    key: tuple | None = None
 
     @property
     def numel(self) -> int:

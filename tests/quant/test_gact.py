@@ -1,5 +1,6 @@
 """GACT auto-precision (fewbit.quant.gact): allocation, sensitivity, budget, unbiasedness, loop."""
 
+import copy
 import itertools
 import math
 import random
@@ -478,3 +479,67 @@ def test_variance_estimate_is_not_the_training_drift():
     assert policy.gradient_variance < policy.compression_variance, (policy.gradient_variance,
                                                                     policy.compression_variance)
     assert fired[-1] == 1
+
+
+class _EmbeddingMLP(nn.Module):
+    """Its first Linear's (batch, 16) input is under ``min_numel`` (4096) on a batch of
+    200 but not of 256."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(100, 16)
+        self.body = nn.Sequential(nn.Linear(16, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU(),
+                                  nn.Linear(256, 256), nn.LayerNorm(256), nn.Linear(256, 10))
+
+    def forward(self, ids):
+        return self.body(self.emb(ids))
+
+
+def test_planned_bits_follow_their_tensor_when_another_is_skipped():
+    """A smaller last batch drops the first Linear's input under ``min_numel``: every later
+    tensor keeps its own planned bits. Before, the plan was looked up by position in the
+    pass and each tensor took the bits of the one before it (seed 0: the LayerNorm's input
+    planned at 2 bits got 1, under ``norm_min_bits``)."""
+    torch.manual_seed(0)
+    model = _EmbeddingMLP()
+    comp = fewbit.convert_(model, fewbit.Config(saved_bits="auto", average_bits=1.5)).compressor
+    loss_fn = nn.CrossEntropyLoss()
+    ids, y = torch.randint(0, 100, (256,)), torch.randint(0, 10, (256,))
+    comp.adapt(model, lambda: loss_fn(model(ids), y))
+    loss_fn(model(ids), y).backward()
+    full = {r.fqn: r.bits for r in comp.records.values()}
+    assert len(set(full.values())) > 1  # the plan is not flat, so a shift would show
+    loss_fn(model(ids[:200]), y[:200]).backward()
+    last = {r.fqn: r.bits for r in comp.records.values()}
+    assert "body.0" not in last
+    assert last == {fqn: b for fqn, b in full.items() if fqn != "body.0"}
+
+
+def test_adapt_leaves_batchnorm_running_statistics_as_they_were():
+    """The measurement runs are forward passes in training mode: BatchNorm's running mean,
+    variance and num_batches_tracked are put back (they moved L + 1 times per re-plan)."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3),
+                        nn.BatchNorm2d(8, momentum=None), nn.Flatten(), nn.Linear(8 * 12 * 12, 10))
+    model = copy.deepcopy(ref)
+    comp = fewbit.convert_(model, fewbit.Config(saved_bits="auto", average_bits=2)).compressor
+    x, y = torch.randn(16, 3, 16, 16), torch.randint(0, 10, (16,))
+    for m in (ref, model):
+        if m is model:
+            assert comp.adapt(model, lambda: nn.functional.cross_entropy(model(x), y))
+        nn.functional.cross_entropy(m(x), y).backward()
+    for (name, a), (_, b) in zip(ref.named_buffers(), model.named_buffers()):
+        assert torch.equal(a, b), name
+
+
+def test_a_zero_gradient_measures_nothing():
+    """Sensitivities all 0 (a zero loss) would give a plan of ties broken by position
+    (4, 1, 1): the plan stays and the next call measures again."""
+    torch.manual_seed(0)
+    model = _mlp()
+    comp = fewbit.convert_(model, fewbit.Config(saved_bits="auto", average_bits=2)).compressor
+    x = torch.randn(64, 32)
+    assert not comp.adapt(model, lambda: model(x).sum() * 0)
+    assert comp.policy.bits == {} and comp.policy.skipped_zero == 1
+    assert comp.adapt(model, lambda: model(x).pow(2).mean())
+    assert comp.policy.bits
