@@ -269,7 +269,30 @@ def _active_compressor():
     return None
 
 
+#: The dtypes autocast casts (float64 and others are left as they are).
+_AUTOCAST_ELIGIBLE = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _autocast_args(query, key, value, attn_mask):
+    """``query, key, value, attn_mask`` as autocast would hand them to SDPA (one of its
+    lower-precision ops): cast to the autocast dtype when autocast is on for their device.
+    The backward recomputes SDPA outside autocast, so it must see the dtypes the forward
+    computed in (LLaMA under CPU bf16 autocast: fp32 q and k from the rotary step, bf16 v)."""
+    device_type = query.device.type
+    if not torch.is_autocast_enabled(device_type):
+        return query, key, value, attn_mask
+    dtype = torch.get_autocast_dtype(device_type)
+
+    def cast(t):
+        return t.to(dtype) if t.dtype in _AUTOCAST_ELIGIBLE and t.dtype != dtype else t
+
+    if attn_mask is not None and attn_mask.is_floating_point():
+        attn_mask = cast(attn_mask)
+    return cast(query), cast(key), cast(value), attn_mask
+
+
 def _apply(comp, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+    query, key, value, attn_mask = _autocast_args(query, key, value, attn_mask)
     qs, ks, vs = _saved_copy(query), _saved_copy(key), _saved_copy(value)
     args = (query, key, value, qs, ks, vs, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     if comp is None:
