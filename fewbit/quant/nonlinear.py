@@ -74,6 +74,13 @@ _KEEP_NAMES = (
     "clamp_max", "maximum", "minimum", "fmax", "fmin", "max", "min", "amax", "amin", "aminmax",
     "div", "divide", "true_divide", "__truediv__", "__rtruediv__", "__rdiv__", "__itruediv__",
     "__idiv__", "pow", "__pow__", "__rpow__", "__ipow__", "float_power",
+    "logaddexp", "logaddexp2", "remainder", "__mod__", "__rmod__", "fmod", "copysign",
+    # special functions (torch.special)
+    "ndtr", "ndtri", "log_ndtr", "i0", "i0e", "i1", "i1e", "entr", "erfcx", "xlog1py", "gammaln",
+    "multigammaln", "psi", "zeta",
+    # linear algebra whose backward is not linear in what it saves
+    "inverse", "inv", "inv_ex", "det", "logdet", "slogdet", "solve", "solve_ex", "cholesky",
+    "cholesky_ex", "pinv", "matrix_exp", "matrix_power", "eigh", "eigvalsh", "svd", "svdvals", "qr",
     # reductions
     "std", "std_mean", "norm", "vector_norm", "matrix_norm", "dist", "cdist", "logsumexp",
     "logcumsumexp", "cumprod", "prod", "normalize", "cosine_similarity", "pairwise_distance",

@@ -139,6 +139,14 @@ KEEP_CALLS = {
     "F.normalize": (lambda x: F.normalize(x, dim=-1), False),
     "torch.erf": (torch.erf, False),
     "F.l1_loss": (lambda x: F.l1_loss(x, torch.zeros_like(x), reduction="none"), False),
+    # found by a hostile review (2-bit groups, mean z^2 of the input gradient 7-215):
+    "torch.logaddexp": (lambda x: torch.logaddexp(x, x.detach().flip(0).requires_grad_()), False),
+    "torch.special.ndtr": (torch.special.ndtr, False),
+    "torch.special.i0e": (torch.special.i0e, False),
+    "torch.remainder": (lambda x: torch.remainder(x.detach().flip(0), x), True),
+    "torch.copysign": (lambda x: torch.copysign(x, x.detach().flip(0).requires_grad_()), False),
+    "torch.special.entr": (torch.special.entr, True),
+    "torch.fmod": (lambda x: torch.fmod(x.detach().flip(0), x), True),
 }
 
 
