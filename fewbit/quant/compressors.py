@@ -580,7 +580,10 @@ class _ChannelCompressed:
         return _nbytes(self.codes.packed, self.codes.scales)  # the mins are 0 (not stored)
 
     def decompress(self) -> torch.Tensor:
-        return self.codes.decode(self._k, self.dtype).reshape(self.shape)
+        c = self.codes  # its mins are 0: made for the decode only, not held
+        full = _Affine(c.packed, torch.zeros_like(c.scales), c.scales, c.bits, c.rowlen, c.per_col, c.offset,
+                       c.numel)
+        return full.decode(self._k, self.dtype).reshape(self.shape)
 
 
 class ChannelWise(_KernelCompressor):
@@ -628,6 +631,7 @@ class ChannelWise(_KernelCompressor):
         zeros = torch.zeros_like(s)
         offset = (1 << (self.bits - 1)) - 1
         codes = _Affine.encode(k, flat, zeros, s, self.bits, c, True, offset, seed)
+        codes.mins = None  # zeros: not held (they were, uncounted: 4 bytes a channel)
         return _ChannelCompressed(codes, x.shape, x.dtype, k)
 
     def bytes_per_element(self, x: torch.Tensor) -> float:
