@@ -655,8 +655,9 @@ def normalization_size(module: nn.Module, shape: tuple[int, ...]) -> int | _norm
 class _SharedCompressor:
     """One compressor per converted model, shared by all its hooks.
 
-    Pickling/deep-copying keeps the settings and creates a fresh compressor (its cache
-    and statistics belong to the original model's runs).
+    Pickling/deep-copying keeps the settings and the policy's state (GACT's plan and
+    schedule: :meth:`fewbit.quant.gact.GACTPolicy.state_dict`) and creates a fresh
+    compressor (its cache and statistics belong to the original model's runs).
     """
 
     def __init__(self, config: Config) -> None:
@@ -670,13 +671,18 @@ class _SharedCompressor:
         self.compressor = ActivationCompressor(min_numel=c.min_numel, policy=_policy(c))
         self.compressor._auto_step = False  # _StepHook starts a pass per forward of the model
         self.entered: dict[int, int] = {}  # id(module) -> number of open enters
+        # id(module) -> CompressionModes pushed without the hooks, under a checkpoint
+        self.modes: dict[int, list] = {}
 
     def __getstate__(self) -> dict:
-        return {"config": self.config}
+        policy = self.compressor.policy
+        return {"config": self.config, "policy": policy.state_dict() if hasattr(policy, "state_dict") else None}
 
     def __setstate__(self, state: dict) -> None:
         self.config = state["config"]
         self._make()
+        if state.get("policy") is not None:
+            self.compressor.policy.load_state_dict(state["policy"])
 
 
 def _policy(c: Config):
@@ -724,12 +730,39 @@ class _EnterHook:
     def __call__(self, module: nn.Module, args: Any) -> None:
         if not torch.is_grad_enabled():
             return None
-        self.shared.compressor.__enter__()
+        comp = self.shared.compressor
+        if _checkpointed():
+            # what it saves is the checkpoint's; the calls still take fewbit's routes, the
+            # same in the forward and in the recomputation (the checkpoint checks that both
+            # save alike): the mode alone, unless an enclosing module's is on
+            if not comp.active:
+                from fewbit.quant.compressor import _compression_mode
+
+                mode = _compression_mode(comp)
+                mode.__enter__()
+                self.shared.modes.setdefault(id(module), []).append(mode)
+            return None
+        comp.__enter__()
         norm_size = functools.partial(normalization_size, module) if self.kind == "norm" else None
         self.shared.compressor._push_module(self.fqn, self.kind, norm_size)
         key = id(module)
         self.shared.entered[key] = self.shared.entered.get(key, 0) + 1
         return None
+
+
+def _checkpointed() -> bool:
+    """Whether this forward runs under ``torch.utils.checkpoint`` (its saved-tensor hooks
+    are the innermost: the non-reentrant forward or recomputation) or inside a backward (a
+    reentrant checkpoint's recomputation). The checkpoint drops what the forward saves, or
+    backward uses the recomputed tensors at once: compressing them would only add a copy
+    and noise (under a user's gradient checkpointing, a converted GPT-2 block held 994 KiB
+    against checkpointing's 512)."""
+    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    while top is not None and hasattr(top[0], "inner"):  # a memory recorder's: the hooks it wraps
+        top = top[0].inner
+    if top is not None and getattr(top[0], "__module__", None) == "torch.utils.checkpoint":
+        return True
+    return torch._C._current_graph_task_id() != -1
 
 
 class _ExitHook:
@@ -741,6 +774,12 @@ class _ExitHook:
 
     def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
         key = id(module)
+        modes = self.shared.modes.get(key)
+        if modes:
+            modes.pop().__exit__(None, None, None)
+            if not modes:
+                del self.shared.modes[key]
+            return None
         n = self.shared.entered.get(key, 0)
         if n > 0:
             if n == 1:
@@ -913,9 +952,12 @@ def _is_causal_lm(model: nn.Module) -> bool:
 
 def _set_fused_cross_entropy(model: nn.Module, config: Config, summary: ConversionSummary) -> None:
     """Phase 3 of :func:`convert_`: patch (or unpatch) the loss of a causal LM."""
-    from fewbit.losses import patch_causal_lm_, unpatch_causal_lm_
+    from fewbit.losses import _PATCH_ATTR, patch_causal_lm_, unpatch_causal_lm_
 
     ours = bool(vars(model).get(_FUSED_CE_ATTR))
+    if ours and getattr(model, _PATCH_ATTR, None) is None:  # unpatched by hand since (unpatch_causal_lm_)
+        del model.__dict__[_FUSED_CE_ATTR]
+        ours = False
     if config.fused_cross_entropy and not ours:
         patch_causal_lm_(model)
         model.__dict__[_FUSED_CE_ATTR] = True

@@ -220,6 +220,7 @@ class SavedTensorRecorder:
         def unpack_(packed: Any) -> torch.Tensor:
             return inner[1](packed) if inner is not None else unpack(packed)
 
+        pack.inner = inner  # the hooks it delegates to (fewbit.convert looks through it)
         self._mine[id(pack)] = pack
         return pack, unpack_
 

@@ -556,3 +556,24 @@ def test_grad_in_forward_float16_under_a_loss_scale_stays_finite():
     for a, b in zip(grads[False], grads[True]):
         assert b.isfinite().all()
         torch.testing.assert_close(b.float(), a.float(), rtol=2e-2, atol=2.0)
+
+
+def test_convert_patches_again_after_a_hand_unpatch():
+    """``unpatch_causal_lm_`` by hand (as the resize error tells users to), then
+    ``convert_`` with the fused loss: the model is patched again (it was not, while the
+    summary said it was)."""
+    transformers = pytest.importorskip("transformers")
+    import fewbit
+    from fewbit.losses import unpatch_causal_lm_
+
+    cfg = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=32)
+    model = transformers.GPT2LMHeadModel(cfg)
+    config = fewbit.Config(activation_bits=None, fused_cross_entropy=True)
+    fewbit.convert_(model, config)
+    unpatch_causal_lm_(model)
+    summary = fewbit.convert_(model, config)
+    ids = torch.randint(0, 64, (2, 16))
+    out = model(input_ids=ids, labels=ids)
+    assert summary.fused_cross_entropy and out.logits is None  # the fused loss returns no logits
+    fewbit.convert_(model, fewbit.Config(activation_bits=None))  # and unpatching through convert_ works
+    assert model(input_ids=ids, labels=ids).logits is not None

@@ -20,6 +20,7 @@ Through ``fewbit.convert_``::
 
 from __future__ import annotations
 
+import copy
 import heapq
 import math
 import warnings
@@ -451,6 +452,43 @@ class GACTPolicy(Policy):
             self._last_g0 = (self._calls, g0.float(), scale, s * sum(sens.values()))
         self._check_variance()
         return replan
+
+    #: The attributes :meth:`state_dict` saves (the plan, the schedule, the estimates).
+    _STATE = ("bits", "_by_key", "sensitivity", "numel", "compression_variance", "gradient_variance",
+              "skipped_nonfinite", "skipped_zero", "_calls", "_next_plan", "_gap", "_last_g0",
+              "_variance_pairs", "_warned")
+
+    def state_dict(self) -> dict:
+        """The policy's state: its plan, re-plan schedule, variance estimates and the
+        generator of its measurement seeds (plain Python values and CPU tensors; saves with
+        ``torch.save`` and loads with ``torch.load(weights_only=True)``). Save it beside the
+        model's and optimizer's state to resume a GACT run exactly; a converted model's
+        pickle and ``copy.deepcopy`` carry it."""
+        state = {name: copy.deepcopy(getattr(self, name)) for name in self._STATE}
+        state["generator"] = self._gen.get_state()
+        state["settings"] = self._settings()
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`.
+
+        Raises:
+            ValueError: ``state`` is not a GACT policy state, or one of a policy with other
+                settings (``average_bits``, ``adapt_interval``, ...). Nothing is changed then.
+        """
+        missing = [k for k in (*self._STATE, "generator", "settings") if not isinstance(state, dict) or k not in state]
+        if missing:
+            raise ValueError(f"state is not a GACTPolicy.state_dict(): it lacks {', '.join(missing)}")
+        if state["settings"] != self._settings():
+            raise ValueError(f"state is of a GACT policy with other settings: {state['settings']} "
+                             f"against this policy's {self._settings()}")
+        for name in self._STATE:
+            setattr(self, name, copy.deepcopy(state[name]))
+        self._gen.set_state(state["generator"])
+
+    def _settings(self) -> dict:
+        return {"average_bits": self.average_bits, "adapt_interval": self.adapt_interval,
+                "probe_bits": self.probe_bits, "norm_min_bits": self.norm_min_bits, "noise_norm": self.noise_norm}
 
     def _noise_scale(self, g0: torch.Tensor, sizes: list[int]) -> torch.Tensor:
         """Per parameter tensor, the factor its gradient noise is measured at: 1 for

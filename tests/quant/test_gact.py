@@ -543,3 +543,77 @@ def test_a_zero_gradient_measures_nothing():
     assert comp.policy.bits == {} and comp.policy.skipped_zero == 1
     assert comp.adapt(model, lambda: model(x).pow(2).mean())
     assert comp.policy.bits
+
+
+def _gact_run(steps, resume_at=None, restore_policy=True):
+    """An MLP trained with GACT at an average of 2 bits; with ``resume_at``, checkpointed
+    there (weights, optimizer, torch's and fewbit's RNG state and the policy's state,
+    through ``torch.save`` / ``torch.load(weights_only=True)``) and resumed in a fresh model."""
+    import io
+
+    data = torch.randn(steps, 64, 32, generator=torch.Generator().manual_seed(1))
+    target = torch.randint(0, 10, (steps, 64), generator=torch.Generator().manual_seed(2))
+
+    def build():
+        model = _mlp()
+        comp = fewbit.convert_(model, fewbit.Config(saved_bits="auto", average_bits=2)).compressor
+        return model, comp, torch.optim.SGD(model.parameters(), lr=0.05)
+
+    fewbit.manual_seed(0)
+    model, comp, opt = build()
+    losses = []
+    for step in range(steps):
+        if step == resume_at:
+            buffer = io.BytesIO()
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "torch_rng": torch.get_rng_state(),
+                        "fewbit_rng": fewbit.get_rng_state(), "gact": comp.policy.state_dict()}, buffer)
+            fewbit.manual_seed(99)
+            model, comp, opt = build()
+            buffer.seek(0)
+            ckpt = torch.load(buffer, weights_only=True)
+            model.load_state_dict(ckpt["model"])
+            opt.load_state_dict(ckpt["opt"])
+            torch.set_rng_state(ckpt["torch_rng"])
+            fewbit.set_rng_state(ckpt["fewbit_rng"])
+            if restore_policy:
+                comp.policy.load_state_dict(ckpt["gact"])
+        x, y = data[step], target[step]
+        comp.adapt(model, lambda: nn.functional.cross_entropy(model(x), y))
+        loss = nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, comp.policy
+
+
+def test_gact_run_resumes_exactly_with_the_policy_state():
+    """The plan, its schedule and the measurement generator live in the policy, not in the
+    model's state_dict: with ``policy.state_dict()`` saved and restored, a resumed run's
+    losses and plan are the uninterrupted run's bit for bit; without it the schedule starts
+    over (the plan was lost also by ``copy.deepcopy`` and pickling of a converted model)."""
+    uninterrupted, policy = _gact_run(8)
+    resumed, resumed_policy = _gact_run(8, resume_at=3)
+    assert resumed == uninterrupted
+    assert resumed_policy.bits == policy.bits and resumed_policy._calls == policy._calls == 8
+    _, fresh_policy = _gact_run(8, resume_at=3, restore_policy=False)
+    assert fresh_policy._calls == 5  # without it the schedule started over at the resumption
+
+
+def test_a_copy_of_a_gact_model_keeps_its_plan():
+    torch.manual_seed(0)
+    model = _mlp()
+    comp = fewbit.convert_(model, fewbit.Config(saved_bits="auto", average_bits=2)).compressor
+    x = torch.randn(64, 32)
+    comp.adapt(model, lambda: model(x).pow(2).mean())
+    assert comp.policy.bits
+    copied = fewbit.convert.compressor_of(copy.deepcopy(model)).policy
+    assert copied.bits == comp.policy.bits and copied._calls == comp.policy._calls
+
+
+def test_load_state_dict_refuses_other_settings():
+    state = GACTPolicy(average_bits=2).state_dict()
+    with pytest.raises(ValueError, match="other settings"):
+        GACTPolicy(average_bits=3).load_state_dict(state)
+    with pytest.raises(ValueError, match="lacks"):
+        GACTPolicy(average_bits=2).load_state_dict({"bits": {}})
