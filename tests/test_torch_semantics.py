@@ -340,3 +340,22 @@ def test_vmap_per_sample_gradients(name):
     y = FF.activation(leaf, name).reshape(-1)
     rows = [torch.autograd.grad(y[i], leaf, retain_graph=True)[0] for i in range(y.numel())]
     assert bits_equal(jac.reshape(21, 3, 7), torch.stack(rows))
+
+
+@pytest.mark.parametrize("name", ["gelu", "relu", "silu"])
+def test_forward_over_reverse_hessian_is_torchs(name):
+    """``torch.func.hessian`` (jacfwd of jacrev) and a jvp of a gradient through fewbit's
+    activations: torch's values (forward mode runs torch's function). Before, they raised
+    torch's "You must implement the jvp function" for every activation, exact ones too."""
+    import fewbit.functional as FF
+    from torch.func import grad, hessian, jvp
+
+    torch.manual_seed(0)
+    x = torch.randn(6, dtype=torch.float64)
+    w = torch.randn(6, 6, dtype=torch.float64)
+    ours, theirs = getattr(FF, name), getattr(torch.nn.functional, name)
+    torch.testing.assert_close(hessian(lambda t: ours(w @ t).pow(2).sum())(x),
+                               hessian(lambda t: theirs(w @ t).pow(2).sum())(x))
+    v = torch.ones_like(x)
+    torch.testing.assert_close(jvp(grad(lambda t: ours(w @ t).pow(2).sum()), (x,), (v,))[1],
+                               jvp(grad(lambda t: theirs(w @ t).pow(2).sum()), (x,), (v,))[1])

@@ -172,6 +172,21 @@ def _transforms_active() -> bool:
     return True if _ARE_TRANSFORMS_ACTIVE is None else bool(_ARE_TRANSFORMS_ACTIVE())
 
 
+try:
+    from torch._C._functorch import TransformType as _TransformType
+    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters as _interpreters
+except ImportError:  # pragma: no cover - other torch layouts
+    _interpreters = None
+
+
+def _forward_mode_active() -> bool:
+    """Whether a forward-mode transform (``torch.func.jvp``, ``jacfwd``, ``hessian``) is
+    among the running torch.func transforms (call only when :func:`_transforms_active`)."""
+    if _interpreters is None:
+        return False
+    return any(i.key() == _TransformType.Jvp for i in _interpreters())
+
+
 class DecodeMul(torch.autograd.Function):
     """``fewbit::decode_mul`` as a differentiable function of ``grad_output``.
 
@@ -415,6 +430,11 @@ def _apply(
         # input is touched, with torch's message.
         input.copy_(input)
     transforms = _transforms_active()
+    if transforms and _forward_mode_active():
+        # forward-mode AD (torch.func.hessian = jacfwd(jacrev), jvp of a gradient) needs the
+        # tangent f'(x) t, which torch's function gives exactly; there is no memory to save
+        y = torch_fn(input, **full)
+        return input.copy_(y) if inplace else y
     if not compiling and not transforms:
         return _direct(input, _plan(table, fn, full, input.dtype, input.device, torch_fn), inplace)
     name = _setting_for_trace(fn, tuple(full.items()), table, input.dtype, input.device)
