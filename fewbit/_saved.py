@@ -70,3 +70,20 @@ def keep(t: torch.Tensor) -> Kept:
 def unpack(packed: Any) -> Any:
     """An unpack hook for :func:`keep`'s results; anything else is returned as it is."""
     return packed.unpack() if type(packed) is Kept else packed
+
+
+def under_checkpoint() -> bool:
+    """Whether the innermost saved-tensor hooks are ``torch.utils.checkpoint``'s (a
+    non-reentrant checkpoint's forward or recomputation; looked through a
+    :class:`fewbit.memory.SavedTensorRecorder`'s hooks, which wrap the ones under them).
+
+    Inside, what is saved is the checkpoint's: it drops it and recomputes it in backward.
+    fewbit then neither compresses (it would only add a copy and noise) nor reroutes calls
+    (:class:`fewbit.quant.mode.CompressionMode`), so the forward and its recomputation save
+    alike, whatever converted modules enclose the checkpoint.
+    """
+    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    while top is not None and hasattr(top[0], "inner"):
+        top = top[0].inner
+    return top is not None and getattr(top[0], "__module__", None) == "torch.utils.checkpoint"
+

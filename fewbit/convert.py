@@ -99,6 +99,7 @@ from torch import nn
 from fewbit import _norm_rows
 from fewbit import modules as fm
 from fewbit._checks import check_bits, check_noise_norm, check_positive_int
+from fewbit._saved import under_checkpoint
 from fewbit.activations import ACTIVATIONS, get_activation
 
 __all__ = ["Config", "ConversionSummary", "convert_", "LAYER_KINDS", "layer_kind"]
@@ -671,8 +672,6 @@ class _SharedCompressor:
         self.compressor = ActivationCompressor(min_numel=c.min_numel, policy=_policy(c))
         self.compressor._auto_step = False  # _StepHook starts a pass per forward of the model
         self.entered: dict[int, int] = {}  # id(module) -> number of open enters
-        # id(module) -> CompressionModes pushed without the hooks, under a checkpoint
-        self.modes: dict[int, list] = {}
 
     def __getstate__(self) -> dict:
         policy = self.compressor.policy
@@ -728,20 +727,9 @@ class _EnterHook:
         self.kind = kind
 
     def __call__(self, module: nn.Module, args: Any) -> None:
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled() or _checkpointed():
             return None
         comp = self.shared.compressor
-        if _checkpointed():
-            # what it saves is the checkpoint's; the calls still take fewbit's routes, the
-            # same in the forward and in the recomputation (the checkpoint checks that both
-            # save alike): the mode alone, unless an enclosing module's is on
-            if not comp.active:
-                from fewbit.quant.compressor import _compression_mode
-
-                mode = _compression_mode(comp)
-                mode.__enter__()
-                self.shared.modes.setdefault(id(module), []).append(mode)
-            return None
         comp.__enter__()
         norm_size = functools.partial(normalization_size, module) if self.kind == "norm" else None
         self.shared.compressor._push_module(self.fqn, self.kind, norm_size)
@@ -751,18 +739,13 @@ class _EnterHook:
 
 
 def _checkpointed() -> bool:
-    """Whether this forward runs under ``torch.utils.checkpoint`` (its saved-tensor hooks
-    are the innermost: the non-reentrant forward or recomputation) or inside a backward (a
-    reentrant checkpoint's recomputation). The checkpoint drops what the forward saves, or
-    backward uses the recomputed tensors at once: compressing them would only add a copy
-    and noise (under a user's gradient checkpointing, a converted GPT-2 block held 994 KiB
-    against checkpointing's 512)."""
-    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
-    while top is not None and hasattr(top[0], "inner"):  # a memory recorder's: the hooks it wraps
-        top = top[0].inner
-    if top is not None and getattr(top[0], "__module__", None) == "torch.utils.checkpoint":
-        return True
-    return torch._C._current_graph_task_id() != -1
+    """Whether this forward runs under ``torch.utils.checkpoint``
+    (:func:`fewbit._saved.under_checkpoint`: the non-reentrant forward or recomputation) or
+    inside a backward (a reentrant checkpoint's recomputation). The checkpoint drops what
+    the forward saves, or backward uses the recomputed tensors at once: compressing them
+    would only add a copy and noise (under a user's gradient checkpointing, a converted
+    GPT-2 block held 994 KiB against checkpointing's 512)."""
+    return under_checkpoint() or torch._C._current_graph_task_id() != -1
 
 
 class _ExitHook:
@@ -774,12 +757,6 @@ class _ExitHook:
 
     def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
         key = id(module)
-        modes = self.shared.modes.get(key)
-        if modes:
-            modes.pop().__exit__(None, None, None)
-            if not modes:
-                del self.shared.modes[key]
-            return None
         n = self.shared.entered.get(key, 0)
         if n > 0:
             if n == 1:

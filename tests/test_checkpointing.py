@@ -61,3 +61,21 @@ def test_reentrant_checkpoint_input_is_kept_exact():
         grads.append(torch.cat([p.grad.reshape(-1) for p in m.transformer.h.parameters()]))
     assert summary.compressor.stats.skipped.get("checkpoint", 0) == 2  # one input per block
     torch.testing.assert_close(grads[1], grads[0], rtol=1e-4, atol=1e-6)
+
+
+def test_a_checkpoint_inside_a_converted_module():
+    """A user's checkpoint of the attention's forward inside a converted GPT-2 block: the
+    forward ran under the block's mode (fewbit's SDPA) and the recomputation did not, and
+    torch's checkpoint refused the different saves; inside a checkpoint the mode now hands
+    every call to torch, in both."""
+    import functools
+
+    from torch.utils.checkpoint import checkpoint
+
+    model = _gpt2(1)
+    fewbit.convert_(model, fewbit.Config(activation_bits=None, saved_bits=4))
+    attn = model.transformer.h[0].attn
+    attn.forward = functools.partial(checkpoint, attn.forward, use_reentrant=False)
+    ids = torch.randint(0, 500, (2, 32), generator=torch.Generator().manual_seed(1))
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)

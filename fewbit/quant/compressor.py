@@ -400,7 +400,7 @@ class ActivationCompressor:
         self._stack: list = []
         self._where: list = []  # (fqn, kind) of the converted modules running, innermost last
         self._index = 0
-        self._ordinals: dict = {}  # fqn -> tensors of that module taken in this pass
+        self._ordinals: dict = {}  # fqn -> saves of that module in this pass
         self._auto_step = True  # fewbit.convert_ sets False and calls step() per forward
         self.records: dict = {}
         #: What results saved for their own nonlinear backward get (RESULT_BITS).
@@ -526,6 +526,11 @@ class ActivationCompressor:
         return keep(t)  # checked for in-place changes on unpack, as torch does (fewbit._saved)
 
     def _pack(self, t: torch.Tensor):
+        # this save's place among its module's saves in the pass, every save counted (a
+        # tensor skipped on one batch, under min_numel, must not move the others)
+        fqn = self._where[-1][0] if self._where else None
+        ordinal = self._ordinals.get(fqn, 0)
+        self._ordinals[fqn] = ordinal + 1
         if t.layout != torch.strided or t.device.type == "meta":
             return self._skip(t, "layout")
         if _is_parameter(t):
@@ -581,7 +586,7 @@ class ActivationCompressor:
         earlier = None  # a live copy of this tensor that does not serve this save
         if hit is not None:
             anchor, handle = hit[0](), hit[1]()
-            if anchor is not None and handle is not None and self._may_share(t):
+            if anchor is not None and handle is not None and self._may_share(t, hit[4]):
                 if rows is None or hit[2] == rows:
                     self.stats.deduplicated += 1
                     return handle if tuple(handle.shape) == tuple(t.shape) else _ViewHandle(handle, t.shape)
@@ -592,7 +597,7 @@ class ActivationCompressor:
                 handle = _Handle(None, _pack_bool(bits), t.shape, t.dtype, t.device, mask_value)
             self.stats.packed_bool += 1
         else:
-            handle = self._compress(t, rows)
+            handle = self._compress(t, rows, ordinal)
             if handle is None:
                 # held exact: later saves of its storage keep it too (a compressed copy by
                 # another module would only add bytes)
@@ -615,7 +620,9 @@ class ActivationCompressor:
                 del cache[key]
 
         record = self._index - 1 if handle.qt is not None else None
-        self._cache[key] = (weakref.ref(anchor), weakref.ref(handle, _drop), rows, record)
+        call = getattr(self._local, "call", None)
+        self._cache[key] = (weakref.ref(anchor), weakref.ref(handle, _drop), rows, record,
+                            call[2] if call is not None else None)
         return handle
 
     def _share(self, earlier: tuple, target, record, t: torch.Tensor) -> None:
@@ -637,7 +644,7 @@ class ActivationCompressor:
                 self.records[index] = replace(old, compressor=record.compressor, bits=record.bits,
                                                           nbytes=0)
 
-    def _may_share(self, t: torch.Tensor) -> bool:
+    def _may_share(self, t: torch.Tensor, serial) -> bool:
         """Whether the save of ``t`` now may use a copy an earlier save made (one noise draw
         for both): only if no other argument of the saving call depends on ``t``.
 
@@ -649,13 +656,16 @@ class ActivationCompressor:
         something computed from it; parallel uses (the q, k, v projections of one input,
         attention's probabilities saved by softmax and by ``P @ V``) share. A save outside
         a torch call the mode sees (a custom ``autograd.Function``'s ``save_for_backward``)
-        gets its own copy."""
+        gets its own copy, and so does a second save by the call that made the copy
+        (``F.bilinear(x, x, W)``'s weight gradient ``Q(x)^T g Q(x)``; ``F.rms_norm``,
+        which saves ``x`` for ``pow`` and for ``x * rsqrt(...)`` inside one call).
+        ``serial``: the serial of the call that made the copy (None: unknown)."""
         call = getattr(self._local, "call", None)
-        if call is None:
+        if call is None or call[2] == serial:
             return False
         base = t._base if t._base is not None else t
         ptr = base.untyped_storage().data_ptr()
-        others = [a for a in tree_leaves(call) if isinstance(a, torch.Tensor)
+        others = [a for a in tree_leaves(call[:2]) if isinstance(a, torch.Tensor)
                   and a.grad_fn is not None and a.untyped_storage().data_ptr() != ptr]
         if not others:
             return True
@@ -668,10 +678,11 @@ class ActivationCompressor:
         self._kept[storage] = weakref.ref(t._base if t._base is not None else t,
                                           functools.partial(_drop_kept, self._kept, storage))
 
-    def _compress(self, t: torch.Tensor, norm_size):
+    def _compress(self, t: torch.Tensor, norm_size, ordinal: int):
         """The policy's (or attention's forced) compressor on floating ``t``; None if kept.
         ``norm_size``: the saving norm module's layout for ``t`` (``norm_size(shape)`` of
-        :meth:`_push_module`; an int, a :class:`fewbit._norm_rows.Channels` or None)."""
+        :meth:`_push_module`; an int, a :class:`fewbit._norm_rows.Channels` or None);
+        ``ordinal``: its place among its module's saves (``SavedTensorInfo.key``)."""
         from fewbit.quant.policies import SavedTensorInfo, compressor_bits
 
         forced = self.compressor is not self._default  # fewbit.quant.attention's q and k
@@ -682,8 +693,6 @@ class ActivationCompressor:
         role = "qk" if forced else None
         if _result_of(t) in _NONLINEAR_RESULTS:
             role, norm_size = "result", _softmax_rows(t)
-        ordinal = self._ordinals.get(fqn, 0)
-        self._ordinals[fqn] = ordinal + 1
         info = SavedTensorInfo(self._index, tuple(t.shape), t.dtype, fqn, kind, role, norm_size, (fqn, ordinal))
         self._index += 1
         self.policy.observe(info)

@@ -188,6 +188,8 @@ class GroupQuantizer(Compressor):
             ValueError: ``size`` < 1.
         """
         size = check_positive_int(size, "size")
+        if size % self.group_size == 0:  # self, not an equal quantizer the cache met first
+            return self
         return _within(self, size)
 
 

@@ -10,12 +10,18 @@ and hands those calls to the module that handles them.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch.overrides import TorchFunctionMode
 
+from fewbit._saved import under_checkpoint
 from fewbit.quant import attention, nonlinear
 
 __all__ = ["CompressionMode"]
+
+#: Serial numbers of the calls the mode sees (one per call; ``next`` is atomic under the GIL).
+_SERIAL = itertools.count()
 
 # Every callable some module here handles: one set lookup per call for all the others.
 _ROUTED = frozenset(attention.ROUTED) | frozenset(nonlinear.STEPWISE) | frozenset(nonlinear.KEEP) | frozenset(
@@ -28,8 +34,10 @@ class CompressionMode(TorchFunctionMode):
     linear in what they save, normalization functions) while a compressor is active.
 
     Pushed by :class:`~fewbit.quant.ActivationCompressor` (its outermost ``with``). Calls
-    without grad, and every call while ``torch.compile`` traces (a compiled graph saves its
-    own tensors, which the compressor keeps exact), go to torch unchanged.
+    without grad, every call while ``torch.compile`` traces (a compiled graph saves its
+    own tensors, which the compressor keeps exact) and every call inside a
+    ``torch.utils.checkpoint`` (:func:`fewbit._saved.under_checkpoint`), go to torch
+    unchanged.
 
     Args:
         compressor: the :class:`~fewbit.quant.ActivationCompressor` that pushes the mode.
@@ -38,18 +46,21 @@ class CompressionMode(TorchFunctionMode):
     def __init__(self, compressor) -> None:
         super().__init__()
         self.compressor = compressor
+        self._local = compressor._local
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if not torch.is_grad_enabled() or torch.compiler.is_compiling():
-            return func(*args, **kwargs)
-        # the call's arguments, for the compressor's pack hook: a copy of a tensor is shared
-        # with this call's save only if its other arguments do not depend on that tensor
-        local = self.compressor._local
+        # the call's arguments and serial, for the compressor's pack hook: a copy of a tensor
+        # is shared with this call's save only if its other arguments do not depend on that
+        # tensor and the copy was not made by this same call
+        local = self._local
         outer = getattr(local, "call", None)
-        local.call = (args, kwargs)
+        local.call = (args, kwargs, next(_SERIAL))
         try:
-            if func not in _ROUTED:
+            if (func not in _ROUTED or not torch.is_grad_enabled() or torch.compiler.is_compiling()
+                    or under_checkpoint()):
+                # inside a checkpoint (its hooks innermost) what is saved is the checkpoint's:
+                # torch's calls, alike in the forward and the recomputation
                 return func(*args, **kwargs)
             out = attention.reroute(self, func, types, args, kwargs)
             if out is nonlinear.NOT_HANDLED:

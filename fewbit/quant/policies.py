@@ -65,10 +65,10 @@ class SavedTensorInfo:
             compressor the policy chooses for such a tensor is replaced by its
             :meth:`~fewbit.quant.compressors.Compressor.within` ``(norm_size)``: statistics
             inside each row.
-        key: ``(fqn, n)``: the tensor is the ``n``-th that module's saves brought to the
-            policy in this pass; unlike ``index`` it does not move when another module's
-            tensor is skipped (under ``min_numel`` on a smaller last batch) or a branch
-            elsewhere did not run. :class:`~fewbit.quant.gact.GACTPolicy` finds a tensor's
+        key: ``(fqn, n)``: the tensor is that module's ``n``-th save in this pass (every
+            save counted, also those kept exact); unlike ``index`` it does not move when
+            a tensor is skipped (under ``min_numel`` on a smaller last batch) or a branch
+            in another module did not run. :class:`~fewbit.quant.gact.GACTPolicy` finds a tensor's
             planned bits by it. None when made by hand.
     """
 

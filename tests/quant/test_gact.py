@@ -9,6 +9,7 @@ import warnings
 import pytest
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 import fewbit
 from fewbit.memory import saved_tensor_report
@@ -617,3 +618,57 @@ def test_load_state_dict_refuses_other_settings():
         GACTPolicy(average_bits=3).load_state_dict(state)
     with pytest.raises(ValueError, match="lacks"):
         GACTPolicy(average_bits=2).load_state_dict({"bits": {}})
+
+
+
+class _SideBlock(nn.Module):
+    """Saves a small side tensor (its (B, 8) input) before its LayerNorm's (B, 64) input."""
+
+    def __init__(self):
+        super().__init__()
+        self.w_side = nn.Parameter(torch.randn(8, 8))
+        self.w = nn.Parameter(torch.randn(64, 64) / 8)
+        self.proj = nn.Linear(64, 64)
+
+    def forward(self, x):
+        side = (x[:, :8].contiguous() * 1.0) @ self.w_side
+        h = F.layer_norm(x * 1.0, (64,))
+        return self.proj(h @ self.w) + side.sum(-1, keepdim=True) * 1e-3
+
+
+class _SideModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(64, 64)
+        self.blocks = nn.ModuleList([_SideBlock(), _SideBlock()])
+
+    def forward(self, x):
+        x = self.inp(x)
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def test_planned_bits_follow_their_tensor_when_one_of_the_same_module_is_skipped():
+    """A batch of 48 puts each block's (48, 8) side tensor under ``min_numel``: the block's
+    later tensors keep their own bits (every save counts in the key). Before, they took
+    their predecessor's, and the LayerNorm input got a side tensor's 1 bit, under
+    ``norm_min_bits``."""
+    torch.manual_seed(0)
+    model = _SideModel()
+    comp = fewbit.convert_(model, fewbit.Config(activation_bits=None, saved_bits="auto", average_bits=1.5,
+                                                min_numel=512, layers=("block",))).compressor
+
+    def bits(x):
+        model(x).square().mean().backward()
+        out = {}
+        for r in sorted(comp.records.values(), key=lambda r: r.index):
+            if r.shape[1:] == (64,):
+                out.setdefault(r.fqn, []).append(r.bits)
+        return out
+
+    xb = torch.randn(128, 64)
+    comp.adapt(model, lambda: model(xb).square().mean())
+    full = bits(xb)
+    assert any(1 in b for b in full.values())  # a 1-bit tensor, so a shift would show
+    assert bits(torch.randn(48, 64)) == full
