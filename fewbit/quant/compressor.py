@@ -62,8 +62,9 @@ class CompressionStats:
         packed_bool: bool tensors and float {0, c} masks packed at 1 bit (lossless).
         deduplicated: saves answered with an existing compressed copy (no new bytes).
         skipped: reason -> count: ``parameter`` (nn.Parameter, leaf requiring grad, a
-            view of one, or a dtype cast of one: autocast's weight copies), ``dtype`` (integer/uint8 codes/complex), ``small`` (< min_numel),
-            ``layout`` (sparse, meta, or a view with overlapping/zero strides),
+            view of one, or a dtype cast of one: autocast's weight copies), ``dtype``
+            (integer/uint8 codes/complex), ``small`` (< min_numel), ``layout`` (sparse,
+            meta, or a view with overlapping/zero strides),
             ``no_grad`` (floating tensors that do not require grad: op statistics such as
             SDPA's logsumexp, model inputs), ``statistic`` (results of ``rsqrt``, ``sqrt``
             and ``reciprocal`` saved for their own backward, which is not linear in them:
@@ -407,14 +408,15 @@ class ActivationCompressor:
         self._result_compressor = GroupQuantizer(RESULT_BITS, group_size=group_size, stochastic=stochastic,
                                                  stats_dtype=stats_dtype)
         # key -> (weakref to the tensor or its base, weakref to the handle, the norm layout
-        # it was grouped for or None, its index in records or None)
+        # it was grouped for or None, its index in records or None, the serial of the call
+        # that made it or None)
         self._cache: dict = {}
         # (storage, device, version) -> weakref to the tensor or its base, of storages kept
         # exact by a call whose backward is not linear in what it saves
         # (fewbit.quant.nonlinear); _keep_depth > 0 inside one
         self._kept: dict = {}
         self._keep_depth = 0
-        # .call: (args, kwargs) of the torch call running under CompressionMode, or None
+        # .call: (args, kwargs, serial) of the torch call running under CompressionMode, or None
         self._local = threading.local()
 
     def __repr__(self) -> str:
@@ -641,8 +643,7 @@ class ActivationCompressor:
                 bits = torch.finfo(t.dtype).bits
                 self.records[index] = replace(old, compressor="keep", bits=bits, nbytes=0)
             else:
-                self.records[index] = replace(old, compressor=record.compressor, bits=record.bits,
-                                                          nbytes=0)
+                self.records[index] = replace(old, compressor=record.compressor, bits=record.bits, nbytes=0)
 
     def _may_share(self, t: torch.Tensor, serial) -> bool:
         """Whether the save of ``t`` now may use a copy an earlier save made (one noise draw
