@@ -101,6 +101,7 @@ from fewbit import modules as fm
 from fewbit._checks import check_bits, check_noise_norm, check_positive_int
 from fewbit._saved import under_checkpoint
 from fewbit.activations import ACTIVATIONS, get_activation
+from fewbit.losses import _PATCH_ATTR
 
 __all__ = ["Config", "ConversionSummary", "convert_", "LAYER_KINDS", "layer_kind"]
 
@@ -729,8 +730,7 @@ class _EnterHook:
     def __call__(self, module: nn.Module, args: Any) -> None:
         if not torch.is_grad_enabled() or _checkpointed():
             return None
-        comp = self.shared.compressor
-        comp.__enter__()
+        self.shared.compressor.__enter__()
         norm_size = functools.partial(normalization_size, module) if self.kind == "norm" else None
         self.shared.compressor._push_module(self.fqn, self.kind, norm_size)
         key = id(module)
@@ -929,7 +929,7 @@ def _is_causal_lm(model: nn.Module) -> bool:
 
 def _set_fused_cross_entropy(model: nn.Module, config: Config, summary: ConversionSummary) -> None:
     """Phase 3 of :func:`convert_`: patch (or unpatch) the loss of a causal LM."""
-    from fewbit.losses import _PATCH_ATTR, patch_causal_lm_, unpatch_causal_lm_
+    from fewbit.losses import patch_causal_lm_, unpatch_causal_lm_
 
     ours = bool(vars(model).get(_FUSED_CE_ATTR))
     if ours and getattr(model, _PATCH_ATTR, None) is None:  # unpatched by hand since (unpatch_causal_lm_)
@@ -964,7 +964,7 @@ def _check_arguments(model: Any, config: Any, bits: Any, filter_fn: Any) -> Conf
     if config.fused_cross_entropy and not _is_causal_lm(model):
         raise ValueError(f"fused_cross_entropy=True needs a Hugging Face *ForCausalLM model, got "
                          f"{type(model).__name__}")
-    if config.fused_cross_entropy and not vars(model).get(_FUSED_CE_ATTR) and hasattr(model, "_fewbit_fused_cross_entropy"):
+    if config.fused_cross_entropy and not vars(model).get(_FUSED_CE_ATTR) and hasattr(model, _PATCH_ATTR):
         raise ValueError(f"fused_cross_entropy=True: model ({type(model).__name__}) is already patched by "
                          "fewbit.losses.patch_causal_lm_; call unpatch_causal_lm_ first")
     if filter_fn is not None and not callable(filter_fn):

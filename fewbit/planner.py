@@ -81,6 +81,7 @@ from fewbit._checks import check_positive_int, is_int
 from fewbit._blocks import find_blocks
 from fewbit._saved import keep, unpack
 from fewbit.convert import _is_causal_lm, layer_kind, normalization_size
+from fewbit.losses import _PATCH_ATTR
 from fewbit.memory import resume_recording
 
 __all__ = [
@@ -539,7 +540,7 @@ def remove_plan(model: nn.Module) -> bool:
     if state.patched_loss:
         from fewbit.losses import unpatch_causal_lm_
 
-        if hasattr(model, "_fewbit_fused_cross_entropy"):
+        if hasattr(model, _PATCH_ATTR):
             unpatch_causal_lm_(model)
     del model.__dict__[_STATE_ATTR]
     return True
@@ -574,7 +575,7 @@ def _apply_choices(model: nn.Module, plan: "Plan") -> _State:
             raise ValueError(f"plan does not fit the model: its parameters add up to {_fmt_bytes(have)} ({have} "
                              f"bytes) here and {_fmt_bytes(plan.parameter_bytes)} ({plan.parameter_bytes}) in the "
                              "plan (another width or dtype); make a plan for this model")
-    if plan.fused_cross_entropy and not hasattr(model, "_fewbit_fused_cross_entropy"):
+    if plan.fused_cross_entropy and not hasattr(model, _PATCH_ATTR):
         from fewbit.losses import patch_causal_lm_
 
         patch_causal_lm_(model)
