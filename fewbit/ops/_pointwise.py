@@ -425,10 +425,7 @@ def _apply(
         return y
     compiling = torch.compiler.is_compiling()
     if inplace and not compiling:
-        # torch's own in-place checks (leaf that requires grad, view of one, views that
-        # cannot be rebased), run by a self-copy that writes nothing: raise before the
-        # input is touched, with torch's message.
-        input.copy_(input)
+        _check_inplace(input)
     transforms = _transforms_active()
     if transforms and _forward_mode_active():
         # forward-mode AD (torch.func.hessian = jacfwd(jacrev), jvp of a gradient) needs the
@@ -458,8 +455,18 @@ def _apply_planned(
     if torch.compiler.is_compiling() or _transforms_active():
         return _apply(input, table, fn, torch_fn, full, inplace)
     if inplace:
-        input.copy_(input)  # torch's in-place checks, as in _apply
+        _check_inplace(input)
     return _direct(input, plan, inplace)
+
+
+def _check_inplace(input: torch.Tensor) -> None:
+    """torch's own in-place checks for an ``input`` that requires grad (a leaf, a view of
+    one, a view that cannot be rebased), run by a self-copy that writes nothing: they raise
+    before ``input`` is touched, with torch's message. A tensor that is neither a leaf nor
+    a view passes them all and is not copied: the copy would add a node to the graph (a
+    zero gradient, a sum and a contiguous gradient each backward)."""
+    if input._base is not None or input.grad_fn is None:
+        input.copy_(input)
 
 
 def _direct(input: torch.Tensor, plan: _Plan, inplace: bool) -> torch.Tensor:
@@ -564,20 +571,46 @@ def _triton():
     return mod
 
 
-def _direct_forward(x, plan: _Plan, inplace):
-    """``(y, packed, record)`` of an eager call: the kernels called directly."""
+def _memory_order(t: torch.Tensor) -> tuple[int, ...] | None:
+    """The permutation ``perm`` for which ``t.permute(perm)`` is contiguous, when ``t`` is
+    dense but not contiguous (channels_last, a transposed tensor); ``None`` when ``t`` is
+    contiguous or has gaps or overlaps (those are copied). The eager node codes ``t`` in
+    its memory order, so that such an input is read where it lies instead of copied, and
+    the gradient comes back in the input's layout, as torch's does."""
+    if t.is_contiguous():
+        return None
+    strides, sizes = t.stride(), t.shape
+    perm = tuple(sorted(range(t.dim()), key=lambda d: (-strides[d], -sizes[d])))
+    return perm if t.permute(perm).is_contiguous() else None
+
+
+def _inverse(perm: tuple[int, ...]) -> tuple[int, ...]:
+    inv = [0] * len(perm)
+    for i, d in enumerate(perm):
+        inv[d] = i
+    return tuple(inv)
+
+
+def _direct_forward(x, plan: _Plan, inplace, perm=None):
+    """``(y, packed, record)`` of an eager call: the kernels called directly. With
+    ``perm`` (:func:`_memory_order`) the codes and the record follow ``x.permute(perm)``,
+    ``x``'s memory order; ``y`` has ``x``'s shape and layout either way."""
     torch_fn, full = plan.torch_fn, plan.full
+    xe = x if perm is None else x.permute(perm)
     if plan.backend == "numba":
         if _cpu_loader.ready():
             from fewbit.ops import _cpu
 
-            packed, count = _cpu.encode_arrays(x, plan.kb, plan.kc, plan.bits, plan.classes != 0)
+            packed, count = _cpu.encode_arrays(xe, plan.kb, plan.kc, plan.bits, plan.classes != 0)
         else:  # numba still loading (fewbit.ops._cpu_loader): the reference, same codes
-            packed = encode_reference_path(x, plan.tb, plan.tc, plan.bits)
+            packed = encode_reference_path(xe, plan.tb, plan.tc, plan.bits)
             count = int(x.isfinite().logical_not().sum()) if plan.classes else 0
-        record = _host_record(x, plan.classes, count) if count else None
+        record = _host_record(xe, plan.classes, count) if count else None
     elif plan.backend == "triton":
-        return _triton_forward(_triton(), x, plan, torch_fn, full, inplace)
+        y, packed, record = _triton_forward(_triton(), xe, plan, torch_fn, full, inplace)
+        if perm is not None:
+            y = x if inplace else y.permute(_inverse(perm))
+        return y, packed, record
     else:  # another device: the ops' default (reference) kernels
         return _forward(x, plan.kb, plan.kc, plan.values, plan.patch, plan.bits, torch_fn, full, inplace,
                         plan.classes, CAPACITY, plan.select_zero, plan.what, None)
@@ -629,7 +662,8 @@ class _FewBitPointwiseDirect(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, plan, inplace, anchor):
         # anchor: a 1-tuple holding the anchor (see _direct)
-        y, packed, record = _direct_forward(x, plan, inplace)
+        ctx.perm = perm = _memory_order(x)
+        y, packed, record = _direct_forward(x, plan, inplace, perm)
         if inplace:
             ctx.mark_dirty(x)
         if record is None:
@@ -641,13 +675,17 @@ class _FewBitPointwiseDirect(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        plan = ctx.plan
+        plan, perm = ctx.plan, ctx.perm
         packed, values, record, patch = _unpack_saved(ctx)
+        if perm is not None:  # the codes follow the input's memory order
+            grad_output = grad_output.permute(perm)
         if torch.is_grad_enabled():  # a graph of the backward is being built
             grad_input = _backward_graph(grad_output, packed, values, record, patch, plan.bits, plan.select_zero,
                                          plan.what, ctx.anchor)
         else:
             grad_input = _direct_backward(plan, grad_output, packed, record)
+        if perm is not None:
+            grad_input = grad_input.permute(_inverse(perm))
         return grad_input, None, None, None
 
 

@@ -113,6 +113,44 @@ def test_non_contiguous_input():
     assert torch.equal(base.grad, expect)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["channels_last", "channels_last_3d", "transposed"])
+def test_dense_layouts_are_read_in_place_and_keep_their_layout(layout, dtype):
+    """A dense input that is not contiguous (channels_last, a transposed tensor) is coded in
+    its memory order: the gradient equals that of its contiguous copy bit for bit
+    (NaN/inf patched at their own positions), and comes back in the input's layout with
+    torch's strides, also for the in-place form and a graph of the backward."""
+    table = _table_for("gelu")
+    gen = torch.Generator().manual_seed(0)
+    if layout == "channels_last":
+        base = torch.randn(3, 5, 4, 6, generator=gen).to(dtype).contiguous(memory_format=torch.channels_last)
+    elif layout == "channels_last_3d":
+        base = torch.randn(2, 5, 3, 4, 6, generator=gen).to(dtype).contiguous(memory_format=torch.channels_last_3d)
+    else:
+        base = torch.randn(7, 5, 9, generator=gen).to(dtype).transpose(0, 2)
+    assert not base.is_contiguous()
+    base[torch.unravel_index(torch.tensor([3, 17, 40]), base.shape)] = torch.tensor(
+        [float("nan"), float("inf"), -float("inf")], dtype=dtype)
+    g = torch.randn(base.shape, generator=gen).to(dtype)
+    g = torch.empty_like(base).copy_(g)  # the gradient in the input's layout, as the next layer gives it
+    for inplace in (False, True):
+        for create_graph in (False, True):
+            grads = []
+            for x0 in (base, base.contiguous()):
+                leaf = x0.detach().clone(memory_format=torch.preserve_format).requires_grad_()
+                x = leaf * 1.0 if inplace else leaf
+                y = ops.pointwise(x, table, "gelu", inplace=inplace)
+                assert torch.equal(y.nan_to_num(7.0), F.gelu(leaf.detach()).nan_to_num(7.0))
+                assert y.stride() == F.gelu(leaf.detach()).stride()
+                if inplace:  # torch's in-place checks leave no node in the graph of a non-view
+                    assert [type(f).__name__ for f, _ in y.grad_fn.next_functions] == ["MulBackward0"]
+                (gx,) = torch.autograd.grad(y, leaf, g, create_graph=create_graph)
+                grads.append(gx)
+            want_strides = torch.ops.aten.gelu_backward(g, base).stride()
+            assert grads[0].stride() == want_strides, (layout, inplace, create_graph)
+            assert torch.equal(grads[0].float().nan_to_num(7.0), grads[1].float().nan_to_num(7.0))
+
+
 def test_inplace_like_torch():
     table = exact_table("relu")
     leaf = torch.randn(50, requires_grad=True)
