@@ -215,6 +215,13 @@ def gelu_fast(input: torch.Tensor) -> torch.Tensor:
     return 0.5 * input * (1.0 + torch.tanh(input * 0.7978845608 * (1.0 + 0.044715 * input * input)))
 
 
+def bloom_gelu(input: torch.Tensor) -> torch.Tensor:
+    """HF ``BloomGelu`` (``transformers.models.bloom``; ``bloom_gelu_forward``, which its
+    ``GeLUFunction`` also computes in training): ``x * 0.5 * (1 + tanh(0.79788456 * x *
+    (1 + 0.044715 * x * x)))``."""
+    return input * 0.5 * (1.0 + torch.tanh(0.79788456 * input * (1 + 0.044715 * input * input)))
+
+
 def gelu_python(input: torch.Tensor) -> torch.Tensor:
     """HF ``GELUActivation(use_gelu_python=True)`` (``ACT2FN["gelu_python"]``):
     ``x * 0.5 * (1 + erf(x / sqrt(2)))``."""
@@ -243,7 +250,8 @@ class Formula:
         derivative_gap: ``sup_x |f'_formula(x) - f'_table(x)|`` in exact arithmetic:
             0 for the same mathematical function; for ``gelu_fast`` (constant
             ``0.7978845608`` instead of ``sqrt(2/pi) = 0.79788456080286536``) 1.1e-12,
-            reached near ``x = -0.61``.
+            reached near ``x = -0.61``; for ``bloom_gelu`` (``0.79788456``) 3.1e-10, near
+            ``x = 0.61``.
         source: the Hugging Face class (and arguments) that computes it.
     """
 
@@ -274,6 +282,7 @@ FORMULAS: dict[str, Formula] = {
         Formula("gelu_accurate", gelu_accurate, "gelu_tanh", 0.0, "AccurateGELUActivation"),
         Formula("gelu_fast", gelu_fast, "gelu_tanh", 1.1e-12, "FastGELUActivation"),
         Formula("gelu_python", gelu_python, "gelu", 0.0, "GELUActivation(use_gelu_python=True)"),
+        Formula("bloom_gelu", bloom_gelu, "gelu_tanh", 3.1e-10, "BloomGelu (transformers.models.bloom)"),
     ]
 }
 

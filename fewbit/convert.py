@@ -49,10 +49,12 @@ class                                     fewbit module (forward = HF's own)    
 ``QuickGELUActivation``                   ``QuickGELU()``                            ``quick_gelu``
 ``SiLUActivation``                        ``SiLU()`` (``F.silu``)                    ``silu``
 ``MishActivation``                        ``Mish()`` (``F.mish``)                    ``mish``
+``BloomGelu`` (BLOOM)                     ``FormulaActivation('bloom_gelu')``        ``gelu_tanh`` (*)
 ========================================  =========================================  =================
 
-(*) FastGELU's constant 0.7978845608 is not quite sqrt(2/pi): its derivative is within
-1.1e-12 of gelu_tanh's. The others compute exactly the table's function.
+(*) FastGELU's constant 0.7978845608 and BLOOM's 0.79788456 are not quite sqrt(2/pi):
+their derivatives are within 1.1e-12 and 3.1e-10 of gelu_tanh's. The others compute
+exactly the table's function.
 
 An HF module is recognised by its class and by what it computes: one whose ``act`` is not
 one of the above (``AccurateGELUActivation`` with another ``precomputed_constant``, an
@@ -414,6 +416,10 @@ def _hf_factories() -> tuple[dict[type, _Factory], tuple[type, ...]]:
     add("QuickGELUActivation", lambda m, b: fm.QuickGELU(bits=b))
     add("SiLUActivation", lambda m, b: fm.SiLU(bits=b))
     add("MishActivation", _hf_mish)
+    bloom = sys.modules.get("transformers.models.bloom.modeling_bloom")
+    if bloom is not None and isinstance(getattr(bloom, "BloomGelu", None), type):
+        # its forward is a custom autograd Function (GeLUFunction) of the same formula
+        out[bloom.BloomGelu] = _formula("bloom_gelu")
     unsupported = tuple(c for c in (getattr(acts, n, None) for n in _HF_UNSUPPORTED) if isinstance(c, type))
     return out, unsupported
 

@@ -357,8 +357,8 @@ class FormulaActivation(_FewBit, nn.Module):
     table's function. :func:`fewbit.convert_` creates these for the Hugging Face classes.
 
     Args:
-        name: ``"gelu_new"``, ``"gelu_python_tanh"``, ``"gelu_accurate"``, ``"gelu_fast"``
-            or ``"gelu_python"``.
+        name: ``"gelu_new"``, ``"gelu_python_tanh"``, ``"gelu_accurate"``, ``"gelu_fast"``,
+            ``"gelu_python"`` or ``"bloom_gelu"``.
         bits: bits per element kept for backward, 1..8 (default 3).
 
     Shape: input ``(*)`` of a floating dtype (float16/bfloat16/float32/float64), output

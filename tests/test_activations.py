@@ -122,7 +122,8 @@ def test_formulas_share_a_registry_table():
     from fewbit.activations import FORMULAS, get_formula, import_callable
     from fewbit.table import load_shipped
 
-    assert sorted(FORMULAS) == ["gelu_accurate", "gelu_fast", "gelu_new", "gelu_python", "gelu_python_tanh"]
+    assert sorted(FORMULAS) == ["bloom_gelu", "gelu_accurate", "gelu_fast", "gelu_new", "gelu_python",
+                                "gelu_python_tanh"]
     for name, f in FORMULAS.items():
         assert get_formula(name) is f and f.name == name
         assert import_callable(f.spec) is f.torch_fn  # what fewbit.ops imports
@@ -133,7 +134,8 @@ def test_formulas_share_a_registry_table():
         get_formula("gelu_newer")
 
 
-@pytest.mark.parametrize("name", ["gelu_accurate", "gelu_fast", "gelu_new", "gelu_python", "gelu_python_tanh"])
+@pytest.mark.parametrize("name", ["bloom_gelu", "gelu_accurate", "gelu_fast", "gelu_new", "gelu_python",
+                                  "gelu_python_tanh"])
 def test_formula_derivative_within_the_documented_gap_of_its_table_function(name):
     """f' of the formula (float64 autograd) vs f' of the table's function: equal up to float64
     rounding, plus ``derivative_gap`` (gelu_fast's constant 0.7978845608 != sqrt(2/pi))."""
