@@ -717,7 +717,7 @@ class _StepHook:
         self.shared = shared
 
     def __call__(self, module: nn.Module, args: Any) -> None:
-        if not self.shared.compressor.active:
+        if not self.shared.compressor.active and not torch.compiler.is_compiling():
             self.shared.compressor.step()
         return None
 
@@ -734,7 +734,7 @@ class _EnterHook:
         self.kind = kind
 
     def __call__(self, module: nn.Module, args: Any) -> None:
-        if not torch.is_grad_enabled() or _checkpointed():
+        if not torch.is_grad_enabled() or torch.compiler.is_compiling() or _checkpointed():
             return None
         self.shared.compressor.__enter__()
         norm_size = functools.partial(normalization_size, module) if self.kind == "norm" else None

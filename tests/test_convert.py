@@ -950,6 +950,50 @@ def test_functional_activations_compile_fullgraph():
     assert all(p.grad is not None for p in model.parameters())
 
 
+def test_saved_tensor_compression_stands_aside_under_compile_whatever_was_compiled_before():
+    """A compiled graph keeps its saved tensors exact, with no graph break and no guard on
+    fewbit's state: before, the hooks graph-broke each Linear (13 breaks, 9 frames, recompile
+    limit), and a model compiled after another converted instance of its class reused that
+    graph (dynamo does not guard module hooks) and compressed nothing, silently. Eager calls
+    of the same model compress as before."""
+    from torch._dynamo.utils import counters
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l1, self.a, self.l2 = nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 8)
+
+        def forward(self, x):
+            return self.l2(self.a(self.l1(x)))
+
+    torch.manual_seed(0)
+    vanilla, x = M(), torch.randn(8, 16)
+    for compile_another_first in (False, True):
+        torch._dynamo.reset()
+        counters.clear()
+        if compile_another_first:
+            other = copy.deepcopy(vanilla)
+            convert_(other, bits=3)
+            torch.compile(other, backend="aot_eager")(x).sum().backward()
+        model, exact = copy.deepcopy(vanilla), copy.deepcopy(vanilla)
+        summary = convert_(model, Config(activation_bits=3, saved_bits=2, min_numel=0))
+        convert_(exact, Config(activation_bits=3, saved_bits=None))
+        compiled = torch.compile(model, backend="aot_eager")
+        grads = []
+        for _ in range(2):
+            model.zero_grad(set_to_none=True)
+            compiled(x).square().sum().backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+        assert summary.compressor.stats.compressed == 0
+        assert sum(counters["graph_break"].values()) == 0 and counters["stats"]["unique_graphs"] == 1
+        exact(x).square().sum().backward()
+        for a, b, want in zip(*grads, (p.grad for p in exact.parameters())):
+            assert torch.equal(a, b)
+            torch.testing.assert_close(a, want)
+        model(x).square().sum().backward()  # eager: compressed
+        assert summary.compressor.stats.compressed > 0
+
+
 # ----------------------------------------------------------------------------- layer kind "block"
 
 

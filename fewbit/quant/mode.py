@@ -50,6 +50,8 @@ class CompressionMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if torch.compiler.is_compiling():  # a compiled graph keeps torch's calls (and no serial to guard on)
+            return func(*args, **kwargs)
         # the call's arguments and serial, for the compressor's pack hook: a copy of a tensor
         # is shared with this call's save only if its other arguments do not depend on that
         # tensor and the copy was not made by this same call
@@ -57,8 +59,7 @@ class CompressionMode(TorchFunctionMode):
         outer = getattr(local, "call", None)
         local.call = (args, kwargs, next(_SERIAL))
         try:
-            if (func not in _ROUTED or not torch.is_grad_enabled() or torch.compiler.is_compiling()
-                    or under_checkpoint()):
+            if func not in _ROUTED or not torch.is_grad_enabled() or under_checkpoint():
                 # inside a checkpoint (its hooks innermost) what is saved is the checkpoint's:
                 # torch's calls, alike in the forward and the recomputation
                 return func(*args, **kwargs)
