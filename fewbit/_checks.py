@@ -110,6 +110,39 @@ def check_float_tensor(tensor: Any, name: str = "input") -> torch.Tensor:
     return tensor
 
 
+#: Magnitudes of float64 values the compressors take: their statistics are float32 or
+#: bfloat16, so a group of nonzero values all below 2**-100 has a range those underflow
+#: (decoded values off by orders of magnitude) and values past 2**100 overflow them (NaN).
+FLOAT64_RANGE = (2.0 ** -100, 2.0 ** 100)
+
+
+def float64_out_of_range(x: "torch.Tensor") -> float | None:
+    """For a float64 ``x`` with a finite nonzero magnitude outside :data:`FLOAT64_RANGE`, the
+    first such magnitude; else None (also for other dtypes, which the stats hold). Reads
+    ``x`` (a device sync on CUDA), only for float64."""
+    import torch
+
+    if x.dtype != torch.float64 or x.numel() == 0:
+        return None
+    lo, hi = FLOAT64_RANGE
+    a = x.detach().abs()
+    bad = ((a < lo) & (a != 0)) | ((a > hi) & (a != float("inf")))
+    if not bool(bad.any()):
+        return None
+    return float(a[bad].reshape(-1)[0])
+
+
+def check_float64_range(x: "torch.Tensor", name: str = "x") -> None:
+    """Raise ``ValueError`` if ``x`` is float64 with values the compressors' statistics
+    cannot hold (:data:`FLOAT64_RANGE`)."""
+    v = float64_out_of_range(x)
+    if v is not None:
+        raise ValueError(
+            f"{name}: float64 values must be 0 or of magnitude in [2**-100, 2**100] to be compressed "
+            f"(the statistics are float32/bfloat16), got a magnitude of {v:.3g}; keep such a tensor exact"
+        )
+
+
 def packed_nbytes(numel: int, bits: int) -> int:
     """Bytes of ``numel`` codes of ``bits`` bits in the packed stream: ``ceil(numel * bits / 8)``.
 

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fewbit._checks import check_bits, check_float_tensor, check_positive_int
+from fewbit._checks import check_bits, check_float64_range, check_float_tensor, check_positive_int
 from fewbit.quant import _reference as _ref
 from fewbit.quant._reference import SUPPORTED_BITS
 from fewbit.quant.compressor import ActivationCompressor, CompressionStats, compress_activations
@@ -128,6 +128,7 @@ class QuantizedTensor:
 def _validate(x, bits, group_size, stats_dtype, generator) -> None:
     check_float_tensor(x, "x")
     _validate_options(bits, group_size, stats_dtype, generator)
+    check_float64_range(x, "x")
 
 
 def _validate_options(bits, group_size, stats_dtype, generator) -> None:
@@ -439,7 +440,9 @@ def quantize(
     Raises:
         TypeError: ``x`` not a floating tensor, ``generator`` not a torch.Generator.
         ValueError: ``bits`` not in {1, 2, 4, 8}, ``group_size < 1``, unsupported
-            ``stats_dtype``, ``generator`` not on the CPU.
+            ``stats_dtype``, ``generator`` not on the CPU, or ``x`` float64 with nonzero
+            magnitudes outside ``[2**-100, 2**100]`` (:data:`fewbit._checks.FLOAT64_RANGE`),
+            which float32/bfloat16 statistics cannot hold.
     """
     return _quantize(x, bits, group_size, stochastic, stats_dtype, generator, torch.ops.fewbit.group_quantize)
 

@@ -19,7 +19,7 @@ import torch.utils.checkpoint
 from torch.utils._pytree import tree_leaves
 
 from fewbit import _norm_rows
-from fewbit._checks import check_positive_int
+from fewbit._checks import check_positive_int, float64_out_of_range
 from fewbit._saved import Kept, keep
 
 __all__ = ["ActivationCompressor", "CompressionStats", "SavedTensorRecord", "compress_activations"]
@@ -73,7 +73,9 @@ class CompressionStats:
             eps``), ``nonlinear`` (saved by a call whose backward is not linear in them:
             ``gelu``, ``x ** 3``, ``abs``, a division, ...; :mod:`fewbit.quant.nonlinear`),
             ``kept`` (left exact by a :class:`~fewbit.quant.compressors.Keep` compressor),
-            ``checkpoint`` (the inputs a reentrant ``torch.utils.checkpoint`` saves).
+            ``checkpoint`` (the inputs a reentrant ``torch.utils.checkpoint`` saves),
+            ``range`` (float64 tensors with magnitudes beyond what float32 statistics
+            hold: :data:`fewbit._checks.FLOAT64_RANGE`).
     """
 
     bytes_before: int = 0
@@ -556,6 +558,8 @@ class ActivationCompressor:
             return self._skip(t, "dtype")
         if t.numel() < max(self.min_numel, 1):
             return self._skip(t, "small")
+        if t.dtype == torch.float64 and float64_out_of_range(t) is not None:
+            return self._skip(t, "range")  # values the float32/bfloat16 statistics cannot hold
         if getattr(self._local, "call", None) is None and _saved_by_checkpoint():
             # a reentrant checkpoint's inputs: backward recomputes the whole block from
             # them, through its norms, softmax and activations, which are not linear in them
@@ -744,12 +748,31 @@ class ActivationCompressor:
     @staticmethod
     def _unpack(packed):
         if isinstance(packed, (_Handle, _ViewHandle)):
-            if torch.is_grad_enabled() and packed.lossy:
+            if torch.is_grad_enabled() and packed.lossy and _builds_graph_of_backward():
                 raise RuntimeError(_DOUBLE_BACKWARD)
             return packed.unpack()
         if isinstance(packed, Kept):
             return packed.unpack()
         return packed
+
+
+_FUNCTION_FILE = torch.autograd.function.__file__
+
+
+def _builds_graph_of_backward() -> bool:
+    """Whether this unpack (with grad mode on) is a node of a backward that builds a graph
+    of itself (``create_graph=True``): it runs inside a backward, and not in a Python
+    ``autograd.Function``'s ``backward``, which may have turned grad mode on itself (to
+    recompute in backward: an ordinary ``backward()`` then unpacks with grad on). Outside
+    a backward (a direct unpack, as the planner's timing) it is not."""
+    if torch._C._current_graph_task_id() == -1:
+        return False
+    f = sys._getframe(1).f_back  # a device thread's backward may have no Python frame above
+    while f is not None:
+        if f.f_code.co_filename == _FUNCTION_FILE and f.f_code.co_name == "apply":
+            return False  # a Python Function's backward (BackwardCFunction.apply)
+        f = f.f_back
+    return True
 
 
 # Raised when a backward that builds a graph of itself (create_graph=True) unpacks a

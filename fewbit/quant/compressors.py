@@ -35,7 +35,7 @@ from typing import Callable, ClassVar, NamedTuple, Protocol, runtime_checkable
 
 import torch
 
-from fewbit._checks import check_bits, check_float_tensor, check_positive_int
+from fewbit._checks import check_bits, check_float64_range, check_float_tensor, check_positive_int
 from fewbit.quant import _reference as _ref
 
 __all__ = [
@@ -343,7 +343,8 @@ class _KernelCompressor(Compressor):
 
         Raises:
             TypeError: ``x`` not a floating tensor, ``generator`` not a torch.Generator.
-            ValueError: ``x`` has fewer than :attr:`min_dim` dims.
+            ValueError: ``x`` has fewer than :attr:`min_dim` dims, or is float64 with
+                magnitudes the statistics cannot hold (:data:`fewbit._checks.FLOAT64_RANGE`).
         """
         self._check(x)
         return self._compress(x, generator, _ops())
@@ -354,12 +355,11 @@ class _KernelCompressor(Compressor):
         return self._compress(x, generator, _REFERENCE)
 
     def _check(self, x: torch.Tensor) -> None:
-        from fewbit._checks import check_float_tensor
-
         check_float_tensor(x, "x")
         if not self.supports(x):
             raise ValueError(f"the {self.name!r} compressor needs at least {self.min_dim} dims; "
                              f"got a tensor of shape {tuple(x.shape)}")
+        check_float64_range(x, "x")
 
     @abc.abstractmethod
     def _compress(self, x: torch.Tensor, generator: torch.Generator | None, k: _Kernels) -> Compressed:
@@ -402,6 +402,11 @@ class _DivisionCompressed:
         q = self.hfc
         y = self._k.division_decode(q.packed, self.lfc, q.mins, q.scales, *self.block, q.bits, self.view[1],
                                     self.view[2], self.dtype)
+        if self.dtype == torch.float16:
+            # a block mean near +-65504 plus a residual step past it rounds to +-inf in float16:
+            # clamped to the finite range, as the group quantizer's decode (the input was in
+            # it; NaN of a non-finite input stays NaN)
+            y.clamp_(-65504.0, 65504.0)
         return y.reshape(self.shape)
 
 

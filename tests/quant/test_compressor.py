@@ -446,3 +446,27 @@ def test_a_graph_of_the_backward_through_compressed_tensors_raises():
     loss = model2(x).square().sum()
     (gx,) = torch.autograd.grad(loss, x)  # first order: fine
     assert gx.shape == x.shape and want[0].shape == model[0].weight.shape
+
+    class Recompute(torch.autograd.Function):
+        """Reads its saved tensor with grad on in an ordinary backward (recompute in backward)."""
+
+        @staticmethod
+        def forward(ctx, h):
+            ctx.save_for_backward(h)
+            return h * 2.0
+
+        @staticmethod
+        def backward(ctx, g):
+            with torch.enable_grad():
+                (h,) = ctx.saved_tensors
+                h = h.detach().requires_grad_()
+                (gh,) = torch.autograd.grad(h * 2.0, h, g)
+            return gh
+
+    with compress_activations(2, min_numel=0) as comp:
+        loss = Recompute.apply(model2[0](x)).square().sum()
+    loss.backward()  # create_graph=False: no error although the saved tensor is unpacked with grad on
+    assert comp.stats.compressed > 0 and model2[0].weight.grad is not None
+    # an unpack outside any backward (the planner times pack + unpack so) is no graph of a backward
+    with torch.enable_grad():
+        assert comp._unpack(comp._pack(torch.randn(64, 64, requires_grad=True) * 1.0)).shape == (64, 64)

@@ -116,3 +116,55 @@ def test_an_empty_last_dim_round_trips(name):
         if c.supports(x):
             y = c.compress(x).decompress()
             assert y.shape == x.shape and y.dtype == x.dtype
+
+
+@pytest.mark.parametrize("name", ["group", "division", "outlier", "channelwise"])
+@pytest.mark.parametrize("shape", [(20, 30), (4, 16, 30), (2, 3, 8, 8)])
+def test_float16_near_its_largest_value_decodes_finite(name, shape):
+    """DIVISION decoded finite float16 input near +-65504 as +-inf (845 of 18000 values over
+    30 draws): a block mean near the top plus one residual step past it. Every compressor,
+    with its kernels and its reference, stays in the finite range."""
+    comp = get_compressor(name)
+    gen = torch.Generator().manual_seed(0)
+    for sign in (1.0, -1.0):
+        x = (sign * (60000 + 5500 * torch.rand(shape, generator=gen))).half()
+        assert x.isfinite().all()
+        for seed in range(20):
+            for compress in (comp.compress, getattr(comp, "compress_reference", comp.compress)):
+                y = compress(x, generator=torch.Generator().manual_seed(seed)).decompress()
+                assert y.isfinite().all(), (sign, seed)
+
+
+@pytest.mark.parametrize("name", ["group", "division", "outlier", "channelwise", "softmax"])
+def test_float64_beyond_the_statistics_range_is_refused_and_kept_exact(name):
+    """float64 values past float32's range decoded as NaN everywhere, and a group of tiny
+    ones (1e-300) decoded off by orders of magnitude, silently. A compressor refuses them
+    with a ValueError; ActivationCompressor keeps such a tensor exact (reason ``range``):
+    the gradient is torch's."""
+    comp = get_compressor(name)
+    for scale in (1e300, 1e-300, 1e25):
+        x = torch.randn(20, 30, dtype=torch.float64, generator=torch.Generator().manual_seed(0)) * scale
+        if name == "softmax":
+            x = x.abs()
+        if scale == 1e25:  # inside the range: compressed
+            comp.compress(x, generator=torch.Generator().manual_seed(1))
+            continue
+        with pytest.raises(ValueError, match=r"x: float64 values must be 0 or of magnitude in \[2\*\*-100, 2\*\*100\]"):
+            comp.compress(x, generator=torch.Generator().manual_seed(1))
+    with pytest.raises(ValueError, match="float64"):
+        quantize(torch.full((10,), 1e-200, dtype=torch.float64), 4)
+    lin = torch.nn.Linear(30, 5).double()
+    h0 = torch.randn(20, 30, dtype=torch.float64, generator=torch.Generator().manual_seed(2)) * 1e300
+    grads = []
+    for comp_ctx in (ActivationCompressor(bits=4, min_numel=0), None):
+        lin.zero_grad(set_to_none=True)
+        h = h0.clone().requires_grad_()
+        if comp_ctx is None:
+            out = lin(h * 1.0)
+        else:
+            with comp_ctx:
+                out = lin(h * 1.0)
+            assert comp_ctx.stats.skipped.get("range") == 1 and comp_ctx.stats.compressed == 0
+        (out * 1e-300).sum().backward()
+        grads.append(lin.weight.grad.clone())
+    assert torch.equal(grads[0], grads[1]) and grads[0].isfinite().all()
