@@ -500,8 +500,19 @@ _HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward
 def _carry_over(old: nn.Module, new: nn.Module) -> None:
     """Give replacement ``new`` what the user set on activation ``old``: its forward,
     forward-pre and backward hooks (the same registries, so the handles the user holds
-    still remove them; hooks then receive ``new`` as the module) and its own attributes
+    still remove them; hooks then receive ``new`` as the module), the parameters, buffers
+    (persistent or not) and submodules registered on it (so ``state_dict()`` keys and
+    ``parameters()`` are unchanged; the same tensors, not copies) and its own attributes
     (those that are neither its constructor's arguments nor something ``new`` has)."""
+    for name, p in old._parameters.items():
+        if not hasattr(new, name):
+            new.register_parameter(name, p)
+    for name, b in old._buffers.items():
+        if not hasattr(new, name):
+            new.register_buffer(name, b, persistent=name not in old._non_persistent_buffers_set)
+    for name, m in old._modules.items():
+        if not hasattr(new, name):
+            new.add_module(name, m)
     for name in _HOOK_DICTS:
         if name in vars(old):
             object.__setattr__(new, name, vars(old)[name])

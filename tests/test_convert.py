@@ -1159,6 +1159,26 @@ def test_hooks_and_attributes_of_replaced_activations_carry_over():
     assert torch.equal(model2(x), torch.nn.functional.gelu(x))
 
 
+def test_parameters_buffers_and_submodules_of_replaced_activations_carry_over():
+    """Parameters, buffers and submodules registered on a replaced activation were dropped:
+    ``state_dict()`` lost their keys, ``parameters()`` one tensor, and an earlier checkpoint
+    no longer loaded. They move to the replacement, the same tensors."""
+    act = nn.GELU()
+    act.register_buffer("scale", torch.tensor(2.0))
+    act.register_buffer("scratch", torch.zeros(2), persistent=False)
+    act.register_parameter("p", nn.Parameter(torch.ones(3)))
+    act.add_module("probe", nn.Identity())
+    model = nn.Sequential(nn.Linear(4, 4), act)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    params = [id(p) for p in model.parameters()]
+    convert_(model, bits=3)
+    assert isinstance(model[1], fewbit.GELU)
+    assert list(model.state_dict()) == list(before) == ["0.weight", "0.bias", "1.p", "1.scale"]
+    assert [id(p) for p in model.parameters()] == params
+    assert model[1].scratch.shape == (2,) and isinstance(model[1].probe, nn.Identity)
+    model.load_state_dict(before)  # an earlier checkpoint loads
+
+
 @pytest.mark.parametrize("bits", [0, 9, 2.5, True])
 def test_convert_bits_shorthand_names_its_own_argument(bits):
     """``convert_(model, bits=0)`` named ``activation_bits`` (Config's field) in its error."""
