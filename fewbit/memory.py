@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
@@ -555,7 +556,10 @@ def compare(
     Raises:
         ValueError: for bits outside 1..8, saved_bits outside {1, 2, 4, 8, "auto"},
             average_bits or compressor refused by ``fewbit.Config``, group_size < 1 or an
-            unknown variant.
+            unknown variant; and when ``model_factory`` returns a model fewbit already
+            converted (the same object as an earlier variant's).
+        TypeError: ``model_factory`` is a model, not a callable that builds one, or what it
+            returns is not an ``nn.Module``.
     """
     import fewbit
 
@@ -570,10 +574,26 @@ def compare(
         if v not in VARIANTS:
             raise ValueError(f"variant must be one of {VARIANTS}, got {v!r}")
 
+    if isinstance(model_factory, nn.Module) or not callable(model_factory):
+        raise TypeError(
+            f"model_factory must be a callable that builds a new model, e.g. lambda: MyModel(config), "
+            f"got {'a ' + type(model_factory).__name__ + ' instance' if isinstance(model_factory, nn.Module) else type(model_factory).__name__}"
+            " (each variant converts and steps its own model)"
+        )
     out: dict[str, dict[str, Any]] = {}
+    built: list[weakref.ref] = []  # the models of earlier variants, while something holds them
     for variant in variants:
         torch.manual_seed(0)
         model = model_factory()
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model_factory must return a torch.nn.Module, got {type(model).__name__}")
+        if any(r() is model for r in built) or _fewbit_converted(model):
+            raise ValueError(
+                f"model_factory must build a new model on each call: for variant {variant!r} it returned "
+                f"a {type(model).__name__} that fewbit already converted (the same object as an earlier "
+                "variant's?); build the model inside the factory"
+            )
+        built.append(weakref.ref(model))
         converted = 0
         if variant != "vanilla":
             config = quant_config if variant == "fewbit+quant" else fewbit.Config(
@@ -597,6 +617,14 @@ def compare(
         for key, ratio in (("saved_bytes", "saved_ratio"), ("activation_bytes", "activation_ratio")):
             d[ratio] = (base[key] / d[key]) if base is not None and d[key] else None
     return out
+
+
+def _fewbit_converted(model: nn.Module) -> bool:
+    """Whether ``model`` holds fewbit modules or fewbit's compression or planning hooks."""
+    from fewbit.convert import _compresses_saved_tensors
+    from fewbit.modules import _FewBit
+
+    return any(isinstance(m, _FewBit) for m in model.modules()) or _compresses_saved_tensors(model)
 
 
 def _convert(model: nn.Module, config: Any) -> int:

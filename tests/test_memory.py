@@ -294,3 +294,20 @@ def test_a_single_variant_name_report_top_and_a_non_scalar_loss():
     with pytest.raises(TypeError, match="loss_fn must return a scalar tensor"):
         blocks = torch.nn.Sequential(*(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU()) for _ in range(2)))
         fewbit.plan(blocks, torch.randn(4, 8), "100%", loss_fn=lambda out: out)
+
+
+def test_compare_refuses_a_model_instead_of_a_factory_and_a_reused_model():
+    """A factory that returned the caller's model: the first variant converted it, and
+    "vanilla" then measured the converted model (23712 bytes against 81920), silently; a
+    model passed as the factory failed inside its forward with torch's argument error."""
+    x = torch.randn(32, 64)
+    m = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+    with pytest.raises(TypeError, match="model_factory must be a callable that builds a new model.*Sequential instance"):
+        fm.compare(m, x)
+    with pytest.raises(ValueError, match="model_factory must build a new model on each call: for variant 'vanilla'"):
+        fm.compare(lambda: m, x, variants=("fewbit+quant", "vanilla"))
+    with pytest.raises(TypeError, match="must return a torch.nn.Module"):
+        fm.compare(lambda: None, x)
+    fresh = lambda: nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))  # noqa: E731
+    out = fm.compare(fresh, x, variants=("fewbit+quant", "vanilla"))
+    assert out["vanilla"]["saved_bytes"] > out["fewbit+quant"]["saved_bytes"]
