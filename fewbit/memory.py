@@ -424,10 +424,14 @@ def check_loss(loss: Any) -> torch.Tensor:
 
     Raises:
         TypeError: anything else, with what it is.
+        ValueError: a loss that does not require grad (nothing would be saved).
     """
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         what = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
         raise TypeError(f"loss_fn must return a scalar tensor, got {what}")
+    if not loss.requires_grad:
+        raise ValueError("the loss does not require grad: nothing is saved for backward (no parameter of the "
+                         "model requires grad and no input does; unfreeze the parameters to measure training)")
     return loss
 
 
@@ -456,6 +460,7 @@ def saved_tensor_report(
 
     Raises:
         TypeError: if ``model`` is not an ``nn.Module`` or no loss can be found.
+        ValueError: if the loss does not require grad (a frozen model on inputs that do not).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")

@@ -311,3 +311,12 @@ def test_compare_refuses_a_model_instead_of_a_factory_and_a_reused_model():
     fresh = lambda: nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))  # noqa: E731
     out = fm.compare(fresh, x, variants=("fewbit+quant", "vanilla"))
     assert out["vanilla"]["saved_bytes"] > out["fewbit+quant"]["saved_bytes"]
+
+
+def test_report_of_a_frozen_model_says_why():
+    """A frozen model on plain inputs raised torch's 'element 0 of tensors does not require grad'."""
+    with pytest.raises(ValueError, match="the loss does not require grad"):
+        fm.saved_tensor_report(nn.Linear(4, 4).requires_grad_(False), torch.randn(2, 4))
+    # an input that requires grad is enough
+    x = torch.randn(2, 4, requires_grad=True)
+    assert fm.saved_tensor_report(nn.Linear(4, 4).requires_grad_(False), x).saved_bytes >= 0
