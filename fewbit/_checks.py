@@ -110,10 +110,11 @@ def check_float_tensor(tensor: Any, name: str = "input") -> torch.Tensor:
     return tensor
 
 
-#: Magnitudes of float64 values the compressors take: their statistics are float32 or
-#: bfloat16, so a group of nonzero values all below 2**-100 has a range those underflow
-#: (decoded values off by orders of magnitude) and values past 2**100 overflow them (NaN).
-FLOAT64_RANGE = (2.0 ** -100, 2.0 ** 100)
+#: Magnitudes of nonzero float64 values the compressors take: float32's range, smallest
+#: subnormal to largest finite, where float32 input lies. Their statistics are float32 or
+#: bfloat16: a group of values all below it has a range those underflow (1e-300 decoded
+#: off by orders of magnitude) and values past it overflow them (NaN).
+FLOAT64_RANGE = (2.0 ** -149, 3.4028234663852886e38)
 
 
 def float64_out_of_range(x: "torch.Tensor") -> float | None:
@@ -138,8 +139,8 @@ def check_float64_range(x: "torch.Tensor", name: str = "x") -> None:
     v = float64_out_of_range(x)
     if v is not None:
         raise ValueError(
-            f"{name}: float64 values must be 0 or of magnitude in [2**-100, 2**100] to be compressed "
-            f"(the statistics are float32/bfloat16), got a magnitude of {v:.3g}; keep such a tensor exact"
+            f"{name}: float64 values must be 0 or of a magnitude in float32's range [1.4e-45, 3.4e38] to be "
+            f"compressed (the statistics are float32/bfloat16), got {v:.3g}; keep such a tensor exact"
         )
 
 
