@@ -331,6 +331,43 @@ def _set_aside(path: Path, exc: Exception) -> str:
     )
 
 
+def _check_asymptotes(f: ResolvedFn, params: dict[str, float]) -> None:
+    """Refuse a user function whose derivative does not settle to a constant on either side.
+
+    A table holds ``2**bits`` levels of ``f'`` fitted on :data:`FIT_OPTIONS`'s domain, and
+    its end levels stand for ``f'`` past the domain; that is what activations are (GELU,
+    SiLU, softplus: ``f'`` tends to 0 and 1). For ``exp`` the fit spends its levels on the
+    right tail (``f'(10) = 22026``), and a 3-bit table gave 43.93 for every input in [-3, 3];
+    for ``x**2`` or ``sin`` the levels past the domain are wrong. Checked in float64 on
+    ``f'`` at +-20 and +-40 against the scale of ``f'`` on the domain.
+
+    Raises:
+        ValueError: naming the function, the side and the derivative values.
+    """
+    lo, hi = FIT_OPTIONS["domain"]
+    inside = torch.linspace(float(lo), float(hi), 201, dtype=torch.float64)
+    far = torch.tensor([-40.0, -20.0, 20.0, 40.0], dtype=torch.float64)
+    x = torch.cat([inside, far]).requires_grad_()
+    try:
+        with torch.enable_grad():
+            y = f.callable(x, **params)
+            (d,) = torch.autograd.grad(y.sum(), x)
+    except Exception:  # not differentiable in float64 here: the fit reports what it meets
+        return
+    d = d.detach()
+    scale = max(float(d[: inside.numel()].abs().max()), 1e-12) if d[: inside.numel()].isfinite().all() else math.inf
+    for side, (a, b) in (("left", (d[-3], d[-4])), ("right", (d[-2], d[-1]))):  # f'(+-20), f'(+-40)
+        a, b = float(a), float(b)
+        if not (math.isfinite(a) and math.isfinite(b)) or abs(a - b) > 1e-3 * max(scale, abs(a)):
+            raise ValueError(
+                f"{f.name}: its derivative does not settle to a constant on the {side} "
+                f"(f'({'-' if side == 'left' else ''}20) = {a:.4g}, f'({'-' if side == 'left' else ''}40) = {b:.4g}); "
+                f"a few-bit table approximates f' by 2**bits levels fitted on {tuple(FIT_OPTIONS['domain'])} and "
+                "extends its end levels past it, which fits activations whose derivative tends to constants "
+                "(GELU, SiLU, softplus). Use torch's function for this one"
+            )
+
+
 def _fit_and_cache(f: ResolvedFn, bits: int, params: dict[str, float], note: str = "") -> Table:
     """Step 4: fit with :data:`FIT_OPTIONS`, add to the cache file, warn."""
     try:
@@ -340,6 +377,8 @@ def _fit_and_cache(f: ResolvedFn, bits: int, params: dict[str, float], note: str
     if not hasattr(solver, "fit"):
         raise ImportError('fewbit.solver.fit is not available: pip install "fewbit[solver]"')
     symmetric = bool(f.act.even) if f.act is not None else False
+    if f.act is None:
+        _check_asymptotes(f, params)
     try:
         table = solver.fit(
             f.name,
