@@ -387,10 +387,14 @@ def merge_params(name: str, defaults: Mapping[str, float], params: Mapping[str, 
     """``params`` merged over ``defaults`` (values as float), for the function ``name``.
 
     Raises:
+        TypeError: ``params`` is not a mapping (or None).
         ValueError: for a parameter the function does not take, a non-numeric or
             non-finite value, or a value :data:`PARAM_RULES` refuses (``celu``: alpha > 0;
             ``softplus``: beta != 0).
     """
+    if params is not None and not isinstance(params, Mapping):
+        raise TypeError(f"params must be a mapping of parameter names to numbers (e.g. {{'alpha': 0.5}}) or "
+                        f"None, got {type(params).__name__} {params!r}")
     params = dict(params or {})
     unknown = set(params) - set(defaults)
     if unknown:
