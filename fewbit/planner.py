@@ -1261,9 +1261,9 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 
 #: How :func:`_check_fields` checks a plan field of each annotated type.
-_FIELD_CHECKS: dict[str, Callable[[Any], bool]] = {
-    "int": lambda v: type(v) is int,
-    "int | None": lambda v: v is None or type(v) is int,
+_FIELD_CHECKS: dict[str, Callable[[Any], bool]] = {  # a plan's ints are bytes and sizes: >= 0
+    "int": lambda v: type(v) is int and v >= 0,
+    "int | None": lambda v: v is None or (type(v) is int and v >= 0),
     "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v),
     "bool": lambda v: isinstance(v, bool),
     "str": lambda v: isinstance(v, str),
@@ -1280,7 +1280,8 @@ def _check_fields(obj: Any, where: str) -> None:
         check = _FIELD_CHECKS.get(f.type)
         value = getattr(obj, f.name)
         if check is not None and not check(value):
-            what = "a non-empty list of str" if f.type == "list[str]" else f.type
+            what = {"list[str]": "a non-empty list of str", "int": "an int >= 0",
+                    "int | None": "an int >= 0 or null"}.get(f.type, f.type)
             raise ValueError(f"not a fewbit plan: {where}{f.name} must be {what}, got {value!r}")
 
 

@@ -890,8 +890,10 @@ def test_planning_leaves_the_random_state_and_refuses_shared_modules_clearly():
 @pytest.mark.parametrize("edit, needle", [
     (lambda d: d["blocks"][0].update(checkpoint="false"), r"blocks\[0\]\.checkpoint must be bool"),
     (lambda d: d.update(version=True), "version True is not supported"),
-    (lambda d: d.update(parameter_bytes="123"), "parameter_bytes must be int | None"),
-    (lambda d: d.update(budget_bytes="x"), "budget_bytes must be int"),
+    (lambda d: d.update(parameter_bytes="123"), "parameter_bytes must be an int >= 0 or null"),
+    (lambda d: d.update(budget_bytes="x"), "budget_bytes must be an int >= 0"),
+    (lambda d: d.update(budget_bytes=-1), "budget_bytes must be an int >= 0, got -1"),
+    (lambda d: d["blocks"][0]["groups"][0].update(saved_bytes=-5), r"groups\[0\]\.saved_bytes must be an int >= 0"),
     (lambda d: d["blocks"][0].update(blocks=[]), r"blocks\[0\]\.blocks must be a non-empty list of str"),
     (lambda d: d["blocks"][0].update(blocks="blocks.0"), r"blocks\[0\]\.blocks must be a non-empty list of str"),
     (lambda d: d.update(fused_cross_entropy="yes"), "fused_cross_entropy must be bool"),
