@@ -418,6 +418,7 @@ class ActivationCompressor:
         self._where: list = []  # (fqn, kind) of the converted modules running, innermost last
         self._index = 0
         self._ordinals: dict = {}  # fqn -> saves of that module in this pass
+        self._saves = 0  # every save packed, kept or not, since construction
         self._auto_step = True  # fewbit.convert_ sets False and calls step() per forward
         self.records: dict = {}
         #: What results saved for their own nonlinear backward get (RESULT_BITS).
@@ -462,8 +463,37 @@ class ActivationCompressor:
         Returns:
             True if the policy re-planned now; False otherwise (also for fixed policies,
             for which the call does nothing).
+
+        Raises:
+            TypeError: ``closure`` is not callable (and the policy's own checks).
+            ValueError: a forward the policy ran saved no tensor through this compressor
+                (``model`` or ``closure`` is not the converted model's: it re-planned with
+                nothing measured). A call that raises leaves the policy's re-plan schedule
+                as it was.
         """
-        return self.policy.adapt(model, closure)
+        if not callable(closure):
+            raise TypeError(f"closure must be callable, () -> loss, got {type(closure).__name__}")
+
+        def counted():
+            before = self._saves
+            loss = closure()
+            if self._saves == before:
+                raise ValueError(
+                    "adapt: the closure's forward saved no tensor through this compressor, so there is "
+                    "nothing to measure: pass the model it was converted into (fewbit.convert.compressor_of"
+                    "(model)) and a closure that runs that model's forward eagerly (a torch.compile'd "
+                    "forward, or one whose saves all belong to torch.utils.checkpoint, saves none here)"
+                )
+            return loss
+
+        schedule = {k: getattr(self.policy, k) for k in ("_calls", "_next_plan", "_gap", "_last_g0")
+                    if hasattr(self.policy, k)}
+        try:
+            return self.policy.adapt(model, counted)
+        except BaseException:
+            for k, v in schedule.items():  # a failed call does not use up a re-plan
+                setattr(self.policy, k, v)
+            raise
 
     def _push_module(self, fqn: str, kind: str | None, norm_size=None) -> None:
         """Enter converted module ``fqn`` of ``kind``; ``norm_size(shape) -> int | None``
@@ -546,6 +576,7 @@ class ActivationCompressor:
     def _pack(self, t: torch.Tensor):
         # this save's place among its module's saves in the pass, every save counted (a
         # tensor skipped on one batch, under min_numel, must not move the others)
+        self._saves += 1
         fqn = self._where[-1][0] if self._where else None
         ordinal = self._ordinals.get(fqn, 0)
         self._ordinals[fqn] = ordinal + 1

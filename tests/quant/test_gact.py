@@ -672,3 +672,23 @@ def test_planned_bits_follow_their_tensor_when_one_of_the_same_module_is_skipped
     full = bits(xb)
     assert any(1 in b for b in full.values())  # a 1-bit tensor, so a shift would show
     assert bits(torch.randn(48, 64)) == full
+
+
+def test_adapt_with_another_model_raises_and_leaves_the_schedule():
+    """``compressor_of(m).adapt(other, closure)`` re-planned with nothing measured and
+    returned True (an empty plan), using up the early re-plan steps. It raises, and the
+    schedule is as before, so the next call with the right model re-plans."""
+    from fewbit.convert import compressor_of
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 8))
+    other = nn.Linear(64, 8)
+    fewbit.convert_(m, fewbit.Config(saved_bits="auto", average_bits=2, min_numel=0))
+    comp = compressor_of(m)
+    x = torch.randn(64, 64)
+    with pytest.raises(ValueError, match="saved no tensor through this compressor"):
+        comp.adapt(other, lambda: other(x).pow(2).mean())
+    assert comp.policy.state_dict()["_calls"] == 0 and not comp.policy.bits
+    with pytest.raises(TypeError, match="closure must be callable"):
+        comp.adapt(m, None)
+    assert comp.adapt(m, lambda: m(x).pow(2).mean()) is True and comp.policy.bits
