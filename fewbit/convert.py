@@ -146,11 +146,12 @@ class Config:
             ``saved_bits``) or ``"adacc"`` (Adacc's layer-specific choice:
             outlier-separated for linear/norm inputs, channel-wise for q/k/v, softmax for
             attention probabilities; :class:`fewbit.quant.policies.AdaccPolicy`; saved_bits
-            2, 4 or 8). With ``saved_bits="auto"`` only ``"group"``.
-        adapt_interval: ``saved_bits="auto"``: the longest gap, in steps (``adapt``
-            calls), between two GACT re-plans, >= 1 (default 1000); re-plans come at calls
-            1, 2, 4, 8, ... until the gap reaches it.
-        noise_norm: ``saved_bits="auto"``: how GACT measures gradient noise,
+            2, 4 or 8). With ``saved_bits="auto"`` only ``"group"``; with ``saved_bits=None``
+            (nothing compressed) only the default.
+        adapt_interval: ``saved_bits="auto"`` (another value is refused otherwise): the
+            longest gap, in steps (``adapt`` calls), between two GACT re-plans, >= 1
+            (default 1000); re-plans come at calls 1, 2, 4, 8, ... until the gap reaches it.
+        noise_norm: ``saved_bits="auto"`` (likewise): how GACT measures gradient noise,
             ``"relative"`` (default; each parameter tensor's noise divided by its own
             gradient scale, as Adam-family optimizers see it) or ``"absolute"`` (GACT's
             Euclidean norm, for SGD); :class:`fewbit.quant.gact.GACTPolicy`.
@@ -199,6 +200,14 @@ class Config:
                     f"average_bits is only used with saved_bits='auto', got average_bits={self.average_bits!r} "
                     f"with saved_bits={self.saved_bits!r}"
                 )
+            # GACT's own settings, like average_bits: a value given for nothing is a mistake
+            for name, default in (("adapt_interval", 1000), ("noise_norm", "relative")):
+                if getattr(self, name) != default:
+                    raise ValueError(f"{name} is only used with saved_bits='auto', got {name}="
+                                     f"{getattr(self, name)!r} with saved_bits={self.saved_bits!r}")
+            if self.saved_bits is None and self.compressor != "group":
+                raise ValueError(f"compressor is only used with saved_bits set (1, 2, 4, 8 or 'auto'), got "
+                                 f"compressor={self.compressor!r} with saved_bits=None")
         if self.compressor not in COMPRESSOR_CHOICES:
             raise ValueError(f"compressor must be one of {COMPRESSOR_CHOICES}, got {self.compressor!r}")
         if self.compressor == "adacc" and self.saved_bits == 1:  # its q/k/v quantizer is symmetric: 2, 4, 8

@@ -759,6 +759,11 @@ def test_transformers_unsupported_listed(name):
     ({"saved_bits": 4, "compressor": "zip"}, "compressor must be one of"),
     ({"saved_bits": "auto", "average_bits": 2, "compressor": "division"}, "compressor must be 'group'"),
     ({"saved_bits": 4, "adapt_interval": 0}, "adapt_interval"),
+    ({"saved_bits": "auto", "average_bits": 2, "adapt_interval": 0}, "adapt_interval"),
+    # GACT's settings and a compressor given for nothing were accepted and ignored
+    ({"saved_bits": 4, "adapt_interval": 5}, "adapt_interval is only used with saved_bits='auto'"),
+    ({"noise_norm": "absolute"}, "noise_norm is only used with saved_bits='auto'"),
+    ({"compressor": "division"}, "compressor is only used with saved_bits set"),
     ({"saved_bits": "auto", "average_bits": 2, "noise_norm": "l2"}, "noise_norm"),
     # accepted once, then the first forward failed inside the q/k/v quantizer
     ({"saved_bits": 1, "compressor": "adacc"}, "saved_bits must be one of \\(2, 4, 8\\) with compressor='adacc'"),
