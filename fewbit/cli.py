@@ -710,7 +710,7 @@ def list_cmd() -> None:
 @click.option("--xlim", nargs=2, type=float, default=None, callback=_check_domain, metavar="A B",
               help="x range of the plot (default: the table's domain).")
 @click.option("-o", "--output", type=OutputFile(), default=None,
-              help="PNG file to write (default: ./<name>.png).")
+              help="Image to write, in the format of its suffix (png, pdf, svg, ...; default: ./<name>.png).")
 @click.option("-f", "--force", is_flag=True, help="Overwrite the output file if it exists.")
 def plot_cmd(name, bits, params, table_path, xlim, output, force) -> None:
     """Plot f' of NAME with its few-bit approximations q and the error |f' - q|.
@@ -770,14 +770,28 @@ def plot_cmd(name, bits, params, table_path, xlim, output, force) -> None:
         chosen = {b: t for b, (t, _) in sorted(found.items())}
         note = _cache_note(found)
     path = output if output is not None else Path(f"{cname.replace(':', '--')}.png")
+    fmt = _image_format(path)
     _check_writable(path, force)
     with _LibraryErrors(f"cannot plot {cname}: "):
-        _plot(cname, act, nd_params, chosen, xlim, path)
+        _plot(cname, act, nd_params, chosen, xlim, path, fmt)
     click.echo(f"wrote {path}" + (f" ({note[2:]})" if note else ""))
 
 
+def _image_format(path: Path) -> str:
+    """The image format of ``-o PATH`` from its suffix (``png`` without one), one that
+    matplotlib writes; a one-line error for another (``plot.txt`` was PNG data)."""
+    from matplotlib.figure import Figure
+
+    fmt = path.suffix.lower().lstrip(".") or "png"
+    supported = Figure().canvas.get_supported_filetypes()
+    if fmt not in supported:
+        raise click.BadParameter(f"{path}: .{fmt} is not an image format matplotlib writes "
+                                 f"(use one of: {', '.join(sorted(supported))})", param_hint="'-o' / '--output'")
+    return fmt
+
+
 def _plot(name: str, act: Any, params: Mapping[str, float], tables: Mapping[int, Table],
-          xlim: tuple[float, float] | None, path: Path) -> None:
+          xlim: tuple[float, float] | None, path: Path, fmt: str = "png") -> None:
     import numpy as np
 
     from fewbit.solver import registry
@@ -826,8 +840,8 @@ def _plot(name: str, act: Any, params: Mapping[str, float], tables: Mapping[int,
     ax_err.set_xlim(lo, hi)
     ax_err.legend(loc="best", fontsize=8, ncol=min(len(tables), 4), framealpha=0.9)
     try:
-        with atomic_output(path, suffix=".png") as tmp:
-            fig.savefig(tmp, dpi=120, format="png")
+        with atomic_output(path, suffix=f".{fmt}") as tmp:
+            fig.savefig(tmp, dpi=120, format=fmt)
     finally:
         plt.close(fig)
 

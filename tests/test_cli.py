@@ -271,6 +271,17 @@ def test_plot_and_error_of_a_hugging_face_formula(tmp_path, name):
     assert json.loads(r.stdout) == {name: {"2": shipped[2].error, "3": shipped[3].error}}
 
 
+def test_plot_writes_the_format_of_its_suffix_and_refuses_others(tmp_path):
+    """``-o plot.txt`` and ``-o plot.pdf`` held PNG data."""
+    for name, magic in (("g.pdf", b"%PDF"), ("g.svg", b"<?xml"), ("g.png", b"\x89PNG")):
+        r = CliRunner().invoke(cli, ["plot", "gelu", "--bits", "2", "-o", str(tmp_path / name)])
+        assert r.exit_code == 0, r.output
+        assert (tmp_path / name).read_bytes().startswith(magic)
+    r = CliRunner().invoke(cli, ["plot", "gelu", "-o", str(tmp_path / "g.txt")])
+    assert r.exit_code == 2 and ".txt is not an image format" in r.output and "Traceback" not in r.output
+    assert not (tmp_path / "g.txt").exists()
+
+
 def test_plot_fitted_table(tmp_path):
     tj = tmp_path / "t.json"
     assert run("fit", "silu", "--bits", "1", "2", "--grid", GRID, "-o", tj, "--no-progress").exit_code == 0
