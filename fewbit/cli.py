@@ -347,8 +347,9 @@ def _check_writable(path: Path, force: bool) -> None:
     """
     if path.is_dir():
         raise click.ClickException(f"output path {path} is a directory")
-    if path.exists() and not force:
+    if (path.exists() or path.is_symlink()) and not force:  # a dangling link is a file the user has
         raise click.ClickException(f"output file {path} exists; pass --force to overwrite it")
+    path = Path(os.path.realpath(path))  # written through a symbolic link (fewbit.table.atomic_output)
     directory = path.parent if str(path.parent) else Path(".")
     if not directory.is_dir():
         raise click.ClickException(f"cannot write {path}: directory {directory} does not exist")

@@ -585,10 +585,12 @@ def atomic_output(path: str | os.PathLike, suffix: str = ".tmp") -> Iterator[str
     previous ``path``, if any, is unchanged. The new file gets the permissions of the
     file it replaces, or those of any new file (``0o666`` minus the umask).
 
+    A symbolic link is written through: its target gets the new file (the link stays).
+
     Raises:
         OSError: if the directory is not writable.
     """
-    path = Path(path)
+    path = Path(os.path.realpath(path))  # through symbolic links: the rename would replace the link
     tmp = _new_file_beside(path, suffix)
     try:
         yield tmp

@@ -282,6 +282,19 @@ def test_plot_writes_the_format_of_its_suffix_and_refuses_others(tmp_path):
     assert not (tmp_path / "g.txt").exists()
 
 
+def test_outputs_write_through_symbolic_links(tmp_path):
+    """``-o link -f`` replaced the link by a regular file, and a dangling link was replaced
+    without ``-f``. The link's target is written, the link stays, and a dangling link is an
+    existing output."""
+    target, link = tmp_path / "target.png", tmp_path / "link.png"
+    link.symlink_to(target)  # dangling
+    r = CliRunner().invoke(cli, ["plot", "gelu", "--bits", "2", "-o", str(link)])
+    assert r.exit_code == 1 and "exists; pass --force" in r.output and not target.exists()
+    r = CliRunner().invoke(cli, ["plot", "gelu", "--bits", "2", "-o", str(link), "-f"])
+    assert r.exit_code == 0, r.output
+    assert link.is_symlink() and target.read_bytes().startswith(b"\x89PNG")
+
+
 def test_plot_fitted_table(tmp_path):
     tj = tmp_path / "t.json"
     assert run("fit", "silu", "--bits", "1", "2", "--grid", GRID, "-o", tj, "--no-progress").exit_code == 0
