@@ -609,7 +609,8 @@ def error_cmd(names, bits, domain, params, as_json, refit, weight, grid, symmetr
         given = [o for o, v in (("--weight", weight != "uniform"), ("--grid", grid is not None),
                                 ("--symmetric/--no-symmetric", symmetric is not None)) if v]
         if given:
-            raise click.UsageError(f"{', '.join(given)} only apply with --refit (the fit options of new tables)")
+            verb = "applies" if len(given) == 1 else "apply"
+            raise click.UsageError(f"{', '.join(given)} only {verb} with --refit (the fit options of new tables)")
     asked_bits, bits = bits, bits or DEFAULT_BITS
     results: dict[str, dict[int, float | None]] = {}
     missing: list[str] = []

@@ -391,7 +391,9 @@ def test_error_refuses_fit_options_without_refit():
     had been used."""
     for args, needle in ((["--grid", "5"], "--grid"), (["--symmetric"], "--symmetric"),
                          (["--weight", "normal:0.1"], "--weight")):
-        assert_one_line_error(run("error", "gelu", "--bits", "4", *args), needle, "only apply with --refit")
+        assert_one_line_error(run("error", "gelu", "--bits", "4", *args), needle, "only applies with --refit")
+    assert_one_line_error(run("error", "gelu", "--bits", "4", "--grid", "5", "--symmetric"), "--grid",
+                          "only apply with --refit")
     assert run("error", "gelu", "--bits", "4", "--weight", "uniform").exit_code == 0
 
 
