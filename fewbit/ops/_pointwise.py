@@ -593,8 +593,9 @@ def _inverse(perm: tuple[int, ...]) -> tuple[int, ...]:
 
 def _direct_forward(x, plan: _Plan, inplace, perm=None):
     """``(y, packed, record)`` of an eager call: the kernels called directly. With
-    ``perm`` (:func:`_memory_order`) the codes and the record follow ``x.permute(perm)``,
-    ``x``'s memory order; ``y`` has ``x``'s shape and layout either way."""
+    ``perm`` (:func:`_memory_order`; numba and Triton backends only) the codes and the
+    record follow ``x.permute(perm)``, ``x``'s memory order; ``y`` has ``x``'s shape and
+    layout either way."""
     torch_fn, full = plan.torch_fn, plan.full
     xe = x if perm is None else x.permute(perm)
     if plan.backend == "numba":
@@ -662,7 +663,8 @@ class _FewBitPointwiseDirect(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, plan, inplace, anchor):
         # anchor: a 1-tuple holding the anchor (see _direct)
-        ctx.perm = perm = _memory_order(x)
+        # the reference backend (devices other than CPU and CUDA) codes x in logical order
+        ctx.perm = perm = _memory_order(x) if plan.backend != "reference" else None
         y, packed, record = _direct_forward(x, plan, inplace, perm)
         if inplace:
             ctx.mark_dirty(x)

@@ -440,9 +440,9 @@ def quantize(
     Raises:
         TypeError: ``x`` not a floating tensor, ``generator`` not a torch.Generator.
         ValueError: ``bits`` not in {1, 2, 4, 8}, ``group_size < 1``, unsupported
-            ``stats_dtype``, ``generator`` not on the CPU, or ``x`` float64 with nonzero
-            magnitudes outside float32's range (:data:`fewbit._checks.FLOAT64_RANGE`),
-            which float32/bfloat16 statistics cannot hold.
+            ``stats_dtype``, ``generator`` not on the CPU, or ``x`` float64 with finite
+            magnitudes past float32's largest (:data:`fewbit._checks.FLOAT64_MAX`), which
+            float32/bfloat16 statistics cannot hold.
     """
     return _quantize(x, bits, group_size, stochastic, stats_dtype, generator, torch.ops.fewbit.group_quantize)
 

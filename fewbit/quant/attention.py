@@ -170,8 +170,9 @@ class _RecomputedSDPA(torch.autograd.Function):
         return out.detach()
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
+        if torch.is_grad_enabled():  # a backward with create_graph=True
+            raise RuntimeError(_DOUBLE_BACKWARD)
         qs, ks, vs, mask = ctx.saved_tensors
         need = ctx.needs_input_grad
         mask_grad = ctx.mask_is_tensor and need[6] and mask.is_floating_point()
@@ -213,6 +214,19 @@ def _saved_copy(t: torch.Tensor) -> torch.Tensor:
         if not _is_parameter(t):
             return t.contiguous()
     return t
+
+
+# This backward differentiates an attention recomputed from detached copies: a graph of it
+# would not reach the caller's q, k and v, so the second-order terms would be dropped (with
+# torch's once_differentiable, silently: a gradient penalty through it was off by 0.38 of
+# its norm even with nothing quantized).
+_DOUBLE_BACKWARD = (
+    "fewbit: a backward with create_graph=True (a gradient penalty, a Hessian-vector product, MAML) "
+    "reached scaled_dot_product_attention under fewbit's compression, whose backward recomputes the "
+    "attention from its saved copies and has no second derivative. Keep saved tensors exact for such "
+    "a model: run its forward outside fewbit.compress_activations, or convert it with "
+    "fewbit.Config(saved_bits=None) (activations only)"
+)
 
 
 #: Bits per element of the saved q and k under a compressor of fewer bits; under an 8-bit

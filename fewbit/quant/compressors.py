@@ -344,7 +344,7 @@ class _KernelCompressor(Compressor):
         Raises:
             TypeError: ``x`` not a floating tensor, ``generator`` not a torch.Generator.
             ValueError: ``x`` has fewer than :attr:`min_dim` dims, or is float64 with
-                magnitudes the statistics cannot hold (:data:`fewbit._checks.FLOAT64_RANGE`).
+                magnitudes the statistics cannot hold (:data:`fewbit._checks.FLOAT64_MAX`).
         """
         self._check(x)
         return self._compress(x, generator, _ops())
