@@ -387,15 +387,16 @@ def merge_params(name: str, defaults: Mapping[str, float], params: Mapping[str, 
     """``params`` merged over ``defaults`` (values as float), for the function ``name``.
 
     Raises:
-        TypeError: ``params`` is not a mapping (or None).
+        TypeError: ``params`` is not a mapping, (name, value) pairs or None.
         ValueError: for a parameter the function does not take, a non-numeric or
             non-finite value, or a value :data:`PARAM_RULES` refuses (``celu``: alpha > 0;
             ``softplus``: beta != 0).
     """
-    if params is not None and not isinstance(params, Mapping):
+    try:  # a mapping, or (name, value) pairs as dict() takes them
+        params = dict(params or {})
+    except (TypeError, ValueError):
         raise TypeError(f"params must be a mapping of parameter names to numbers (e.g. {{'alpha': 0.5}}) or "
-                        f"None, got {type(params).__name__} {params!r}")
-    params = dict(params or {})
+                        f"None, got {type(params).__name__} {params!r}") from None
     unknown = set(params) - set(defaults)
     if unknown:
         takes = f"parameters {', '.join(sorted(defaults))}" if defaults else "no parameters"

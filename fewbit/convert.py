@@ -496,9 +496,16 @@ def _replacement(m: nn.Module, model: nn.Module, factory: _Factory, bits: int) -
     if "forward" in vars(m):
         return "its forward was replaced on the instance"
     try:
-        return factory(m, bits)
+        new = factory(m, bits)
     except ValueError as exc:  # parameters torch takes and fewbit has no table for
         return f"kept as torch's: {exc}"
+    if isinstance(new, nn.Module):
+        # what is registered on m moves to the replacement (_carry_over): a name the
+        # replacement has would drop it from the state_dict
+        clash = next((n for n in (*m._parameters, *m._buffers, *m._modules) if hasattr(new, n)), None)
+        if clash is not None:
+            return f"it holds {clash!r}, a name its fewbit replacement uses"
+    return new
 
 
 #: nn.Module's per-instance hook registries that a replacement takes over.

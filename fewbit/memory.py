@@ -625,11 +625,13 @@ def compare(
 
 
 def _fewbit_converted(model: nn.Module) -> bool:
-    """Whether ``model`` holds fewbit modules or fewbit's compression or planning hooks."""
-    from fewbit.convert import _compresses_saved_tensors
-    from fewbit.modules import _FewBit
+    """Whether :func:`fewbit.convert_` (or a plan) has been applied to ``model``: fewbit's
+    forward hooks are on it or inside it (a model built with fewbit modules by hand is not)."""
+    from fewbit import convert as fc
 
-    return any(isinstance(m, _FewBit) for m in model.modules()) or _compresses_saved_tensors(model)
+    hooks = (fc._StepHook, fc._EnterHook, fc._ActivationModeHook)
+    return any(any(isinstance(h, hooks) for h in m._forward_pre_hooks.values()) or fc._has_plan_hooks(m)
+               for m in model.modules())
 
 
 def _convert(model: nn.Module, config: Any) -> int:

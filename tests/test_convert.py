@@ -1182,6 +1182,12 @@ def test_parameters_buffers_and_submodules_of_replaced_activations_carry_over():
     assert [id(p) for p in model.parameters()] == params
     assert model[1].scratch.shape == (2,) and isinstance(model[1].probe, nn.Identity)
     model.load_state_dict(before)  # an earlier checkpoint loads
+    # a registered name the replacement uses itself ("bits") would be dropped: left as it is
+    act = nn.GELU()
+    act.register_buffer("bits", torch.tensor(3))
+    model = nn.Sequential(nn.Linear(4, 4), act)
+    s = convert_(model, bits=3)
+    assert model[1] is act and s.unsupported == {"1": "GELU (it holds 'bits', a name its fewbit replacement uses)"}
 
 
 @pytest.mark.parametrize("bits", [0, 9, 2.5, True])

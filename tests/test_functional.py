@@ -571,8 +571,11 @@ def test_tensor_parameters_do_not_grow_the_call_cache():
     assert torch.equal(x.grad, want)
 
 
-@pytest.mark.parametrize("params", [[0.5], (("alpha", 0.5),), "alpha=0.5", 0.5])
+@pytest.mark.parametrize("params", [[0.5], "alpha=0.5", 0.5])
 def test_params_that_are_not_a_mapping_name_the_argument(params):
     """``params=[0.5]`` raised 'cannot convert dictionary update sequence element #0 to a sequence'."""
     with pytest.raises(TypeError, match=r"^params must be a mapping of parameter names to numbers"):
         FF.activation(torch.randn(3, requires_grad=True), "elu", params=params)
+    # (name, value) pairs, as dict() takes them, are a mapping's items
+    y = FF.activation(torch.randn(3), "elu", params=[("alpha", 0.5)])
+    assert y.shape == (3,)

@@ -311,6 +311,9 @@ def test_compare_refuses_a_model_instead_of_a_factory_and_a_reused_model():
     fresh = lambda: nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))  # noqa: E731
     out = fm.compare(fresh, x, variants=("fewbit+quant", "vanilla"))
     assert out["vanilla"]["saved_bytes"] > out["fewbit+quant"]["saved_bytes"]
+    # a fresh model built with fewbit's modules by hand (never converted) is measured
+    built = lambda: nn.Sequential(nn.Linear(64, 256), fewbit.GELU(bits=3), nn.Linear(256, 64))  # noqa: E731
+    assert fm.compare(built, x, variants=("vanilla", "fewbit"))["vanilla"]["saved_bytes"] > 0
 
 
 def test_report_of_a_frozen_model_says_why():

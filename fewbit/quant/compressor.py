@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import sys
 import threading
+import warnings
 import weakref
 from dataclasses import dataclass, field, replace
 
@@ -465,12 +466,14 @@ class ActivationCompressor:
             True if the policy re-planned now; False otherwise (also for fixed policies,
             for which the call does nothing).
 
+        A forward the policy runs that saves no tensor through this compressor (``model``
+        or ``closure`` not the converted model's; a ``torch.compile``'d forward; one whose
+        saves all belong to ``torch.utils.checkpoint``) measures nothing: a
+        ``RuntimeWarning`` says so, it returns False, and the re-plan is tried again at the
+        next call. A call that raises leaves the re-plan schedule as it was too.
+
         Raises:
             TypeError: ``closure`` is not callable (and the policy's own checks).
-            ValueError: a forward the policy ran saved no tensor through this compressor
-                (``model`` or ``closure`` is not the converted model's: it re-planned with
-                nothing measured). A call that raises leaves the policy's re-plan schedule
-                as it was.
         """
         if not callable(closure):
             raise TypeError(f"closure must be callable, () -> loss, got {type(closure).__name__}")
@@ -479,22 +482,24 @@ class ActivationCompressor:
             before = self._saves
             loss = closure()
             if self._saves == before:
-                raise ValueError(
-                    "adapt: the closure's forward saved no tensor through this compressor, so there is "
-                    "nothing to measure: pass the model it was converted into (fewbit.convert.compressor_of"
-                    "(model)) and a closure that runs that model's forward eagerly (a torch.compile'd "
-                    "forward, or one whose saves all belong to torch.utils.checkpoint, saves none here)"
-                )
+                raise _NothingSaved
             return loss
 
         schedule = {k: getattr(self.policy, k) for k in ("_calls", "_next_plan", "_gap", "_last_g0")
                     if hasattr(self.policy, k)}
         try:
             return self.policy.adapt(model, counted)
-        except BaseException:
+        except BaseException as exc:
             for k, v in schedule.items():  # a failed call does not use up a re-plan
                 setattr(self.policy, k, v)
-            raise
+            if not isinstance(exc, _NothingSaved):
+                raise
+        warnings.warn(
+            "adapt: the closure's forward saved no tensor through this compressor, so nothing was measured "
+            "(no re-plan): pass the model it was converted into (fewbit.convert.compressor_of(model)) and a "
+            "closure that runs that model's forward eagerly (a torch.compile'd forward, or one whose saves "
+            "all belong to torch.utils.checkpoint, saves none here)", RuntimeWarning, stacklevel=2)
+        return False
 
     def _push_module(self, fqn: str, kind: str | None, norm_size=None) -> None:
         """Enter converted module ``fqn`` of ``kind``; ``norm_size(shape) -> int | None``
@@ -796,6 +801,10 @@ class ActivationCompressor:
         if isinstance(packed, Kept):
             return packed.unpack()
         return packed
+
+
+class _NothingSaved(Exception):
+    """Raised out of :meth:`ActivationCompressor.adapt`'s closure: its forward saved nothing here."""
 
 
 _FUNCTION_FILE = torch.autograd.function.__file__
