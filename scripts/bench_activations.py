@@ -244,12 +244,12 @@ def run(args) -> dict:
         "machine": _machine(), "versions": _versions(), "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
         "threads": torch.get_num_threads(), "thp": _thp(), "loadavg": load, "repeat": args.repeat,
-        "compile": not args.no_compile,
+        "compile": not args.no_compile, "layout": args.layout,
     }
     print(f"# machine: {meta['machine']}")
     print(f"# versions: {meta['versions']}")
     print(f"# device: {device}" + (f" ({meta['device_name']})" if meta["device_name"] else ""))
-    print(f"# torch threads: {meta['threads']}; THP: {meta['thp']}; load average: {load}")
+    print(f"# torch threads: {meta['threads']}; THP: {meta['thp']}; load average: {load}; layout: {args.layout}")
     print(f"# timings: median of {args.repeat} round-robin runs after 2 warm-ups; ratio: to torch eager, "
           "cratio: to torch.compile of torch's module (< 1: faster); GB/s of the bytes each candidate must "
           "move, %copy: of a same-size copy. Shared VMs are noisy.")
@@ -270,8 +270,8 @@ def run(args) -> dict:
                               if not label.startswith("torch.")]
                 for p in args.sizes:
                     n = 1 << p
-                    x0 = torch.randn(n, device=device, dtype=torch.float32).to(dtype)
-                    g = torch.randn_like(x0)
+                    x0 = _laid_out(torch.randn(n, device=device, dtype=torch.float32).to(dtype), args.layout)
+                    g = torch.randn_like(x0)  # in x0's layout, as the next layer's gradient comes
                     copy_t = _median_time(lambda s: s.copy_(x0), device, args.repeat,
                                           setup=lambda: torch.empty_like(x0))
                     copy_gbs = 2 * n * x0.element_size() / copy_t / 1e9
@@ -326,6 +326,19 @@ def run(args) -> dict:
     return {"meta": meta, "results": rows, "host": host, "first_call": first}
 
 
+def _laid_out(x: torch.Tensor, layout: str) -> torch.Tensor:
+    """The ``n`` elements of ``x`` as a tensor of ``layout``: ``contiguous`` (1-D), a
+    ``channels_last`` map ``(n / 4096, 64, 8, 8)`` (a CNN under channels_last / AMP), or
+    ``transposed`` ``(1024, n / 1024)`` seen through ``.t()`` (a Conv1d-style ``(B, C, T)``
+    transpose)."""
+    n = x.numel()
+    if layout == "channels_last":
+        return x.reshape(n // 4096, 64, 8, 8).contiguous(memory_format=torch.channels_last)
+    if layout == "transposed":
+        return x.reshape(n // 1024, 1024).t()
+    return x
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--activations", nargs="+", default=["gelu"], help="registry names (default: gelu)")
@@ -341,6 +354,9 @@ def main(argv=None) -> int:
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile candidates")
     ap.add_argument("--no-host", action="store_true", help="skip the host-time-per-call measurement")
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
+    ap.add_argument("--layout", default="contiguous", choices=["contiguous", "channels_last", "transposed"],
+                    help="memory layout of the input and gradient (channels_last: (n/4096, 64, 8, 8); "
+                         "transposed: a (1024, n/1024) view through .t()) (default: contiguous)")
     args = ap.parse_args(argv)
     try:
         from fewbit.activations import get_activation
@@ -353,6 +369,8 @@ def main(argv=None) -> int:
         for p in args.sizes:
             if not 0 <= p <= 34:
                 raise ValueError(f"sizes are log2 element counts in 0..34, got {p}")
+            if args.layout != "contiguous" and p < 12:
+                raise ValueError(f"--layout {args.layout} needs sizes of at least 2^12 elements, got 2^{p}")
         if args.repeat < 1:
             raise ValueError(f"repeat must be >= 1, got {args.repeat}")
         if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
