@@ -231,6 +231,9 @@ _DOUBLE_BACKWARD = (
 
 #: Bits per element of the saved q and k under a compressor of fewer bits; under an 8-bit
 #: compressor they are kept as they are (see the module docstring for the measurements).
+#: Their groups lie inside one head channel's run of tokens (``(..., head_dim, T)`` order;
+#: :meth:`fewbit.quant.ActivationCompressor._compress`): ``32 / min(T, group_size)`` bits
+#: per element of statistics on top, 0.125 from 256 tokens on.
 QK_BITS = 8
 
 

@@ -169,23 +169,41 @@ class _Handle:
 
 
 class _ChannelMajor:
-    """A :class:`~fewbit.quant.compressors.Compressed` of a tensor made from its copy with
-    dim ``dim`` moved first, so that groups lie inside one channel: dim 1 of a training
-    BatchNorm's ``(N, C, *spatial)`` input (:class:`fewbit._norm_rows.Channels`), the last
-    dim of attention's q and k; decompresses to the original layout, contiguous."""
+    """A :class:`~fewbit.quant.compressors.Compressed` of ``(N, C, *spatial)`` made from its
+    ``(C, N, *spatial)`` copy, so that groups lie inside one channel (a training BatchNorm's
+    ``(N, C)`` input: :class:`fewbit._norm_rows.Channels`); decompresses to the original
+    layout, contiguous."""
 
-    __slots__ = ("qt", "dim")
+    __slots__ = ("qt",)
 
-    def __init__(self, qt, dim: int = 1):
+    def __init__(self, qt):
         self.qt = qt
-        self.dim = dim
 
     @property
     def nbytes(self) -> int:
         return self.qt.nbytes
 
     def decompress(self) -> torch.Tensor:
-        return self.qt.decompress().movedim(0, self.dim).contiguous()
+        return self.qt.decompress().movedim(0, 1).contiguous()
+
+
+class _TokenMajor:
+    """A :class:`~fewbit.quant.compressors.Compressed` of attention's ``q`` or ``k``
+    ``(..., T, head_dim)`` made from its ``(..., head_dim, T)`` copy (a transpose of each
+    head's ``T x head_dim`` matrix), so that groups lie inside one head channel's run of
+    ``T`` tokens; decompresses to the original layout, contiguous."""
+
+    __slots__ = ("qt",)
+
+    def __init__(self, qt):
+        self.qt = qt
+
+    @property
+    def nbytes(self) -> int:
+        return self.qt.nbytes
+
+    def decompress(self) -> torch.Tensor:
+        return self.qt.decompress().transpose(-1, -2).contiguous()
 
 
 class _Shared:
@@ -639,12 +657,18 @@ class ActivationCompressor:
         # another module made first, with groups across them, does not serve it.
         fn = self._where[-1][2] if self._where else None
         rows = fn(tuple(t.shape)) if fn is not None and not is_bool and mask_value is None else None
+        # the layout this save needs of a copy: a norm's rows, or attention's q/k groups (8
+        # bits inside head channels; a Linear's 2-bit copy of the same tensor made first had
+        # served the q of `sdpa(h.unsqueeze(1), k, v)`: dq off by 0.71 of its norm)
+        layout = rows
+        if self.compressor is not self._default and not is_bool and mask_value is None:
+            layout = _QK_LAYOUT
         hit = self._cache.get(key)
         earlier = None  # a live copy of this tensor that does not serve this save
         if hit is not None:
             anchor, handle = hit[0](), hit[1]()
             if anchor is not None and handle is not None and self._may_share(t, hit[4]):
-                if rows is None or hit[2] == rows:
+                if layout is None or hit[2] == layout:
                     self.stats.deduplicated += 1
                     return handle if tuple(handle.shape) == tuple(t.shape) else _ViewHandle(handle, t.shape)
                 earlier = (handle, hit[3], hit[2])
@@ -678,7 +702,7 @@ class ActivationCompressor:
 
         record = self._index - 1 if handle.qt is not None else None
         call = getattr(self._local, "call", None)
-        self._cache[key] = (weakref.ref(anchor), weakref.ref(handle, _drop), rows, record,
+        self._cache[key] = (weakref.ref(anchor), weakref.ref(handle, _drop), layout, record,
                             call[2] if call is not None else None)
         return handle
 
@@ -758,12 +782,13 @@ class ActivationCompressor:
         if norm_size is not None:  # statistics inside each normalized row (Compressor.within)
             compressor = compressor.within(norm_size)
         # Attention's q and k (the recomputed softmax is not linear in them): groups inside
-        # one head channel across tokens, not across channels. One channel with a large
-        # common offset (+30 in q and k) set the step of 16 rows x all channels, and the
-        # recomputed probabilities turned that noise into a bias of 13 % of dq's norm.
+        # one head channel's run of tokens (of one batch item and head), not across
+        # channels. One channel with a large common offset (+30 in q and k) set the step of
+        # 16 rows x all channels, and the recomputed probabilities turned that noise into a
+        # bias of 13 % of dq's norm. Runs shorter than a group get groups of one run.
         qk_channels = role == "qk" and t.dim() >= 2 and t.shape[-1] > 1 and compressor.name == "group"
         if qk_channels:
-            compressor = compressor.within(t.numel() // t.shape[-1])
+            compressor = compressor.within(t.shape[-2])
         if compressor.name != "keep" and (not compressor.supports(t)
                                            or compressor.bytes_per_element(t) >= t.element_size()):
             # a policy that hands a tensor to a compressor that cannot take it: kept exact,
@@ -781,8 +806,7 @@ class ActivationCompressor:
                 if channels and role is None:
                     qt = _ChannelMajor(compressor.compress(t.detach().movedim(1, 0).contiguous(), generator=generator))
                 elif qk_channels:
-                    qt = _ChannelMajor(compressor.compress(t.detach().movedim(-1, 0).contiguous(), generator=generator),
-                                       -1)
+                    qt = _TokenMajor(compressor.compress(t.detach().transpose(-1, -2).contiguous(), generator=generator))
                 else:
                     qt = compressor.compress(t.detach(), generator=generator)
             self.stats.compressed += 1
@@ -801,6 +825,10 @@ class ActivationCompressor:
         if isinstance(packed, Kept):
             return packed.unpack()
         return packed
+
+
+#: The cache layout of attention's q and k copies (ActivationCompressor._pack).
+_QK_LAYOUT = "qk"
 
 
 class _NothingSaved(Exception):
