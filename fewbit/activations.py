@@ -393,7 +393,7 @@ def merge_params(name: str, defaults: Mapping[str, float], params: Mapping[str, 
             ``softplus``: beta != 0).
     """
     try:  # a mapping, or (name, value) pairs as dict() takes them
-        params = dict(params or {})
+        params = {} if params is None else dict(params)
     except (TypeError, ValueError):
         raise TypeError(f"params must be a mapping of parameter names to numbers (e.g. {{'alpha': 0.5}}) or "
                         f"None, got {type(params).__name__} {params!r}") from None

@@ -571,7 +571,7 @@ def test_tensor_parameters_do_not_grow_the_call_cache():
     assert torch.equal(x.grad, want)
 
 
-@pytest.mark.parametrize("params", [[0.5], "alpha=0.5", 0.5])
+@pytest.mark.parametrize("params", [[0.5], "alpha=0.5", 0.5, 0, False])
 def test_params_that_are_not_a_mapping_name_the_argument(params):
     """``params=[0.5]`` raised 'cannot convert dictionary update sequence element #0 to a sequence'."""
     with pytest.raises(TypeError, match=r"^params must be a mapping of parameter names to numbers"):
