@@ -187,20 +187,13 @@ class _ChannelMajor:
         return self.qt.decompress().movedim(0, 1).contiguous()
 
 
-class _TokenMajor:
+class _TokenMajor(_ChannelMajor):
     """A :class:`~fewbit.quant.compressors.Compressed` of attention's ``q`` or ``k``
     ``(..., T, head_dim)`` made from its ``(..., head_dim, T)`` copy (a transpose of each
     head's ``T x head_dim`` matrix), so that groups lie inside one head channel's run of
     ``T`` tokens; decompresses to the original layout, contiguous."""
 
-    __slots__ = ("qt",)
-
-    def __init__(self, qt):
-        self.qt = qt
-
-    @property
-    def nbytes(self) -> int:
-        return self.qt.nbytes
+    __slots__ = ()
 
     def decompress(self) -> torch.Tensor:
         return self.qt.decompress().transpose(-1, -2).contiguous()
