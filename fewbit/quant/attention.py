@@ -68,6 +68,7 @@ import torch
 import torch.nn.functional as F
 
 from fewbit._saved import keep, unpack
+from fewbit.quant.compressor import KEEP_EXACT_ADVICE
 from fewbit.quant.nonlinear import NOT_HANDLED
 
 __all__ = ["scaled_dot_product_attention", "reroute", "QK_BITS"]
@@ -223,9 +224,7 @@ def _saved_copy(t: torch.Tensor) -> torch.Tensor:
 _DOUBLE_BACKWARD = (
     "fewbit: a backward with create_graph=True (a gradient penalty, a Hessian-vector product, MAML) "
     "reached scaled_dot_product_attention under fewbit's compression, whose backward recomputes the "
-    "attention from its saved copies and has no second derivative. Keep saved tensors exact for such "
-    "a model: run its forward outside fewbit.compress_activations, or convert it with "
-    "fewbit.Config(saved_bits=None) (activations only)"
+    "attention from its saved copies and has no second derivative. " + KEEP_EXACT_ADVICE
 )
 
 

@@ -496,13 +496,12 @@ class ActivationCompressor:
                 raise _NothingSaved
             return loss
 
-        schedule = {k: getattr(self.policy, k) for k in ("_calls", "_next_plan", "_gap", "_last_g0")
-                    if hasattr(self.policy, k)}
+        schedule = self.policy.schedule()
         try:
             return self.policy.adapt(model, counted)
         except BaseException as exc:
-            for k, v in schedule.items():  # a failed call does not use up a re-plan
-                setattr(self.policy, k, v)
+            if schedule is not None:  # a failed call does not use up a re-plan
+                self.policy.set_schedule(schedule)
             if not isinstance(exc, _NothingSaved):
                 raise
         warnings.warn(
@@ -852,12 +851,16 @@ def _builds_graph_of_backward() -> bool:
 # next is not linear in it: the gradient penalty |dL/dx|^2 of a Linear -> x * sigmoid(x) ->
 # Linear under 2-bit groups had weight gradients off by 0.38 of their norm over 300 draws
 # (noise alone: 0.02), the quantization variance turned into a bias.
+#: What to do about a gradient of a gradient through compressed saves (also the advice of
+#: :mod:`fewbit.quant.attention`'s error).
+KEEP_EXACT_ADVICE = (
+    "Keep saved tensors exact for such a model: run its forward outside fewbit.compress_activations, "
+    "or convert it with fewbit.Config(saved_bits=None) (activations only)"
+)
 _DOUBLE_BACKWARD = (
     "fewbit: a backward with create_graph=True (a gradient penalty, a Hessian-vector product, "
     "MAML) reached a saved tensor that fewbit compressed: its rounding noise would enter the "
-    "gradient of the gradient squared, a bias rather than noise. Keep saved tensors exact "
-    "for such a model: run its forward outside fewbit.compress_activations, or convert it "
-    "with fewbit.Config(saved_bits=None) (activations only)"
+    "gradient of the gradient squared, a bias rather than noise. " + KEEP_EXACT_ADVICE
 )
 
 

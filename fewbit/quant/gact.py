@@ -453,6 +453,14 @@ class GACTPolicy(Policy):
         self._check_variance()
         return replan
 
+    def schedule(self) -> tuple:
+        """The re-plan schedule: calls so far, the next re-plan's call, the gap, the last
+        measurement (:meth:`fewbit.quant.policies.Policy.schedule`)."""
+        return (self._calls, self._next_plan, self._gap, self._last_g0)
+
+    def set_schedule(self, state: tuple) -> None:
+        self._calls, self._next_plan, self._gap, self._last_g0 = state
+
     #: The attributes :meth:`state_dict` saves (the plan, the schedule, the estimates).
     _STATE = ("bits", "_by_key", "sensitivity", "numel", "compression_variance", "gradient_variance",
               "skipped_nonfinite", "skipped_zero", "_calls", "_next_plan", "_gap", "_last_g0",

@@ -125,6 +125,14 @@ class Policy(abc.ABC):
         """Re-plan from the model's gradients; a policy with nothing to learn returns False."""
         return False
 
+    def schedule(self):
+        """A snapshot of the re-plan schedule :meth:`adapt` advances (None: it has none);
+        :meth:`set_schedule` puts it back after a call that measured nothing."""
+        return None
+
+    def set_schedule(self, state) -> None:
+        """Restore a :meth:`schedule` snapshot."""
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(default={self.default!r})"
 
