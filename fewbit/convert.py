@@ -201,8 +201,8 @@ class Config:
                     f"with saved_bits={self.saved_bits!r}"
                 )
             # GACT's own settings, like average_bits: a value given for nothing is a mistake
-            for name, default in (("adapt_interval", 1000), ("noise_norm", "relative")):
-                if getattr(self, name) != default:
+            for name in ("adapt_interval", "noise_norm"):
+                if getattr(self, name) != self.__dataclass_fields__[name].default:
                     raise ValueError(f"{name} is only used with saved_bits='auto', got {name}="
                                      f"{getattr(self, name)!r} with saved_bits={self.saved_bits!r}")
             if self.saved_bits is None and self.compressor != "group":
