@@ -228,3 +228,29 @@ def test_triton_ops(classes):
     assert bits_equal(xi, y0) and torch.equal(p2, p0) and r2.shape == r.shape
     with pytest.raises(ValueError, match="no parameters"):
         torch.ops.fewbit.forward_encode_triton(x, b, c, 3, classes, 64, "silu", [1.0])
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("fn", ["gelu", "silu"])
+def test_eager_node_codes_dense_layouts_in_memory_order(monkeypatch, fn, inplace):
+    """The Triton branch of the eager node on a channels_last input (its memory-order
+    coding, fewbit.ops._pointwise._memory_order): the fused forward writes y in the input's
+    layout, and the gradient equals that of the contiguous copy, in the input's layout."""
+    import fewbit.ops._pointwise as pw
+    from fewbit.functional import load_table
+
+    monkeypatch.setattr(pw, "_plan", lambda table, name, full, dtype, device, torch_fn=None: pw._Plan(
+        table, name, full, dtype, device, "triton", torch_fn))
+    table = load_table(fn, 3)
+    gen = torch.Generator().manual_seed(0)
+    base = torch.randn(2, 5, 4, 6, generator=gen).contiguous(memory_format=torch.channels_last)
+    g = torch.empty_like(base).copy_(torch.randn(base.shape, generator=gen))
+    grads = []
+    for x0 in (base, base.contiguous()):
+        leaf = x0.clone(memory_format=torch.preserve_format).requires_grad_()
+        x = leaf * 1.0 if inplace else leaf
+        y = pw.pointwise(x, table, fn, inplace=inplace)
+        assert y.stride() == getattr(F, fn)(leaf.detach()).stride()
+        (gx,) = torch.autograd.grad(y, leaf, g)
+        grads.append(gx)
+    assert grads[0].stride() == base.stride() and torch.equal(grads[0], grads[1])
