@@ -470,12 +470,7 @@ def _dequantize(qt: QuantizedTensor, kernel) -> torch.Tensor:
     """:func:`dequantize` with the op given (``fewbit::group_dequantize`` or the reference)."""
     if not isinstance(qt, QuantizedTensor):
         raise TypeError(f"qt must be a fewbit.quant.QuantizedTensor, got {type(qt).__name__}")
-    out = kernel(qt.packed, qt.mins, qt.scales, qt.bits, qt.group_size, qt.numel, qt.dtype)
-    if qt.dtype == torch.float16:
-        # m, rounded down to bfloat16 below float16's range (x near -65504), or m + q / s
-        # just past 65504, decode as a finite group's +-inf: clamped to the finite range
-        # (the input was in it; NaN of a non-finite group stays NaN)
-        out.clamp_(-65504.0, 65504.0)
+    out = _ref.clamp_float16_(kernel(qt.packed, qt.mins, qt.scales, qt.bits, qt.group_size, qt.numel, qt.dtype))
     return out.reshape(qt.shape)
 
 

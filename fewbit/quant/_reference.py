@@ -120,6 +120,17 @@ def uniform_noise(numel: int, seed: int, device=None, start: int = 0) -> torch.T
     return (h >> 8).to(torch.float32) * (2.0 ** -24)
 
 
+def clamp_float16_(y: torch.Tensor) -> torch.Tensor:
+    """``y`` (a decoded tensor) clamped in place to float16's finite range when it is
+    float16. A decode's statistics or steps can land just past +-65504 (a bfloat16 min
+    rounded down below float16's range, ``m + q / s`` past 65504, a DIVISION block mean
+    near the top plus one residual step) and round to +-inf, though the input was finite;
+    NaN of a non-finite input stays NaN."""
+    if y.dtype == torch.float16:
+        y.clamp_(-65504.0, 65504.0)
+    return y
+
+
 def floor_to_dtype(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Largest value of ``dtype`` that is ``<= v`` (elementwise), returned in ``dtype``."""
     c = v.to(dtype)

@@ -402,12 +402,7 @@ class _DivisionCompressed:
         q = self.hfc
         y = self._k.division_decode(q.packed, self.lfc, q.mins, q.scales, *self.block, q.bits, self.view[1],
                                     self.view[2], self.dtype)
-        if self.dtype == torch.float16:
-            # a block mean near +-65504 plus a residual step past it rounds to +-inf in float16:
-            # clamped to the finite range, as the group quantizer's decode (the input was in
-            # it; NaN of a non-finite input stays NaN)
-            y.clamp_(-65504.0, 65504.0)
-        return y.reshape(self.shape)
+        return _ref.clamp_float16_(y).reshape(self.shape)
 
 
 class Division(_KernelCompressor):
