@@ -87,7 +87,7 @@ class _QuantizedInputBackward(torch.autograd.Function):
 
         qt = quantize(x, bits, group_size=group_size)
         ctx.save_for_backward(qt.packed, qt.mins, qt.scales)
-        ctx.meta = (qt.shape, qt.dtype, bits, group_size)
+        ctx.meta = (qt.shape, qt.dtype, bits, group_size, qt.decode_seed)
         ctx.inner = inner
         return inner(x.clone() if getattr(inner, "inplace", False) else x)
 

@@ -79,6 +79,10 @@ class QuantizedTensor:
         dtype: dtype of the original tensor (and of :meth:`dequantize`).
         bits: bits per element (1, 2, 4 or 8).
         group_size: elements per group.
+        decode_seed: the 64-bit seed of the stochastic rounding into float16/bfloat16 at
+            :meth:`dequantize` (:func:`fewbit.quant._reference.stochastic_round_reference`),
+            so that ``E[x_hat] = x`` holds in the half dtype too; None for nearest codes
+            (rounded to nearest). Ignored for float32/float64.
     """
 
     packed: torch.Tensor
@@ -88,6 +92,7 @@ class QuantizedTensor:
     dtype: torch.dtype
     bits: int
     group_size: int
+    decode_seed: int | None = None
 
     @property
     def device(self) -> torch.device:
@@ -111,7 +116,7 @@ class QuantizedTensor:
         )
 
     def dequantize(self) -> torch.Tensor:
-        """``x_hat = m + q / s``: a contiguous tensor of ``shape`` and ``dtype``."""
+        """``x_hat = m + q / s``: a contiguous tensor of ``shape`` and ``dtype`` (see :func:`dequantize`)."""
         return dequantize(self)
 
     #: The :class:`fewbit.quant.compressors.Compressed` interface (same as :meth:`dequantize`).
@@ -454,11 +459,19 @@ def _quantize(x, bits, group_size, stochastic, stats_dtype, generator, kernel) -
     seed = _draw_seed(generator) if stochastic else 0
     flat = x.detach().reshape(-1).contiguous()
     packed, mins, scales = kernel(flat, bits, group_size, seed, bool(stochastic), stats_dtype)
-    return QuantizedTensor(packed, mins, scales, x.shape, x.dtype, bits, group_size)
+    return QuantizedTensor(packed, mins, scales, x.shape, x.dtype, bits, group_size,
+                           _ref.decode_seed(seed) if stochastic else None)
 
 
 def dequantize(qt: QuantizedTensor) -> torch.Tensor:
     """``x_hat = m + q / s``: a contiguous tensor of ``qt.shape``, ``qt.dtype``, ``qt.device``.
+
+    Computed in float32 (float64 for float64). Into float16/bfloat16 the result is rounded
+    stochastically with ``qt.decode_seed`` (stochastic codes), so that ``E[x_hat] = x``
+    holds in the half dtype as in float32 (to nearest, the mean would be off by up to half
+    an ulp where the codes' step is below an ulp); the same ``qt`` decodes to the same
+    tensor every time. Nearest codes are rounded to nearest. A float16 result is clamped
+    to float16's finite range.
 
     Raises:
         TypeError: ``qt`` is not a :class:`QuantizedTensor`.
@@ -470,7 +483,9 @@ def _dequantize(qt: QuantizedTensor, kernel) -> torch.Tensor:
     """:func:`dequantize` with the op given (``fewbit::group_dequantize`` or the reference)."""
     if not isinstance(qt, QuantizedTensor):
         raise TypeError(f"qt must be a fewbit.quant.QuantizedTensor, got {type(qt).__name__}")
-    out = _ref.clamp_float16_(kernel(qt.packed, qt.mins, qt.scales, qt.bits, qt.group_size, qt.numel, qt.dtype))
+    seed = qt.decode_seed
+    out = _ref.clamp_float16_(kernel(qt.packed, qt.mins, qt.scales, qt.bits, qt.group_size, qt.numel, qt.dtype,
+                                     0 if seed is None else seed, seed is not None))
     return out.reshape(qt.shape)
 
 
@@ -491,7 +506,12 @@ def quantize_reference(
 
 def dequantize_reference(qt: QuantizedTensor) -> torch.Tensor:
     """Pure-torch definition of :func:`dequantize`."""
-    return _dequantize(qt, _ref.dequantize_reference)
+    return _dequantize(qt, _dequantize_reference_kernel)
+
+
+def _dequantize_reference_kernel(packed, mins, scales, bits, group_size, numel, dtype, seed, stochastic):
+    return _ref.dequantize_reference(packed, mins, scales, bits, group_size, numel, dtype,
+                                     seed if stochastic else None)
 
 
 # Register the torch.library ops (no numba/triton import happens here).

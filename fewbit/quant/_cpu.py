@@ -61,8 +61,18 @@ def quantize_cpu(x, bits, group_size, seed, stochastic, stats_dtype):
     return packed, m.to(stats_dtype), s.to(stats_dtype)
 
 
-def dequantize_cpu(packed, mins, scales, bits, group_size, numel, dtype):
-    """``(numel,)`` of ``dtype``, bit-identical to :func:`fewbit.quant._reference.dequantize_reference`."""
+def _round_kind(dtype: torch.dtype, stochastic: bool) -> int:
+    """The decode kernels' ``kind`` (:func:`fewbit.quant._numba.round_half`): stochastic
+    rounding into a half-precision ``dtype``, or none (a float32/float64 result, or nearest
+    codes: the final cast rounds to nearest)."""
+    if not stochastic:
+        return _numba.ROUND_NONE
+    return {torch.bfloat16: _numba.ROUND_BF16, torch.float16: _numba.ROUND_FP16}.get(dtype, _numba.ROUND_NONE)
+
+
+def dequantize_cpu(packed, mins, scales, bits, group_size, numel, dtype, seed=0, stochastic=False):
+    """``(numel,)`` of ``dtype``, bit-identical to :func:`fewbit.quant._reference.dequantize_reference`
+    (with ``seed if stochastic else None``)."""
     if numel == 0:
         return torch.empty(0, dtype=dtype)
     cdt = compute_dtype(dtype)
@@ -70,7 +80,8 @@ def dequantize_cpu(packed, mins, scales, bits, group_size, numel, dtype):
     _set_threads()
     _numba.dequantize_kernel(
         packed.contiguous().numpy(), mins.to(cdt).contiguous().numpy(),
-        scales.to(cdt).contiguous().numpy(), bits, group_size, chunk_groups(group_size), out.numpy(),
+        scales.to(cdt).contiguous().numpy(), bits, group_size, chunk_groups(group_size), np.uint64(seed),
+        _round_kind(dtype, stochastic), out.numpy(),
     )
     return out if cdt == dtype else out.to(dtype)
 
@@ -96,15 +107,17 @@ def affine_codes_cpu(x, mins, scales, bits, rowlen, per_col, offset, seed, stoch
     return packed
 
 
-def affine_decode_cpu(packed, mins, scales, bits, rowlen, per_col, offset, numel, dtype):
-    """``(numel,)`` of ``dtype``, bit-identical to :func:`fewbit.quant._reference.affine_decode_reference`."""
+def affine_decode_cpu(packed, mins, scales, bits, rowlen, per_col, offset, numel, dtype, seed=0, stochastic=False):
+    """``(numel,)`` of ``dtype``, bit-identical to :func:`fewbit.quant._reference.affine_decode_reference`
+    (with ``seed if stochastic else None``)."""
     cdt = compute_dtype(dtype)
     out = torch.empty(numel, dtype=cdt)
     if numel:
         _set_threads()
         _numba.affine_decode_kernel(
             packed.contiguous().numpy(), mins.to(cdt).contiguous().numpy(), scales.to(cdt).contiguous().numpy(),
-            rowlen, bool(per_col), bits, np.array([float(offset)], dtype=_np_dtype(cdt)), out.numpy(),
+            rowlen, bool(per_col), bits, np.array([float(offset)], dtype=_np_dtype(cdt)), np.uint64(seed),
+            _round_kind(dtype, stochastic), out.numpy(),
         )
     return out if cdt == dtype else out.to(dtype)
 
@@ -209,10 +222,10 @@ def division_compress_cpu(x, bh, bw, bits, seed, row_stats=False):
     return lfc, packed, mins, scales
 
 
-def division_decode_cpu(packed, lfc, mins, scales, bh, bw, bits, h, w, dtype):
+def division_decode_cpu(packed, lfc, mins, scales, bh, bw, bits, h, w, dtype, seed=0, stochastic=False):
     """``(A, h, w, I)`` of ``dtype``, bit-identical to
     :func:`fewbit.quant._reference.division_decode_reference` (one stat pair per tensor or
-    per row)."""
+    per row; with ``seed if stochastic else None``)."""
     cdt = compute_dtype(dtype)
     a, _, _, i = lfc.shape
     out = torch.empty((a, h, w, i), dtype=cdt)
@@ -220,5 +233,6 @@ def division_decode_cpu(packed, lfc, mins, scales, bh, bw, bits, h, w, dtype):
         _set_threads()
         _numba.division_decode_kernel(packed.contiguous().numpy(), lfc.to(cdt).contiguous().numpy(), h, w, i,
                                       bh, bw, bits, mins.to(cdt).contiguous().numpy(),
-                                      scales.to(cdt).contiguous().numpy(), out.view(-1).numpy())
+                                      scales.to(cdt).contiguous().numpy(), np.uint64(seed),
+                                      _round_kind(dtype, stochastic), out.view(-1).numpy())
     return out if cdt == dtype else out.to(dtype)

@@ -2,7 +2,10 @@
 
 ``fewbit::group_quantize(x, bits, group_size, seed, stochastic, stats_dtype)
 -> (packed, mins, scales)`` and ``fewbit::group_dequantize(packed, mins, scales, bits,
-group_size, numel, dtype) -> x_hat`` take a flat contiguous input. Backends, one rule for
+group_size, numel, dtype, seed=0, stochastic=False) -> x_hat`` take a flat contiguous input;
+the decode ops round a float16/bfloat16 result stochastically with the decode seed ``seed``
+when ``stochastic`` (:func:`fewbit.quant._reference.stochastic_round_reference`), to
+nearest otherwise. Backends, one rule for
 both op families (docs/kernels.md):
 
 - ``cpu``: numba (:mod:`fewbit.quant._cpu`); float16/bfloat16 read through a float32 copy;
@@ -100,35 +103,37 @@ def _group_quantize_cuda(x, bits, group_size, seed, stochastic, stats_dtype):
 @torch.library.custom_op("fewbit::group_dequantize", mutates_args=())
 def group_dequantize(
     packed: torch.Tensor, mins: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int,
-    numel: int, dtype: torch.dtype,
+    numel: int, dtype: torch.dtype, seed: int = 0, stochastic: bool = False,
 ) -> torch.Tensor:
     """Default kernel (devices without their own backend): the pure-torch reference."""
     _check_dequantize_args(packed, mins, scales, bits, group_size, numel, dtype)
-    return ref.dequantize_reference(packed, mins, scales, bits, group_size, numel, dtype)
+    return ref.dequantize_reference(packed, mins, scales, bits, group_size, numel, dtype,
+                                    seed if stochastic else None)
 
 
 @group_dequantize.register_fake
-def _(packed, mins, scales, bits, group_size, numel, dtype):
+def _(packed, mins, scales, bits, group_size, numel, dtype, seed=0, stochastic=False):
     _check_dequantize_args(packed, mins, scales, bits, group_size, numel, dtype)
     return packed.new_empty((numel,), dtype=dtype)
 
 
 @cpu_kernel("group_dequantize")
-def _(packed, mins, scales, bits, group_size, numel, dtype):
+def _(packed, mins, scales, bits, group_size, numel, dtype, seed=0, stochastic=False):
     _check_dequantize_args(packed, mins, scales, bits, group_size, numel, dtype)
     from fewbit.quant import _cpu
 
-    return _cpu.dequantize_cpu(packed, mins, scales, bits, group_size, numel, dtype)
+    return _cpu.dequantize_cpu(packed, mins, scales, bits, group_size, numel, dtype, seed, stochastic)
 
 
 @group_dequantize.register_kernel("cuda")
-def _group_dequantize_cuda(packed, mins, scales, bits, group_size, numel, dtype):
+def _group_dequantize_cuda(packed, mins, scales, bits, group_size, numel, dtype, seed=0, stochastic=False):
     _check_dequantize_args(packed, mins, scales, bits, group_size, numel, dtype)
     if dtype == torch.float64 or numel == 0:
         return ref.dequantize_reference(packed, mins, scales, bits, group_size, numel, dtype)
     from fewbit.quant import _triton  # noqa: F401  (registers fewbit::group_*_triton)
 
-    return torch.ops.fewbit.group_dequantize_triton(packed, mins, scales, bits, group_size, numel, dtype)
+    return torch.ops.fewbit.group_dequantize_triton(packed, mins, scales, bits, group_size, numel, dtype,
+                                                    seed, stochastic)
 
 
 trace_into_triton(group_quantize, _group_quantize_cuda)
@@ -245,35 +250,39 @@ def _pair_stats_cuda(pairs, bits, stats_dtype):
 @torch.library.custom_op("fewbit::affine_decode", mutates_args=())
 def affine_decode(
     packed: torch.Tensor, mins: torch.Tensor, scales: torch.Tensor, bits: int, rowlen: int, per_col: bool,
-    offset: int, numel: int, dtype: torch.dtype,
+    offset: int, numel: int, dtype: torch.dtype, seed: int = 0, stochastic: bool = False,
 ) -> torch.Tensor:
     """Default kernel: the pure-torch reference."""
     _check_affine(bits, rowlen, dtype)
-    return ref.affine_decode_reference(packed, mins, scales, bits, rowlen, per_col, offset, numel, dtype)
+    return ref.affine_decode_reference(packed, mins, scales, bits, rowlen, per_col, offset, numel, dtype,
+                                       seed if stochastic else None)
 
 
 @affine_decode.register_fake
-def _(packed, mins, scales, bits, rowlen, per_col, offset, numel, dtype):
+def _(packed, mins, scales, bits, rowlen, per_col, offset, numel, dtype, seed=0, stochastic=False):
     _check_affine(bits, rowlen, dtype)
     return packed.new_empty((numel,), dtype=dtype)
 
 
 @cpu_kernel("affine_decode")
-def _(packed, mins, scales, bits, rowlen, per_col, offset, numel, dtype):
+def _(packed, mins, scales, bits, rowlen, per_col, offset, numel, dtype, seed=0, stochastic=False):
     _check_affine(bits, rowlen, dtype)
     from fewbit.quant import _cpu
 
-    return _cpu.affine_decode_cpu(packed, mins, scales, bits, rowlen, per_col, offset, numel, dtype)
+    return _cpu.affine_decode_cpu(packed, mins, scales, bits, rowlen, per_col, offset, numel, dtype, seed,
+                                  stochastic)
 
 
 @affine_decode.register_kernel("cuda")
-def _affine_decode_cuda(packed, mins, scales, bits, rowlen, per_col, offset, numel, dtype):
+def _affine_decode_cuda(packed, mins, scales, bits, rowlen, per_col, offset, numel, dtype, seed=0,
+                        stochastic=False):
     _check_affine(bits, rowlen, dtype)
     if not _triton_ok(dtype, numel):
         return ref.affine_decode_reference(packed, mins, scales, bits, rowlen, per_col, offset, numel, dtype)
     from fewbit.quant import _triton  # noqa: F401
 
-    return torch.ops.fewbit.affine_decode_triton(packed, mins, scales, bits, rowlen, per_col, offset, numel, dtype)
+    return torch.ops.fewbit.affine_decode_triton(packed, mins, scales, bits, rowlen, per_col, offset, numel, dtype,
+                                                 seed, stochastic)
 
 
 def _check_block(x: torch.Tensor, bh: int, bw: int) -> None:
@@ -412,29 +421,41 @@ def _division_compress_cuda(x, bh, bw, bits, seed, row_stats=False):
 @torch.library.custom_op("fewbit::division_decode", mutates_args=())
 def division_decode(
     packed: torch.Tensor, lfc: torch.Tensor, mins: torch.Tensor, scales: torch.Tensor, bh: int, bw: int,
-    bits: int, h: int, w: int, dtype: torch.dtype,
+    bits: int, h: int, w: int, dtype: torch.dtype, seed: int = 0, stochastic: bool = False,
 ) -> torch.Tensor:
     """Default kernel: the pure-torch reference."""
     _check_affine(bits, 1, dtype)
-    return ref.division_decode_reference(packed, lfc, mins, scales, bh, bw, bits, h, w, dtype)
+    return ref.division_decode_reference(packed, lfc, mins, scales, bh, bw, bits, h, w, dtype,
+                                         seed if stochastic else None)
 
 
 @division_decode.register_fake
-def _(packed, lfc, mins, scales, bh, bw, bits, h, w, dtype):
+def _(packed, lfc, mins, scales, bh, bw, bits, h, w, dtype, seed=0, stochastic=False):
     _check_affine(bits, 1, dtype)
     return lfc.new_empty((lfc.shape[0], h, w, lfc.shape[3]), dtype=dtype)
 
 
 @cpu_kernel("division_decode")
-def _(packed, lfc, mins, scales, bh, bw, bits, h, w, dtype):
+def _(packed, lfc, mins, scales, bh, bw, bits, h, w, dtype, seed=0, stochastic=False):
     _check_affine(bits, 1, dtype)
     from fewbit.quant import _cpu
 
-    return _cpu.division_decode_cpu(packed, lfc, mins, scales, bh, bw, bits, h, w, dtype)
+    return _cpu.division_decode_cpu(packed, lfc, mins, scales, bh, bw, bits, h, w, dtype, seed, stochastic)
+
+
+def _round_to_cuda(y: torch.Tensor, dtype: torch.dtype, seed) -> torch.Tensor:
+    """:func:`fewbit.quant._reference.round_to_dtype` on CUDA: the Triton rounding kernel
+    for stochastic rounding into float16/bfloat16, torch's cast otherwise."""
+    if seed is None or dtype not in ref.HALF_GRIDS or y.numel() == 0:
+        return y.to(dtype)
+    from fewbit.quant import _triton  # noqa: F401
+
+    return torch.ops.fewbit.stochastic_round_triton(y.reshape(-1), dtype, seed).view(y.shape)
 
 
 @division_decode.register_kernel("cuda")
-def _division_decode_cuda(packed, lfc, mins, scales, bh, bw, bits, h, w, dtype):
+def _division_decode_cuda(packed, lfc, mins, scales, bh, bw, bits, h, w, dtype, seed=0, stochastic=False):
     _check_affine(bits, 1, dtype)
     return ref.division_decode_reference(packed, lfc, mins, scales, bh, bw, bits, h, w, dtype,
-                                         affine_decode=affine_decode)
+                                         seed if stochastic else None, affine_decode=affine_decode,
+                                         round_to=_round_to_cuda)

@@ -21,7 +21,10 @@ same stored statistics bit for bit. The steps, per group of ``group_size`` eleme
 4. ``q = clamp(floor((x - m) * s + u), 0, 2**b - 1)`` with ``m`` and ``s`` the *stored*
    values (two separately rounded operations, no fused multiply-add), ``u = 0.5`` for
    nearest rounding or the counter-based uniform of :func:`uniform_noise`.
-5. Dequantize: ``x_hat = m + q / s`` in the compute dtype, cast to the input dtype.
+5. Dequantize: ``x_hat = m + q / s`` in the compute dtype, cast to the input dtype: for
+   float16/bfloat16 input of stochastic codes, by stochastic rounding with the decode's own
+   seed (:func:`stochastic_round_reference`, :func:`decode_seed`), so that ``E[x_hat] = x``
+   holds in the input dtype too; to nearest for nearest codes.
 
 Non-finite groups: if a group holds a NaN or an infinity (or its range overflows the
 compute dtype or the stats dtype), its stored ``m`` and ``s`` are NaN and its codes 0,
@@ -44,6 +47,9 @@ from fewbit.packing import pack_reference, unpack_reference
 
 __all__ = [
     "uniform_noise",
+    "decode_seed",
+    "stochastic_round_reference",
+    "round_to_dtype",
     "floor_to_dtype",
     "prev_in_dtype",
     "group_stats_reference",
@@ -129,6 +135,85 @@ def clamp_float16_(y: torch.Tensor) -> torch.Tensor:
     if y.dtype == torch.float16:
         y.clamp_(-65504.0, 65504.0)
     return y
+
+
+#: XOR-ed into a compression's noise seed to give the seed of its decode's rounding
+#: (:func:`decode_seed`): both 32-bit halves nonzero, the top bit clear.
+DECODE_SEED_SALT = 0x1E3779B97F4A7C15
+
+def decode_seed(seed: int) -> int:
+    """The seed of the stochastic rounding into float16/bfloat16 at the decode of a tensor
+    whose codes were drawn with the noise seed ``seed``: ``seed ^`` :data:`DECODE_SEED_SALT`
+    (``< 2**63`` as ``seed``). Both 32-bit halves change, so the hash's first round
+    (:func:`uniform_noise`) reads a different word for every element and the decode's noise
+    is independent of the codes' noise; changing the high half alone would make it a
+    function of the codes' noise."""
+    return seed ^ DECODE_SEED_SALT
+
+
+#: ``(mantissa bits, smallest normal exponent, largest finite)`` of the half-precision
+#: dtypes :func:`stochastic_round_reference` rounds to.
+HALF_GRIDS = {
+    torch.float16: (10, -14, float(torch.finfo(torch.float16).max)),
+    torch.bfloat16: (7, -126, float(torch.finfo(torch.bfloat16).max)),
+}
+
+
+def stochastic_round_reference(y: torch.Tensor, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """``y`` (float32) stochastically rounded to the grid of ``dtype`` (float16 or
+    bfloat16), returned as float32 values that ``dtype`` holds exactly: the definition.
+
+    Decoding computes ``m + q / s`` in float32. Rounding that to the nearest half-precision
+    value is off by up to half an ulp *in expectation* wherever the codes' step is below an
+    ulp (8-bit codes), so ``E[x_hat] != x``. Rounding up with probability equal to the
+    distance to the value below, in ulps, keeps ``E[x_hat] = x`` (Gupta et al., "Deep
+    learning with limited numerical precision", ICML 2015, eq. 2)::
+
+        ulp = 2**(max(e, e_min) - p)         e: the binary exponent of |y| (float32's field)
+        t = |y| / ulp                        exact (a power of two)
+        |x_hat| = (floor(t) + [u < t - floor(t)]) * ulp,  with y's sign
+
+    with ``(p, e_min)`` = (10, -14) for float16, (7, -126) for bfloat16 (:data:`HALF_GRIDS`;
+    below ``2**e_min`` the grid is the dtype's subnormals) and ``u`` the
+    :func:`uniform_noise` of the flat index under the decode's own seed
+    (:func:`decode_seed`). The probabilities are exact where ``t - floor(t)`` lies on u's
+    grid of ``2**-24``: every bfloat16 case, and float16 from ``|y| >= 2**-24``; below, the
+    value ``2**-24`` is taken with probability ``ceil(t * 2**24) / 2**24`` instead of ``t``
+    (off by at most ``2**-48``). A finite ``y`` that would round past the dtype's largest
+    value gives the largest (with ``y``'s sign); NaN and infinities are kept. Computed here
+    in float64, where every step is exact; the kernels do it in float32 arithmetic or on
+    the bit pattern, with the same result bit for bit.
+
+    Args:
+        y: float32 tensor, any shape (read in C order, flat index from 0).
+        dtype: torch.float16 or torch.bfloat16.
+        seed: the 64-bit noise seed.
+
+    Returns:
+        float32 tensor of ``y``'s shape.
+
+    Raises:
+        ValueError: ``dtype`` is not float16 or bfloat16.
+    """
+    if dtype not in HALF_GRIDS:
+        raise ValueError(f"dtype must be torch.float16 or torch.bfloat16, got {dtype}")
+    p, e_min, largest = HALF_GRIDS[dtype]
+    u = uniform_noise(y.numel(), seed, device=y.device).view(y.shape).to(torch.float64)
+    e = (((y.view(torch.int32) >> 23) & 0xFF) - 127).clamp(min=e_min).to(torch.int64) - p
+    ulp = ((e + 1023) << 52).view(torch.float64)
+    t = y.to(torch.float64).abs() * ((1023 - e) << 52).view(torch.float64)
+    k = torch.floor(t)
+    z = torch.copysign((k + (u < t - k).to(torch.float64)) * ulp, y.to(torch.float64))
+    z = torch.where(torch.isfinite(y), z.clamp(-largest, largest), z)
+    return z.to(torch.float32)
+
+
+def round_to_dtype(y: torch.Tensor, dtype: torch.dtype, seed: int | None) -> torch.Tensor:
+    """A decoded ``y`` (the compute dtype) in ``dtype``: rounded to nearest if ``seed`` is
+    None or ``dtype`` is float32/float64, else by :func:`stochastic_round_reference`."""
+    if seed is None or dtype not in (torch.float16, torch.bfloat16) or y.numel() == 0:
+        return y.to(dtype)
+    return stochastic_round_reference(y, dtype, seed).to(dtype)
 
 
 def floor_to_dtype(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -240,9 +325,11 @@ def group_quantize_reference(x, bits, group_size, seed, stochastic, stats_dtype)
 
 def dequantize_reference(
     packed: torch.Tensor, mins: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int,
-    numel: int, dtype: torch.dtype,
+    numel: int, dtype: torch.dtype, seed: int | None = None,
 ) -> torch.Tensor:
-    """Reference dequantizer: ``x_hat = m + q / s`` per group, ``(numel,)`` in ``dtype``."""
+    """Reference dequantizer: ``x_hat = m + q / s`` per group, ``(numel,)`` in ``dtype``,
+    rounded to float16/bfloat16 stochastically with the decode seed ``seed``
+    (:func:`round_to_dtype`; to nearest if None)."""
     if numel == 0:
         return torch.empty(0, dtype=dtype, device=packed.device)
     cdt = compute_dtype(dtype)
@@ -250,7 +337,7 @@ def dequantize_reference(
     gidx = torch.arange(numel, device=packed.device) // group_size
     m = mins.to(cdt)[gidx]
     s = scales.to(cdt)[gidx]
-    return (m + q / s).to(dtype)
+    return round_to_dtype(m + q / s, dtype, seed)
 
 
 # ---------------------------------------------------------------------------------------
@@ -288,13 +375,14 @@ def affine_codes_reference(
 
 def affine_decode_reference(
     packed: torch.Tensor, mins: torch.Tensor, scales: torch.Tensor, bits: int, rowlen: int,
-    per_col: bool, offset: int, numel: int, dtype: torch.dtype,
+    per_col: bool, offset: int, numel: int, dtype: torch.dtype, seed: int | None = None,
 ) -> torch.Tensor:
-    """Inverse of :func:`affine_codes_reference`: ``m + (q - offset) / s``, ``(numel,)`` in ``dtype``."""
+    """Inverse of :func:`affine_codes_reference`: ``m + (q - offset) / s``, ``(numel,)`` in
+    ``dtype`` (:func:`round_to_dtype` with the decode seed ``seed``)."""
     cdt = compute_dtype(dtype)
     q = unpack_reference(packed, bits, numel).to(cdt)
     g = stats_index(numel, rowlen, per_col, packed.device)
-    return (mins.to(cdt)[g] + (q - offset) / scales.to(cdt)[g]).to(dtype)
+    return round_to_dtype(mins.to(cdt)[g] + (q - offset) / scales.to(cdt)[g], dtype, seed)
 
 
 def block_mean_reference(x: torch.Tensor, bh: int, bw: int) -> torch.Tensor:
@@ -383,13 +471,14 @@ def division_compress_reference(x, bh, bw, bits, seed, row_stats=False, block_me
     return (lfc, *division_encode_reference(x, lfc, bh, bw, bits, seed, row_stats, affine_codes=affine_codes))
 
 
-def division_decode_reference(packed, lfc, mins, scales, bh, bw, bits, h, w, dtype,
-                              affine_decode=affine_decode_reference):
+def division_decode_reference(packed, lfc, mins, scales, bh, bw, bits, h, w, dtype, seed=None,
+                              affine_decode=affine_decode_reference, round_to=round_to_dtype):
     """``x_hat = Upsample(lfc) + (m + q / s)``: ``(A, h, w, I)`` in ``dtype`` (inverse of
-    :func:`division_encode_reference`; ``affine_decode`` as its ``affine_codes``). One stat
+    :func:`division_encode_reference`; ``affine_decode`` as its ``affine_codes``), rounded
+    by ``round_to(y, dtype, seed)`` (:func:`round_to_dtype`, or a backend's). One stat
     pair per tensor, or (``A * h`` pairs) per row of ``w * I`` elements."""
     cdt = compute_dtype(dtype)
     up = upsample_blocks(lfc.to(cdt), bh, bw, h, w)
     n = up.numel()
     hfc = affine_decode(packed, mins, scales, bits, max(n // max(mins.numel(), 1), 1), False, 0, n, cdt)
-    return (up + hfc.view(up.shape)).to(dtype)
+    return round_to((up + hfc.view(up.shape)).contiguous(), dtype, seed)

@@ -146,8 +146,48 @@ def _codes_kernel(x_ptr, m_ptr, s_ptr, out_ptr, n, G, seed0, seed1, levels,
 
 
 @triton.jit
-def _dequant_kernel(p_ptr, m_ptr, s_ptr, out_ptr, n, G,
-                    BITS: tl.constexpr, BLOCK_W: tl.constexpr, OUT_BF16: tl.constexpr):
+def _round_half(y, e, seed0, seed1, OUT_BF16: tl.constexpr):
+    """float32 ``y`` of the int64 flat indices ``e`` stochastically rounded to the grid of
+    bfloat16 (``OUT_BF16``) or float16, as float32 values that dtype holds exactly:
+    :func:`fewbit.quant._reference.stochastic_round_reference` bit for bit (seeds: the low
+    and high words of the decode seed, int32). bfloat16 on the bit pattern: ``u < t -
+    floor(t)`` is a carry out of the low 16 bits when ``0xFFFF - floor(u * 2**16)`` is added
+    to them; float16 in float32 arithmetic (``ulp`` and ``1 / ulp`` are normal powers of
+    two: every step is exact)."""
+    u = _uniform(e, seed0.to(tl.uint32), seed1.to(tl.uint32))
+    b = y.to(tl.uint32, bitcast=True)
+    exp_mask = tl.full((), 0x7F800000, tl.uint32)
+    special = (b & exp_mask) == exp_mask  # NaN or an infinity: kept
+    sign = b & tl.full((), 0x80000000, tl.uint32)
+    if OUT_BF16:
+        r = tl.full((), 0xFFFF, tl.uint32) - (u * 65536.0).to(tl.uint32)
+        z = (b + r) & tl.full((), 0xFFFF0000, tl.uint32)
+        z = tl.where((z & exp_mask) == exp_mask, sign | tl.full((), 0x7F7F0000, tl.uint32), z)  # the largest
+        z = tl.where(special, b, z)
+    else:
+        ex = ((b >> 23) & tl.full((), 0xFF, tl.uint32)).to(tl.int32)
+        ep = tl.maximum(ex - 127, -14) - 10
+        ulp = ((ep + 127) << 23).to(tl.float32, bitcast=True)
+        t = tl.abs(y) * ((127 - ep) << 23).to(tl.float32, bitcast=True)
+        k = tl.floor(t)
+        a = (k + tl.where(u < t - k, 1.0, 0.0)) * ulp
+        a = tl.where(special, tl.abs(y), tl.minimum(a, 65504.0))  # finite past the largest: the largest
+        z = a.to(tl.uint32, bitcast=True) | sign
+    return z.to(tl.float32, bitcast=True)
+
+
+@triton.jit(do_not_specialize=["seed0", "seed1"])
+def _round_kernel(y_ptr, out_ptr, n, seed0, seed1, OUT_BF16: tl.constexpr, BLOCK: tl.constexpr):
+    e = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    msk = e < n
+    y = tl.load(y_ptr + e, mask=msk, other=0.0)
+    tl.store(out_ptr + e, _round_half(y, e, seed0, seed1, OUT_BF16), mask=msk)
+
+
+@triton.jit(do_not_specialize=["seed0", "seed1"])
+def _dequant_kernel(p_ptr, m_ptr, s_ptr, out_ptr, n, G, seed0, seed1,
+                    BITS: tl.constexpr, BLOCK_W: tl.constexpr, OUT_BF16: tl.constexpr,
+                    ROUND: tl.constexpr):
     w, e = _groups(BLOCK_W)
     q = _load_unpack(p_ptr, w, n, BITS)
     msk = e < n
@@ -155,7 +195,14 @@ def _dequant_kernel(p_ptr, m_ptr, s_ptr, out_ptr, n, G,
     m = tl.load(m_ptr + g, mask=msk, other=0.0)
     s = tl.load(s_ptr + g, mask=msk, other=1.0)
     y = m + tl.math.div_rn(q.to(tl.float32), s)
-    if OUT_BF16:
+    if ROUND:
+        # stochastic rounding into the half dtype: y is then exact in it
+        y = _round_half(y, e, seed0, seed1, OUT_BF16)
+        if OUT_BF16:
+            tl.store(out_ptr + e, (y.to(tl.int32, bitcast=True) >> 16).to(tl.int16), mask=msk)
+        else:
+            tl.store(out_ptr + e, y.to(out_ptr.dtype.element_ty), mask=msk)
+    elif OUT_BF16:
         # round to nearest even by hand (out_ptr is the int16 view of the bfloat16 output):
         # the interpreter truncates in .to(tl.bfloat16), GPUs round; this is the same on both
         b = y.to(tl.int32, bitcast=True)
@@ -218,8 +265,26 @@ def quantize(x, bits, group_size, seed, stochastic, stats_dtype, *, block_w=256,
     return packed, m.to(stats_dtype), s.to(stats_dtype)
 
 
-def dequantize(packed, mins, scales, bits, group_size, numel, dtype, *, block_w=256):
-    """Launch the dequantize kernel: ``(numel,)`` of ``dtype`` (float16/bfloat16/float32)."""
+def _round_flag(dtype: torch.dtype, stochastic: bool) -> bool:
+    """Whether a decode into ``dtype`` rounds stochastically (float16/bfloat16, stochastic codes)."""
+    return bool(stochastic) and dtype in (torch.float16, torch.bfloat16)
+
+
+def stochastic_round(y, dtype, seed, *, block=1024):
+    """Launch :func:`_round_kernel` on a flat contiguous float32 ``y``: ``(numel,)`` of
+    ``dtype`` (float16/bfloat16), :func:`fewbit.quant._reference.stochastic_round_reference`."""
+    out = torch.empty_like(y)
+    if y.numel():
+        wrap_triton(_round_kernel)[(triton.cdiv(y.numel(), block),)](
+            y, out, y.numel(), _as_int32(seed), _as_int32(seed >> 32), OUT_BF16=dtype == torch.bfloat16,
+            BLOCK=block, enable_fp_fusion=False,
+        )
+    return out.to(dtype)
+
+
+def dequantize(packed, mins, scales, bits, group_size, numel, dtype, seed=0, stochastic=False, *, block_w=256):
+    """Launch the dequantize kernel: ``(numel,)`` of ``dtype`` (float16/bfloat16/float32),
+    rounded stochastically with the decode seed ``seed`` if ``stochastic`` (float16/bfloat16)."""
     out = torch.empty(numel, dtype=dtype, device=packed.device)
     if numel == 0:
         return out
@@ -227,8 +292,8 @@ def dequantize(packed, mins, scales, bits, group_size, numel, dtype, *, block_w=
     bf16 = dtype == torch.bfloat16
     wrap_triton(_dequant_kernel)[(triton.cdiv(n_words, block_w),)](
         packed, mins.to(torch.float32).contiguous(), scales.to(torch.float32).contiguous(),
-        out.view(torch.int16) if bf16 else out, numel, group_size,
-        BITS=bits, BLOCK_W=block_w, OUT_BF16=bf16, enable_fp_fusion=False,
+        out.view(torch.int16) if bf16 else out, numel, group_size, _as_int32(seed), _as_int32(seed >> 32),
+        BITS=bits, BLOCK_W=block_w, OUT_BF16=bf16, ROUND=_round_flag(dtype, stochastic), enable_fp_fusion=False,
     )
     return out
 
@@ -243,9 +308,14 @@ def _group_quantize_op(
 @triton_op("fewbit::group_dequantize_triton", mutates_args=())
 def _group_dequantize_op(
     packed: torch.Tensor, mins: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int,
-    numel: int, dtype: torch.dtype,
+    numel: int, dtype: torch.dtype, seed: int = 0, stochastic: bool = False,
 ) -> torch.Tensor:
-    return dequantize(packed, mins, scales, bits, group_size, numel, dtype)
+    return dequantize(packed, mins, scales, bits, group_size, numel, dtype, seed, stochastic)
+
+
+@triton_op("fewbit::stochastic_round_triton", mutates_args=())
+def _stochastic_round_op(y: torch.Tensor, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    return stochastic_round(y, dtype, seed)
 
 
 # --- the compressors of fewbit.quant.compressors (docs/compression.md §3-4) --------------
@@ -272,9 +342,10 @@ def _affine_codes_kernel(x_ptr, m_ptr, s_ptr, out_ptr, n, rowlen, seed0, seed1, 
     _pack_store(qf.to(tl.int32), w, out_ptr, n, BITS)
 
 
-@triton.jit
-def _affine_decode_kernel(p_ptr, m_ptr, s_ptr, out_ptr, n, rowlen, offset,
-                          PER_COL: tl.constexpr, BITS: tl.constexpr, BLOCK_W: tl.constexpr):
+@triton.jit(do_not_specialize=["seed0", "seed1"])
+def _affine_decode_kernel(p_ptr, m_ptr, s_ptr, out_ptr, n, rowlen, offset, seed0, seed1,
+                          PER_COL: tl.constexpr, BITS: tl.constexpr, BLOCK_W: tl.constexpr,
+                          ROUND: tl.constexpr, OUT_BF16: tl.constexpr):
     w, e = _groups(BLOCK_W)
     q = _load_unpack(p_ptr, w, n, BITS)
     msk = e < n
@@ -285,7 +356,9 @@ def _affine_decode_kernel(p_ptr, m_ptr, s_ptr, out_ptr, n, rowlen, offset,
     m = tl.load(m_ptr + g, mask=msk, other=0.0)
     s = tl.load(s_ptr + g, mask=msk, other=1.0)
     y = m + tl.math.div_rn(q.to(tl.float32) - offset, s)
-    tl.store(out_ptr + e, y, mask=msk)  # float32; the caller casts (torch rounds to nearest)
+    if ROUND:
+        y = _round_half(y, e, seed0, seed1, OUT_BF16)  # then exact in the half dtype
+    tl.store(out_ptr + e, y, mask=msk)  # float32; the caller casts (to nearest, or exactly)
 
 
 @triton.jit
@@ -324,13 +397,17 @@ def affine_codes(x, mins, scales, bits, rowlen, per_col, offset, seed, stochasti
     return packed
 
 
-def affine_decode(packed, mins, scales, bits, rowlen, per_col, offset, numel, dtype, *, block_w=256):
-    """Launch :func:`_affine_decode_kernel`: ``(numel,)`` of ``dtype`` (float16/bfloat16/float32)."""
+def affine_decode(packed, mins, scales, bits, rowlen, per_col, offset, numel, dtype, seed=0, stochastic=False, *,
+                  block_w=256):
+    """Launch :func:`_affine_decode_kernel`: ``(numel,)`` of ``dtype`` (float16/bfloat16/float32),
+    rounded stochastically with the decode seed ``seed`` if ``stochastic`` (float16/bfloat16)."""
     out = torch.empty(numel, dtype=torch.float32, device=packed.device)
     if numel:
         wrap_triton(_affine_decode_kernel)[(triton.cdiv(-(-numel // 8), block_w),)](
             packed, mins.to(torch.float32).contiguous(), scales.to(torch.float32).contiguous(), out, numel,
-            rowlen, float(offset), PER_COL=bool(per_col), BITS=bits, BLOCK_W=block_w, enable_fp_fusion=False,
+            rowlen, float(offset), _as_int32(seed), _as_int32(seed >> 32), PER_COL=bool(per_col), BITS=bits,
+            BLOCK_W=block_w, ROUND=_round_flag(dtype, stochastic), OUT_BF16=dtype == torch.bfloat16,
+            enable_fp_fusion=False,
         )
     return out.to(dtype)
 
@@ -358,9 +435,9 @@ def _affine_codes_op(
 @triton_op("fewbit::affine_decode_triton", mutates_args=())
 def _affine_decode_op(
     packed: torch.Tensor, mins: torch.Tensor, scales: torch.Tensor, bits: int, rowlen: int, per_col: bool,
-    offset: int, numel: int, dtype: torch.dtype,
+    offset: int, numel: int, dtype: torch.dtype, seed: int = 0, stochastic: bool = False,
 ) -> torch.Tensor:
-    return affine_decode(packed, mins, scales, bits, rowlen, per_col, offset, numel, dtype)
+    return affine_decode(packed, mins, scales, bits, rowlen, per_col, offset, numel, dtype, seed, stochastic)
 
 
 def pair_stats(pairs, bits, stats_dtype):

@@ -268,9 +268,9 @@ def _ops() -> _Kernels:
 _REFERENCE = _Kernels(
     lambda x, m, s, bits, rowlen, per_col, offset, seed, stochastic: _ref.affine_codes_reference(
         x, m, s, bits, rowlen, per_col, offset, seed if stochastic else None),
-    _ref.affine_decode_reference,
+    lambda *args, seed, stochastic: _ref.affine_decode_reference(*args, seed if stochastic else None),
     _ref.division_compress_reference,
-    _ref.division_decode_reference,
+    lambda *args, seed, stochastic: _ref.division_decode_reference(*args, seed if stochastic else None),
     lambda pairs, bits, stats_dtype: _ref.group_stats_reference(pairs, bits, 2, stats_dtype)[:2],
 )
 
@@ -291,23 +291,26 @@ def _range_stats(k: _Kernels, lo: torch.Tensor, hi: torch.Tensor, bits: int):
 
 class _Affine:
     """Codes ``q`` of a flat tensor and its stats: ``x_hat = m + (q - offset) / s``, stats
-    per row of ``rowlen`` or per column (:func:`fewbit.quant._reference.affine_codes_reference`)."""
+    per row of ``rowlen`` or per column (:func:`fewbit.quant._reference.affine_codes_reference`);
+    ``decode_seed``: the seed of the stochastic rounding into float16/bfloat16 at decode
+    (:func:`fewbit.quant._reference.decode_seed` of the codes' seed)."""
 
-    __slots__ = ("packed", "mins", "scales", "bits", "rowlen", "per_col", "offset", "numel")
+    __slots__ = ("packed", "mins", "scales", "bits", "rowlen", "per_col", "offset", "numel", "decode_seed")
 
-    def __init__(self, packed, mins, scales, bits, rowlen, per_col, offset, numel):
+    def __init__(self, packed, mins, scales, bits, rowlen, per_col, offset, numel, decode_seed):
         self.packed, self.mins, self.scales = packed, mins, scales
         self.bits, self.rowlen, self.per_col, self.offset, self.numel = bits, rowlen, per_col, offset, numel
+        self.decode_seed = decode_seed
 
     @classmethod
     def encode(cls, k: _Kernels, x, mins, scales, bits, rowlen, per_col, offset, seed):
         rowlen = max(rowlen, 1)
         packed = k.affine_codes(x.reshape(-1), mins, scales, bits, rowlen, per_col, offset, seed, True)
-        return cls(packed, mins, scales, bits, rowlen, per_col, offset, x.numel())
+        return cls(packed, mins, scales, bits, rowlen, per_col, offset, x.numel(), _ref.decode_seed(seed))
 
     def decode(self, k: _Kernels, dtype: torch.dtype) -> torch.Tensor:
         return k.affine_decode(self.packed, self.mins, self.scales, self.bits, self.rowlen, self.per_col,
-                               self.offset, self.numel, dtype)
+                               self.offset, self.numel, dtype, seed=self.decode_seed, stochastic=True)
 
 
 def _nbytes(*tensors: torch.Tensor) -> int:
@@ -401,7 +404,7 @@ class _DivisionCompressed:
     def decompress(self) -> torch.Tensor:
         q = self.hfc
         y = self._k.division_decode(q.packed, self.lfc, q.mins, q.scales, *self.block, q.bits, self.view[1],
-                                    self.view[2], self.dtype)
+                                    self.view[2], self.dtype, seed=q.decode_seed, stochastic=True)
         return _ref.clamp_float16_(y).reshape(self.shape)
 
 
@@ -461,7 +464,7 @@ class Division(_KernelCompressor):
         rows = block[1] == 1  # token sequences: stats per token
         lfc, packed, m, s = k.division_compress(x4, *block, self.bits, seed, rows)
         rowlen = view[2] * view[3] if rows else x.numel()
-        q = _Affine(packed, m, s, self.bits, max(rowlen, 1), False, 0, x.numel())
+        q = _Affine(packed, m, s, self.bits, max(rowlen, 1), False, 0, x.numel(), _ref.decode_seed(seed))
         return _DivisionCompressed(lfc, q, view, block, x.shape, x.dtype, k)
 
     def bytes_per_element(self, x: torch.Tensor) -> float:
@@ -584,7 +587,7 @@ class _ChannelCompressed:
     def decompress(self) -> torch.Tensor:
         c = self.codes  # its mins are 0: made for the decode only, not held
         full = _Affine(c.packed, torch.zeros_like(c.scales), c.scales, c.bits, c.rowlen, c.per_col, c.offset,
-                       c.numel)
+                       c.numel, c.decode_seed)
         return full.decode(self._k, self.dtype).reshape(self.shape)
 
 

@@ -51,7 +51,29 @@ def test_bit_exact_vs_reference():
                         db = ref.dequantize_reference(*b, bits, G, n, dt)
                         if not _same(da, db):
                             bad.append(("dequantize", dt, bits, G, sd, st))
+                        # stochastic rounding into the half dtypes (the decode seed)
+                        da = T.dequantize(*b, bits, G, n, dt, SEED + 1, st, block_w=1024)
+                        db = ref.dequantize_reference(*b, bits, G, n, dt, SEED + 1 if st else None)
+                        if not _same(da, db):
+                            bad.append(("dequantize rounded", dt, bits, G, sd, st))
     assert bad == []
+
+
+def test_stochastic_round_bit_exact_vs_reference():
+    """The rounding kernel (fewbit::stochastic_round_triton, _round_half in every decode
+    kernel) on signed zeros, NaN, infinities, values past each dtype's largest, float32
+    subnormals, float16 subnormals and the binade edges."""
+    special = torch.tensor([0.0, -0.0, float("nan"), float("inf"), -float("inf"), 3.38e38, -3.3961e38,
+                            1e-40, -1e-42, 65500.0, -65519.0, 65530.0, 6e-8, -3e-8, 1e-30, 2.0 ** -14,
+                            2.0 ** -14 * (1 - 2.0 ** -20), 1.0 - 2.0 ** -24, -2.0 ** 15])
+    g = torch.Generator().manual_seed(3)
+    y = torch.cat([special, torch.randn(3000, generator=g) * 3, torch.randn(500, generator=g) * 1e-5,
+                   torch.randn(500, generator=g) * 6e4])
+    for dt in (torch.bfloat16, torch.float16):
+        for seed in (0, SEED, 2**63 - 2):
+            a = T.stochastic_round(y, dt, seed, block=1024)
+            b = ref.stochastic_round_reference(y, dt, seed).to(dt)
+            assert _same(a.float(), b.float()) and torch.equal(a.signbit(), b.signbit()), (dt, seed)
 
 
 def test_multi_program_tail_empty_and_long_groups():

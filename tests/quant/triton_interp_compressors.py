@@ -24,8 +24,8 @@ def _codes(*a):
     return T.affine_codes(*a, block_w=4096)
 
 
-def _decode(*a):
-    return T.affine_decode(*a, block_w=4096)
+def _decode(*a, **kw):
+    return T.affine_decode(*a, **kw, block_w=4096)
 
 
 def _division_compress(x, bh, bw, bits, seed, row_stats):  # the steps of fewbit::division_compress on CUDA
@@ -34,8 +34,14 @@ def _division_compress(x, bh, bw, bits, seed, row_stats):  # the steps of fewbit
                                            affine_codes=lambda *a: _codes(*a, True))
 
 
-def _division_decode(*a):
-    return ref.division_decode_reference(*a, affine_decode=_decode)
+def _round_to(y, dtype, seed):  # the steps of fewbit::division_decode's rounding on CUDA
+    if seed is None or dtype not in ref.HALF_GRIDS:
+        return y.to(dtype)
+    return T.stochastic_round(y.reshape(-1), dtype, seed, block=4096).view(y.shape)
+
+
+def _division_decode(*a, seed, stochastic):
+    return ref.division_decode_reference(*a, seed if stochastic else None, affine_decode=_decode, round_to=_round_to)
 
 
 TRITON = _Kernels(_codes, _decode, _division_compress, _division_decode, T.pair_stats)
