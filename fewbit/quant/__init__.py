@@ -51,7 +51,8 @@ import torch
 from fewbit._checks import check_bits, check_float64_range, check_float_tensor, check_positive_int
 from fewbit.quant import _reference as _ref
 from fewbit.quant._reference import SUPPORTED_BITS
-from fewbit.quant.compressor import ActivationCompressor, CompressionStats, compress_activations
+from fewbit.quant.compressor import (ActivationCompressor, CompressionStats, compress_activations,
+                                     compress_custom_saves)
 
 __all__ = [
     # quantizer
@@ -61,7 +62,7 @@ __all__ = [
     # pure-torch definition
     "quantize_reference", "dequantize_reference",
     # saved-tensor compression
-    "ActivationCompressor", "CompressionStats", "compress_activations",
+    "ActivationCompressor", "CompressionStats", "compress_activations", "compress_custom_saves",
 ]
 
 SUPPORTED_STATS_DTYPES = (torch.bfloat16, torch.float32)

@@ -8,7 +8,9 @@ element + stats), bool masks are packed losslessly at 1 bit, and the rest is kep
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import math
 import sys
 import threading
 import warnings
@@ -72,7 +74,11 @@ class CompressionStats:
             a Python RMSNorm's ``rsqrt`` of the mean square; and any tensor of 2 or more
             dims whose last dim is 1, a per-row statistic such as a divisor ``std +
             eps``), ``nonlinear`` (saved by a call whose backward is not linear in them:
-            ``gelu``, ``x ** 3``, ``abs``, a division, ...; :mod:`fewbit.quant.nonlinear`),
+            ``gelu``, ``x ** 3``, ``abs``, a division, ...; :mod:`fewbit.quant.nonlinear`;
+            or results a recurrent kernel saves for such a backward: oneDNN's LSTM cell
+            state, cuDNN's RNN outputs), ``unseen`` (saved outside every torch call the compression mode
+            sees: a custom ``autograd.Function``'s ``save_for_backward``, TorchScript; its
+            backward is unknown),
             ``kept`` (left exact by a :class:`~fewbit.quant.compressors.Keep` compressor),
             ``checkpoint`` (the inputs a reentrant ``torch.utils.checkpoint`` saves),
             ``range`` (float64 tensors with magnitudes beyond what float32 statistics
@@ -428,6 +434,7 @@ class ActivationCompressor:
         self.generator = generator  # None: fewbit's noise stream (fewbit.manual_seed), read at each draw
         self.stats = CompressionStats()
         self._stack: list = []
+        self._owner: int | None = None  # the thread inside the blocks (threading.get_ident)
         self._where: list = []  # (fqn, kind) of the converted modules running, innermost last
         self._index = 0
         self._ordinals: dict = {}  # fqn -> saves of that module in this pass
@@ -536,7 +543,10 @@ class ActivationCompressor:
         outer = self._where[-1] if self._where else (None, None, None)
         if size is None or outer[2] is not None:
             return func(*args, **kwargs)
-        self._where.append((outer[0], outer[1], lambda s: size if s == shape else None))
+        # the input, or a view of its elements in the same order (F.instance_norm saves a
+        # (1, N * C, *spatial) view of its (N, C, *spatial) input): rows of `size` in C order
+        numel = math.prod(shape)
+        self._where.append((outer[0], outer[1], lambda s: size if math.prod(s) == numel else None))
         try:
             return func(*args, **kwargs)
         finally:
@@ -550,15 +560,26 @@ class ActivationCompressor:
         k, v (torch's fused kernels rebuild softmax from an exact logsumexp that quantized
         q, k no longer match), and the calls whose backward is not linear in what they save
         (:mod:`fewbit.quant.nonlinear`; docs/compression.md §1)."""
+        if self._stack and self._owner != threading.get_ident():
+            # the pass's state (the modules running, the save ordinals, the mode, which
+            # torch keeps per thread) is this instance's: two threads inside it at once (the
+            # replicas of nn.DataParallel share a converted model's compressor) popped each
+            # other's modes and left calls unrouted (abs quantized: gradients 0.57 off)
+            raise RuntimeError(
+                "this ActivationCompressor is already in use by another thread: nn.DataParallel's replicas "
+                "share a converted model's compressor; train with one process per GPU "
+                "(DistributedDataParallel), or give each thread its own compressor")
         ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         ctx.__enter__()
         if not self._stack:
+            self._owner = threading.get_ident()
             if self._auto_step:
                 self.step()
             mode = _compression_mode(self)
             try:
                 mode.__enter__()
             except BaseException:
+                self._owner = None
                 ctx.__exit__(None, None, None)
                 raise
             self._mode = mode
@@ -571,6 +592,7 @@ class ActivationCompressor:
         ctx = self._stack.pop()
         try:
             if not self._stack:
+                self._owner = None
                 mode, self._mode = self._mode, None
                 mode.__exit__(*exc)
         finally:
@@ -626,6 +648,16 @@ class ActivationCompressor:
                 return self._skip(t, "no_grad")
         elif not is_bool and (_result_of(t) in _EXACT_RESULTS or _per_row_statistic(t)):
             return self._skip(t, "statistic")
+        elif not is_bool and _nonlinear_result(t):
+            return self._skip(t, "nonlinear")
+        elif (not is_bool and self._stack and getattr(self._local, "call", None) is None
+              and not getattr(_CUSTOM_SAVES, "compressible", False)):
+            # saved outside every torch call the mode sees: a custom autograd.Function's
+            # save_for_backward, TorchScript. Its backward is unknown (BLOOM's GeLUFunction:
+            # tanh of what it saves; fused attention and SwiGLU kernels), so the save is
+            # kept exact: quantized, BLOOM's GELU input biased the weight gradient by 6 %
+            # of its norm (6000 draws, 8.5 standard errors)
+            return self._skip(t, "unseen")
         # A contiguous tensor is keyed by the elements it covers, not its shape: a reshaped
         # view of a tensor already packed (eager attention's matmul saves the probabilities
         # as a (B*H, T, T) view of the (B, H, T, T) softmax result) reuses that copy.
@@ -898,6 +930,25 @@ _NONLINEAR_RESULTS = frozenset({"SoftmaxBackward0", "LogSoftmaxBackward0", "Tanh
 # over 8192 rows of 64 with row scales spread over e^(+-2), 2-bit groups of 256 rows gave
 # an input gradient off by 9.5x its norm (600 draws); kept, by 0.009x.
 _EXACT_RESULTS = frozenset({"RsqrtBackward0", "SqrtBackward0", "ReciprocalBackward0"})
+#
+# The recurrent kernels save their own outputs for a backward that is not linear in them,
+# inside one call the mode sees as a whole (``torch.lstm``): oneDNN's LSTM (CPU) its final
+# cell state ``cy`` (output 2; ``tanh(c_T)`` in backward: mean z**2 46 when only ``cy`` was
+# quantized, 0.9 for its output or ``hy``), cuDNN's and MIOpen's RNNs (not measured: every
+# result kept).
+_NONLINEAR_RESULTS_EXACT = frozenset({"CudnnRnnBackward0", "MiopenRnnBackward0"})
+_NONLINEAR_RESULT_OUTPUTS = {"MkldnnRnnLayerBackward0": frozenset({2})}
+
+
+def _nonlinear_result(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a result its producing op saves for a backward that is not linear
+    in it and the mode could not reroute (:data:`_NONLINEAR_RESULTS_EXACT`): kept exact,
+    and so is every other save of it (the next Linear's input)."""
+    name = _result_of(t)
+    if name in _NONLINEAR_RESULTS_EXACT:
+        return True
+    outputs = _NONLINEAR_RESULT_OUTPUTS.get(name)
+    return outputs is not None and t.output_nr in outputs
 
 
 def _per_row_statistic(t: torch.Tensor) -> bool:
@@ -980,6 +1031,35 @@ def _softmax_rows(t: torch.Tensor) -> int | None:
     if dim >= 1 << 63:  # the saved int64 comes back as its unsigned value
         dim -= 1 << 64
     return t.shape[-1] if dim % t.dim() == t.dim() - 1 else None
+
+
+_CUSTOM_SAVES = threading.local()
+
+
+@contextlib.contextmanager
+def compress_custom_saves():
+    """Inside: what code outside every torch call the compression mode sees saves (a custom
+    ``torch.autograd.Function``'s ``save_for_backward``, TorchScript) is compressed like any
+    other saved tensor, instead of kept exact (reason ``unseen`` in
+    :class:`CompressionStats`).
+
+    Only for code whose backward is linear in each tensor it saves (a custom matmul or
+    convolution kernel): an unbiased quantizer keeps such a gradient unbiased, but not a
+    backward that takes a nonlinear function of what it saved (BLOOM's ``GeLUFunction``:
+    ``tanh`` of its input; fused attention, SwiGLU, RMSNorm kernels), where the rounding
+    noise becomes a bias (docs/compression.md §1). Per thread; nests.
+
+    Example::
+
+        with fewbit.compress_activations(4), fewbit.quant.compress_custom_saves():
+            y = MyLinearFunction.apply(x, w)
+    """
+    outer = getattr(_CUSTOM_SAVES, "compressible", False)
+    _CUSTOM_SAVES.compressible = True
+    try:
+        yield
+    finally:
+        _CUSTOM_SAVES.compressible = outer
 
 
 def compress_activations(bits: int = 4, **options) -> ActivationCompressor:

@@ -11,6 +11,7 @@ and hands those calls to the module that handles them.
 from __future__ import annotations
 
 import itertools
+import types
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -26,6 +27,36 @@ _SERIAL = itertools.count()
 # Every callable some module here handles: one set lookup per call for all the others.
 _ROUTED = frozenset(attention.ROUTED) | frozenset(nonlinear.STEPWISE) | frozenset(nonlinear.KEEP) | frozenset(
     nonlinear.NORMS)
+
+
+# torch.overrides.redispatch_function, or the private primitive behind it in releases that do
+# not export it: runs a Python function that dispatches __torch_function__ itself past that
+# dispatch (its body), once.
+_redispatch = getattr(torch.overrides, "redispatch_function", None)
+if _redispatch is None and hasattr(torch._C, "_skip_one_hop_torch_function"):
+    _redispatch = torch._C._skip_one_hop_torch_function
+
+#: Types of the aten ops that ``torch.ops.aten.NAME`` (and ``.default``) calls pass the mode.
+_ATEN_OPS = (torch._ops.OpOverload, torch._ops.OpOverloadPacket)
+
+#: Modules of torch's Python composites: functions that dispatch __torch_function__ at their
+#: top, then call other torch functions.
+_COMPOSITE_MODULES = frozenset({"torch.nn.functional", "torch.functional"})
+_composites: dict = {}
+
+
+def _is_composite(func) -> bool:
+    """Whether ``func`` is one of torch's Python composites (a plain Python function of
+    :data:`_COMPOSITE_MODULES`), whose body the mode should see (cached per callable)."""
+    known = _composites.get(func)
+    if known is None:
+        known = (_redispatch is not None and isinstance(func, types.FunctionType)
+                 and getattr(func, "__module__", None) in _COMPOSITE_MODULES)
+        try:
+            _composites[func] = known
+        except TypeError:  # unhashable
+            pass
+    return known
 
 
 class CompressionMode(TorchFunctionMode):
@@ -62,6 +93,17 @@ class CompressionMode(TorchFunctionMode):
             if func not in _ROUTED or not torch.is_grad_enabled() or under_checkpoint():
                 # inside a checkpoint (its hooks innermost) what is saved is the checkpoint's:
                 # torch's calls, alike in the forward and the recomputation
+                if isinstance(func, _ATEN_OPS) and torch.is_grad_enabled() and not under_checkpoint():
+                    # torch.ops.aten.gelu(x): not the Python names the tables list
+                    out = nonlinear.reroute_aten(self.compressor, func, args, kwargs)
+                    return func(*args, **kwargs) if out is nonlinear.NOT_HANDLED else out
+                if _is_composite(func) and torch.is_grad_enabled() and not under_checkpoint():
+                    # torch's Python composites run their body with the mode off: re-entered
+                    # with it on, so that the calls inside are seen (F.lp_pool1d's abs,
+                    # relu and pow(1 / p) were quantized: the input gradient off by 2.8x
+                    # its norm at 4 bits; F.local_response_norm's pow(beta) and division)
+                    with self:
+                        return _redispatch(func, types, args, kwargs)
                 return func(*args, **kwargs)
             out = attention.reroute(self, func, types, args, kwargs)
             if out is nonlinear.NOT_HANDLED:

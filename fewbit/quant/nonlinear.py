@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from fewbit import _norm_rows
 from fewbit._activation_calls import CALLS, STEPWISE_NAMES, bind, plain_input, run
 
-__all__ = ["STEPWISE", "KEEP", "NORMS", "reroute"]
+__all__ = ["STEPWISE", "KEEP", "NORMS", "reroute", "reroute_aten", "aten_kept"]
 
 #: Marks "not handled here" (the caller runs ``func`` itself).
 NOT_HANDLED = object()
@@ -81,14 +81,25 @@ _KEEP_NAMES = (
     # linear algebra whose backward is not linear in what it saves
     "inverse", "inv", "inv_ex", "det", "logdet", "slogdet", "solve", "solve_ex", "cholesky",
     "cholesky_ex", "pinv", "matrix_exp", "matrix_power", "eigh", "eigvalsh", "svd", "svdvals", "qr",
+    "solve_triangular", "triangular_solve", "cholesky_solve", "cholesky_inverse", "lstsq", "lu",
+    "lu_factor", "lu_factor_ex", "lu_solve", "ldl_factor", "ldl_factor_ex", "ldl_solve",
+    "householder_product", "ormqr", "geqrf", "tensorinv", "tensorsolve", "cond", "eig", "eigvals",
+    # a division by a saved tensor
+    "addcdiv",
+    # recurrent layers with a relu inside one C++ call (nn.RNN / nn.RNNCell(nonlinearity="relu"):
+    # relu's g [y > 0] from its saved result; 52 % of an RNN's gradient norm off at 2 bits)
+    "rnn_relu", "rnn_relu_cell",
     # reductions
-    "std", "std_mean", "norm", "vector_norm", "matrix_norm", "dist", "cdist", "logsumexp",
-    "logcumsumexp", "cumprod", "prod", "normalize", "cosine_similarity", "pairwise_distance",
+    "std", "std_mean", "norm", "vector_norm", "matrix_norm", "nuclear_norm", "renorm", "dist", "cdist",
+    "pdist", "logsumexp", "logcumsumexp", "cumprod", "prod", "normalize", "cosine_similarity",
+    "pairwise_distance",
+    # a mask of the saved input's NaNs (a group holding a NaN decodes to NaN as a whole)
+    "nansum", "nanmean", "nan_to_num",
     # losses
     "l1_loss", "smooth_l1_loss", "huber_loss", "binary_cross_entropy",
     "binary_cross_entropy_with_logits", "kl_div", "poisson_nll_loss", "gaussian_nll_loss",
-    "margin_ranking_loss", "hinge_embedding_loss", "soft_margin_loss",
-    "multilabel_soft_margin_loss", "cosine_embedding_loss", "triplet_margin_loss",
+    "margin_ranking_loss", "hinge_embedding_loss", "soft_margin_loss", "multi_margin_loss",
+    "multilabel_margin_loss", "multilabel_soft_margin_loss", "cosine_embedding_loss", "triplet_margin_loss",
     "triplet_margin_with_distance_loss", "ctc_loss", "grid_sample",
 )
 _POW = frozenset({"pow", "__pow__", "__ipow__", "float_power"})
@@ -109,6 +120,26 @@ def _keep_entries() -> dict[Callable, str]:
 
 #: torch callables whose saved tensors are kept exact -> their name.
 KEEP: dict[Callable, str] = _keep_entries()
+
+
+#: aten op names (``torch.ops.aten.NAME``) whose saved tensors are kept exact: those of
+#: :data:`KEEP` and the stepwise activations (called as aten ops they are not rerouted).
+_ATEN_KEEP = frozenset(_KEEP_NAMES) | frozenset(STEPWISE_NAMES) | frozenset({"native_layer_norm", "native_group_norm"})
+_aten_kept: dict = {}
+
+
+def aten_kept(func: Any) -> bool:
+    """Whether ``func`` is an aten op (``torch.ops.aten.gelu``, ``torch.ops.aten.gelu.default``;
+    the mode sees direct calls of them) whose backward is not linear in what it saves
+    (:data:`_ATEN_KEEP`, in place or not). Cached per op."""
+    known = _aten_kept.get(func)
+    if known is None:
+        packet = getattr(func, "overloadpacket", func)
+        qualified = getattr(packet, "_qualified_op_name", "")
+        ns, _, name = qualified.partition("::")
+        known = ns == "aten" and name.rstrip("_") in _ATEN_KEEP
+        _aten_kept[func] = known
+    return known
 
 
 def _linear_power(name: str, args: tuple, kwargs: dict) -> bool:
@@ -197,4 +228,12 @@ def reroute(comp, func: Callable, args: tuple, kwargs: dict) -> Any:
     size_of = NORMS.get(func)
     if size_of is not None and args and _grad_float(args[0]):
         return comp._within_norm(size_of(args, kwargs), tuple(args[0].shape), func, args, kwargs)
+    return NOT_HANDLED
+
+
+def reroute_aten(comp, func: Callable, args: tuple, kwargs: dict) -> Any:
+    """A direct call of an aten op (``torch.ops.aten.gelu(x)``): kept exact if
+    :func:`aten_kept`, else :data:`NOT_HANDLED`."""
+    if aten_kept(func) and _any_grad_float(args, kwargs):
+        return comp._keeping(func, args, kwargs)
     return NOT_HANDLED
