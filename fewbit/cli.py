@@ -427,11 +427,13 @@ def _run_fit(
 
 
 def _check_user_function(spec: str, domain: tuple[float, float], params: Mapping[str, float]) -> None:
-    """Load a ``module:callable`` and check that f' is finite on a dense sample of the domain.
+    """Load a ``module:callable`` and check that f' is finite on a dense sample of the domain
+    and does not grow past it (:func:`fewbit.resolve.check_derivative_growth`).
 
     Raises:
         click.ClickException: the module does not import, the attribute is missing or not
-            callable, the function changes shape, or f' is not finite somewhere on the domain.
+            callable, the function changes shape, f' is not finite somewhere on the domain,
+            or it grows past the domain.
     """
     import numpy as np
 
@@ -446,6 +448,12 @@ def _check_user_function(spec: str, domain: tuple[float, float], params: Mapping
         raise click.ClickException(
             f"cannot fit {spec}: its derivative is not finite on the domain (e.g. f'({x[bad][0]:g}) = {df[bad][0]})"
         )
+    from fewbit.resolve import check_derivative_growth
+
+    try:  # the table's end levels stand for f' past the domain (torch:exp: 43.93 on all of [-3, 3])
+        check_derivative_growth(spec, lambda t: sf.df(t.numpy(), **params), domain)
+    except ValueError as exc:
+        raise click.ClickException(f"cannot fit {exc}") from None
 
 
 def _fit_options(f: Callable) -> Callable:

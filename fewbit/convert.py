@@ -75,7 +75,9 @@ What can be converted and what cannot:
 - eager modules, ``torch.fx.GraphModule`` (its ``call_module`` activations), models inside
   ``nn.DataParallel`` / ``DistributedDataParallel`` and ``torch.compile`` wrappers
   (``OptimizedModule``: the wrapped model is converted in place and torch.compile
-  recompiles it on the next call; fqns start with ``_orig_mod.``);
+  recompiles it on the next call; fqns start with ``_orig_mod.``). With saved-tensor
+  compression (``saved_bits``), ``nn.DataParallel``'s threads would share one compressor:
+  its forward raises ``RuntimeError`` (use ``DistributedDataParallel``);
 - a TorchScript model (``torch.jit.script`` / ``torch.jit.trace``) cannot: ``TypeError``.
 
 Converting twice applies the new settings: fewbit modules already there get the new
@@ -706,6 +708,7 @@ class _SharedCompressor:
         self.compressor = ActivationCompressor(min_numel=c.min_numel, policy=_policy(c))
         self.compressor._auto_step = False  # _StepHook starts a pass per forward of the model
         self.entered: dict[int, int] = {}  # id(module) -> number of open enters
+        self.root_depth = 0  # forwards of the model running (_StepHook, _StepExit)
 
     def __getstate__(self) -> dict:
         policy = self.compressor.policy
@@ -744,8 +747,21 @@ class _StepHook:
         self.shared = shared
 
     def __call__(self, module: nn.Module, args: Any) -> None:
+        self.shared.root_depth += 1
         if not self.shared.compressor.active and not torch.compiler.is_compiling():
             self.shared.compressor.step()
+        return None
+
+
+class _StepExit:
+    """Forward hook of the converted model (always called): its forward is over
+    (:class:`_StepHook`)."""
+
+    def __init__(self, shared: _SharedCompressor) -> None:
+        self.shared = shared
+
+    def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
+        self.shared.root_depth = max(self.shared.root_depth - 1, 0)
         return None
 
 
@@ -763,6 +779,12 @@ class _EnterHook:
     def __call__(self, module: nn.Module, args: Any) -> None:
         if not torch.is_grad_enabled() or torch.compiler.is_compiling() or _checkpointed():
             return None
+        if self.shared.root_depth == 0 and not self.shared.compressor.active:
+            # a submodule called by itself (model.backbone(x)), not inside the model's
+            # forward: it starts a pass, as the model's forward does (the save ordinals
+            # never restarted, GACT's plan was never applied and its records grew by
+            # every step)
+            self.shared.compressor.step()
         self.shared.compressor.__enter__()
         norm_size = functools.partial(normalization_size, module) if self.kind == "norm" else None
         self.shared.compressor._push_module(self.fqn, self.kind, norm_size)
@@ -879,7 +901,7 @@ def _remove_compression_hooks(module: nn.Module) -> None:
             del module._forward_pre_hooks[k]
             module._forward_pre_hooks_with_kwargs.pop(k, None)
     for k, hook in list(module._forward_hooks.items()):
-        if isinstance(hook, (_ExitHook, _ActivationModeExit)):
+        if isinstance(hook, (_ExitHook, _StepExit, _ActivationModeExit)):
             del module._forward_hooks[k]
             module._forward_hooks_with_kwargs.pop(k, None)
             module._forward_hooks_always_called.pop(k, None)
@@ -912,6 +934,7 @@ def _install_compression_hooks(
     shared = _SharedCompressor(config)
     summary.compressor = shared.compressor
     model.register_forward_pre_hook(_StepHook(shared))
+    model.register_forward_hook(_StepExit(shared), always_call=True)
     blocks: set[str] = set()
     if "block" in config.layers:
         from fewbit._blocks import find_blocks
@@ -1031,8 +1054,10 @@ def convert_(
 
     Args:
         model: an eager ``nn.Module`` (torch or Hugging Face ``transformers`` model),
-            also inside ``nn.DataParallel``, ``DistributedDataParallel`` or a
-            ``torch.compile`` wrapper, or a ``torch.fx.GraphModule``; not TorchScript.
+            also inside ``nn.DataParallel`` (activations only: with ``saved_bits`` its
+            replicas' threads would share one compressor, which raises ``RuntimeError``),
+            ``DistributedDataParallel`` or a ``torch.compile`` wrapper, or a
+            ``torch.fx.GraphModule``; not TorchScript.
         config: what to do; default ``Config()`` (3-bit activations, no saved-tensor
             compression). A :class:`fewbit.Plan` (from :func:`fewbit.plan`) applies that plan
             instead (:func:`fewbit.planner.apply_plan`; ``bits`` and ``filter_fn`` must be None).

@@ -69,6 +69,7 @@ import math
 import re
 import statistics
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
@@ -379,6 +380,12 @@ class _GroupHook:
 
     def pre(self, module, args):
         o = self.option
+        if not torch.is_grad_enabled() or torch.compiler.is_compiling():
+            # as convert_'s hooks: nothing is saved without grad, and a torch-function mode
+            # would turn off torch's inference fast paths (nn.TransformerEncoderLayer's nested
+            # tensors then fail outside them); a compiled graph saves its own tensors
+            self.stack.append(None)
+            return
         if o.kind == "quant":
             ctx = self.state.compressors[o.name]
             ctx.__enter__()
@@ -549,7 +556,7 @@ def remove_plan(model: nn.Module) -> bool:
 def _apply_choices(model: nn.Module, plan: "Plan") -> _State:
     """Install ``plan``'s choices on ``model`` (any earlier plan removed first)."""
     from fewbit import modules as fm
-    from fewbit.convert import _torch_factories, _hf_factories
+    from fewbit.convert import _carry_over, _hf_factories, _replacement, _torch_factories
 
     remove_plan(model)
     state = _State(plan)
@@ -601,8 +608,14 @@ def _apply_choices(model: nn.Module, plan: "Plan") -> _State:
                 module = named[mfqn]
                 if o.kind == "fewbit" and not isinstance(module, (fm._FewBit, fm.FewBitActivation)):
                     factory = factories.get(type(module))
-                    new = factory(module, o.bits) if factory is not None else None
+                    new = _replacement(module, model, factory, o.bits) if factory is not None else None
+                    if isinstance(new, str):  # a forward set on the instance, a name clash: as convert_
+                        warnings.warn(f"fewbit.apply_plan: {mfqn} ({type(module).__name__}) is left as it is: "
+                                      f"{new}; its saves are kept exact", stacklevel=3)
                     if isinstance(new, nn.Module):
+                        # what the user registered on it (buffers, parameters, hooks) moves
+                        # to the replacement, as in convert_; remove_plan puts it back
+                        _carry_over(module, new)
                         parent_name, _, child = mfqn.rpartition(".")
                         parent = named[parent_name] if parent_name else model
                         new.train(module.training)

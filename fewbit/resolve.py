@@ -281,11 +281,15 @@ def table_argument(table: TableLike, fn: ResolvedFn, bits: int | None, full: Map
 
     Raises:
         TypeError: neither a Table nor a path.
-        ValueError: bits or function or parameters do not match; TableFormatError for a
-            file that is unreadable or holds no ``bits``-bit table (``None``: more than one).
+        ValueError: bits or function or parameters do not match, or a user function's
+            derivative grows past the table's domain (:func:`check_derivative_growth`);
+            TableFormatError for a file that is unreadable or holds no ``bits``-bit table
+            (``None``: more than one).
     """
     tab, source = _given_table(table, bits, "table")
     check_table_matches(tab, fn.name, fn.table_params(full), source)
+    if fn.act is None:  # a user function: its table's end levels stand for f' past its domain
+        _check_asymptotes(fn, dict(full), tab.domain)
     return tab
 
 
@@ -333,31 +337,36 @@ def _set_aside(path: Path, exc: Exception) -> str:
     )
 
 
-def _check_asymptotes(f: ResolvedFn, params: dict[str, float]) -> None:
-    """Refuse a user function whose derivative grows past the fit domain.
+def check_derivative_growth(name: str, derivative: Callable[[torch.Tensor], Any],
+                            domain: tuple[float, float]) -> None:
+    """Refuse a function whose derivative grows past the fit domain ``(A, B)``.
 
-    A table holds ``2**bits`` levels of ``f'`` fitted on :data:`FIT_OPTIONS`'s domain, and
-    its end levels stand for ``f'`` past the domain; that suits a derivative that stays
-    within the range it has on the domain (GELU, SiLU, softplus, atan: ``f'`` tends to
-    constants). For ``exp`` the fit spends its levels on the right tail (``f'(10) =
-    22026``), and a 3-bit table gave 43.93 for every input in [-3, 3]; for ``x**2`` the
-    levels past the domain are 4x off at 40. Checked in float64: ``|f'|`` at +-20 and +-40
-    against twice its largest value on the domain.
+    A table holds ``2**bits`` levels of ``f'`` fitted on its domain, and its end levels
+    stand for ``f'`` past the domain; that suits a derivative that stays within the range
+    it has on the domain (GELU, SiLU, softplus, atan: ``f'`` tends to constants). For
+    ``exp`` the fit spends its levels on the right tail (``f'(10) = 22026``), and a 3-bit
+    table gave 43.93 for every input in [-3, 3]; for ``x**2`` the levels past the domain
+    are 4x off at 40. Checked in float64: ``|f'|`` at half and one and a half domain widths
+    past each end (+-20 and +-40 for the default ``[-10, 10]``) against twice its largest
+    value on 201 points of the domain.
+
+    Args:
+        name: the function, for the message.
+        derivative: ``x`` (float64 tensor) -> ``f'(x)`` (anything ``torch.as_tensor``
+            takes); a derivative that raises is not checked (the fit reports what it meets).
+        domain: the fit domain.
 
     Raises:
         ValueError: naming the function and the derivative values.
     """
-    lo, hi = FIT_OPTIONS["domain"]
-    inside = torch.linspace(float(lo), float(hi), 201, dtype=torch.float64)
-    far = torch.tensor([-40.0, -20.0, 20.0, 40.0], dtype=torch.float64)
-    x = torch.cat([inside, far]).requires_grad_()
+    lo, hi = float(domain[0]), float(domain[1])
+    width = hi - lo
+    inside = torch.linspace(lo, hi, 201, dtype=torch.float64)
+    far = torch.tensor([lo - 1.5 * width, lo - 0.5 * width, hi + 0.5 * width, hi + 1.5 * width], dtype=torch.float64)
     try:
-        with torch.enable_grad():
-            y = f.callable(x, **params)
-            (d,) = torch.autograd.grad(y.sum(), x)
+        d = torch.as_tensor(derivative(torch.cat([inside, far])), dtype=torch.float64).reshape(-1)
     except Exception:  # not differentiable in float64 here: the fit reports what it meets
         return
-    d = d.detach()
     on_domain = d[: inside.numel()]
     if not on_domain.isfinite().all():
         return  # the fit refuses a non-finite derivative on its domain, with its own message
@@ -367,11 +376,25 @@ def _check_asymptotes(f: ResolvedFn, params: dict[str, float]) -> None:
         return
     shown = ", ".join(f"f'({v:g}) = {float(g):.4g}" for v, g in zip(far.tolist(), outside))
     raise ValueError(
-        f"{f.name}: its derivative grows past the fit domain {tuple(FIT_OPTIONS['domain'])} ({shown}; at most "
+        f"{name}: its derivative grows past the fit domain ({lo:g}, {hi:g}) ({shown}; at most "
         f"{scale:.4g} on the domain): a few-bit table approximates f' by 2**bits levels fitted there and "
         "extends its end levels past it, which suits derivatives that stay in their range (GELU, SiLU, "
         "softplus). Use torch's function for this one"
     )
+
+
+def _check_asymptotes(f: ResolvedFn, params: dict[str, float],
+                      domain: tuple[float, float] | None = None) -> None:
+    """:func:`check_derivative_growth` of a user function ``f`` (its derivative by torch's
+    autograd), on ``domain`` (default: :data:`FIT_OPTIONS`'s)."""
+
+    def derivative(x: torch.Tensor) -> torch.Tensor:
+        x = x.clone().requires_grad_()
+        with torch.enable_grad():
+            (d,) = torch.autograd.grad(f.callable(x, **params).sum(), x)
+        return d.detach()
+
+    check_derivative_growth(f.name, derivative, tuple(domain or FIT_OPTIONS["domain"]))
 
 
 def _fit_and_cache(f: ResolvedFn, bits: int, params: dict[str, float], note: str = "") -> Table:

@@ -1197,3 +1197,64 @@ def test_convert_bits_shorthand_names_its_own_argument(bits):
         convert_(nn.Sequential(nn.GELU()), bits=bits)
     with pytest.raises(ValueError, match="either config or bits"):
         convert_(nn.Sequential(nn.GELU()), Config(), bits=3)
+
+
+def test_a_submodule_called_by_itself_starts_a_pass():
+    """A training loop that calls a submodule of a converted model (``model.backbone(x)``)
+    never ran the model's pass hook: the save ordinals never restarted and
+    ``compressor.records`` grew by every step (3000 after 3000 steps), so a GACT plan keyed
+    by them was never applied. The submodule's first enter now starts a pass."""
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.backbone = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64))
+            self.head = nn.Linear(64, 4)
+
+        def forward(self, x):
+            return self.head(self.backbone(x))
+
+    torch.manual_seed(0)
+    model = Net()
+    comp = fewbit.convert_(model, fewbit.Config(saved_bits=4, min_numel=0)).compressor
+    x = torch.randn(32, 64)
+    sizes = []
+    for _ in range(5):
+        model.backbone(x).pow(2).mean().backward()
+        sizes.append(len(comp.records))
+    assert sizes == [sizes[0]] * 5 and sizes[0] >= 1
+    model(x).sum().backward()  # the whole model: one pass, its own
+    assert len(comp.records) > sizes[0]
+
+
+def test_two_threads_in_one_compressor_raise():
+    """``nn.DataParallel``'s replicas share a converted model's compressor and run its
+    forward in threads: they popped each other's torch-function modes ('pop from empty mode
+    stack') or ran with none, quantizing what must stay exact (input gradients 0.57 off).
+    A second thread entering a compressor in use raises a ``RuntimeError`` that says so."""
+    import threading
+
+    model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16))
+    comp = fewbit.convert_(model, fewbit.Config(saved_bits=4, min_numel=0)).compressor
+    errors = []
+    inside = threading.Event()
+    leave = threading.Event()
+
+    def first():
+        with comp:
+            inside.set()
+            leave.wait(10)
+
+    t = threading.Thread(target=first)
+    t.start()
+    inside.wait(10)
+    try:
+        model(torch.randn(4, 16)).sum().backward()
+    except RuntimeError as exc:
+        errors.append(str(exc))
+    finally:
+        leave.set()
+        t.join()
+    assert len(errors) == 1 and "in use by another thread" in errors[0] and "DistributedDataParallel" in errors[0]
+    model(torch.randn(4, 16)).sum().backward()  # alone again: fine
+    assert not comp.active

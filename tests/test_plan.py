@@ -10,6 +10,7 @@ import time
 
 import pytest
 import torch
+from torch import nn
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("scipy")
@@ -925,3 +926,74 @@ def test_plan_json_refuses_repeated_keys_deep_nesting_and_bad_bytes(prof, tmp_pa
     assert fewbit.Plan.load(path) == p
     p.save(path)
     assert fewbit.Plan.load(path) == p
+
+
+def test_a_plan_carries_over_what_is_registered_on_a_replaced_activation():
+    """``convert_(model, plan)`` with a ``fewbit`` option replaced activations by calling the
+    factory directly: buffers the user registered on them left ``state_dict()`` and their
+    forward hooks stopped running (``convert_(model, Config)`` carries them over). Now as
+    convert_: the same tensors and hooks move to the replacement, and ``remove_plan`` puts
+    the original back; an activation whose forward was set on the instance stays."""
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l1, self.act, self.l2 = nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64)
+
+        def forward(self, x):
+            return x + self.l2(self.act(self.l1(x)))
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList([Block() for _ in range(3)])
+
+        def forward(self, x):
+            for b in self.blocks:
+                x = b(x)
+            return x
+
+    torch.manual_seed(0)
+    model = Net()
+    calls = []
+    for i, b in enumerate(model.blocks):
+        b.act.register_buffer("calib", torch.full((1,), float(i)))
+        b.act.register_forward_hook(lambda mod, a, o, i=i: calls.append(i))
+    originals = [b.act for b in model.blocks]
+    keys = sorted(model.state_dict())
+    x = torch.randn(128, 64)
+    plan = fewbit.plan(model, (x,), "90%", loss_fn=lambda out: out.pow(2).sum(), options=("fewbit3",), repeats=1)
+    assert {g.option for bp in plan.blocks for g in bp.groups} >= {"fewbit3"}
+    fewbit.convert_(model, plan)
+    assert all(isinstance(b.act, fewbit.modules.GELU) for b in model.blocks)
+    assert sorted(model.state_dict()) == keys
+    assert model.blocks[2].act.calib is originals[2].calib
+    calls.clear()
+    model(x)
+    assert calls == [0, 1, 2]
+    planner.remove_plan(model)
+    assert [b.act for b in model.blocks] == originals
+    calls.clear()
+    model(x)
+    assert calls == [0, 1, 2]
+
+
+def test_a_planned_model_runs_without_grad():
+    """Under ``torch.no_grad`` the plan's group hooks entered the compressor and pushed its
+    torch-function mode, which turns off ``nn.TransformerEncoderLayer``'s fast path: its
+    nested tensors then raised. They stand aside without grad, as convert_'s hooks do."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(d_model=64, nhead=4, dim_feedforward=128, batch_first=True, dropout=0.0)
+    enc = nn.TransformerEncoder(layer, num_layers=3, enable_nested_tensor=True)
+    x = torch.randn(4, 32, 64)
+    mask = torch.zeros(4, 32, dtype=torch.bool)
+    mask[:, 20:] = True
+    plan = fewbit.plan(enc, {"src": x, "src_key_padding_mask": mask}, "85%", loss_fn=lambda out: out.pow(2).sum(),
+                       options=("quant4",), repeats=1)
+    enc.eval()
+    with torch.no_grad():
+        ref = enc(x, src_key_padding_mask=mask)
+    fewbit.convert_(enc, plan)
+    with torch.no_grad():
+        out = enc(x, src_key_padding_mask=mask)
+    assert torch.equal(out, ref)

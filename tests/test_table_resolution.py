@@ -103,3 +103,30 @@ def test_user_functions_whose_derivative_stays_in_range_are_fitted(cache, spec):
     with pytest.warns(FF.TableFittedWarning):
         FF.activation(x, spec, bits=2).sum().backward()
     assert x.grad.isfinite().all()
+
+
+def test_a_growing_derivative_is_refused_with_a_table_and_by_fit(cache, tmp_path):
+    """The README's own path for a custom activation (``fewbit fit torch:exp -o exp.json``,
+    then ``table="exp.json"``) bypassed the refusal above: the gradient was 43.93 at every
+    x in [-3, 3]. ``fewbit fit`` now refuses such a function in one line (any domain: a
+    table's end levels stand for f' past it), and a table passed for one is refused."""
+    from click.testing import CliRunner
+
+    from fewbit.cli import cli
+    from fewbit.solver import fit
+
+    r = CliRunner().invoke(cli, ["fit", "torch:exp", "--bits", "3", "-o", str(tmp_path / "exp.json")])
+    assert r.exit_code == 1 and not (tmp_path / "exp.json").exists()
+    assert "cannot fit torch:exp: its derivative grows past the fit domain (-10, 10)" in r.output
+    assert "Traceback" not in r.output and r.output.count("\n") == 1
+    r = CliRunner().invoke(cli, ["fit", "torch:exp", "--bits", "3", "--domain", "-3", "3", "-o",
+                                 str(tmp_path / "exp.json")])
+    assert r.exit_code == 1 and "fit domain (-3, 3)" in r.output
+    table = fit("torch:exp", 3)  # made without the check (the solver's own entry point)
+    x = torch.linspace(-3, 3, 7, requires_grad=True)
+    with pytest.raises(ValueError, match=r"torch:exp: its derivative grows past the fit domain \(-10, 10\)"):
+        FF.activation(x, "torch:exp", table=table)
+    r = CliRunner().invoke(cli, ["fit", "torch:tanh", "--bits", "2", "-o", str(tmp_path / "tanh.json")])
+    assert r.exit_code == 0, r.output
+    FF.activation(x, "torch:tanh", table=str(tmp_path / "tanh.json")).sum().backward()
+    assert x.grad.isfinite().all()
