@@ -82,6 +82,14 @@ def check_positive_int(value: Any, name: str, minimum: int = 1) -> int:
     return int(value)
 
 
+def check_bool(value: Any, name: str) -> bool:
+    """``value`` as a plain ``bool`` if it is ``True`` or ``False`` (numpy's too); else
+    ``ValueError`` (``stochastic="no"`` or ``1`` read as True were taken silently)."""
+    if isinstance(value, bool) or (type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_")):
+        return bool(value)
+    raise ValueError(f"{name} must be True or False, got {value!r}")
+
+
 def check_noise_norm(value: Any) -> str:
     """``value`` if it is one of GACT's noise norms, ``"relative"`` or ``"absolute"``
     (:class:`fewbit.quant.gact.GACTPolicy`); else ``ValueError``."""

@@ -102,7 +102,7 @@ from torch import nn
 
 from fewbit import _norm_rows
 from fewbit import modules as fm
-from fewbit._checks import check_bits, check_noise_norm, check_positive_int
+from fewbit._checks import check_bits, check_bool, check_noise_norm, check_positive_int
 from fewbit._saved import under_checkpoint
 from fewbit.activations import ACTIVATIONS, get_activation
 from fewbit.losses import _PATCH_ATTR
@@ -219,10 +219,8 @@ class Config:
         check_noise_norm(self.noise_norm)
         object.__setattr__(self, "group_size", check_positive_int(self.group_size, "group_size"))
         object.__setattr__(self, "min_numel", check_positive_int(self.min_numel, "min_numel", minimum=0))
-        if not isinstance(self.stochastic, bool):
-            raise ValueError(f"stochastic must be True or False, got {self.stochastic!r}")
-        if not isinstance(self.fused_cross_entropy, bool):
-            raise ValueError(f"fused_cross_entropy must be True or False, got {self.fused_cross_entropy!r}")
+        object.__setattr__(self, "stochastic", check_bool(self.stochastic, "stochastic"))
+        object.__setattr__(self, "fused_cross_entropy", check_bool(self.fused_cross_entropy, "fused_cross_entropy"))
         layers = self.layers
         if isinstance(layers, str):
             layers = (layers,)

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fewbit._checks import check_bits, check_float64_range, check_float_tensor, check_positive_int
+from fewbit._checks import check_bits, check_bool, check_float64_range, check_float_tensor, check_positive_int
 from fewbit.quant import _reference as _ref
 from fewbit.quant._reference import SUPPORTED_BITS
 from fewbit.quant.compressor import (ActivationCompressor, CompressionStats, compress_activations,
@@ -131,17 +131,18 @@ class QuantizedTensor:
         )
 
 
-def _validate(x, bits, group_size, stats_dtype, generator) -> None:
+def _validate(x, bits, group_size, stats_dtype, generator, stochastic=True) -> None:
     check_float_tensor(x, "x")
-    _validate_options(bits, group_size, stats_dtype, generator)
+    _validate_options(bits, group_size, stats_dtype, generator, stochastic)
     check_float64_range(x, "x")
 
 
-def _validate_options(bits, group_size, stats_dtype, generator) -> None:
+def _validate_options(bits, group_size, stats_dtype, generator, stochastic=True) -> None:
     """The checks :func:`quantize` and :class:`ActivationCompressor` share (ValueError /
     TypeError naming the argument, the allowed values and the value given)."""
     check_bits(bits, allowed=SUPPORTED_BITS)
     check_positive_int(group_size, "group_size")
+    check_bool(stochastic, "stochastic")
     if stats_dtype not in SUPPORTED_STATS_DTYPES:
         raise ValueError(
             f"stats_dtype must be torch.bfloat16 or torch.float32 (float16 cannot hold the "
@@ -445,8 +446,8 @@ def quantize(
 
     Raises:
         TypeError: ``x`` not a floating tensor, ``generator`` not a torch.Generator.
-        ValueError: ``bits`` not in {1, 2, 4, 8}, ``group_size < 1``, unsupported
-            ``stats_dtype``, ``generator`` not on the CPU, or ``x`` float64 with finite
+        ValueError: ``bits`` not in {1, 2, 4, 8}, ``group_size < 1``, ``stochastic`` not
+            True or False, unsupported ``stats_dtype``, ``generator`` not on the CPU, or ``x`` float64 with finite
             magnitudes past float32's largest (:data:`fewbit._checks.FLOAT64_MAX`), which
             float32/bfloat16 statistics cannot hold.
     """
@@ -456,7 +457,7 @@ def quantize(
 def _quantize(x, bits, group_size, stochastic, stats_dtype, generator, kernel) -> QuantizedTensor:
     """:func:`quantize` with the op given: ``kernel(flat, bits, group_size, seed, stochastic,
     stats_dtype) -> (packed, mins, scales)`` (``fewbit::group_quantize`` or the reference)."""
-    _validate(x, bits, group_size, stats_dtype, generator)
+    _validate(x, bits, group_size, stats_dtype, generator, stochastic)
     seed = _draw_seed(generator) if stochastic else 0
     flat = x.detach().reshape(-1).contiguous()
     packed, mins, scales = kernel(flat, bits, group_size, seed, bool(stochastic), stats_dtype)

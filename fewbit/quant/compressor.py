@@ -407,7 +407,7 @@ class ActivationCompressor:
         from fewbit.quant.compressors import Compressor, GroupQuantizer
         from fewbit.quant.policies import FixedPolicy, Policy
 
-        _validate_options(bits, group_size, stats_dtype, generator)
+        _validate_options(bits, group_size, stats_dtype, generator, stochastic)
         check_positive_int(min_numel, "min_numel", minimum=0)
         if policy is not None:
             if compressor is not None:

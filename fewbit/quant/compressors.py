@@ -152,7 +152,7 @@ class GroupQuantizer(Compressor):
                  stats_dtype: torch.dtype = torch.bfloat16) -> None:
         from fewbit.quant import _validate_options
 
-        _validate_options(bits, group_size, stats_dtype, None)
+        _validate_options(bits, group_size, stats_dtype, None, stochastic)
         self.bits = int(bits)  # numpy integers too: equal quantizers hash alike
         self.group_size = int(group_size)
         self.stochastic = bool(stochastic)

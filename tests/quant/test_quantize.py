@@ -344,3 +344,21 @@ def test_dequantize_refuses_buffers_too_small_for_its_shape(field):
     bad = fq.QuantizedTensor(parts["packed"], parts["mins"], parts["scales"], parts["shape"], torch.float32, 4, 16)
     with pytest.raises(ValueError, match="needed"):
         fq.dequantize(bad)
+
+
+@pytest.mark.parametrize("value", [1, 0, "no", None, 0.5])
+def test_stochastic_must_be_a_bool_at_every_entry_point(value):
+    """``quantize(stochastic=1)``, ``compress_activations(stochastic="no")`` and
+    ``GroupQuantizer(stochastic=...)`` took any value as its truth value ("no" meant
+    stochastic); ``Config`` refused them. One check now, naming the argument."""
+    import numpy as np
+
+    import fewbit
+    from fewbit.quant.compressors import GroupQuantizer
+
+    x = torch.randn(100)
+    for call in (lambda: fq.quantize(x, 2, stochastic=value), lambda: fq.compress_activations(2, stochastic=value),
+                 lambda: GroupQuantizer(2, stochastic=value), lambda: fewbit.Config(saved_bits=2, stochastic=value)):
+        with pytest.raises(ValueError, match=r"stochastic must be True or False, got"):
+            call()
+    assert fq.quantize(x, 2, stochastic=np.bool_(False)).decode_seed is None
