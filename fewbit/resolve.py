@@ -211,14 +211,15 @@ def stepwise_params_for(name: str, full: dict[str, float], dtype: torch.dtype) -
 
 
 def cache_dir() -> Path:
-    """Directory of the user table cache: ``$FEWBIT_CACHE_DIR/tables`` if the variable is
-    set, else ``platformdirs.user_cache_dir("fewbit")/tables``."""
+    """Directory of the user table cache, absolute: ``$FEWBIT_CACHE_DIR/tables`` if the
+    variable is set (``~`` expanded, a relative path taken from the working directory at
+    the call), else ``platformdirs.user_cache_dir("fewbit")/tables``."""
     root = os.environ.get("FEWBIT_CACHE_DIR")
     if not root:
         import platformdirs
 
         root = platformdirs.user_cache_dir("fewbit")
-    return Path(root) / "tables"
+    return Path(root).expanduser().absolute() / "tables"
 
 
 def clear_table_cache() -> None:

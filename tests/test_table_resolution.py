@@ -130,3 +130,16 @@ def test_a_growing_derivative_is_refused_with_a_table_and_by_fit(cache, tmp_path
     assert r.exit_code == 0, r.output
     FF.activation(x, "torch:tanh", table=str(tmp_path / "tanh.json")).sum().backward()
     assert x.grad.isfinite().all()
+
+
+def test_cache_dir_expands_home_and_is_absolute(monkeypatch, tmp_path):
+    """``FEWBIT_CACHE_DIR=~/fewbit`` made a directory named ``~`` in the working directory
+    (Python does not expand it), and a relative value moved with ``os.chdir``."""
+    from fewbit.resolve import cache_dir
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("FEWBIT_CACHE_DIR", "~/fb")
+    assert cache_dir() == tmp_path / "home" / "fb" / "tables"
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("FEWBIT_CACHE_DIR", "rel")
+    assert cache_dir() == tmp_path / "rel" / "tables" and cache_dir().is_absolute()
