@@ -707,6 +707,9 @@ class _SharedCompressor:
         self.compressor._auto_step = False  # _StepHook starts a pass per forward of the model
         self.entered: dict[int, int] = {}  # id(module) -> number of open enters
         self.root_depth = 0  # forwards of the model running (_StepHook, _StepExit)
+        #: fqns of the converted modules entered outside the model's forward in this pass
+        #: (None: the next one starts a pass; the model's forward ran, or none yet)
+        self.pass_fqns: set[str] | None = None
 
     def __getstate__(self) -> dict:
         policy = self.compressor.policy
@@ -748,6 +751,7 @@ class _StepHook:
         self.shared.root_depth += 1
         if not self.shared.compressor.active and not torch.compiler.is_compiling():
             self.shared.compressor.step()
+            self.shared.pass_fqns = None
         return None
 
 
@@ -777,13 +781,18 @@ class _EnterHook:
     def __call__(self, module: nn.Module, args: Any) -> None:
         if not torch.is_grad_enabled() or torch.compiler.is_compiling() or _checkpointed():
             return None
-        if self.shared.root_depth == 0 and not self.shared.compressor.active:
-            # a submodule called by itself (model.backbone(x)), not inside the model's
-            # forward: it starts a pass, as the model's forward does (the save ordinals
-            # never restarted, GACT's plan was never applied and its records grew by
-            # every step)
-            self.shared.compressor.step()
-        self.shared.compressor.__enter__()
+        shared = self.shared
+        if shared.root_depth == 0 and not shared.compressor.active:
+            # a converted module entered outside the model's forward (the loop calls
+            # model.backbone(x)): a pass starts when a module of the current one enters
+            # again, i.e. at the next step (the save ordinals had never restarted, GACT's
+            # plan was never applied and its records grew by every step; a pass per
+            # module kept only the last one's)
+            if shared.pass_fqns is None or self.fqn in shared.pass_fqns:
+                shared.compressor.step()
+                shared.pass_fqns = set()
+            shared.pass_fqns.add(self.fqn)
+        shared.compressor.__enter__()
         norm_size = functools.partial(normalization_size, module) if self.kind == "norm" else None
         self.shared.compressor._push_module(self.fqn, self.kind, norm_size)
         key = id(module)

@@ -1208,7 +1208,8 @@ def test_a_submodule_called_by_itself_starts_a_pass():
     class Net(nn.Module):
         def __init__(self):
             super().__init__()
-            self.backbone = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64))
+            self.backbone = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 128), nn.GELU(),
+                                          nn.Linear(128, 64))
             self.head = nn.Linear(64, 4)
 
         def forward(self, x):
@@ -1218,13 +1219,48 @@ def test_a_submodule_called_by_itself_starts_a_pass():
     model = Net()
     comp = fewbit.convert_(model, fewbit.Config(saved_bits=4, min_numel=0)).compressor
     x = torch.randn(32, 64)
-    sizes = []
     for _ in range(5):
         model.backbone(x).pow(2).mean().backward()
-        sizes.append(len(comp.records))
-    assert sizes == [sizes[0]] * 5 and sizes[0] >= 1
+        # one pass per step holds every module's saves (a pass per module held the last one's)
+        assert {r.fqn for r in comp.records.values()} == {"backbone.2", "backbone.4"}, comp.records
+        assert sorted(comp.records) == list(range(len(comp.records)))
+    n_backbone = len(comp.records)
     model(x).sum().backward()  # the whole model: one pass, its own
-    assert len(comp.records) > sizes[0]
+    assert len(comp.records) > n_backbone and "head" in {r.fqn for r in comp.records.values()}
+    model.backbone(x).pow(2).mean().backward()
+    assert len(comp.records) == n_backbone
+
+
+def test_gact_applies_its_plan_to_a_submodule_called_alone():
+    """The GACT plan of a model trained through a submodule (``model.backbone(x)``) was
+    never applied (no pass restarted the save ordinals), then covered the last module only."""
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.backbone = nn.Sequential(nn.Linear(64, 128), nn.Tanh(), nn.Linear(128, 128), nn.Tanh(),
+                                          nn.Linear(128, 64))
+            self.head = nn.Linear(64, 4)
+
+        def forward(self, x):
+            return self.head(self.backbone(x))
+
+    torch.manual_seed(0)
+    model = Net()
+    comp = fewbit.convert_(model, fewbit.Config(saved_bits="auto", average_bits=2, min_numel=0)).compressor
+    x = torch.randn(64, 64)
+
+    def closure():
+        return model.backbone(x).pow(2).mean()
+
+    planned = None
+    for _ in range(4):
+        if comp.adapt(model, closure):
+            planned = dict(comp.policy._by_key)  # (fqn, ordinal) -> bits
+        closure().backward()
+    assert planned, "GACT did not plan"
+    used = {(r.fqn, r.bits) for r in comp.records.values()}
+    assert {fqn for fqn, _ in planned} == {fqn for fqn, _ in used} == {"backbone.2", "backbone.4"}
+    assert used == {(fqn, bits) for (fqn, _), bits in planned.items()}
 
 
 def test_two_threads_in_one_compressor_raise():

@@ -332,7 +332,8 @@ trace_into_triton(block_mean, _block_mean_cuda)
 
 
 # ``fewbit::division_encode(x, lfc, bh, bw, bits, seed, row_stats) -> (packed, mins, scales)`` and
-# ``fewbit::division_decode(packed, lfc, mins, scales, bh, bw, bits, h, w, dtype) -> x_hat``:
+# ``fewbit::division_decode(packed, lfc, mins, scales, bh, bw, bits, h, w, dtype, seed=0,
+# stochastic=False) -> x_hat`` (rounded to a half dtype stochastically with the decode seed):
 # DIVISION's residual (:func:`fewbit.quant._reference.division_encode_reference`); on CPU
 # fused in numba, on CUDA the reference's steps with the Triton codes kernels.
 

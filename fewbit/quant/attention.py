@@ -68,7 +68,7 @@ import torch
 import torch.nn.functional as F
 
 from fewbit._saved import keep, unpack
-from fewbit.quant.compressor import KEEP_EXACT_ADVICE
+from fewbit.quant.compressor import KEEP_EXACT_ADVICE, compress_custom_saves
 from fewbit.quant.nonlinear import NOT_HANDLED
 
 __all__ = ["scaled_dot_product_attention", "reroute", "QK_BITS"]
@@ -311,12 +311,16 @@ def _apply(comp, query, key, value, attn_mask, dropout_p, is_causal, scale, enab
     query, key, value, attn_mask = _autocast_args(query, key, value, attn_mask)
     qs, ks, vs = _saved_copy(query), _saved_copy(key), _saved_copy(value)
     args = (query, key, value, qs, ks, vs, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-    if comp is None:
-        return _RecomputedSDPA.apply(*args, False)
-    if comp.compressor.name == "keep" or getattr(comp.compressor, "bits", 0) >= QK_BITS:
-        return _RecomputedSDPA.apply(*args, True)
-    with _PackAt(comp, (qs, ks), QK_BITS):
-        return _RecomputedSDPA.apply(*args, False)
+    # this Function's saves are q, k, v for a backward that recomputes from them: compressed
+    # also when it is called directly (outside a call the mode sees, where a custom
+    # Function's saves are kept exact)
+    with compress_custom_saves():
+        if comp is None:
+            return _RecomputedSDPA.apply(*args, False)
+        if comp.compressor.name == "keep" or getattr(comp.compressor, "bits", 0) >= QK_BITS:
+            return _RecomputedSDPA.apply(*args, True)
+        with _PackAt(comp, (qs, ks), QK_BITS):
+            return _RecomputedSDPA.apply(*args, False)
 
 
 def scaled_dot_product_attention(

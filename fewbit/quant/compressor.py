@@ -560,30 +560,37 @@ class ActivationCompressor:
         k, v (torch's fused kernels rebuild softmax from an exact logsumexp that quantized
         q, k no longer match), and the calls whose backward is not linear in what they save
         (:mod:`fewbit.quant.nonlinear`; docs/compression.md §1)."""
-        if self._stack and self._owner != threading.get_ident():
-            # the pass's state (the modules running, the save ordinals, the mode, which
-            # torch keeps per thread) is this instance's: two threads inside it at once (the
-            # replicas of nn.DataParallel share a converted model's compressor) popped each
-            # other's modes and left calls unrouted (abs quantized: gradients 0.57 off)
-            raise RuntimeError(
-                "this ActivationCompressor is already in use by another thread: nn.DataParallel's replicas "
-                "share a converted model's compressor; train with one process per GPU "
-                "(DistributedDataParallel), or give each thread its own compressor")
-        ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-        ctx.__enter__()
-        if not self._stack:
-            self._owner = threading.get_ident()
-            if self._auto_step:
-                self.step()
-            mode = _compression_mode(self)
-            try:
-                mode.__enter__()
-            except BaseException:
+        me = threading.get_ident()
+        with _OWNER_LOCK:  # the check and the claim in one step (two threads entering at once)
+            if self._owner is not None and self._owner != me:
+                # the pass's state (the modules running, the save ordinals, the mode, which
+                # torch keeps per thread) is this instance's: two threads inside it at once
+                # (the replicas of nn.DataParallel share a converted model's compressor)
+                # popped each other's modes and left calls unrouted (abs quantized:
+                # gradients 0.57 off)
+                raise RuntimeError(
+                    "this ActivationCompressor is already in use by another thread: nn.DataParallel's replicas "
+                    "share a converted model's compressor; train with one process per GPU "
+                    "(DistributedDataParallel), or give each thread its own compressor")
+            self._owner = me
+        try:
+            ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+            ctx.__enter__()
+            if not self._stack:
+                if self._auto_step:
+                    self.step()
+                mode = _compression_mode(self)
+                try:
+                    mode.__enter__()
+                except BaseException:
+                    ctx.__exit__(None, None, None)
+                    raise
+                self._mode = mode
+            self._stack.append(ctx)
+        except BaseException:
+            if not self._stack:
                 self._owner = None
-                ctx.__exit__(None, None, None)
-                raise
-            self._mode = mode
-        self._stack.append(ctx)
+            raise
         return self
 
     def __exit__(self, *exc) -> None:
@@ -592,11 +599,12 @@ class ActivationCompressor:
         ctx = self._stack.pop()
         try:
             if not self._stack:
-                self._owner = None
                 mode, self._mode = self._mode, None
                 mode.__exit__(*exc)
         finally:
             ctx.__exit__(*exc)
+            if not self._stack:
+                self._owner = None  # released last: another thread may enter now
 
     @property
     def active(self) -> bool:
@@ -649,6 +657,7 @@ class ActivationCompressor:
         elif not is_bool and (_result_of(t) in _EXACT_RESULTS or _per_row_statistic(t)):
             return self._skip(t, "statistic")
         elif not is_bool and _nonlinear_result(t):
+            self._mark_kept(t, (t.untyped_storage().data_ptr(), t.device, t._version))  # later saves reuse it
             return self._skip(t, "nonlinear")
         elif (not is_bool and self._stack and getattr(self._local, "call", None) is None
               and not getattr(_CUSTOM_SAVES, "compressible", False)):
@@ -657,6 +666,7 @@ class ActivationCompressor:
             # tanh of what it saves; fused attention and SwiGLU kernels), so the save is
             # kept exact: quantized, BLOOM's GELU input biased the weight gradient by 6 %
             # of its norm (6000 draws, 8.5 standard errors)
+            self._mark_kept(t, (t.untyped_storage().data_ptr(), t.device, t._version))  # later saves reuse it
             return self._skip(t, "unseen")
         # A contiguous tensor is keyed by the elements it covers, not its shape: a reshaped
         # view of a tensor already packed (eager attention's matmul saves the probabilities
@@ -1034,6 +1044,9 @@ def _softmax_rows(t: torch.Tensor) -> int | None:
 
 
 _CUSTOM_SAVES = threading.local()
+#: Guards :attr:`ActivationCompressor._owner`'s check and claim (one lock for all instances:
+#: an instance stays picklable).
+_OWNER_LOCK = threading.Lock()
 
 
 @contextlib.contextmanager

@@ -36,6 +36,10 @@ _redispatch = getattr(torch.overrides, "redispatch_function", None)
 if _redispatch is None and hasattr(torch._C, "_skip_one_hop_torch_function"):
     _redispatch = torch._C._skip_one_hop_torch_function
 
+#: Argument types whose composites are re-entered (a tensor subclass overriding, say,
+#: ``F.dropout`` must get that call, which the redispatch would skip).
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
 #: Types of the aten ops that ``torch.ops.aten.NAME`` (and ``.default``) calls pass the mode.
 _ATEN_OPS = (torch._ops.OpOverload, torch._ops.OpOverloadPacket)
 
@@ -97,7 +101,8 @@ class CompressionMode(TorchFunctionMode):
                     # torch.ops.aten.gelu(x): not the Python names the tables list
                     out = nonlinear.reroute_aten(self.compressor, func, args, kwargs)
                     return func(*args, **kwargs) if out is nonlinear.NOT_HANDLED else out
-                if _is_composite(func) and torch.is_grad_enabled() and not under_checkpoint():
+                if (_is_composite(func) and torch.is_grad_enabled() and not under_checkpoint()
+                        and all(t in _PLAIN for t in types)):  # a subclass's own override runs as before
                     # torch's Python composites run their body with the mode off: re-entered
                     # with it on, so that the calls inside are seen (F.lp_pool1d's abs,
                     # relu and pow(1 / p) were quantized: the input gradient off by 2.8x

@@ -123,21 +123,38 @@ KEEP: dict[Callable, str] = _keep_entries()
 
 
 #: aten op names (``torch.ops.aten.NAME``) whose saved tensors are kept exact: those of
-#: :data:`KEEP` and the stepwise activations (called as aten ops they are not rerouted).
-_ATEN_KEEP = frozenset(_KEEP_NAMES) | frozenset(STEPWISE_NAMES) | frozenset({"native_layer_norm", "native_group_norm"})
+#: :data:`KEEP` and the stepwise activations (called as aten ops they are not rerouted), the
+#: attention kernels (fewbit's SDPA is not put in their place) and the norms (not grouped
+#: inside rows here).
+_ATEN_KEEP = frozenset(_KEEP_NAMES) | frozenset(STEPWISE_NAMES) | frozenset({
+    "scaled_dot_product_attention", "scaled_dot_product_flash_attention",
+    "scaled_dot_product_flash_attention_for_cpu", "scaled_dot_product_efficient_attention",
+    "scaled_dot_product_cudnn_attention", "scaled_dot_product_fused_attention_overrideable",
+    "efficient_attention_forward", "flash_attention_forward",
+    "layer_norm", "native_layer_norm", "rms_norm", "fused_rms_norm", "group_norm", "native_group_norm",
+    "instance_norm", "batch_norm", "native_batch_norm", "native_batch_norm_legit",
+    "native_batch_norm_legit_functional", "native_batch_norm_legit_no_training", "batch_norm_impl_index",
+})
+#: Prefixes of aten names of torch.linalg / torch.special functions (``linalg_vector_norm``).
+_ATEN_PREFIXES = ("linalg_", "special_")
 _aten_kept: dict = {}
 
 
 def aten_kept(func: Any) -> bool:
     """Whether ``func`` is an aten op (``torch.ops.aten.gelu``, ``torch.ops.aten.gelu.default``;
     the mode sees direct calls of them) whose backward is not linear in what it saves
-    (:data:`_ATEN_KEEP`, in place or not). Cached per op."""
+    (:data:`_ATEN_KEEP`, by its name without leading underscores, :data:`_ATEN_PREFIXES`
+    or a trailing in-place underscore). Cached per op."""
     known = _aten_kept.get(func)
     if known is None:
         packet = getattr(func, "overloadpacket", func)
         qualified = getattr(packet, "_qualified_op_name", "")
         ns, _, name = qualified.partition("::")
-        known = ns == "aten" and name.rstrip("_") in _ATEN_KEEP
+        name = name.strip("_")
+        for prefix in _ATEN_PREFIXES:
+            if name.startswith(prefix):
+                name = name[len(prefix):].strip("_")
+        known = ns == "aten" and name in _ATEN_KEEP
         _aten_kept[func] = known
     return known
 

@@ -274,3 +274,96 @@ def test_compress_custom_saves_opts_in():
     with fq.compress_activations(2) as comp:
         _MatMul.apply(torch.randn(64, 64, requires_grad=True) * 1, torch.randn(64, 8, requires_grad=True))
     assert comp.stats.skipped.get("unseen") == 1 and comp.stats.compressed == 0
+
+
+@pytest.mark.parametrize("op", ["linalg_vector_norm", "special_entr", "_scaled_dot_product_flash_attention_for_cpu",
+                                "native_layer_norm", "scaled_dot_product_attention"])
+def test_aten_names_with_prefixes_and_kernels_are_kept(op):
+    """The aten names of torch.linalg / torch.special functions carry a prefix
+    (``aten.linalg_vector_norm(x, 3)`` at 2 bits: input gradient 29.5 % off), and the
+    attention kernels and norms called as aten ops were quantized (dq 17 % off)."""
+    from fewbit.quant.nonlinear import aten_kept
+
+    assert aten_kept(getattr(torch.ops.aten, op))
+    assert not aten_kept(torch.ops.aten.mm) and not aten_kept(torch.ops.aten.addmm.default)
+
+
+def test_fewbit_sdpa_called_directly_still_compresses():
+    """fewbit's own SDPA saves q, k, v through a custom Function; called directly (not
+    through F.scaled_dot_product_attention) its saves were taken as 'unseen' and kept."""
+    from fewbit.quant.attention import scaled_dot_product_attention
+
+    q, k, v = (torch.randn(2, 4, 64, 32, requires_grad=True) * 1 for _ in range(3))
+    with fq.compress_activations(2, min_numel=1) as comp:
+        out = scaled_dot_product_attention(q, k, v)
+    out.sum().backward()
+    assert "unseen" not in comp.stats.skipped and comp.stats.compressed == 3, comp.stats
+
+
+def test_a_tensor_subclass_keeps_its_override_of_a_composite():
+    """Re-entering a Python composite's body skips the hop in which a tensor subclass's
+    ``__torch_function__`` would run: a subclass overriding ``F.dropout`` lost its override
+    inside a compressor. Composites with subclass arguments are not re-entered."""
+
+    class Tagged(torch.Tensor):
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            if func is F.dropout:
+                return args[0] * 0 + 7
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    t = (torch.randn(4, 300, requires_grad=True) * 1.0).as_subclass(Tagged)
+    with fq.compress_activations(4):
+        out = F.dropout(t, 0.5)
+    assert torch.equal(out.as_subclass(torch.Tensor), torch.full((4, 300), 7.0))
+
+
+def test_a_kept_unseen_save_serves_later_saves():
+    """What a custom Function keeps exact is held anyway: a later save of the same tensor
+    reuses it instead of adding a quantized copy."""
+    h = torch.randn(64, 256, requires_grad=True) * 1
+    w = torch.randn(32, 256, requires_grad=True)
+    with fq.compress_activations(4, min_numel=1) as comp:
+        _TanhGelu.apply(h)
+        F.linear(h, w)
+    assert comp.stats.skipped.get("unseen") == 1 and comp.stats.deduplicated == 1 and comp.stats.compressed == 0
+
+
+def test_two_threads_entering_at_once_never_both_get_in():
+    """The check of the owning thread and its claim are one step: two threads entering
+    together had both got in (1 in 400 trials; 7 in 400 at a 1 us switch interval)."""
+    import sys
+    import threading
+    import time
+
+    comp = fq.compress_activations(4)
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    both, raised = 0, 0
+    try:
+        for _ in range(100):
+            barrier = threading.Barrier(2)
+            spans, errors = [], []
+
+            def work():
+                barrier.wait()
+                try:
+                    with comp:
+                        t0 = time.perf_counter()
+                        time.sleep(0.002)
+                        spans.append((t0, time.perf_counter()))
+                except RuntimeError as exc:
+                    errors.append(exc)
+
+            threads = [threading.Thread(target=work) for _ in range(2)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            if len(spans) == 2 and spans[0][0] < spans[1][1] and spans[1][0] < spans[0][1]:
+                both += 1
+            raised += len(errors)
+            assert not comp.active and comp._owner is None
+    finally:
+        sys.setswitchinterval(old)
+    assert both == 0 and raised >= 1
