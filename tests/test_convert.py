@@ -1199,24 +1199,25 @@ def test_convert_bits_shorthand_names_its_own_argument(bits):
         convert_(nn.Sequential(nn.GELU()), Config(), bits=3)
 
 
+class _BackboneNet(nn.Module):
+    """``head(backbone(x))``; a training loop may call ``backbone`` alone."""
+
+    def __init__(self, act: type = nn.GELU):
+        super().__init__()
+        self.backbone = nn.Sequential(nn.Linear(64, 128), act(), nn.Linear(128, 128), act(), nn.Linear(128, 64))
+        self.head = nn.Linear(64, 4)
+
+    def forward(self, x):
+        return self.head(self.backbone(x))
+
+
 def test_a_submodule_called_by_itself_starts_a_pass():
     """A training loop that calls a submodule of a converted model (``model.backbone(x)``)
     never ran the model's pass hook: the save ordinals never restarted and
     ``compressor.records`` grew by every step (3000 after 3000 steps), so a GACT plan keyed
     by them was never applied. The submodule's first enter now starts a pass."""
-
-    class Net(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.backbone = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 128), nn.GELU(),
-                                          nn.Linear(128, 64))
-            self.head = nn.Linear(64, 4)
-
-        def forward(self, x):
-            return self.head(self.backbone(x))
-
     torch.manual_seed(0)
-    model = Net()
+    model = _BackboneNet()
     comp = fewbit.convert_(model, fewbit.Config(saved_bits=4, min_numel=0)).compressor
     x = torch.randn(32, 64)
     for _ in range(5):
@@ -1234,18 +1235,8 @@ def test_a_submodule_called_by_itself_starts_a_pass():
 def test_gact_applies_its_plan_to_a_submodule_called_alone():
     """The GACT plan of a model trained through a submodule (``model.backbone(x)``) was
     never applied (no pass restarted the save ordinals), then covered the last module only."""
-    class Net(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.backbone = nn.Sequential(nn.Linear(64, 128), nn.Tanh(), nn.Linear(128, 128), nn.Tanh(),
-                                          nn.Linear(128, 64))
-            self.head = nn.Linear(64, 4)
-
-        def forward(self, x):
-            return self.head(self.backbone(x))
-
     torch.manual_seed(0)
-    model = Net()
+    model = _BackboneNet(nn.Tanh)
     comp = fewbit.convert_(model, fewbit.Config(saved_bits="auto", average_bits=2, min_numel=0)).compressor
     x = torch.randn(64, 64)
 

@@ -119,13 +119,21 @@ def _uniform_lo(typingctx, i, lo, s0, s1x):
 
 
 @njit(inline="always", cache=True)
+def _lanes32(e0, n, s1):
+    """``(lo, s1x, k)`` for the noise of the flat indices ``e0 .. e0 + n - 1``:
+    :func:`_uniform_lo`'s arguments (the low word of ``e0``, ``s1`` with its high word folded
+    in) and how many of the indices lie below the next multiple of 2**32 (those take the
+    32-bit lanes; the rest :func:`_uniform`)."""
+    lo = np.uint64(e0) & _MASK32
+    return lo, s1 ^ (np.uint64(e0) >> np.uint64(32)), min(n, (1 << 32) - np.int64(lo))
+
+
+@njit(inline="always", cache=True)
 def _noise(e0, out, s0, s1):
     """``out[i] = u(e0 + i)`` (:func:`_uniform`) for ``i < len(out)``: 32-bit lanes
     (:func:`_uniform_lo`) up to the next multiple of 2**32, the 64-bit index past it."""
     n = out.shape[0]
-    lo = np.uint64(e0) & _MASK32
-    s1x = s1 ^ (np.uint64(e0) >> np.uint64(32))
-    k = min(n, (1 << 32) - np.int64(lo))
+    lo, s1x, k = _lanes32(e0, n, s1)
     for i in range(k):
         out[i] = _uniform_lo(i, lo, s0, s1x)
     for i in range(k, n):
@@ -232,9 +240,7 @@ def round_half(ys, e0, s0, s1, kind):
     if kind == ROUND_NONE:
         return
     n = ys.shape[0]
-    lo = np.uint64(e0) & _MASK32
-    s1x = s1 ^ (np.uint64(e0) >> np.uint64(32))
-    k = min(n, (1 << 32) - np.int64(lo))
+    lo, s1x, k = _lanes32(e0, n, s1)
     for i in range(k):
         ys[i] = _round_one(ys[i], _uniform_lo(i, lo, s0, s1x), kind)
     for i in range(k, n):
