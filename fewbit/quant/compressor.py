@@ -657,7 +657,7 @@ class ActivationCompressor:
         elif not is_bool and (_result_of(t) in _EXACT_RESULTS or _per_row_statistic(t)):
             return self._skip(t, "statistic")
         elif not is_bool and _nonlinear_result(t):
-            self._mark_kept(t, (t.untyped_storage().data_ptr(), t.device, t._version))  # later saves reuse it
+            self._mark_kept(t, _storage_key(t))  # later saves reuse it
             return self._skip(t, "nonlinear")
         elif (not is_bool and self._stack and getattr(self._local, "call", None) is None
               and not getattr(_CUSTOM_SAVES, "compressible", False)):
@@ -666,7 +666,7 @@ class ActivationCompressor:
             # tanh of what it saves; fused attention and SwiGLU kernels), so the save is
             # kept exact: quantized, BLOOM's GELU input biased the weight gradient by 6 %
             # of its norm (6000 draws, 8.5 standard errors)
-            self._mark_kept(t, (t.untyped_storage().data_ptr(), t.device, t._version))  # later saves reuse it
+            self._mark_kept(t, _storage_key(t))  # later saves reuse it
             return self._skip(t, "unseen")
         # A contiguous tensor is keyed by the elements it covers, not its shape: a reshaped
         # view of a tensor already packed (eager attention's matmul saves the probabilities
@@ -677,7 +677,7 @@ class ActivationCompressor:
         if not is_bool and mask_value is None:
             # Kept exact is keyed by storage: any view of a storage kept exact (the other half
             # of a fused projection split with chunk) is held anyway.
-            storage = (key[0], t.device, t._version)
+            storage = _storage_key(t)
             kept = self._kept.get(storage)
             kept = kept() if kept is not None else None
             if self._keep_depth:  # inside a call whose backward is not linear in it
@@ -716,7 +716,7 @@ class ActivationCompressor:
             if handle is None:
                 # held exact: later saves of its storage keep it too (a compressed copy by
                 # another module would only add bytes)
-                self._mark_kept(t, (key[0], t.device, t._version))
+                self._mark_kept(t, _storage_key(t))
                 kept = self._skip(t, "kept")
                 if earlier is not None:  # and an earlier save's copy is not needed any more
                     self._share(earlier, kept, None, t)
@@ -948,6 +948,12 @@ _EXACT_RESULTS = frozenset({"RsqrtBackward0", "SqrtBackward0", "ReciprocalBackwa
 # result kept).
 _NONLINEAR_RESULTS_EXACT = frozenset({"CudnnRnnBackward0", "MiopenRnnBackward0"})
 _NONLINEAR_RESULT_OUTPUTS = {"MkldnnRnnLayerBackward0": frozenset({2})}
+
+
+def _storage_key(t: torch.Tensor) -> tuple:
+    """The key of ``t``'s storage in :attr:`ActivationCompressor._kept` (data pointer,
+    device, version): any view of a storage held exact is held anyway."""
+    return (t.untyped_storage().data_ptr(), t.device, t._version)
 
 
 def _nonlinear_result(t: torch.Tensor) -> bool:

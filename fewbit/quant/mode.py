@@ -29,12 +29,9 @@ _ROUTED = frozenset(attention.ROUTED) | frozenset(nonlinear.STEPWISE) | frozense
     nonlinear.NORMS)
 
 
-# torch.overrides.redispatch_function, or the private primitive behind it in releases that do
-# not export it: runs a Python function that dispatches __torch_function__ itself past that
-# dispatch (its body), once.
-_redispatch = getattr(torch.overrides, "redispatch_function", None)
-if _redispatch is None and hasattr(torch._C, "_skip_one_hop_torch_function"):
-    _redispatch = torch._C._skip_one_hop_torch_function
+# runs a Python function that dispatches __torch_function__ itself past that dispatch (its
+# body), once; None where torch has no such primitive (fewbit.quant.attention, one home)
+_redispatch = attention._redispatch
 
 #: Argument types whose composites are re-entered (a tensor subclass overriding, say,
 #: ``F.dropout`` must get that call, which the redispatch would skip).
@@ -94,15 +91,16 @@ class CompressionMode(TorchFunctionMode):
         outer = getattr(local, "call", None)
         local.call = (args, kwargs, next(_SERIAL))
         try:
-            if func not in _ROUTED or not torch.is_grad_enabled() or under_checkpoint():
+            if not torch.is_grad_enabled() or under_checkpoint():
                 # inside a checkpoint (its hooks innermost) what is saved is the checkpoint's:
                 # torch's calls, alike in the forward and the recomputation
-                if isinstance(func, _ATEN_OPS) and torch.is_grad_enabled() and not under_checkpoint():
+                return func(*args, **kwargs)
+            if func not in _ROUTED:
+                if isinstance(func, _ATEN_OPS):
                     # torch.ops.aten.gelu(x): not the Python names the tables list
                     out = nonlinear.reroute_aten(self.compressor, func, args, kwargs)
                     return func(*args, **kwargs) if out is nonlinear.NOT_HANDLED else out
-                if (_is_composite(func) and torch.is_grad_enabled() and not under_checkpoint()
-                        and all(t in _PLAIN for t in types)):  # a subclass's own override runs as before
+                if _is_composite(func) and all(t in _PLAIN for t in types):  # a subclass's override runs as before
                     # torch's Python composites run their body with the mode off: re-entered
                     # with it on, so that the calls inside are seen (F.lp_pool1d's abs,
                     # relu and pow(1 / p) were quantized: the input gradient off by 2.8x
