@@ -22,6 +22,8 @@ Importing this module does not import numba or triton.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from fewbit._checks import FLOAT_DTYPES, packed_nbytes
@@ -444,11 +446,8 @@ def _(packed, lfc, mins, scales, bh, bw, bits, h, w, dtype, seed=0, stochastic=F
     return _cpu.division_decode_cpu(packed, lfc, mins, scales, bh, bw, bits, h, w, dtype, seed, stochastic)
 
 
-def _round_to_cuda(y: torch.Tensor, dtype: torch.dtype, seed) -> torch.Tensor:
-    """:func:`fewbit.quant._reference.round_to_dtype` on CUDA: the Triton rounding kernel
-    for stochastic rounding into float16/bfloat16, torch's cast otherwise."""
-    if seed is None or dtype not in ref.HALF_GRIDS or y.numel() == 0:
-        return y.to(dtype)
+def _stochastic_round_cuda(y: torch.Tensor, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """:func:`fewbit.quant._reference.stochastic_round_reference` on CUDA: the Triton kernel."""
     from fewbit.quant import _triton  # noqa: F401
 
     return torch.ops.fewbit.stochastic_round_triton(y.reshape(-1), dtype, seed).view(y.shape)
@@ -459,4 +458,5 @@ def _division_decode_cuda(packed, lfc, mins, scales, bh, bw, bits, h, w, dtype, 
     _check_affine(bits, 1, dtype)
     return ref.division_decode_reference(packed, lfc, mins, scales, bh, bw, bits, h, w, dtype,
                                          seed if stochastic else None, affine_decode=affine_decode,
-                                         round_to=_round_to_cuda)
+                                         round_to=functools.partial(ref.round_to_dtype,
+                                                                    stochastic_round=_stochastic_round_cuda))

@@ -208,12 +208,14 @@ def stochastic_round_reference(y: torch.Tensor, dtype: torch.dtype, seed: int) -
     return z.to(torch.float32)
 
 
-def round_to_dtype(y: torch.Tensor, dtype: torch.dtype, seed: int | None) -> torch.Tensor:
+def round_to_dtype(y: torch.Tensor, dtype: torch.dtype, seed: int | None,
+                   stochastic_round=stochastic_round_reference) -> torch.Tensor:
     """A decoded ``y`` (the compute dtype) in ``dtype``: rounded to nearest if ``seed`` is
-    None or ``dtype`` is float32/float64, else by :func:`stochastic_round_reference`."""
-    if seed is None or dtype not in (torch.float16, torch.bfloat16) or y.numel() == 0:
+    None or ``dtype`` is float32/float64, else by ``stochastic_round(y, dtype, seed)``
+    (:func:`stochastic_round_reference`, or a backend's kernel with its signature)."""
+    if seed is None or dtype not in HALF_GRIDS or y.numel() == 0:
         return y.to(dtype)
-    return stochastic_round_reference(y, dtype, seed).to(dtype)
+    return stochastic_round(y, dtype, seed).to(dtype)
 
 
 def floor_to_dtype(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -35,9 +35,8 @@ def _division_compress(x, bh, bw, bits, seed, row_stats):  # the steps of fewbit
 
 
 def _round_to(y, dtype, seed):  # the steps of fewbit::division_decode's rounding on CUDA
-    if seed is None or dtype not in ref.HALF_GRIDS:
-        return y.to(dtype)
-    return T.stochastic_round(y.reshape(-1), dtype, seed, block=4096).view(y.shape)
+    return ref.round_to_dtype(y, dtype, seed, stochastic_round=lambda y, dtype, seed: T.stochastic_round(
+        y.reshape(-1), dtype, seed, block=4096).view(y.shape))
 
 
 def _division_decode(*a, seed, stochastic):
