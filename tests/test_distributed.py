@@ -11,8 +11,8 @@ same code path (``_dist_worker.train(job)``: world size 1, the whole global batc
 - ``Config(activation_bits=3, saved_bits=4)`` rounds stochastically: the noise seeds come
   from each rank's fewbit noise stream plus the rank, so ranks draw independent
   noise whether seeded alike or not, and the same per-rank seed reproduces a run bit for
-  bit; the distributed loss curve stays within 3 sigma of the single-process curves of
-  several noise seeds.
+  bit; the distributed loss curve stays within the spread of the single-process curves
+  of several noise seeds (Student's t bound, NOISE_ALPHA).
 - No leak: after the last backward no compressed copy and no tensor made in the forward
   is still alive (a TorchFunctionMode keeps weak references to every forward output; the
   attention leak fixed in 13b42e2 shows up here as 14 leaked tensors per step).
@@ -42,7 +42,15 @@ pytestmark = pytest.mark.slow
 
 WORLD = 2
 JOIN_TIMEOUT_S = 300
-NOISE_REPS = 5  # single-process runs (noise seeds) that estimate the per-step spread of the loss
+NOISE_REPS = 12  # single-process runs (noise seeds) that estimate the per-step spread of the loss
+# Two-sided tail of one step's comparison. With the spread estimated from NOISE_REPS runs the
+# distributed loss's deviation, in units of that spread, follows Student's t with NOISE_REPS - 1
+# degrees of freedom: a bound of 3 estimated sigma from 5 runs (t with 4 dof) was exceeded by
+# chance 3 % of the time per step (4 steps x 3 jobs a module), and a build with less
+# compression noise (norm inputs at 8 bits) put the fixed-seed DDP run at 3.1 sigma of DDP's
+# own spread over 36 seeds, whose mean matched the single process's over 30 (4.39203 against
+# 4.39172 at step 3, standard deviations 0.0017 and 0.0013).
+NOISE_ALPHA = 1e-3
 
 HAS_PLAN = hasattr(fewbit, "plan")
 NO_PLAN = "fewbit.plan (the planner of issue 12) is not in this build"
@@ -146,8 +154,11 @@ def test_deterministic_config_matches_single_process(ranks, job):
 @pytest.mark.parametrize("job", STOCH_JOBS, ids=lambda j: j.name)
 def test_stochastic_config_loss_within_noise_of_single_process(ranks, job):
     """Forward is exact (compression changes only what backward sees), so step 0's loss is
-    the deterministic one; later losses differ by the gradient noise. Bound: 3 standard
-    deviations (ddof=1) of NOISE_REPS single-process runs with other noise seeds, at each step."""
+    the deterministic one; later losses differ by the gradient noise. Bound, at each step:
+    the standard deviation (ddof=1) of NOISE_REPS single-process runs with other noise seeds
+    times Student's t quantile of NOISE_ALPHA (two-sided) with NOISE_REPS - 1 dof."""
+    from scipy.stats import t as student_t
+
     res = _result(ranks, job.name)
     reps = torch.tensor([_reference(W.Job(job.model, "stoch", "none", 2000 + s))["losses"] for s in range(NOISE_REPS)])
     mean, std = reps.mean(0), reps.std(0)
@@ -157,8 +168,9 @@ def test_stochastic_config_loss_within_noise_of_single_process(ranks, job):
         assert torch.isfinite(losses).all()
         torch.testing.assert_close(losses[0], mean[0], rtol=LOSS_RTOL, atol=0)
         dev = (losses - mean).abs()
-        bound = 3 * std * (1 + 1 / NOISE_REPS) ** 0.5 + 1e-6
-        assert (dev <= bound).all(), f"rank {rank}: |loss - mean| {dev.tolist()} > 3 sigma {bound.tolist()}"
+        quantile = float(student_t.ppf(1 - NOISE_ALPHA / 2, NOISE_REPS - 1))  # 4.44 for 12 runs
+        bound = quantile * std * (1 + 1 / NOISE_REPS) ** 0.5 + 1e-6
+        assert (dev <= bound).all(), f"rank {rank}: |loss - mean| {dev.tolist()} > {quantile:.2f} sigma {bound.tolist()}"
         assert r["compressed"] > 0, "nothing was compressed"
         assert r["live"] == 0, f"rank {rank}: {r['live']} compressed copies still alive after backward"
         assert r["leaked"] == 0, f"rank {rank}: {r['leaked']} tensors of the last forward outlived its backward"
