@@ -453,6 +453,8 @@ class ActivationCompressor:
         # (fewbit.quant.nonlinear); _keep_depth > 0 inside one
         self._kept: dict = {}
         self._keep_depth = 0
+        # (data pointer, elements) of the inputs of the per-sample norm calls running (_within_norm)
+        self._norm_inputs: list = []
         # .call: (args, kwargs, serial) of the torch call running under CompressionMode, or None
         self._local = threading.local()
 
@@ -466,6 +468,7 @@ class ActivationCompressor:
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
+        self.__dict__.setdefault("_norm_inputs", [])  # pickled by an earlier build
         self._local = threading.local()
 
     # passes and policies -------------------------------------------------------------
@@ -536,21 +539,47 @@ class ActivationCompressor:
         finally:
             self._keep_depth -= 1
 
-    def _within_norm(self, size: int | None, shape: tuple, func, args: tuple, kwargs: dict):
-        """``func(*args, **kwargs)``, a normalization function whose input of ``shape`` has
-        rows of ``size`` elements, with that ``norm_size`` (unless a converted norm module
-        running it gave one already; fewbit.quant.nonlinear)."""
+    def _within_norm(self, size: int | None, per_sample: bool, x: torch.Tensor, func, args: tuple, kwargs: dict):
+        """``func(*args, **kwargs)``, a normalization function whose input ``x`` has rows of
+        ``size`` elements, with that ``norm_size`` (unless a converted norm module running
+        it gave one already; fewbit.quant.nonlinear).
+
+        ``per_sample`` (LayerNorm, RMSNorm, GroupNorm, InstanceNorm): ``x``, saved once for
+        a backward that is quadratic in it, gets :data:`RESULT_BITS` inside its rows
+        (``SavedTensorInfo.role == "norm_input"``), whatever the policy chose unless it keeps
+        it exact. LayerNorm's ``dx = rstd (g w - mean(g w) - x_hat mean(g w x_hat))`` gains
+        ``-rstd^3 g_i w_i Var(e_i) / size`` in the mean (docs/compression.md §1), and a
+        row's step is set by its largest elements: on a LayerNorm(768) with one channel
+        30x the others, 2-bit groups inside rows gave the input gradient a bias of 1.4 % of
+        its norm (400 draws, mean z**2 11; 2 bits bound it by 1/9 whatever the size); at 8
+        bits 0.01 % (z**2 1.1). A BatchNorm on batch statistics (``per_sample`` False) shares
+        one mean over ``N * plane`` elements, and its input keeps the policy's bits."""
         outer = self._where[-1] if self._where else (None, None, None)
-        if size is None or outer[2] is not None:
-            return func(*args, **kwargs)
-        # the input, or a view of its elements in the same order (F.instance_norm saves a
-        # (1, N * C, *spatial) view of its (N, C, *spatial) input): rows of `size` in C order
-        numel = math.prod(shape)
-        self._where.append((outer[0], outer[1], lambda s: size if math.prod(s) == numel else None))
+        marked = per_sample and size is not None
+        if marked:  # the input of the innermost norm call: (data pointer, elements)
+            self._norm_inputs.append((x.data_ptr(), x.numel()))
         try:
-            return func(*args, **kwargs)
+            if size is None or outer[2] is not None:
+                return func(*args, **kwargs)
+            # the input, or a view of its elements in the same order (F.instance_norm saves a
+            # (1, N * C, *spatial) view of its (N, C, *spatial) input): rows of `size` in C order
+            numel = x.numel()
+            self._where.append((outer[0], outer[1], lambda s: size if math.prod(s) == numel else None))
+            try:
+                return func(*args, **kwargs)
+            finally:
+                self._where.pop()
         finally:
-            self._where.pop()
+            if marked:
+                self._norm_inputs.pop()
+
+    def _norm_input(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` (a floating save with a norm's row layout) is the input of the
+        per-sample norm call running (:meth:`_within_norm`), or a view of its elements."""
+        if not self._norm_inputs:
+            return False
+        ptr, numel = self._norm_inputs[-1]
+        return t.data_ptr() == ptr and t.numel() == numel
 
     # context manager -------------------------------------------------------------------
     def __enter__(self) -> "ActivationCompressor":
@@ -654,7 +683,7 @@ class ActivationCompressor:
                 mask_value = _two_valued_scale(t)
             if mask_value is None:
                 return self._skip(t, "no_grad")
-        elif not is_bool and (_result_of(t) in _EXACT_RESULTS or _per_row_statistic(t)):
+        elif not is_bool and (_result_of(t) in _EXACT_RESULTS or _per_row_statistic(t) or _norm_statistic(t)):
             return self._skip(t, "statistic")
         elif not is_bool and _nonlinear_result(t):
             self._mark_kept(t, _storage_key(t))  # later saves reuse it
@@ -695,13 +724,20 @@ class ActivationCompressor:
         # bits inside head channels; a Linear's 2-bit copy of the same tensor made first had
         # served the q of `sdpa(h.unsqueeze(1), k, v)`: dq off by 0.71 of its norm)
         layout = rows
+        norm_input = rows is not None and self._norm_input(t)
+        if norm_input:  # RESULT_BITS inside the rows: a copy at the policy's bits does not serve it
+            layout = (_NORM_INPUT_LAYOUT, rows)
         if self.compressor is not self._default and not is_bool and mask_value is None:
             layout = _QK_LAYOUT
         hit = self._cache.get(key)
         earlier = None  # a live copy of this tensor that does not serve this save
         if hit is not None:
             anchor, handle = hit[0](), hit[1]()
-            if anchor is not None and handle is not None and self._may_share(t, hit[4]):
+            # a norm's input saved twice by its call (torch's CPU rms_norm: for the square
+            # and for x * rsqrt) shares its RESULT_BITS copy: at 8 bits the error taken twice
+            # is the single save's (_within_norm)
+            if anchor is not None and handle is not None and (
+                    (norm_input and hit[2] == layout) or self._may_share(t, hit[4])):
                 if layout is None or hit[2] == layout:
                     self.stats.deduplicated += 1
                     return handle if tuple(handle.shape) == tuple(t.shape) else _ViewHandle(handle, t.shape)
@@ -712,7 +748,7 @@ class ActivationCompressor:
                 handle = _Handle(None, _pack_bool(bits), t.shape, t.dtype, t.device, mask_value)
             self.stats.packed_bool += 1
         else:
-            handle = self._compress(t, rows, ordinal)
+            handle = self._compress(t, rows, ordinal, norm_input)
             if handle is None:
                 # held exact: later saves of its storage keep it too (a compressed copy by
                 # another module would only add bytes)
@@ -792,11 +828,12 @@ class ActivationCompressor:
         self._kept[storage] = weakref.ref(t._base if t._base is not None else t,
                                           functools.partial(_drop_kept, self._kept, storage))
 
-    def _compress(self, t: torch.Tensor, norm_size, ordinal: int):
+    def _compress(self, t: torch.Tensor, norm_size, ordinal: int, norm_input: bool = False):
         """The policy's (or attention's forced) compressor on floating ``t``; None if kept.
         ``norm_size``: the saving norm module's layout for ``t`` (``norm_size(shape)`` of
         :meth:`_push_module`; an int, a :class:`fewbit._norm_rows.Channels` or None);
-        ``ordinal``: its place among its module's saves (``SavedTensorInfo.key``)."""
+        ``ordinal``: its place among its module's saves (``SavedTensorInfo.key``);
+        ``norm_input``: ``t`` is a per-sample norm's input (:meth:`_within_norm`)."""
         from fewbit.quant.policies import SavedTensorInfo, compressor_bits
 
         forced = self.compressor is not self._default  # fewbit.quant.attention's q and k
@@ -807,11 +844,13 @@ class ActivationCompressor:
         role = "qk" if forced else None
         if _result_of(t) in _NONLINEAR_RESULTS:
             role, norm_size = "result", _softmax_rows(t)
+        elif norm_input and not forced and not channels:
+            role = "norm_input"
         info = SavedTensorInfo(self._index, tuple(t.shape), t.dtype, fqn, kind, role, norm_size, (fqn, ordinal))
         self._index += 1
         self.policy.observe(info)
         compressor = self.compressor if forced and not self.policy.decides_qk else self.policy.choose(t, info)
-        if role == "result" and compressor.name != "keep":
+        if role in ("result", "norm_input") and compressor.name != "keep":
             compressor = self._result_compressor
         if norm_size is not None:  # statistics inside each normalized row (Compressor.within)
             compressor = compressor.within(norm_size)
@@ -863,6 +902,9 @@ class ActivationCompressor:
 
 #: The cache layout of attention's q and k copies (ActivationCompressor._pack).
 _QK_LAYOUT = "qk"
+#: The cache layout of a per-sample norm's input, ``(_NORM_INPUT_LAYOUT, rows)``: RESULT_BITS
+#: inside rows (ActivationCompressor._within_norm).
+_NORM_INPUT_LAYOUT = "norm_input"
 
 
 class _NothingSaved(Exception):
@@ -906,9 +948,13 @@ _DOUBLE_BACKWARD = (
 )
 
 
-#: Bits of a result saved for its op's own backward when that backward is not linear in it
-#: (softmax, log-softmax, tanh, sigmoid; :data:`_NONLINEAR_RESULTS`), whatever the policy
-#: chose (unless it kept it exact).
+#: Bits of a tensor saved once for a backward that is not linear in it, whatever the policy
+#: chose (unless it kept it exact): a result saved for its op's own backward (softmax,
+#: log-softmax, tanh, sigmoid; :data:`_NONLINEAR_RESULTS`) and the input of a per-sample
+#: normalization (LayerNorm, RMSNorm, GroupNorm, InstanceNorm;
+#: :meth:`ActivationCompressor._within_norm`). The bias such a backward makes of the
+#: quantization variance falls with the step squared: (2^2 - 1)^2 / (2^8 - 1)^2 = 1/7225 of
+#: 2 bits'.
 RESULT_BITS = 8
 
 # Results that their producing op saves for its own backward, which is not linear in them,
@@ -954,6 +1000,18 @@ def _storage_key(t: torch.Tensor) -> tuple:
     """The key of ``t``'s storage in :attr:`ActivationCompressor._kept` (data pointer,
     device, version): any view of a storage held exact is held anyway."""
     return (t.untyped_storage().data_ptr(), t.device, t._version)
+
+
+def _norm_statistic(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a statistic a normalization kernel returns beside its output (output
+    1 or 2 of ``native_layer_norm``, ``native_group_norm``, ``native_batch_norm``,
+    ``_fused_rms_norm``: the mean and the reciprocal standard deviation). Kept exact for the
+    reason of :data:`_EXACT_RESULTS` (backward multiplies by ``rstd`` and its powers).
+    ``native_group_norm`` returns them as outputs that require grad, of shape ``(N,
+    groups)``, so the ``no_grad`` and per-row rules miss them: a GroupNorm(32, 64) on a batch
+    of 128 (4096 statistics, ``min_numel``) quantized them at 2 bits, and its input gradient
+    was off by 2.2 % of its norm over 200 draws (mean z**2 2.3)."""
+    return t.output_nr > 0 and (_result_of(t) or "").endswith("NormBackward0")
 
 
 def _nonlinear_result(t: torch.Tensor) -> bool:

@@ -106,7 +106,10 @@ class Compressor(abc.ABC):
         own range, not from a range shared with rows of larger scale. On a LayerNorm(128)
         whose rows alternate between scales 1 and 30, 2-bit groups of 256 (two rows) gave
         the small rows' input gradient a bias of 6.0x its norm (400 draws); groups inside
-        rows, 0.0068x (``tests/quant/test_norm_rows.py``).
+        rows, 0.0068x (``tests/quant/test_norm_rows.py``). What is left, ``Var(e_i) /
+        size`` in the row's units, grows with the row's largest elements; the input of
+        torch's norm functions is therefore taken at 8 bits
+        (:meth:`fewbit.quant.ActivationCompressor._within_norm`).
 
         Default: ``self`` (for compressors whose statistics are already per row of the
         last dim, or per element). :class:`GroupQuantizer` aligns its groups to the runs;

@@ -187,7 +187,10 @@ class GACTPolicy(Policy):
             of 0.01-0.5, absolute norm, on ``scripts/train_lm.py``'s GPT-2.)
         norm_min_bits: the fewest bits of a tensor saved inside a per-sample normalization
             layer (LayerNorm, RMSNorm, GroupNorm, InstanceNorm: those with
-            :attr:`~fewbit.quant.policies.SavedTensorInfo.norm_size`), default 2. Their
+            :attr:`~fewbit.quant.policies.SavedTensorInfo.norm_size`), default 2. The input
+            of torch's own norm functions (``F.layer_norm``, ...; role ``"norm_input"``) is
+            not planned: it gets 8 bits, as q and k; the floor holds for the saves of norms
+            written in Python (transformers' RMSNorm: two copies of ``x``). Their
             backward is quadratic in the quantization error, so its variance turns into a
             bias (:meth:`fewbit.quant.compressors.Compressor.within`) that ``c_l S(b)``
             does not count and that grows 9x from 2 bits to 1. On ``scripts/train_lm.py``'s
@@ -303,11 +306,11 @@ class GACTPolicy(Policy):
 
     # pack time ---------------------------------------------------------------------------
     def observe(self, info):
-        if self._probe is not None and info.role is None:  # q, k and nonlinear results: fixed 8 bits
+        if self._probe is not None and info.role is None:  # q, k, nonlinear results, norm inputs: fixed 8 bits
             self._seen[info.index] = info
 
     def choose(self, x, info):
-        if info.role is not None:  # q, k, nonlinear results: not allocated, 8 bits, also in the sensitivity runs
+        if info.role is not None:  # q, k, nonlinear results, norm inputs: not allocated, 8 bits, also in the sensitivity runs
             return self._quantizers[8]
         if self._probe is not None:
             return self._quantizers[self.probe_bits]

@@ -188,25 +188,53 @@ def _group_norm_size(args, kwargs):
 
 
 def _instance_norm_size(args, kwargs):
-    return _norm_rows.instance_norm(tuple(args[0].shape))
+    # F.instance_norm / torch.instance_norm(input, ..., use_input_stats, ...): with running
+    # statistics (use_input_stats=False) an affine map of the input, nothing to do
+    use_input_stats = args[5] if len(args) > 5 else kwargs.get("use_input_stats", True)
+    return _norm_rows.instance_norm(tuple(args[0].shape)) if use_input_stats is not False else None
 
 
 def _batch_norm_size(args, kwargs):
-    # F.batch_norm(input, running_mean, running_var, weight, bias, training, ...): on batch
-    # statistics, one channel plane (fewbit.convert.normalization_size says why)
+    # F.batch_norm(input, running_mean, running_var, weight, bias, training, ...) and
+    # torch.batch_norm / torch.native_batch_norm(input, weight, bias, running_mean,
+    # running_var, training, ...): on batch statistics, one channel plane
+    # (fewbit.convert.normalization_size says why)
     training = args[5] if len(args) > 5 else kwargs.get("training", False)
     return _norm_rows.batch_norm(tuple(args[0].shape)) if training is True else None
 
 
-#: normalization functions -> ``(args, kwargs) -> elements per normalized row`` of their
-#: input (contiguous in C order), as :func:`fewbit.convert.normalization_size` for modules.
-NORMS: dict[Callable, Callable] = {
-    f: size for f, size in (
-        (F.layer_norm, _layer_norm_size),
-        (getattr(F, "rms_norm", None), _layer_norm_size),
-        (F.group_norm, _group_norm_size),
-        (F.instance_norm, _instance_norm_size),
-        (F.batch_norm, _batch_norm_size),
+def _native_group_norm_size(args, kwargs):
+    # torch.native_group_norm(input, weight, bias, N, C, HxW, group, eps)
+    groups = args[6] if len(args) > 6 else kwargs.get("group")
+    if not isinstance(groups, numbers.Integral):
+        return None
+    return _norm_rows.group_norm(int(groups), tuple(args[0].shape))
+
+
+#: normalization functions -> ``(size, per_sample)``: ``size(args, kwargs)`` gives the
+#: elements per normalized row of their input (contiguous in C order), as
+#: :func:`fewbit.convert.normalization_size` does for modules; ``per_sample``: statistics of
+#: each sample's own row (LayerNorm, RMSNorm, GroupNorm, InstanceNorm), whose input the
+#: compressor takes at :data:`fewbit.quant.compressor.RESULT_BITS`
+#: (:meth:`~fewbit.quant.ActivationCompressor._within_norm` says why). Both the
+#: ``torch.nn.functional`` functions and the ``torch`` ones they call (``torch.layer_norm``,
+#: ``torch.native_layer_norm``, ... called directly: before, their input was grouped across
+#: rows, as any other tensor).
+NORMS: dict[Callable, tuple[Callable, bool]] = {
+    f: (size, per_sample) for f, size, per_sample in (
+        (F.layer_norm, _layer_norm_size, True),
+        (torch.layer_norm, _layer_norm_size, True),
+        (torch.native_layer_norm, _layer_norm_size, True),
+        (getattr(F, "rms_norm", None), _layer_norm_size, True),
+        (getattr(torch, "rms_norm", None), _layer_norm_size, True),
+        (F.group_norm, _group_norm_size, True),
+        (torch.group_norm, _group_norm_size, True),
+        (torch.native_group_norm, _native_group_norm_size, True),
+        (F.instance_norm, _instance_norm_size, True),
+        (torch.instance_norm, _instance_norm_size, True),
+        (F.batch_norm, _batch_norm_size, False),
+        (torch.batch_norm, _batch_norm_size, False),
+        (torch.native_batch_norm, _batch_norm_size, False),
     ) if f is not None
 }
 
@@ -242,9 +270,10 @@ def reroute(comp, func: Callable, args: tuple, kwargs: dict) -> Any:
         if _linear_power(name, args, kwargs) or not _any_grad_float(args, kwargs):
             return NOT_HANDLED
         return comp._keeping(func, args, kwargs)
-    size_of = NORMS.get(func)
-    if size_of is not None and args and _grad_float(args[0]):
-        return comp._within_norm(size_of(args, kwargs), tuple(args[0].shape), func, args, kwargs)
+    norm = NORMS.get(func)
+    if norm is not None and args and _grad_float(args[0]):
+        size_of, per_sample = norm
+        return comp._within_norm(size_of(args, kwargs), per_sample, args[0], func, args, kwargs)
     return NOT_HANDLED
 
 

@@ -53,7 +53,10 @@ class SavedTensorInfo:
             own backward when that backward is not linear in it (softmax and log-softmax,
             e.g. eager attention's probabilities; tanh; sigmoid), which the compressor
             takes at 8 bits (softmax: in rows) whatever the policy chooses, unless it
-            keeps it exact; else None.
+            keeps it exact; ``"norm_input"`` for the input of a per-sample normalization
+            call (LayerNorm, RMSNorm, GroupNorm, InstanceNorm: saved once for a backward
+            quadratic in it), taken at 8 bits inside its rows likewise
+            (:meth:`fewbit.quant.ActivationCompressor._within_norm`); else None.
         norm_size: inside a normalization layer whose backward is not linear in ``x``,
             the elements of ``x`` (in C order) that share one mean/variance, a contiguous run
             (:func:`fewbit.convert.normalization_size`: LayerNorm's ``normalized_shape``,

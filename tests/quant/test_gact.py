@@ -86,16 +86,32 @@ def test_norm_inputs_get_at_least_norm_min_bits():
         policy = GACTPolicy(1.5, norm_min_bits=floor)
         policy._plan(seen, sens)
         assert policy.bits == want
-    # a LayerNorm of a converted model: its saved input carries norm_size, so the floor holds
-    model = _mlp()
+    # a Python RMSNorm of a converted model (transformers' kind): its saved input carries
+    # norm_size, so the floor holds (its two saves of x, two copies)
+    model = _mlp(norm=_PyRMSNorm(64))
     x = torch.randn(48, 32) * 1.0
     y = torch.randint(0, 10, (48,))
     summary = fewbit.convert_(model, fewbit.Config(saved_bits="auto", average_bits=1.5, min_numel=0))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         summary.compressor.adapt(model, lambda: nn.functional.cross_entropy(model(x), y))
-    norm = [i for i, r in summary.compressor.records.items() if r.kind == "norm"]
-    assert len(norm) == 1 and summary.compressor.policy.bits[norm[0]] >= 2
+    norm = [i for i, r in summary.compressor.records.items() if r.kind == "norm" and r.shape == (48, 64)]
+    assert len(norm) >= 2 and all(summary.compressor.policy.bits[i] >= 2 for i in norm)
+
+
+def test_native_norm_input_gets_8_bits_outside_the_plan():
+    """A native LayerNorm's input (saved once, backward quadratic in it) gets RESULT_BITS at
+    every budget and is left out of the allocation, as q and k are
+    (fewbit.quant.ActivationCompressor._within_norm)."""
+    model = _mlp()
+    x = torch.randn(48, 32) * 1.0
+    y = torch.randint(0, 10, (48,))
+    summary = fewbit.convert_(model, fewbit.Config(saved_bits="auto", average_bits=1.5, min_numel=0))
+    comp = summary.compressor
+    comp.adapt(model, lambda: nn.functional.cross_entropy(model(x), y))
+    nn.functional.cross_entropy(model(x), y).backward()
+    norm = [r for r in comp.records.values() if r.kind == "norm"]
+    assert len(norm) == 1 and norm[0].bits == 8 and norm[0].index not in comp.policy.bits
 
 
 class _Two(nn.Module):
@@ -194,9 +210,20 @@ def test_relative_noise_norm_weighs_each_parameter_by_its_gradient():
         assert sens["relative", 8.0][i] == pytest.approx(sens["relative", 1.0][i], rel=1e-4)
 
 
-def _mlp():
+class _PyRMSNorm(nn.Module):
+    """A transformers-style RMSNorm (a Python forward, a name ending in RMSNorm)."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(n))
+
+    def forward(self, x):
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+
+def _mlp(norm=None):
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(32, 256), nn.GELU(), nn.Linear(256, 64), nn.LayerNorm(64), nn.GELU(),
+    return nn.Sequential(nn.Linear(32, 256), nn.GELU(), nn.Linear(256, 64), norm or nn.LayerNorm(64), nn.GELU(),
                          nn.Linear(64, 128), nn.Linear(128, 10))
 
 
@@ -209,15 +236,15 @@ def test_budget_respected_in_memory_report(average_bits):
     loss_fn = lambda out: nn.functional.cross_entropy(out, y)  # noqa: E731
     summary.compressor.adapt(model, lambda: loss_fn(model(x)))
     report = saved_tensor_report(model, x, loss_fn=loss_fn)
-    rows = report.saved_tensors
+    # the LayerNorm's input: 8 bits, outside the plan (test_native_norm_input_gets_8_bits_outside_the_plan)
+    norm = [r for r in report.saved_tensors if r["kind"] == "norm"]
+    assert len(norm) == 1 and norm[0]["bits"] == 8
+    rows = [r for r in report.saved_tensors if r["kind"] != "norm"]
     assert [r["index"] for r in rows] == sorted(summary.compressor.policy.bits)
     elements = sum(math.prod(r["shape"]) for r in rows)
-    # codes within the budget; stats: one bf16 (min, scale) pair per group of 256, rounded
-    # up; the LayerNorm(64)'s input in groups of one row (Compressor.within)
-    stats = sum(4 * -(-math.prod(r["shape"]) // (64 if r["kind"] == "norm" else 256))
-                for r in rows if r["compressor"] == "group")
+    # codes within the budget; stats: one bf16 (min, scale) pair per group of 256, rounded up
+    stats = sum(4 * -(-math.prod(r["shape"]) // 256) for r in rows if r["compressor"] == "group")
     assert sum(r["bytes"] for r in rows) <= average_bits * elements / 8 + stats + len(rows)
-    assert report.average_bits() <= average_bits
     assert "compressed saved tensors by bits" in report.format()
 
 
@@ -237,8 +264,8 @@ def test_gradient_unbiased_end_to_end():
                                                     min_numel=0))
     summary.compressor.adapt(model, lambda: nn.functional.cross_entropy(model(x * 1.0), y))
     policy = summary.compressor.policy
-    assert sorted(policy.bits) == [0, 1, 2, 3]
-    policy.bits = {0: 1, 1: 2, 2: 4, 3: 8}  # a mixed plan, whatever the sensitivities were
+    assert sorted(policy.bits) == [0, 2, 3]  # 1: the LayerNorm's input, 8 bits outside the plan
+    policy.bits = {0: 1, 2: 4, 3: 2}  # a mixed plan, whatever the sensitivities were
     draws = torch.stack([grad() for _ in range(300)])
     fewbit.convert_(model, fewbit.Config(activation_bits=None))
     exact = grad()
@@ -271,7 +298,8 @@ def test_user_loop_adapt_interval_keeps_grads_and_rng():
         nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
     assert planned == [True, True, False, True, False]  # calls 1, 2, 4 (gap doubles up to 2)
-    assert comp.records and all(r.bits == comp.policy.bits[i] for i, r in comp.records.items())
+    assert comp.records and all(r.bits == comp.policy.bits.get(i, 8) for i, r in comp.records.items())
+    assert [r.kind for i, r in comp.records.items() if i not in comp.policy.bits] == ["norm"]
 
 
 def test_replan_gaps_double_up_to_adapt_interval():
@@ -451,8 +479,11 @@ def test_attention_q_and_k_stay_at_8_bits(average_bits):
     records = list(comp.records.values())
     attention = [r for r in records if r.kind == "attention"]
     assert attention, "no tensor saved inside the attention"
-    qk = [r for r in records if r.index not in comp.policy.bits]
+    qk = [r for r in records if r.index not in comp.policy.bits and r.kind == "attention"]
     assert len(qk) == 2 * cfg.n_layer and all(r.bits == 8 for r in qk), [(r.fqn, r.bits) for r in qk]
+    # the LayerNorms' inputs (ln_1, ln_2 of each block, ln_f): 8 bits outside the plan too
+    norms = [r for r in records if r.index not in comp.policy.bits and r.kind != "attention"]
+    assert len(norms) == 2 * cfg.n_layer + 1 and all(r.kind == "norm" and r.bits == 8 for r in norms)
     planned = [r for r in records if r.index in comp.policy.bits]
     elements = sum(math.prod(r.shape) for r in planned)
     assert sum(r.bits * math.prod(r.shape) for r in planned) <= average_bits * elements
