@@ -138,8 +138,12 @@ class Config:
         min_numel: saved tensors with fewer elements are kept as they are (>= 0).
         stochastic: unbiased stochastic rounding (True) or nearest rounding (False).
         average_bits: with ``saved_bits="auto"`` (required then, refused otherwise): the
-            GACT budget, bits per element averaged over the compressed tensors, a number
+            GACT budget, bits per element averaged over the tensors GACT plans, a number
             in [1, 32] (:class:`fewbit.quant.gact.GACTPolicy`; docs/compression.md §2).
+            Attention's q and k, results saved for a nonlinear backward (softmax, tanh,
+            sigmoid) and the inputs of torch's per-sample norm functions are not planned:
+            8 bits each, on top of the budget (a 2-layer GPT-2 at ``average_bits=2``: 3.7
+            bits per element over all compressed tensors).
             ``saved_bits="auto"`` gives each saved tensor 1, 2, 4, 8 bits or keeps it, by
             gradient sensitivity, re-planned by ``summary.compressor.adapt(model, closure)``.
         compressor: how saved tensors are compressed (docs/compression.md): ``"group"``
@@ -147,7 +151,8 @@ class Config:
             ``saved_bits``-bit residual; 1-D tensors get the group quantizer at
             ``saved_bits``) or ``"adacc"`` (Adacc's layer-specific choice:
             outlier-separated for linear/norm inputs, channel-wise for q/k/v, softmax for
-            attention probabilities; :class:`fewbit.quant.policies.AdaccPolicy`; saved_bits
+            attention probabilities; the input of torch's norm functions at 8 bits whatever
+            the compressor, as for the others; :class:`fewbit.quant.policies.AdaccPolicy`; saved_bits
             2, 4 or 8). With ``saved_bits="auto"`` only ``"group"``; with ``saved_bits=None``
             (nothing compressed) only the default.
         adapt_interval: ``saved_bits="auto"`` (another value is refused otherwise): the

@@ -22,7 +22,11 @@ Granularity and options (:data:`DEFAULT_OPTIONS`, data-driven: :func:`get_option
 - ``division<b>``, ``outlier<b>`` (b in 1, 2, 4, 8): the same with DIVISION (exact 8x8 block
   means + a b-bit residual) or Adacc's outlier-separated compressor (outlier channels exact,
   the rest row-wise at b bits) (docs/compression.md §3-4); a tensor they cannot take (1-D)
-  gets the group quantizer at b bits (``fewbit.quant.policies.FixedPolicy``);
+  gets the group quantizer at b bits (``fewbit.quant.policies.FixedPolicy``). The input of
+  torch's per-sample norm functions (a LayerNorm group's) is taken at 8 bits under every
+  one of them (its backward is quadratic in it; ``ActivationCompressor._within_norm``): the
+  profile measures those bytes, so a norm group's ``quant2`` stores what its ``quant8``
+  does, and its accuracy term (from ``b``) overstates its noise;
 - ``fewbit<b>`` (pointwise activation modules only): replaced by the fewbit module that keeps a
   b-bit code per element (Novikov et al., "Few-bit Backward", ICML 2023);
 - ``recompute``: not saved; the block runs under ``torch.utils.checkpoint.checkpoint(...,

@@ -453,7 +453,7 @@ class ActivationCompressor:
         # (fewbit.quant.nonlinear); _keep_depth > 0 inside one
         self._kept: dict = {}
         self._keep_depth = 0
-        # (data pointer, elements) of the inputs of the per-sample norm calls running (_within_norm)
+        # the inputs of the per-sample norm calls running (_within_norm), innermost last
         self._norm_inputs: list = []
         # .call: (args, kwargs, serial) of the torch call running under CompressionMode, or None
         self._local = threading.local()
@@ -556,8 +556,8 @@ class ActivationCompressor:
         one mean over ``N * plane`` elements, and its input keeps the policy's bits."""
         outer = self._where[-1] if self._where else (None, None, None)
         marked = per_sample and size is not None
-        if marked:  # the input of the innermost norm call: (data pointer, elements)
-            self._norm_inputs.append((x.data_ptr(), x.numel()))
+        if marked:  # the input of the innermost norm call
+            self._norm_inputs.append(x)
         try:
             if size is None or outer[2] is not None:
                 return func(*args, **kwargs)
@@ -574,12 +574,19 @@ class ActivationCompressor:
                 self._norm_inputs.pop()
 
     def _norm_input(self, t: torch.Tensor) -> bool:
-        """Whether ``t`` (a floating save with a norm's row layout) is the input of the
-        per-sample norm call running (:meth:`_within_norm`), or a view of its elements."""
+        """Whether ``t`` (a floating save with a norm's row layout) is the input ``x`` of the
+        per-sample norm call running (:meth:`_within_norm`): a view of its elements, or a
+        copy torch made of it below the call (:func:`_copy_of`). The kernels save copies:
+        ``torch.instance_norm`` of ``x.contiguous()``, ``native_group_norm`` of a
+        non-contiguous ``x`` made contiguous, CUDA autocast's float32 cast of a half ``x``
+        for ``layer_norm`` and ``group_norm``; matched by data pointer alone, they had kept
+        the policy's 2 bits (InstanceNorm2d on a channels_last input: 1.8 % bias)."""
         if not self._norm_inputs:
             return False
-        ptr, numel = self._norm_inputs[-1]
-        return t.data_ptr() == ptr and t.numel() == numel
+        x = self._norm_inputs[-1]
+        if t.numel() != x.numel():
+            return False
+        return t.data_ptr() == x.data_ptr() or _copy_of(t, x)
 
     # context manager -------------------------------------------------------------------
     def __enter__(self) -> "ActivationCompressor":
@@ -737,7 +744,7 @@ class ActivationCompressor:
             # and for x * rsqrt) shares its RESULT_BITS copy: at 8 bits the error taken twice
             # is the single save's (_within_norm)
             if anchor is not None and handle is not None and (
-                    (norm_input and hit[2] == layout) or self._may_share(t, hit[4])):
+                    (norm_input and hit[2] == layout and self._same_call(hit[4])) or self._may_share(t, hit[4])):
                 if layout is None or hit[2] == layout:
                     self.stats.deduplicated += 1
                     return handle if tuple(handle.shape) == tuple(t.shape) else _ViewHandle(handle, t.shape)
@@ -793,6 +800,11 @@ class ActivationCompressor:
                 self.records[index] = replace(old, compressor="keep", bits=bits, nbytes=0)
             else:
                 self.records[index] = replace(old, compressor=record.compressor, bits=record.bits, nbytes=0)
+
+    def _same_call(self, serial) -> bool:
+        """Whether the torch call running (under the mode) is the one of ``serial``."""
+        call = getattr(self._local, "call", None)
+        return call is not None and serial is not None and call[2] == serial
 
     def _may_share(self, t: torch.Tensor, serial) -> bool:
         """Whether the save of ``t`` now may use a copy an earlier save made (one noise draw
@@ -1000,6 +1012,31 @@ def _storage_key(t: torch.Tensor) -> tuple:
     """The key of ``t``'s storage in :attr:`ActivationCompressor._kept` (data pointer,
     device, version): any view of a storage held exact is held anyway."""
     return (t.untyped_storage().data_ptr(), t.device, t._version)
+
+
+#: Autograd nodes of ops that only move, reshape or cast their input's elements.
+_COPY_NODES = frozenset({
+    "CloneBackward0", "ToCopyBackward0", "ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0",
+    "TransposeBackward0", "TransposeBackward1", "PermuteBackward0", "AliasBackward0",
+})
+
+
+def _copy_of(t: torch.Tensor, x: torch.Tensor, depth: int = 4) -> bool:
+    """Whether ``t`` was made from ``x`` by at most ``depth`` ops that only copy, reshape or
+    cast its elements (:data:`_COPY_NODES`), following ``t``'s autograd graph (both require
+    grad)."""
+    node, target = t.grad_fn, x.grad_fn
+    for _ in range(depth):
+        if node is None or type(node).__name__ not in _COPY_NODES or not node.next_functions:
+            return False
+        node = node.next_functions[0][0]
+        if node is None:
+            return False
+        if target is not None and node is target:
+            return True
+        if target is None and getattr(node, "variable", None) is x:  # x a leaf: its AccumulateGrad
+            return True
+    return False
 
 
 def _norm_statistic(t: torch.Tensor) -> bool:

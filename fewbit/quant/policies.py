@@ -193,7 +193,10 @@ class AdaccPolicy(Policy):
     """Adacc's layer-specific compressors (docs/compression.md §4; Adacc, Zhang et al. 2024).
 
     - tensors saved inside ``linear`` and ``norm`` modules and activation inputs (no kind):
-      ``"outlier"`` (outlier channels with z-score > 3 exact, the rest row-wise at ``bits``);
+      ``"outlier"`` (outlier channels with z-score > 3 exact, the rest row-wise at ``bits``),
+      except the input of torch's per-sample norm functions (LayerNorm, RMSNorm, GroupNorm,
+      InstanceNorm), which the compressor takes at 8 bits inside its rows whatever this
+      policy chooses (its backward is quadratic in it; role ``"norm_input"``);
     - inside ``attention`` modules: attention probabilities (every value in [0, 1], checked
       with one min/max reduction) ``"softmax"`` at ``bits``; q, k, v and the rest
       ``"channelwise"`` (q and k at 8 bits, as :mod:`fewbit.quant.attention` measured);
