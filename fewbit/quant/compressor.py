@@ -703,6 +703,7 @@ class ActivationCompressor:
             # kept exact: quantized, BLOOM's GELU input biased the weight gradient by 6 %
             # of its norm (6000 draws, 8.5 standard errors)
             self._mark_kept(t, _storage_key(t))  # later saves reuse it
+            self._warn_unseen()
             return self._skip(t, "unseen")
         # A contiguous tensor is keyed by the elements it covers, not its shape: a reshaped
         # view of a tensor already packed (eager attention's matmul saves the probabilities
@@ -833,6 +834,20 @@ class ActivationCompressor:
             return True
         targets = {n for n in (t.grad_fn, base.grad_fn) if n is not None}
         return not any(_depends_on(a.grad_fn, targets, base) for a in others)
+
+    def _warn_unseen(self) -> None:
+        """Say once per compressor that a save outside every call the mode sees was kept
+        exact: a model whose layers are custom ``autograd.Function`` s (float8 or fused
+        matmuls) would otherwise lose their compression with only a stats entry to show."""
+        if getattr(self, "_warned_unseen", False):
+            return
+        self._warned_unseen = True
+        who = _custom_function_name() or "a custom torch.autograd.Function or TorchScript code"
+        warnings.warn(
+            f"fewbit kept exact a tensor saved by {who}: its backward is unknown, and a quantized save is "
+            "only safe for a backward linear in it (reason 'unseen' in the compression stats; said once per "
+            "compressor). For code whose backward is linear in what it saves (a custom matmul), run it inside "
+            "fewbit.quant.compress_custom_saves()", RuntimeWarning, stacklevel=2)
 
     def _mark_kept(self, t: torch.Tensor, storage: tuple) -> None:
         """Register ``storage`` (data pointer, device, version) as held exact while ``t``
@@ -1037,6 +1052,21 @@ def _copy_of(t: torch.Tensor, x: torch.Tensor, depth: int = 4) -> bool:
         if target is None and getattr(node, "variable", None) is x:  # x a leaf: its AccumulateGrad
             return True
     return False
+
+
+def _custom_function_name() -> str | None:
+    """The name of the custom ``autograd.Function`` whose ``apply`` is running (the pack
+    hook runs inside it when its ``save_for_backward`` is packed), or None."""
+    f = sys._getframe(1)
+    for _ in range(12):
+        if f is None:
+            return None
+        if f.f_code.co_filename == _FUNCTION_FILE and f.f_code.co_name == "apply":
+            cls = f.f_locals.get("cls")
+            if isinstance(cls, type):
+                return f"{cls.__module__}.{cls.__qualname__}"
+        f = f.f_back
+    return None
 
 
 def _norm_statistic(t: torch.Tensor) -> bool:

@@ -367,3 +367,29 @@ def test_two_threads_entering_at_once_never_both_get_in():
     finally:
         sys.setswitchinterval(old)
     assert both == 0 and raised >= 1
+
+
+def test_a_kept_unseen_save_is_said_once_per_compressor():
+    """A save kept exact because no call the mode sees made it (reason ``unseen``) is said
+    once per compressor, naming the Function: before, only the stats showed it, and a model
+    whose layers are custom Functions lost their compression silently. Inside
+    ``compress_custom_saves()`` nothing is said."""
+    import warnings
+
+    x = torch.randn(64, 128, requires_grad=True)
+    comp = fq.compress_activations(2, min_numel=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            with comp:
+                y = _TanhGelu.apply(x * 1)
+            y.sum().backward()
+    said = [w for w in caught if "kept exact a tensor saved by" in str(w.message)]
+    assert len(said) == 1 and said[0].category is RuntimeWarning, [str(w.message) for w in caught]
+    assert "_TanhGelu" in str(said[0].message) and "compress_custom_saves" in str(said[0].message)
+    assert comp.stats.skipped.get("unseen") == 3
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with fq.compress_activations(2, min_numel=0), fq.compress_custom_saves():
+            _TanhGelu.apply(x * 1)
+    assert not [w for w in caught if "kept exact a tensor saved by" in str(w.message)]
