@@ -657,7 +657,8 @@ def normalization_size(module: nn.Module, shape: tuple[int, ...]) -> int | _norm
     - other classes whose name ends with ``LayerNorm``/``RMSNorm`` (transformers' GPT-2,
       LLaMA, ...; they normalize the last dim): ``shape[-1]``, or None where it is 1 (a
       per-row statistic such as LLaMA's ``rsqrt`` of the mean square);
-    - ``nn.InstanceNorm*`` of ``(N, C, *spatial)``: one channel plane, ``prod(spatial)``;
+    - ``nn.InstanceNorm*`` of ``(N, C, *spatial)``: one channel plane, ``prod(spatial)``
+      (None in eval mode with running statistics: an affine map);
       ``nn.GroupNorm``: ``prod(shape[1:]) // num_groups``;
     - ``nn.BatchNorm*`` on batch statistics (training, or no running statistics) of
       ``(N, C, *spatial)``: one channel plane, ``prod(spatial)``. Its statistics span the
@@ -679,7 +680,9 @@ def normalization_size(module: nn.Module, shape: tuple[int, ...]) -> int | _norm
     if isinstance(module, nn.GroupNorm):
         return _norm_rows.group_norm(module.num_groups, shape)
     if isinstance(module, nn.modules.instancenorm._InstanceNorm):
-        return _norm_rows.instance_norm(shape)
+        # in eval mode with running statistics (use_input_stats=False) an affine map: None
+        input_statistics = module.training or not module.track_running_stats
+        return _norm_rows.instance_norm(shape) if input_statistics else None
     if isinstance(module, nn.modules.batchnorm._NormBase):
         batch_statistics = module.training or not module.track_running_stats
         return _norm_rows.batch_norm(shape) if batch_statistics else None

@@ -653,3 +653,55 @@ def test_norm_input_copy_shared_only_within_one_call():
     y.sum().backward()
     copies = [r for r in block.records.values() if r.shape == (64, 256) and r.bits == 8]
     assert len(copies) == 2  # (pow's save of h uses the first: nothing else in its call depends on h)
+
+
+class _UpcastRMSNorm(nn.Module):
+    """transformers' LlamaRMSNorm as written: float32 statistics of a half input."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(n))
+
+    def forward(self, x):
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return self.weight * h.to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_python_rmsnorm_input_gets_two_independent_copies(dtype):
+    """A norm module written in Python (transformers' RMSNorm) saves its input (or its
+    float32 cast) for ``pow`` and for ``x * rsqrt(...)`` in two calls: two copies at the
+    policy's bits, independent noise, so the quadratic term's mean is exact without 8 bits
+    (ActivationCompressor._push_module; one shared 8-bit copy trained no better on the
+    LLaMA-style LM). The normalized ``x_hat`` saved for the weight: the policy's bits."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), _UpcastRMSNorm(128), nn.Linear(128, 8)).to(dtype)
+    comp = fewbit.convert_(model, fewbit.Config(saved_bits=2, min_numel=0)).compressor
+    model(torch.randn(32, 64, dtype=dtype)).sum().backward()
+    norm = [(r.dtype, r.bits) for r in comp.records.values() if r.fqn == "1"]
+    assert norm == [(torch.float32, 2), (torch.float32, 2), (dtype, 2)], norm
+
+
+def test_python_rmsnorm_input_gradient_not_biased_with_an_outlier_channel():
+    """The Python RMSNorm's input with one channel 30x the others, in two independent 2-bit
+    copies: its input gradient is within 3 standard errors of the exact one over 300 draws."""
+    torch.manual_seed(0)
+    x0 = torch.randn(256, 256)
+    x0[:, 7] *= 30
+    g = torch.randn(256, 256)
+    norm = LlamaStyleRMSNorm(256)
+
+    def grad(m):
+        x = x0.clone().requires_grad_()
+        m(x * 1).backward(g)
+        return x.grad
+
+    ref = grad(norm)
+    model = nn.Sequential(norm)
+    comp = fewbit.convert_(model, fewbit.Config(saved_bits=2, layers=("norm",), min_numel=0)).compressor
+    fewbit.manual_seed(1)
+    draws = torch.stack([grad(model) for _ in range(300)])
+    assert [r.bits for r in comp.records.values() if r.shape == (256, 256)] == [2, 2, 2]  # x twice, x_hat
+    standard_error = draws.std(0).norm() / math.sqrt(len(draws))
+    assert (draws.mean(0) - ref).norm() < 3 * standard_error
