@@ -4,7 +4,8 @@
 - :func:`reference_codes`, :func:`reference_grad`: the pure-torch few-bit backward,
   ``grad * values[Table.code(x)]`` (docs/method.md §1), computed on the CPU with float64
   lookups, independent of fewbit's kernels;
-- :func:`toy_table`: a small valid :class:`fewbit.table.Table` without the solver.
+- :func:`toy_table`: a small valid :class:`fewbit.table.Table` without the solver;
+- :class:`PyRMSNorm`: a transformers-style RMSNorm written in Python.
 
 Fixtures shared by several modules live in ``tests/conftest.py``.
 """
@@ -12,6 +13,7 @@ Fixtures shared by several modules live in ``tests/conftest.py``.
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from fewbit.activations import canonical_params, get_activation
 from fewbit.table import Table
@@ -48,3 +50,15 @@ def toy_table(name: str, bits: int, params=None, lo: float = -6.0, hi: float = 6
     nd = {k: v for k, v in full.items() if v != act.defaults[k]}
     return Table(name=act.name, bits=bits, borders=borders.tolist(), codes=list(range(m)),
                  values=values, params=nd, weight="uniform", provenance={"test": "toy"})
+
+
+class PyRMSNorm(nn.Module):
+    """A transformers-style RMSNorm: a Python forward (``pow``, ``mean``, ``rsqrt``), a class
+    name ending in RMSNorm (so ``fewbit.convert_`` treats it as a norm layer)."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(n))
+
+    def forward(self, x):
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))

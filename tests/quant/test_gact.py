@@ -15,6 +15,7 @@ import fewbit
 from fewbit.memory import saved_tensor_report
 from fewbit.quant.compressors import GroupQuantizer
 from fewbit.quant.gact import GACTPolicy, allocate_bits, variance_factor
+from helpers import PyRMSNorm
 
 
 def _objective(c, bits):
@@ -88,7 +89,7 @@ def test_norm_inputs_get_at_least_norm_min_bits():
         assert policy.bits == want
     # a Python RMSNorm of a converted model (transformers' kind): its saved input carries
     # norm_size, so the floor holds (its two saves of x, two copies)
-    model = _mlp(norm=_PyRMSNorm(64))
+    model = _mlp(norm=PyRMSNorm(64))
     x = torch.randn(48, 32) * 1.0
     y = torch.randint(0, 10, (48,))
     summary = fewbit.convert_(model, fewbit.Config(saved_bits="auto", average_bits=1.5, min_numel=0))
@@ -208,17 +209,6 @@ def test_relative_noise_norm_weighs_each_parameter_by_its_gradient():
     assert sens["absolute", 8.0][1] == pytest.approx(sens["absolute", 1.0][1] / 64, rel=1e-4)  # h1 / k, into W2
     for i in (0, 1):
         assert sens["relative", 8.0][i] == pytest.approx(sens["relative", 1.0][i], rel=1e-4)
-
-
-class _PyRMSNorm(nn.Module):
-    """A transformers-style RMSNorm (a Python forward, a name ending in RMSNorm)."""
-
-    def __init__(self, n):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(n))
-
-    def forward(self, x):
-        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
 
 
 def _mlp(norm=None):

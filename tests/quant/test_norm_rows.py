@@ -19,6 +19,7 @@ import fewbit
 from fewbit._norm_rows import Channels
 from fewbit.convert import normalization_size
 from fewbit.quant.compressors import ChannelWise, Division, GroupQuantizer, Keep, OutlierSeparated, Softmax
+from helpers import PyRMSNorm
 
 
 def test_group_quantizer_within_rows():
@@ -43,17 +44,6 @@ def test_other_compressors_within_rows():
         assert c.within(128) is c
     with pytest.raises(ValueError, match="size"):
         Keep().within(0)
-
-
-class PyRMSNorm(nn.Module):
-    """A transformers-style RMSNorm (a Python forward, name ending in RMSNorm)."""
-
-    def __init__(self, n):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(n))
-
-    def forward(self, x):
-        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
 
 
 @pytest.mark.parametrize("module, shape, expected", [
@@ -478,6 +468,41 @@ def test_an_earlier_norm_copy_is_not_replaced_by_a_copy_of_another_layout():
     (a.pow(2).sum() + b.pow(2).sum()).backward()
 
 
+def _bare(norm, bits: int = 2, **options):
+    """``(model, compressor)``: ``norm`` run inside a bare ``fewbit.compress_activations``
+    block (nothing tells the compressor it is a norm layer but the call itself)."""
+    block = fewbit.compress_activations(bits, **options)
+
+    def model(h):
+        with block:
+            return norm(h)
+
+    return model, block
+
+
+def _converted(norm, bits: int = 2, **options):
+    """``(model, compressor)``: ``nn.Sequential(norm)`` converted with ``saved_bits=bits``."""
+    model = nn.Sequential(norm)
+    return model, fewbit.convert_(model, fewbit.Config(saved_bits=bits, layers=("norm",), **options)).compressor
+
+
+def _input_grads(norm, wrap, x0, g, draws: int, layout=lambda h: h, **options):
+    """``(exact, draws, compressor)``: the gradient of ``x0`` through ``norm(layout(x0 *
+    1))`` against ``g`` (``x * 1``: a non-leaf input, saved like a layer's activation),
+    exact (before ``wrap`` converts ``norm``), and ``draws`` of it through ``wrap(norm,
+    **options)`` (:func:`_bare` or :func:`_converted`; after ``fewbit.manual_seed(1)``)."""
+
+    def grad(m):
+        x = x0.clone().requires_grad_()
+        m(layout(x * 1)).backward(g)
+        return x.grad
+
+    exact = grad(norm)
+    model, comp = wrap(norm, **options)
+    fewbit.manual_seed(1)
+    return exact, torch.stack([grad(model) for _ in range(draws)]), comp
+
+
 def _z2_of_mean(draws: torch.Tensor, ref: torch.Tensor) -> float:
     """Mean over coordinates of the squared z-score of the mean of ``draws`` against ``ref``
     (about 1 for an unbiased estimate; a bias adds ``draws * bias^2 / variance``)."""
@@ -510,27 +535,8 @@ def test_layer_norm_input_with_an_outlier_channel_is_not_biased(bare):
     x0[:, 77] += 30
     g = torch.randn(256, 768)
     norm = nn.LayerNorm(768)
-
-    def grad(m):
-        x = x0.clone().requires_grad_()
-        m(x * 1).backward(g)
-        return x.grad
-
-    ref = grad(norm)
-    if bare:
-        block = fewbit.compress_activations(2)
-
-        def model(x):
-            with block:
-                return norm(x)
-        records = lambda: block.records  # noqa: E731
-    else:
-        model = nn.Sequential(norm)
-        comp = fewbit.convert_(model, fewbit.Config(saved_bits=2, layers=("norm",))).compressor
-        records = lambda: comp.records  # noqa: E731
-    fewbit.manual_seed(1)
-    draws = torch.stack([grad(model) for _ in range(400)])
-    assert [(r.compressor, r.bits) for r in records().values()] == [("group", 8)]
+    ref, draws, comp = _input_grads(norm, _bare if bare else _converted, x0, g, 400)
+    assert [(r.compressor, r.bits) for r in comp.records.values()] == [("group", 8)]
     assert _z2_of_mean(draws, ref) < 1.3
     assert float((draws.mean(0) - ref).norm() / ref.norm()) < 0.002
 
@@ -563,21 +569,8 @@ def test_group_norm_statistics_are_kept_exact():
     x0 = torch.randn(128, 64, 4, 4) * torch.exp(torch.randn(128, 64, 1, 1)) + 1
     g = torch.randn_like(x0)
     norm = nn.GroupNorm(32, 64)
-
-    def grad(m):
-        x = x0.clone().requires_grad_()
-        m(x * 1).backward(g)
-        return x.grad
-
-    ref = grad(norm)
-    comp = fewbit.compress_activations(2)  # a bare block (a converted GroupNorm's rows of one statistic kept them)
-
-    def model(x):
-        with comp:
-            return norm(x)
-
-    fewbit.manual_seed(1)
-    draws = torch.stack([grad(model) for _ in range(200)])
+    # a bare block (a converted GroupNorm's rows of one statistic kept them anyway)
+    ref, draws, comp = _input_grads(norm, _bare, x0, g, 200)
     assert comp.stats.skipped.get("statistic", 0) == 2 * len(draws)  # mean and rstd, each pass
     assert [(r.shape, r.bits) for r in comp.records.values()] == [((128, 64, 4, 4), 8)]
     assert _z2_of_mean(draws, ref) < 1.3
@@ -613,22 +606,7 @@ def test_norm_input_copied_by_the_kernel_gets_8_bits(norm, layout):
     x0[:, :, 3, 5] *= 30
     g = torch.randn(8, 16, 8, 8)
     m = norm()
-
-    def grad(block):
-        x = x0.clone().requires_grad_()
-        h = layout(x * 1)
-        if block is None:
-            y = m(h)
-        else:
-            with block:
-                y = m(h)
-        y.backward(g)
-        return x.grad
-
-    ref = grad(None)
-    block = fewbit.compress_activations(2, min_numel=0)
-    fewbit.manual_seed(1)
-    draws = torch.stack([grad(block) for _ in range(300)])
+    ref, draws, block = _input_grads(m, _bare, x0, g, 300, layout, min_numel=0)
     inputs = [r for r in block.records.values() if r.shape != (16,)]
     assert [r.bits for r in inputs] == [8], [(r.shape, r.bits) for r in block.records.values()]
     standard_error = draws.std(0).norm() / math.sqrt(len(draws))
@@ -691,17 +669,7 @@ def test_python_rmsnorm_input_gradient_not_biased_with_an_outlier_channel():
     x0[:, 7] *= 30
     g = torch.randn(256, 256)
     norm = LlamaStyleRMSNorm(256)
-
-    def grad(m):
-        x = x0.clone().requires_grad_()
-        m(x * 1).backward(g)
-        return x.grad
-
-    ref = grad(norm)
-    model = nn.Sequential(norm)
-    comp = fewbit.convert_(model, fewbit.Config(saved_bits=2, layers=("norm",), min_numel=0)).compressor
-    fewbit.manual_seed(1)
-    draws = torch.stack([grad(model) for _ in range(300)])
+    ref, draws, comp = _input_grads(norm, _converted, x0, g, 300, min_numel=0)
     assert [r.bits for r in comp.records.values() if r.shape == (256, 256)] == [2, 2, 2]  # x twice, x_hat
     standard_error = draws.std(0).norm() / math.sqrt(len(draws))
     assert (draws.mean(0) - ref).norm() < 3 * standard_error
