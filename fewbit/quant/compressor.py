@@ -586,14 +586,13 @@ class ActivationCompressor:
     def _norm_input(self, t: torch.Tensor) -> int | None:
         """The scope (a serial) of the innermost per-sample norm call running
         (:meth:`_within_norm`) if ``t`` (a floating save with a norm's row layout) is its
-        input ``x``: a view of its elements,
-        or a copy torch made of it below the call (:func:`_copy_of`); else None. The
-        kernels save copies: ``torch.instance_norm`` of ``x.contiguous()``,
-        ``native_group_norm`` of a non-contiguous ``x`` made contiguous, CUDA autocast's
-        float32 cast of a half ``x`` for ``layer_norm`` and ``group_norm``; matched by data
-        pointer alone, they had kept the policy's 2 bits
-        (InstanceNorm2d on a channels_last input: 1.8 % bias). Saves of one scope share one
-        copy (its cache layout carries the scope): its error taken twice is the 8-bit one."""
+        input ``x``, a view of its elements or a copy torch made of it below the call
+        (:func:`_copy_of`); else None. The kernels save copies: ``torch.instance_norm`` of
+        ``x.contiguous()``, ``native_group_norm`` of a non-contiguous ``x`` made contiguous,
+        CUDA autocast's float32 cast of a half ``x`` for ``layer_norm`` and ``group_norm``;
+        matched by data pointer alone, they had kept the policy's 2 bits (InstanceNorm2d on
+        a channels_last input: 1.8 % bias). Saves of one scope share one copy (its cache
+        layout carries the scope): its error taken twice is the 8-bit one."""
         if not self._norm_inputs:
             return None
         x, scope = self._norm_inputs[-1]
