@@ -959,12 +959,21 @@ def _builds_graph_of_backward() -> bool:
     a backward (a direct unpack, as the planner's timing) it is not."""
     if torch._C._current_graph_task_id() == -1:
         return False
-    f = sys._getframe(1).f_back  # a device thread's backward may have no Python frame above
-    while f is not None:
+    # a device thread's backward may have no Python frame above; an apply frame above is a
+    # Python Function's backward (BackwardCFunction.apply)
+    return next(_apply_frames(sys._getframe(1).f_back), None) is None
+
+
+def _apply_frames(f, limit: int | None = None):
+    """The frames of ``torch.autograd.function``'s ``apply`` (a custom Function's
+    ``apply``, ``BackwardCFunction.apply``) among ``f`` and its callers, innermost first,
+    looking at ``limit`` frames at most (None: all)."""
+    n = 0
+    while f is not None and (limit is None or n < limit):
         if f.f_code.co_filename == _FUNCTION_FILE and f.f_code.co_name == "apply":
-            return False  # a Python Function's backward (BackwardCFunction.apply)
+            yield f
         f = f.f_back
-    return True
+        n += 1
 
 
 # Raised when a backward that builds a graph of itself (create_graph=True) unpacks a
@@ -1067,15 +1076,10 @@ def _copy_of(t: torch.Tensor, x: torch.Tensor, depth: int = 4) -> bool:
 def _custom_function_name() -> str | None:
     """The name of the custom ``autograd.Function`` whose ``apply`` is running (the pack
     hook runs inside it when its ``save_for_backward`` is packed), or None."""
-    f = sys._getframe(1)
-    for _ in range(12):
-        if f is None:
-            return None
-        if f.f_code.co_filename == _FUNCTION_FILE and f.f_code.co_name == "apply":
-            cls = f.f_locals.get("cls")
-            if isinstance(cls, type):
-                return f"{cls.__module__}.{cls.__qualname__}"
-        f = f.f_back
+    for f in _apply_frames(sys._getframe(1), limit=12):
+        cls = f.f_locals.get("cls")
+        if isinstance(cls, type):
+            return f"{cls.__module__}.{cls.__qualname__}"
     return None
 
 
