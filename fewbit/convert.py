@@ -145,7 +145,7 @@ class Config:
             8 bits each, on top of the budget (a 2-layer GPT-2 at ``average_bits=2``: 3.7
             bits per element over all compressed tensors).
             ``saved_bits="auto"`` gives each saved tensor 1, 2, 4, 8 bits or keeps it, by
-            gradient sensitivity, re-planned by ``summary.compressor.adapt(model, closure)``.
+            gradient sensitivity, re-planned by ``summary.compressor.adapt(model, closure, optimizer)``.
         compressor: how saved tensors are compressed (docs/compression.md): ``"group"``
             (ActNN group quantizer, default), ``"division"`` (DIVISION: exact block means +
             ``saved_bits``-bit residual; 1-D tensors get the group quantizer at
@@ -159,8 +159,9 @@ class Config:
             longest gap, in steps (``adapt`` calls), between two GACT re-plans, >= 1
             (default 1000); re-plans come at calls 1, 2, 4, 8, ... until the gap reaches it.
         noise_norm: ``saved_bits="auto"`` (likewise): how GACT measures gradient noise,
-            ``"relative"`` (default; each parameter tensor's noise divided by its own
-            gradient scale, as Adam-family optimizers see it) or ``"absolute"`` (GACT's
+            ``"relative"`` (default; each element's noise divided by the root of its
+            gradient's second moment, as Adam-family optimizers divide the update: the
+            optimizer's own when ``adapt`` is given it) or ``"absolute"`` (GACT's
             Euclidean norm, for SGD); :class:`fewbit.quant.gact.GACTPolicy`.
         fused_cross_entropy: compute a Hugging Face ``*ForCausalLM`` model's loss (when
             ``labels`` are passed) with the exact chunked linear + cross-entropy of

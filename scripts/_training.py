@@ -260,8 +260,8 @@ def train_loop(
         x, y = task.next_batch()
         t0 = time.perf_counter()
         rec.reset()
-        if comp is not None:  # GACT re-plans when due (doubling gaps); others: no-op
-            comp.adapt(model, lambda: task.forward_loss(model, x, y))
+        if comp is not None:  # GACT re-plans when due (doubling gaps), noise weighed by AdamW's moments; others: no-op
+            comp.adapt(model, lambda: task.forward_loss(model, x, y), opt)
         with step_ctx(), rec:
             loss = task.forward_loss(model, x, y)
         opt.zero_grad(set_to_none=True)

@@ -479,10 +479,12 @@ class ActivationCompressor:
         self._ordinals = {}
         self.records = {}
 
-    def adapt(self, model: torch.nn.Module, closure) -> bool:
+    def adapt(self, model: torch.nn.Module, closure, optimizer: torch.optim.Optimizer | None = None) -> bool:
         """Let the policy re-plan (GACT: :meth:`fewbit.quant.gact.GACTPolicy.adapt`); call
         it once per training step, before the step's forward. ``closure()`` runs the
         model's forward on the step's batch and returns the scalar loss (no backward).
+        ``optimizer`` (optional): the training's optimizer, whose second moments GACT
+        weighs the gradient noise by (:meth:`fewbit.quant.gact.GACTPolicy.adapt`).
 
         Returns:
             True if the policy re-planned now; False otherwise (also for fixed policies,
@@ -509,7 +511,7 @@ class ActivationCompressor:
 
         schedule = self.policy.schedule()
         try:
-            return self.policy.adapt(model, counted)
+            return self.policy.adapt(model, counted, optimizer)
         except BaseException as exc:
             if schedule is not None:  # a failed call does not use up a re-plan
                 self.policy.set_schedule(schedule)

@@ -5,15 +5,17 @@ ICML 2022. With stochastic rounding at ``b_l`` bits per element of saved tensor 
 gradient variance is bounded by ``Σ_l c_l S(b_l)``, ``S(b) = (2^b - 1)^-2`` (GACT Thm. 2);
 :class:`GACTPolicy` estimates the sensitivities ``c_l`` (GACT Alg. 1) and gives each tensor
 the bits of :func:`allocate_bits` (GACT eq. 4: minimise ``Σ c_l S(b_l)`` subject to
-``Σ b_l D_l <= average_bits · Σ D_l``), from {1, 2, 4, 8, keep}. By default the gradient
-noise is measured relative to each parameter tensor's own gradient scale, as an
-Adam-family optimizer sees it (``noise_norm``); GACT's plain norm is ``noise_norm="absolute"``.
+``Σ b_l D_l <= average_bits · Σ D_l``), from {1, 2, 4, 8, keep}. By default each element
+of the gradient noise is measured relative to that element's gradient scale, as an
+Adam-family optimizer's update sees it (``noise_norm``; the optimizer's own second moment
+when :meth:`GACTPolicy.adapt` is given the optimizer); GACT's plain norm is
+``noise_norm="absolute"``.
 
 Through ``fewbit.convert_``::
 
     summary = fewbit.convert_(model, fewbit.Config(saved_bits="auto", average_bits=2))
     for x, y in loader:
-        summary.compressor.adapt(model, lambda: loss_fn(model(x), y))  # re-plans when due
+        summary.compressor.adapt(model, lambda: loss_fn(model(x), y), opt)  # re-plans when due
         loss = loss_fn(model(x), y)
         loss.backward(); opt.step(); opt.zero_grad()
 """
@@ -121,16 +123,86 @@ def allocate_bits(
     return [levels[i][level[i]] for i in range(n)]
 
 
-#: Added to a parameter tensor's gradient RMS before dividing by it (``noise_norm="relative"``);
-#: torch's Adam and AdamW add the same ``eps`` (1e-8) to the root of their second moment.
+#: Added to the root of a gradient's second-moment estimate before dividing by it
+#: (``noise_norm="relative"`` without an optimizer's state); torch's Adam and AdamW add the
+#: same ``eps`` (1e-8) to the root of their second moment.
 _RELATIVE_EPS = 1e-8
 
 
-def _weighted_square_norm(diff: torch.Tensor, sizes: list[int], scale: torch.Tensor) -> float:
-    """``Σ_p scale[p]² ‖diff_p‖²`` over the parameter tensors ``diff_p`` (``sizes[p]``
-    elements each) of the flat ``diff``, in float64, without a per-element weight vector."""
-    norms = torch.stack([c.double().pow(2).sum() for c in diff.split(sizes)])
-    return float((norms * scale.to(norms.device).pow(2)).sum())
+def _matrix_view(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as ``(rows, columns)``: ``(shape[0], -1)`` for two or more dims, ``(1, -1)`` else."""
+    return t.reshape(t.shape[0], -1) if t.dim() >= 2 else t.reshape(1, -1)
+
+
+def _second_moments(g0: torch.Tensor, params: list[torch.Tensor], noise_norm: str, optimizer) -> list:
+    """Per parameter tensor, the estimate ``v`` of its gradient's second moment that its
+    noise is divided by (``(√v + eps)⁻¹``, elementwise): ``(a, b, eps)`` with ``v = a · b``
+    broadcast over the tensor's :func:`_matrix_view`, or None for ``noise_norm="absolute"``.
+
+    ``"relative"``: the optimizer's own second moment where ``optimizer`` has one for the
+    tensor (Adam/AdamW/NAdam/RAdam's ``exp_avg_sq`` over its bias correction, AMSGrad's
+    ``max_exp_avg_sq``, RMSprop's ``square_avg``, Adagrad's ``sum``; with the group's
+    ``eps``): exactly what the update divides by. Else the probe gradient ``g0``'s factored
+    second moment (Adafactor's rank-1 estimate, Shazeer & Stern, ICML 2018, eq. 4 with one
+    sample): ``v_ij = R_i C_j / S`` with ``R``, ``C`` the row and column means of ``g0²`` and
+    ``S`` its mean, for a tensor of two or more dims; ``S`` for a vector. One sample per
+    element would make ``v`` noisy (a near-zero ``g0_ij`` would weigh its noise 10⁸x);
+    the row and column means keep apart what one tensor holds (the query, key and value
+    columns of a fused ``c_attn``, whose gradients differ 100x early in training) that a
+    per-tensor mean would merge."""
+    out = []
+    for q, p in zip(g0.split([p.numel() for p in params]), params):
+        if noise_norm == "absolute":
+            out.append(None)
+            continue
+        state = optimizer.state.get(p) if optimizer is not None else None
+        moment = _optimizer_moment(optimizer, p, state) if state else None
+        if moment is not None:
+            out.append(moment)
+            continue
+        g2 = _matrix_view(q.reshape(p.shape)).square()
+        mean = g2.mean() if g2.numel() else g2.new_zeros(())
+        if p.dim() < 2 or g2.numel() == 0:
+            out.append((mean.reshape(1, 1), g2.new_ones(()), _RELATIVE_EPS))
+        else:
+            cols = g2.mean(0, keepdim=True)
+            out.append((g2.mean(1, keepdim=True), cols / mean if mean > 0 else torch.zeros_like(cols), _RELATIVE_EPS))
+    return out
+
+
+def _optimizer_moment(optimizer, p: torch.Tensor, state: dict):
+    """``(a, b, eps)`` of :func:`_second_moments` from ``optimizer``'s state of ``p``, or
+    None where it keeps no elementwise second moment (SGD, Adamax, Adafactor, a step not yet taken)."""
+    group = next((g for g in optimizer.param_groups if any(x is p for x in g["params"])), None)
+    if group is None:
+        return None
+    eps = float(group.get("eps", _RELATIVE_EPS))
+    one = torch.ones((), dtype=torch.float64)
+    if "exp_avg_sq" in state and "betas" in group:
+        v = state.get("max_exp_avg_sq") if group.get("amsgrad") else state["exp_avg_sq"]
+        step = float(state.get("step", 0))
+        if v is None or step <= 0 or v.shape != p.shape:
+            return None
+        return (_matrix_view(v), one / (1.0 - float(group["betas"][1]) ** step), eps)
+    for key in ("square_avg", "sum"):  # RMSprop, Adagrad: no bias correction
+        v = state.get(key)
+        if isinstance(v, torch.Tensor) and v.shape == p.shape and not group.get("centered", False):
+            return (_matrix_view(v), one, eps)
+    return None
+
+
+def _weighted_square_norm(diff: torch.Tensor, params: list[torch.Tensor], moments: list) -> float:
+    """``Σ_p ‖diff_p / (√v_p + eps)‖²`` over the parameter tensors ``diff_p`` of the flat
+    ``diff`` (``v_p`` from :func:`_second_moments`; weight 1 where it is None), in float64,
+    one parameter tensor's weights at a time."""
+    total = 0.0
+    for d, p, m in zip(diff.split([p.numel() for p in params]), params, moments):
+        d = _matrix_view(d.reshape(p.shape)).double()
+        if m is not None:
+            a, b, eps = m
+            d = d / ((a.to(d.device, torch.float64) * b.to(d.device, torch.float64)).sqrt() + eps)
+        total += float(d.square().sum())
+    return total
 
 
 def _keep_bits(dtype: torch.dtype) -> int:
@@ -141,7 +213,7 @@ class GACTPolicy(Policy):
     """Group quantizer at per-tensor bits chosen by gradient sensitivity (GACT).
 
     ``Config(saved_bits="auto", average_bits=B)`` builds one; the converted model's
-    ``summary.compressor.adapt(model, closure)`` (:meth:`adapt`) is the one call per
+    ``summary.compressor.adapt(model, closure, optimizer)`` (:meth:`adapt`) is the one call per
     training step it needs.
 
     Tensors are identified by their index in the pass's save order
@@ -176,12 +248,16 @@ class GACTPolicy(Policy):
             exceeds ``alert_ratio`` times the SGD gradient variance; default 1.0, i.e.
             when compression noise dominates. The SGD variance is estimated from pairs
             of consecutive steps: the re-plan's probe gradient ``g0`` is kept (float32,
-            one copy of the gradient) until the next :meth:`adapt` call, which computes
-            the probe gradient ``g0'`` of its own batch (one extra forward+backward when
-            that call does not re-plan itself); then
+            one copy of the gradient) with the re-plan's noise weights until the next
+            :meth:`adapt` call, which computes the probe gradient ``g0'`` of its own batch
+            (one extra forward+backward when that call does not re-plan itself); then
             ``σ² ≈ ½‖g0' − g0‖² − Σ c_l S(probe_bits)`` (two independent batches, each
-            gradient carrying the probe's compression noise). One optimizer step of drift
-            between the two only adds to the estimate, so the alert errs on the quiet side.
+            gradient carrying the probe's compression noise), in the re-plan's weights
+            (an optimizer's second moment as it stands at the second call).
+            One optimizer step of drift between the two adds to the estimate; with
+            ``noise_norm="relative"`` and no optimizer the weights come from ``g0`` itself,
+            which takes from it (28 % on ``tests/quant/test_gact.py``'s MLP, batch 16,
+            against weights from a third batch): the alert can err either way by that much.
             (Comparing gradients of calls far apart, as the doubling schedule makes them,
             measured the training drift instead: about 100 against a compression variance
             of 0.01-0.5, absolute norm, on ``scripts/train_lm.py``'s GPT-2.)
@@ -200,18 +276,29 @@ class GACTPolicy(Policy):
             the floor over 6 seeds (2.422 against 2.423 at 600 steps; run-to-run spread
             0.03-0.1), so the floor is for the bias, not a measured gain.
         noise_norm: how the gradient noise ``‖g0 − g1‖²`` is measured, in ``c_l`` and in
-            the alert's SGD variance. ``"relative"`` (default): each parameter tensor
-            ``p``'s part is divided by ``(rms(g0_p) + 1e-8)²``, about its mean squared
-            probe gradient, because Adam-family optimizers divide each update by the root of
-            that second moment, so what moves the weights is the noise relative to each
-            parameter's own gradient scale. ``"absolute"``: GACT's plain Euclidean norm
-            (GACT Alg. 1), the right one for SGD. On ``scripts/train_lm.py``'s GPT-2
-            (AdamW) at ``average_bits=2``, the absolute norm gave 1 bit to the inputs of
-            the attention's and MLP's first linears, whose weights get small gradients,
-            while the LM head, which dominates the absolute norm, got 4-8; seed 0 then
-            stalled (validation loss 3.37 at step 100 against vanilla's 2.92) and ended
-            at 2.618 against vanilla's 2.436. With the relative norm the plans are
-            flatter and the same seed gave 2.92 at step 100 and 2.432 at step 600.
+            the alert's SGD variance. ``"relative"`` (default): each element is divided by
+            ``(√v + eps)``, ``v`` an estimate of that element's squared gradient, as an
+            Adam-family optimizer divides its update, so what is measured is the noise of
+            the update: ``v`` is the optimizer's own second moment when :meth:`adapt` is
+            given it (Adam, AdamW, NAdam, RAdam with their bias correction and ``eps``;
+            RMSprop, Adagrad), else a rank-1 estimate from the probe gradient (row mean x
+            column mean / mean of ``g0²`` per parameter tensor, Adafactor's factored
+            second moment, Shazeer & Stern, ICML 2018; one mean for a vector). Per
+            element, not per tensor: GPT-2's fused ``c_attn`` weight holds the query, key
+            and value columns, and early in training the query and key gradients are far
+            smaller than the value's; one scale per tensor (an earlier build's) hid the
+            noise that the attention's ``v`` sends into them, rated ``v`` 60-1.2·10⁴x lower
+            than the optimizer's weights at step 16 and gave it 1 bit, and gact2 trained
+            above vanilla (``scripts/train_lm.py``, six seeds, validation loss +0.058 ±
+            0.026 against vanilla; with the rank-1 estimate +0.029 ± 0.020; with AdamW's
+            second moment, as ``scripts/train_lm.py`` passes it, −0.005 ± 0.021).
+            ``"absolute"``: GACT's plain Euclidean norm (GACT Alg. 1), the right one for
+            SGD. On ``scripts/train_lm.py``'s GPT-2 (AdamW) at ``average_bits=2``, the
+            absolute norm gave 1 bit to the inputs of the attention's and MLP's first
+            linears, whose weights get small gradients, while the LM head, which
+            dominates the absolute norm, got 4-8; seed 0 then stalled (validation loss
+            3.37 at step 100 against vanilla's 2.92) and ended at 2.618 against vanilla's
+            2.436.
         seed: seed of the generator that draws the sensitivity runs' noise seeds.
 
     Attributes:
@@ -291,7 +378,7 @@ class GACTPolicy(Policy):
         self._gap = 1  # doubles after each re-plan, up to adapt_interval
         self._probe: tuple[int, int] | None = None  # (base seed, index whose seed changes)
         self._seen: dict[int, SavedTensorInfo] = {}
-        # (call, g0, the per-tensor noise scale, Σ c_l S(probe))
+        # (call, g0, Σ c_l S(probe))
         self._last_g0: tuple[int, torch.Tensor, torch.Tensor, float] | None = None
         self._variance_pairs: list[float] = []  # one SGD-variance estimate per pair of calls
         self._warned = False
@@ -330,7 +417,7 @@ class GACTPolicy(Policy):
         return torch.Generator().manual_seed(seed)
 
     # sensitivity ---------------------------------------------------------------------------
-    def adapt(self, model: torch.nn.Module, closure) -> bool:
+    def adapt(self, model: torch.nn.Module, closure, optimizer: torch.optim.Optimizer | None = None) -> bool:
         """Re-plan on this call if it is due: calls 1, 2, 4, 8, ... (the gap doubles up to
         ``adapt_interval``), then every ``adapt_interval`` calls.
 
@@ -354,13 +441,19 @@ class GACTPolicy(Policy):
         Args:
             model: the converted model (its parameters that require grad are differentiated).
             closure: ``() -> loss``, the forward of this step's batch (scalar tensor).
+            optimizer: the training's optimizer, optional. With ``noise_norm="relative"``
+                the noise of each parameter it keeps a second moment for (Adam, AdamW,
+                NAdam, RAdam, RMSprop, Adagrad) is divided elementwise by the root of that
+                moment (plus its ``eps``), as the update is; without it, by a rank-1
+                estimate from the probe gradient (:func:`_second_moments`). Not modified.
 
         Returns:
             True if it re-planned.
 
         Raises:
             TypeError: if ``model`` is not an ``nn.Module``, ``closure`` is not callable
-                (checked on every call), or ``closure`` does not return a scalar tensor.
+                (checked on every call), ``optimizer`` is not a ``torch.optim.Optimizer``
+                or None, or ``closure`` does not return a scalar tensor.
             ValueError: if ``model`` has no parameter that requires grad (the
                 sensitivities are measured on the parameters' gradient).
         """
@@ -368,6 +461,8 @@ class GACTPolicy(Policy):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if not callable(closure):
             raise TypeError(f"closure must be callable, () -> loss, got {type(closure).__name__}")
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
         calls = self._calls + 1
         replan = calls >= self._next_plan
         pair = self._last_g0 is not None and self._last_g0[0] == calls - 1
@@ -421,14 +516,13 @@ class GACTPolicy(Policy):
                 g0 = run(-1)
                 seen, self._seen = self._seen, {}
                 s = variance_factor(self.probe_bits)
-                sizes = [p.numel() for p in params]
                 sens = {}
                 finite = bool(torch.isfinite(g0).all())
+                moments = _second_moments(g0, params, self.noise_norm, optimizer) if finite else None
                 if replan and finite:
-                    scale = self._noise_scale(g0, sizes)
                     for index in seen:
                         g1 = run(index)
-                        sens[index] = 0.5 * _weighted_square_norm(g1.sub_(g0), sizes, scale) / s
+                        sens[index] = 0.5 * _weighted_square_norm(g1.sub_(g0), params, moments) / s
                     finite = all(math.isfinite(v) for v in sens.values())
         finally:
             _restore_buffers(buffers)
@@ -449,10 +543,10 @@ class GACTPolicy(Policy):
             self.skipped_nonfinite += 1
             return False
         if pair:
-            self._pair_variance(g0, sizes)
+            self._pair_variance(g0, params)
         if replan:
             self._plan(seen, sens)
-            self._last_g0 = (self._calls, g0.float(), scale, s * sum(sens.values()))
+            self._last_g0 = (self._calls, g0.float(), moments, s * sum(sens.values()))
         self._check_variance()
         return replan
 
@@ -501,14 +595,6 @@ class GACTPolicy(Policy):
         return {"average_bits": self.average_bits, "adapt_interval": self.adapt_interval,
                 "probe_bits": self.probe_bits, "norm_min_bits": self.norm_min_bits, "noise_norm": self.noise_norm}
 
-    def _noise_scale(self, g0: torch.Tensor, sizes: list[int]) -> torch.Tensor:
-        """Per parameter tensor, the factor its gradient noise is measured at: 1 for
-        ``noise_norm="absolute"``, ``1 / (rms(g0_p) + eps)`` for ``"relative"``."""
-        if self.noise_norm == "absolute":
-            return torch.ones(len(sizes), dtype=torch.float64, device=g0.device)
-        rms = torch.stack([q.pow(2).mean().sqrt() if q.numel() else q.new_zeros(()) for q in g0.split(sizes)])
-        return 1.0 / (rms + _RELATIVE_EPS)
-
     def _plan(self, seen: dict[int, SavedTensorInfo], sens: dict[int, float]) -> None:
         order = sorted(sens)
         numel = [seen[i].numel for i in order]
@@ -522,14 +608,14 @@ class GACTPolicy(Policy):
         self.numel = {i: seen[i].numel for i in seen}
         self.compression_variance = sum(sens[i] * variance_factor(b) for i, b in self.bits.items())
 
-    def _pair_variance(self, g: torch.Tensor, sizes: list[int]) -> None:
+    def _pair_variance(self, g: torch.Tensor, params: list[torch.Tensor]) -> None:
         """One SGD-variance estimate from this call's probe gradient and the last one's,
-        both measured at the last re-plan's noise scale."""
-        _, last, scale, probe_variance = self._last_g0
+        both weighted by this call's second moments (:func:`_second_moments`)."""
+        _, last, moments, probe_variance = self._last_g0
         self._last_g0 = None
-        if last.shape != g.shape or len(scale) != len(sizes):  # the parameters changed between the calls
+        if last.shape != g.shape:  # the parameters changed between the calls
             return
-        half = 0.5 * _weighted_square_norm(g.float().sub_(last), sizes, scale)
+        half = 0.5 * _weighted_square_norm(g.float().sub_(last), params, moments)
         self._variance_pairs.append(max(half - probe_variance, 0.0))
         self.gradient_variance = self._variance_pairs[-1]
 

@@ -124,7 +124,7 @@ class Policy(abc.ABC):
         (GACT's sensitivity runs fix each tensor's seed through it)."""
         return None
 
-    def adapt(self, model: torch.nn.Module, closure) -> bool:
+    def adapt(self, model: torch.nn.Module, closure, optimizer=None) -> bool:
         """Re-plan from the model's gradients; a policy with nothing to learn returns False."""
         return False
 
