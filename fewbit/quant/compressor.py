@@ -497,10 +497,13 @@ class ActivationCompressor:
         next call. A call that raises leaves the re-plan schedule as it was too.
 
         Raises:
-            TypeError: ``closure`` is not callable (and the policy's own checks).
+            TypeError: ``closure`` is not callable, ``optimizer`` not a
+                ``torch.optim.Optimizer`` or None (and the policy's own checks).
         """
         if not callable(closure):
             raise TypeError(f"closure must be callable, () -> loss, got {type(closure).__name__}")
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
 
         def counted():
             before = self._saves

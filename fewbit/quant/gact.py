@@ -128,79 +128,113 @@ def allocate_bits(
 #: same ``eps`` (1e-8) to the root of their second moment.
 _RELATIVE_EPS = 1e-8
 
+#: The least second moment of an element, as a fraction of its parameter tensor's mean:
+#: where a whole row or column of the probe gradient is 0 (a dead ReLU unit, an embedding
+#: row of a token not in the batch) or an optimizer has not seen an element move, the
+#: estimate is 0 and ``eps`` alone would weigh its noise up to 10^16 times; capped, such
+#: an element weighs at most 100x (in norm) what the tensor's mean scale would give it.
+#: Far below the spread the elementwise weights are for: the query and key columns of
+#: GPT-2's fused ``c_attn`` early in training sit about 10^-4 of the value columns'.
+_MOMENT_FLOOR = 1e-4
+
 
 def _matrix_view(t: torch.Tensor) -> torch.Tensor:
     """``t`` as ``(rows, columns)``: ``(shape[0], -1)`` for two or more dims, ``(1, -1)`` else."""
     return t.reshape(t.shape[0], -1) if t.dim() >= 2 else t.reshape(1, -1)
 
 
-def _second_moments(g0: torch.Tensor, params: list[torch.Tensor], noise_norm: str, optimizer) -> list:
-    """Per parameter tensor, the estimate ``v`` of its gradient's second moment that its
-    noise is divided by (``(√v + eps)⁻¹``, elementwise): ``(a, b, eps)`` with ``v = a · b``
-    broadcast over the tensor's :func:`_matrix_view`, or None for ``noise_norm="absolute"``.
-
-    ``"relative"``: the optimizer's own second moment where ``optimizer`` has one for the
-    tensor (Adam/AdamW/NAdam/RAdam's ``exp_avg_sq`` over its bias correction, AMSGrad's
-    ``max_exp_avg_sq``, RMSprop's ``square_avg``, Adagrad's ``sum``; with the group's
-    ``eps``): exactly what the update divides by. Else the probe gradient ``g0``'s factored
-    second moment (Adafactor's rank-1 estimate, Shazeer & Stern, ICML 2018, eq. 4 with one
-    sample): ``v_ij = R_i C_j / S`` with ``R``, ``C`` the row and column means of ``g0²`` and
-    ``S`` its mean, for a tensor of two or more dims; ``S`` for a vector. One sample per
-    element would make ``v`` noisy (a near-zero ``g0_ij`` would weigh its noise 10⁸x);
-    the row and column means keep apart what one tensor holds (the query, key and value
-    columns of a fused ``c_attn``, whose gradients differ 100x early in training) that a
-    per-tensor mean would merge."""
+def _rank1_moments(g0: torch.Tensor, params: list[torch.Tensor]) -> list:
+    """Per parameter tensor, the rank-1 second moment of the probe gradient ``g0``:
+    ``(R, C / S, floor)`` with ``v = max(R_i C_j / S, floor)``, ``R``, ``C`` the row and
+    column means of ``g0²`` over its :func:`_matrix_view` and ``S`` its mean (Adafactor's
+    factored second moment, Shazeer & Stern, ICML 2018, eq. 4, from one sample); a vector:
+    ``(S, 1, floor)``. ``floor = _MOMENT_FLOOR · S``. float64, small (rows + columns)."""
     out = []
     for q, p in zip(g0.split([p.numel() for p in params]), params):
-        if noise_norm == "absolute":
-            out.append(None)
-            continue
-        state = optimizer.state.get(p) if optimizer is not None else None
-        moment = _optimizer_moment(optimizer, p, state) if state else None
-        if moment is not None:
-            out.append(moment)
-            continue
-        g2 = _matrix_view(q.reshape(p.shape)).square()
+        g2 = _matrix_view(q.reshape(p.shape)).double().square()
         mean = g2.mean() if g2.numel() else g2.new_zeros(())
         if p.dim() < 2 or g2.numel() == 0:
-            out.append((mean.reshape(1, 1), g2.new_ones(()), _RELATIVE_EPS))
+            out.append((mean.reshape(1, 1), g2.new_ones(()), _MOMENT_FLOOR * float(mean)))
         else:
             cols = g2.mean(0, keepdim=True)
-            out.append((g2.mean(1, keepdim=True), cols / mean if mean > 0 else torch.zeros_like(cols), _RELATIVE_EPS))
+            out.append((g2.mean(1, keepdim=True), cols / mean if mean > 0 else torch.zeros_like(cols),
+                        _MOMENT_FLOOR * float(mean)))
     return out
 
 
-def _optimizer_moment(optimizer, p: torch.Tensor, state: dict):
-    """``(a, b, eps)`` of :func:`_second_moments` from ``optimizer``'s state of ``p``, or
-    None where it keeps no elementwise second moment (SGD, Adamax, Adafactor, a step not yet taken)."""
-    group = next((g for g in optimizer.param_groups if any(x is p for x in g["params"])), None)
-    if group is None:
+def _tensor_moments(g0: torch.Tensor, params: list[torch.Tensor]) -> list:
+    """Per parameter tensor, one second moment, the mean of ``g0²`` over it, in
+    :func:`_rank1_moments`' form (the alert's weights)."""
+    out = []
+    for q in g0.split([p.numel() for p in params]):
+        mean = q.double().square().mean() if q.numel() else q.new_zeros((), dtype=torch.float64)
+        out.append((mean.reshape(1, 1), torch.ones((), dtype=torch.float64), 0.0))
+    return out
+
+
+def _optimizer_moments(optimizer, params: list[torch.Tensor]) -> list:
+    """Per parameter tensor, ``(v, eps)``: the second moment ``optimizer``'s update divides
+    by (:func:`_optimizer_moment`), or None where it keeps none."""
+    groups = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+    return [_optimizer_moment(optimizer, p, groups.get(id(p))) for p in params]
+
+
+def _optimizer_moment(optimizer, p: torch.Tensor, group):
+    """``(v, eps)`` for ``p``: ``v`` (float64, ``p``'s :func:`_matrix_view` shape, floored
+    at ``_MOMENT_FLOOR`` times its mean) and the group's ``eps``, from the state of
+    :class:`torch.optim.Adam`, ``AdamW``, ``NAdam``, ``RAdam`` (``exp_avg_sq / (1 −
+    β2^t)``, AMSGrad's ``max_exp_avg_sq``), ``RMSprop`` (non-centered ``square_avg``) or
+    ``Adagrad`` (``sum``), after their first step; None otherwise (another optimizer, a
+    parameter it does not hold, a step not yet taken)."""
+    state = optimizer.state.get(p) if group is not None else None
+    if not state or float(state.get("step", 0)) <= 0:
         return None
-    eps = float(group.get("eps", _RELATIVE_EPS))
-    one = torch.ones((), dtype=torch.float64)
-    if "exp_avg_sq" in state and "betas" in group:
-        v = state.get("max_exp_avg_sq") if group.get("amsgrad") else state["exp_avg_sq"]
-        step = float(state.get("step", 0))
-        if v is None or step <= 0 or v.shape != p.shape:
-            return None
-        return (_matrix_view(v), one / (1.0 - float(group["betas"][1]) ** step), eps)
-    for key in ("square_avg", "sum"):  # RMSprop, Adagrad: no bias correction
-        v = state.get(key)
-        if isinstance(v, torch.Tensor) and v.shape == p.shape and not group.get("centered", False):
-            return (_matrix_view(v), one, eps)
-    return None
+    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW, torch.optim.NAdam, torch.optim.RAdam)):
+        v = state.get("max_exp_avg_sq") if group.get("amsgrad") else state.get("exp_avg_sq")
+        correction = 1.0 - float(group["betas"][1]) ** float(state["step"])
+    elif isinstance(optimizer, torch.optim.RMSprop) and not group.get("centered", False):
+        v, correction = state.get("square_avg"), 1.0
+    elif isinstance(optimizer, torch.optim.Adagrad):
+        v, correction = state.get("sum"), 1.0
+    else:
+        return None
+    if not isinstance(v, torch.Tensor) or v.shape != p.shape or v.is_sparse:
+        return None
+    v = _matrix_view(v).double() / correction
+    return (v.clamp(min=_MOMENT_FLOOR * float(v.mean())), float(group["eps"]))
 
 
-def _weighted_square_norm(diff: torch.Tensor, params: list[torch.Tensor], moments: list) -> float:
+def _weights(params: list[torch.Tensor], rank1: list | None, optimizer_moments: list | None):
+    """Per parameter tensor, a function of its device giving the elementwise weight
+    ``1 / (√v + eps)`` (over its :func:`_matrix_view`), or None (weight 1: the absolute
+    norm): the optimizer's ``v`` where ``optimizer_moments`` has one, else the rank-1 one."""
+    out = []
+    for k, p in enumerate(params):
+        if rank1 is None:
+            out.append(None)
+            continue
+        opt = optimizer_moments[k] if optimizer_moments is not None else None
+        if opt is not None:
+            out.append(("v", opt[0], opt[1]))
+        else:
+            r, c, floor = rank1[k]
+            out.append(("rank1", (r, c, floor), _RELATIVE_EPS))
+    return out
+
+
+def _weighted_square_norm(diff: torch.Tensor, params: list[torch.Tensor], weights: list) -> float:
     """``Σ_p ‖diff_p / (√v_p + eps)‖²`` over the parameter tensors ``diff_p`` of the flat
-    ``diff`` (``v_p`` from :func:`_second_moments`; weight 1 where it is None), in float64,
-    one parameter tensor's weights at a time."""
+    ``diff`` (``weights`` from :func:`_weights`; 1 where None), in float64, one parameter
+    tensor at a time."""
     total = 0.0
-    for d, p, m in zip(diff.split([p.numel() for p in params]), params, moments):
+    for d, p, w in zip(diff.split([p.numel() for p in params]), params, weights):
         d = _matrix_view(d.reshape(p.shape)).double()
-        if m is not None:
-            a, b, eps = m
-            d = d / ((a.to(d.device, torch.float64) * b.to(d.device, torch.float64)).sqrt() + eps)
+        if w is not None:
+            kind, v, eps = w
+            if kind == "rank1":
+                r, c, floor = v
+                v = (r.to(d.device) * c.to(d.device)).clamp_(min=floor)
+            d = d / (v.to(d.device).sqrt() + eps)
         total += float(d.square().sum())
     return total
 
@@ -248,19 +282,23 @@ class GACTPolicy(Policy):
             exceeds ``alert_ratio`` times the SGD gradient variance; default 1.0, i.e.
             when compression noise dominates. The SGD variance is estimated from pairs
             of consecutive steps: the re-plan's probe gradient ``g0`` is kept (float32,
-            one copy of the gradient) with the re-plan's noise weights until the next
-            :meth:`adapt` call, which computes the probe gradient ``g0'`` of its own batch
-            (one extra forward+backward when that call does not re-plan itself); then
+            one copy of the gradient) until the next :meth:`adapt` call, which computes
+            the probe gradient ``g0'`` of its own batch (one extra forward+backward when
+            that call does not re-plan itself); then
             ``σ² ≈ ½‖g0' − g0‖² − Σ c_l S(probe_bits)`` (two independent batches, each
-            gradient carrying the probe's compression noise), in the re-plan's weights
-            (an optimizer's second moment as it stands at the second call).
-            One optimizer step of drift between the two adds to the estimate; with
-            ``noise_norm="relative"`` and no optimizer the weights come from ``g0`` itself,
-            which takes from it (28 % on ``tests/quant/test_gact.py``'s MLP, batch 16,
-            against weights from a third batch): the alert can err either way by that much.
-            (Comparing gradients of calls far apart, as the doubling schedule makes them,
-            measured the training drift instead: about 100 against a compression variance
-            of 0.01-0.5, absolute norm, on ``scripts/train_lm.py``'s GPT-2.)
+            gradient carrying the probe's compression noise). Both sides of the
+            comparison weigh each parameter tensor's noise by one scale, ``1 / (rms(g0_p)
+            + 1e-8)`` of the re-plan's ``g0`` (kept with it; with or without an optimizer),
+            not elementwise as the plan does: an element whose re-plan gradient was 0 (an
+            embedding row of a token not in that batch) has its second moment at the
+            floor, and the next batch's gradient there, weighed 10⁴x, made ``σ²`` 10⁴x the
+            compression variance on a LLaMA-style model, where one scale per tensor gives
+            3x; an optimizer's moments move between the two calls and do not exist at the
+            first. One optimizer step of drift between the two adds to the estimate, so
+            the alert errs on the quiet side. (Comparing gradients of calls far apart, as
+            the doubling schedule makes them, measured the training drift instead: about
+            100 against a compression variance of 0.01-0.5, absolute norm, on
+            ``scripts/train_lm.py``'s GPT-2.)
         norm_min_bits: the fewest bits of a tensor saved inside a per-sample normalization
             layer (LayerNorm, RMSNorm, GroupNorm, InstanceNorm: those with
             :attr:`~fewbit.quant.policies.SavedTensorInfo.norm_size`), default 2. The input
@@ -281,9 +319,13 @@ class GACTPolicy(Policy):
             Adam-family optimizer divides its update, so what is measured is the noise of
             the update: ``v`` is the optimizer's own second moment when :meth:`adapt` is
             given it (Adam, AdamW, NAdam, RAdam with their bias correction and ``eps``;
-            RMSprop, Adagrad), else a rank-1 estimate from the probe gradient (row mean x
+            non-centered RMSprop, Adagrad; RAdam's first steps are not adaptive and are
+            weighed the same), else a rank-1 estimate from the probe gradient (row mean x
             column mean / mean of ``g0²`` per parameter tensor, Adafactor's factored
-            second moment, Shazeer & Stern, ICML 2018; one mean for a vector). Per
+            second moment, Shazeer & Stern, ICML 2018; one mean for a vector). Either is
+            floored at 10⁻⁴ of its tensor's mean (``_MOMENT_FLOOR``: a dead unit's column
+            or an unseen token's row has ``v = 0``, and ``eps`` alone would weigh its noise
+            10¹⁶x). The alert weighs each parameter tensor by one scale (``alert_ratio``). Per
             element, not per tensor: GPT-2's fused ``c_attn`` weight holds the query, key
             and value columns, and early in training the query and key gradients are far
             smaller than the value's; one scale per tensor (an earlier build's) hid the
@@ -307,14 +349,16 @@ class GACTPolicy(Policy):
             its place in its module (:attr:`~fewbit.quant.policies.SavedTensorInfo.key`),
             and a tensor the plan did not see gets ``initial_bits`` (at least
             ``norm_min_bits`` for a norm's input).
-        sensitivity: ``{index: c_l}`` of the last plan, in the units of ``noise_norm``
+        sensitivity: ``{index: c_l}`` of the last plan, in the plan's weights (``noise_norm``)
             (squared gradient units for ``"absolute"``, dimensionless for ``"relative"``).
         numel: ``{index: D_l}`` of the tensors the last plan saw.
-        compression_variance: ``Σ c_l S(b_l)`` of the last plan (units of ``noise_norm``).
+        compression_variance: ``Σ c_l S(b_l)`` of the last plan, in the alert's weights
+            (``alert_ratio``: one per parameter tensor).
         gradient_variance: the SGD gradient-variance estimate of the latest pair of
-            consecutive calls (nan before the first pair). The latest, not a running mean:
-            the variance moves with training (on ``scripts/train_lm.py``'s GPT-2, gact2,
-            relative norm, seeds 2 and 3: 0.65e5-4.6e5 over the run, against a planned
+            consecutive calls (nan before the first pair), in the alert's weights. The
+            latest, not a running mean: the variance moves with training (on
+            ``scripts/train_lm.py``'s GPT-2, gact2, with one weight per parameter tensor
+            (an earlier build), seeds 2 and 3: 0.65e5-4.6e5 over the run, against a planned
             compression variance of 0.56e4-1.5e5; absolute norm: from about 4 at steps
             2-3 to 0.3 at steps 64-65, against 0.003-0.35).
         skipped_nonfinite: calls of :meth:`adapt` that measured nothing because a
@@ -379,7 +423,7 @@ class GACTPolicy(Policy):
         self._probe: tuple[int, int] | None = None  # (base seed, index whose seed changes)
         self._seen: dict[int, SavedTensorInfo] = {}
         # (call, g0, Σ c_l S(probe))
-        self._last_g0: tuple[int, torch.Tensor, torch.Tensor, float] | None = None
+        self._last_g0: tuple[int, torch.Tensor, list | None, float] | None = None
         self._variance_pairs: list[float] = []  # one SGD-variance estimate per pair of calls
         self._warned = False
 
@@ -424,8 +468,8 @@ class GACTPolicy(Policy):
         GACT Alg. 1: one forward+backward (``closure()`` then ``backward``) gives ``g0``,
         every tensor quantized at ``probe_bits`` with its own fixed noise seed; then one
         run per tensor ``l`` with only ``l``'s seed changed gives ``g1`` and
-        ``c_l = ½‖g0 − g1‖² / S(probe_bits)``, the norm weighted per parameter tensor
-        by ``noise_norm``. Everything else is replayed identically
+        ``c_l = ½‖g0 − g1‖² / S(probe_bits)``, each element weighted as ``noise_norm``
+        says. Everything else is replayed identically
         (torch's CPU and CUDA RNG states are restored before each run and after the
         call, so dropout masks match and the training stream is untouched). The
         parameters' ``.grad`` are restored. Then :func:`allocate_bits`. The call right
@@ -442,18 +486,22 @@ class GACTPolicy(Policy):
             model: the converted model (its parameters that require grad are differentiated).
             closure: ``() -> loss``, the forward of this step's batch (scalar tensor).
             optimizer: the training's optimizer, optional. With ``noise_norm="relative"``
-                the noise of each parameter it keeps a second moment for (Adam, AdamW,
-                NAdam, RAdam, RMSprop, Adagrad) is divided elementwise by the root of that
-                moment (plus its ``eps``), as the update is; without it, by a rank-1
-                estimate from the probe gradient (:func:`_second_moments`). Not modified.
+                the plan weighs the noise of each parameter it keeps a second moment for
+                (:func:`_optimizer_moment`: Adam, AdamW, NAdam, RAdam, non-centered RMSprop,
+                Adagrad, after their first step) elementwise by ``1 / (√v + eps)``, as the
+                update is; other parameters (and every one without an optimizer) by a
+                rank-1 estimate from the probe gradient (:func:`_rank1_moments`). Read,
+                not modified, and no reference to it is kept.
 
         Returns:
             True if it re-planned.
 
         Raises:
             TypeError: if ``model`` is not an ``nn.Module``, ``closure`` is not callable
-                (checked on every call), ``optimizer`` is not a ``torch.optim.Optimizer``
-                or None, or ``closure`` does not return a scalar tensor.
+                or ``optimizer`` is not a ``torch.optim.Optimizer`` or None (checked on
+                every call), or ``closure`` does not return a scalar tensor.
+            ValueError: ``optimizer`` holds none of the model's parameters that require
+                grad (checked on the calls that measure).
             ValueError: if ``model`` has no parameter that requires grad (the
                 sensitivities are measured on the parameters' gradient).
         """
@@ -474,6 +522,11 @@ class GACTPolicy(Policy):
         if not params:
             raise ValueError("model has no parameter that requires grad: GACT measures each saved tensor's "
                              "sensitivity on the parameters' gradient")
+        if optimizer is not None:
+            held = {id(p) for g in optimizer.param_groups for p in g["params"]}
+            if not any(id(p) in held for p in params):
+                raise ValueError(f"optimizer holds none of the model's parameters that require grad "
+                                 f"({type(optimizer).__name__} of another model?)")
         self._calls = calls
         schedule = (self._next_plan, self._gap)
         if replan:
@@ -516,13 +569,20 @@ class GACTPolicy(Policy):
                 g0 = run(-1)
                 seen, self._seen = self._seen, {}
                 s = variance_factor(self.probe_bits)
-                sens = {}
+                sens, alert = {}, {}
                 finite = bool(torch.isfinite(g0).all())
-                moments = _second_moments(g0, params, self.noise_norm, optimizer) if finite else None
+                relative = self.noise_norm == "relative"
+                # the alert's weights: one per parameter tensor (kept with g0 for the pair)
+                scales = _tensor_moments(g0, params) if finite and relative else None
                 if replan and finite:
+                    # the plan's: the optimizer's second moments where it has them, else rank-1
+                    moments = _optimizer_moments(optimizer, params) if optimizer is not None and relative else None
+                    plan_weights = _weights(params, _rank1_moments(g0, params) if relative else None, moments)
+                    alert_weights = _weights(params, scales, None)
                     for index in seen:
-                        g1 = run(index)
-                        sens[index] = 0.5 * _weighted_square_norm(g1.sub_(g0), params, moments) / s
+                        diff = run(index).sub_(g0)
+                        sens[index] = 0.5 * _weighted_square_norm(diff, params, plan_weights) / s
+                        alert[index] = 0.5 * _weighted_square_norm(diff, params, alert_weights) / s
                     finite = all(math.isfinite(v) for v in sens.values())
         finally:
             _restore_buffers(buffers)
@@ -545,8 +605,8 @@ class GACTPolicy(Policy):
         if pair:
             self._pair_variance(g0, params)
         if replan:
-            self._plan(seen, sens)
-            self._last_g0 = (self._calls, g0.float(), moments, s * sum(sens.values()))
+            self._plan(seen, sens, alert)
+            self._last_g0 = (self._calls, g0.float(), scales, s * sum(alert.values()))
         self._check_variance()
         return replan
 
@@ -595,7 +655,7 @@ class GACTPolicy(Policy):
         return {"average_bits": self.average_bits, "adapt_interval": self.adapt_interval,
                 "probe_bits": self.probe_bits, "norm_min_bits": self.norm_min_bits, "noise_norm": self.noise_norm}
 
-    def _plan(self, seen: dict[int, SavedTensorInfo], sens: dict[int, float]) -> None:
+    def _plan(self, seen: dict[int, SavedTensorInfo], sens: dict[int, float], alert: dict[int, float]) -> None:
         order = sorted(sens)
         numel = [seen[i].numel for i in order]
         budget = self.average_bits * sum(numel)
@@ -606,16 +666,16 @@ class GACTPolicy(Policy):
         self._by_key = {seen[i].key: b for i, b in zip(order, bits) if seen[i].key is not None}
         self.sensitivity = sens
         self.numel = {i: seen[i].numel for i in seen}
-        self.compression_variance = sum(sens[i] * variance_factor(b) for i, b in self.bits.items())
+        self.compression_variance = sum(alert[i] * variance_factor(b) for i, b in self.bits.items())
 
     def _pair_variance(self, g: torch.Tensor, params: list[torch.Tensor]) -> None:
-        """One SGD-variance estimate from this call's probe gradient and the last one's,
-        both weighted by this call's second moments (:func:`_second_moments`)."""
-        _, last, moments, probe_variance = self._last_g0
+        """One SGD-variance estimate from this call's probe gradient and the last re-plan's,
+        weighted by that re-plan's per-tensor scales (:func:`_tensor_moments`, kept with it)."""
+        _, last, scales, probe_variance = self._last_g0
         self._last_g0 = None
-        if last.shape != g.shape:  # the parameters changed between the calls
-            return
-        half = 0.5 * _weighted_square_norm(g.float().sub_(last), params, moments)
+        if last.shape != g.shape or not (scales is None or (isinstance(scales, list) and len(scales) == len(params))):
+            return  # the parameters changed between the calls (or a state of an earlier build)
+        half = 0.5 * _weighted_square_norm(g.float().sub_(last), params, _weights(params, scales, None))
         self._variance_pairs.append(max(half - probe_variance, 0.0))
         self.gradient_variance = self._variance_pairs[-1]
 

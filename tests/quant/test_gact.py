@@ -87,7 +87,7 @@ def test_norm_inputs_get_at_least_norm_min_bits():
     sens = {0: 1e-9, 1: 1.0}
     for floor, want in ((1, {0: 1, 1: 2}), (2, {0: 2, 1: 1})):
         policy = GACTPolicy(1.5, norm_min_bits=floor)
-        policy._plan(seen, sens)
+        policy._plan(seen, sens, sens)
         assert policy.bits == want
     # a Python RMSNorm of a converted model (transformers' kind): its saved input carries
     # norm_size, so the floor holds (its two saves of x, two copies)
@@ -238,7 +238,7 @@ def test_relative_noise_norm_weighs_each_parameter_by_its_gradient():
 
 class _GatedAttention(nn.Module):
     """One Linear makes ``u`` and ``w`` (``fused=True``, as GPT-2's ``c_attn`` makes q, k and v)
-    or two do; ``u`` is multiplied by ``s = gate(x)`` and ``w``'s gradient is about 100x
+    or two do; ``u`` is multiplied by ``s = gate(x)`` and ``w``'s gradient is about 20x
     ``u``'s. (Named ``...Attention`` so that ``convert_`` takes the product's saves.)"""
 
     def __init__(self, fused: bool):
@@ -257,14 +257,14 @@ class _GatedAttention(nn.Module):
 
     def forward(self, x):
         u, w = self.proj(x).split(64, -1) if self.fused else (self.u(x), self.w(x))
-        return (u * self.gate(x)).sum() + 100 * w.square().sum()
+        return (u * self.gate(x)).sum() + 10 * w.square().sum()
 
 
 def test_relative_noise_norm_weighs_fused_parts_by_their_own_gradient():
     """Fusing two projections into one weight (GPT-2's ``c_attn``) must not change what GACT
     measures: each saved tensor's relative sensitivity is the unfused model's within 10 %
     (rank-1 second moment: its row means keep the parts apart). One scale per tensor, the
-    norm of the build before, set by ``w``'s 100x larger gradient, rated ``x`` 2·10⁴x lower
+    norm of the build before, set by ``w``'s 20x larger gradient, rated ``x`` 200x lower
     fused than unfused (its noise in ``u``'s rows vanished beside ``w``'s gradient) and
     ``s`` 2x higher; on GPT-2 it gave the attention's v 1 bit."""
     x = torch.randn(256, 64, generator=torch.Generator().manual_seed(1))
@@ -386,54 +386,49 @@ def _batch(gen, n=16):
 @pytest.mark.parametrize("noise_norm", ["absolute", "relative"])
 def test_gradient_variance_matches_monte_carlo(noise_norm):
     """The alert's SGD-variance estimate (pairs of consecutive calls, fresh batches, fixed
-    parameters) against the same estimator on the vanilla model's exact minibatch gradients,
-    400 batches: ``½‖(g' − g) w(g)‖²`` with ``w = 1 / √v`` elementwise ("relative": Adafactor's
-    rank-1 second moment of the pair's first gradient, written out here; "absolute": 1);
-    3σ (overlapping pairs: σ of the mean inflated by √2). Where the weights come from the
-    first gradient they are not independent of it: weights from a third batch give a
-    larger variance (relative norm; asserted: the alert errs on the loud side)."""
+    parameters) against the variance of the vanilla model's minibatch gradient over many
+    batches, each parameter tensor weighted by the scale the pair used ("relative": 1 /
+    the rms of the previous call's probe gradient); 3σ (overlapping pairs: σ of the mean
+    inflated by √2)."""
     vanilla = _mlp()
     model = _mlp()
     comp = fewbit.convert_(model, fewbit.Config(saved_bits="auto", average_bits=8, adapt_interval=1,
                                                  min_numel=0, noise_norm=noise_norm)).compressor
     policy = comp.policy
+    scales = []  # per call: one weight per parameter tensor, 1 / (rms of its probe gradient + 1e-8)
+    tensor_moments = gact._tensor_moments
+
+    def recorded(g0, params):
+        moments = tensor_moments(g0, params)
+        scales.append(torch.stack([1 / (m[0].reshape(()).sqrt() + 1e-8) for m in moments]))
+        return moments
+
     gen = torch.Generator().manual_seed(0)
-    for _ in range(30):
-        x, y = _batch(gen)
-        comp.adapt(model, lambda: nn.functional.cross_entropy(model(x), y))
-    est = torch.tensor(policy._variance_pairs, dtype=torch.float64)
-    assert len(est) == 29
-    assert policy.gradient_variance == est[-1]  # the latest pair
-    params = list(vanilla.parameters())
-
-    def weights(grads):  # flat, one weight per element
-        if noise_norm == "absolute":
-            return torch.ones(sum(p.numel() for p in params), dtype=torch.float64)
-        out = []
-        for g, p in zip(grads, params):
-            g2 = g.reshape(p.shape[0], -1).pow(2) if p.dim() >= 2 else g.reshape(1, -1).pow(2)
-            v = g2.mean(1, keepdim=True) * g2.mean(0, keepdim=True) / g2.mean() if p.dim() >= 2 else g2.mean()
-            out.append((v.sqrt() + 1e-8).pow(-2).expand(g2.shape).reshape(-1))
-        return torch.cat(out)
-
-    halves, independent = [], []
-    for _ in range(200):
-        pair = []
-        for _ in range(3):
+    with mock.patch.object(gact, "_tensor_moments", recorded):
+        for _ in range(30):
             x, y = _batch(gen)
-            vanilla.zero_grad()
-            nn.functional.cross_entropy(vanilla(x), y).backward()
-            pair.append([p.grad.reshape(-1).double().clone() for p in params])
-        g, g2 = torch.cat(pair[0]), torch.cat(pair[1])
-        halves.append(0.5 * float(((g2 - g).pow(2) * weights(pair[0])).sum()))
-        independent.append(0.5 * float(((g2 - g).pow(2) * weights(pair[2])).sum()))  # a third batch's weights
-    ref = torch.tensor(halves, dtype=torch.float64)
-    sigma = math.sqrt(2) * float(est.std()) / math.sqrt(len(est)) + float(ref.std()) / math.sqrt(len(ref))
-    assert abs(float(est.mean()) - float(ref.mean())) < 3 * sigma, (float(est.mean()), float(ref.mean()), sigma)
-    assert 3 * sigma < 0.5 * float(ref.mean())  # the test can tell a wrong estimate (the old one was off by >100x)
-    if noise_norm == "relative":  # weights of the first gradient err low: the alert errs loud
-        ratio = float(ref.mean()) / (sum(independent) / len(independent))
-        assert 0.6 < ratio < 0.97, ratio
+            comp.adapt(model, lambda: nn.functional.cross_entropy(model(x), y))
+    if noise_norm == "absolute":
+        scales = [torch.ones(len(list(model.parameters())), dtype=torch.float64)] * 30
+    est = torch.tensor(policy._variance_pairs, dtype=torch.float64)
+    assert len(est) == 29 and len(scales) == 30
+    assert policy.gradient_variance == est[-1]  # the latest pair
+    grads = []
+    for _ in range(400):
+        x, y = _batch(gen)
+        vanilla.zero_grad()
+        nn.functional.cross_entropy(vanilla(x), y).backward()
+        grads.append(torch.cat([p.grad.reshape(-1) for p in vanilla.parameters()]).double())
+    g = torch.stack(grads)
+    sizes = [p.numel() for p in vanilla.parameters()]
+    per_element = (g - g.mean(0)).pow(2) * len(g) / (len(g) - 1)  # (batches, elements)
+    per_tensor = torch.stack([part.sum(1) for part in per_element.split(sizes, dim=1)], 1)  # (batches, tensors)
+    weight = torch.stack(scales[:-1]).pow(2)  # the scale of each pair's first call
+    ref = float((per_tensor.mean(0) * weight).sum(1).mean())
+    per_batch = per_tensor @ weight.mean(0)
+    sigma = math.sqrt(2) * float(est.std()) / math.sqrt(len(est)) + float(per_batch.std()) / math.sqrt(len(g))
+    assert abs(float(est.mean()) - ref) < 3 * sigma, (float(est.mean()), ref, sigma)
+    assert 3 * sigma < 0.5 * ref  # the test can tell a wrong estimate (the old one was off by >100x)
 
 
 def test_alert_fires_on_the_step_after_a_replan_and_not_at_8_bits():
@@ -531,18 +526,91 @@ def test_adapt_checks_its_arguments_on_every_call():
     assert comp.policy.schedule()[0] == 2  # a refused call is not counted
 
 
+@pytest.mark.parametrize("make", [
+    lambda ps: torch.optim.Adam(ps, lr=1e-3, betas=(0.8, 0.95), eps=1e-6),
+    lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.0),
+    lambda ps: torch.optim.Adam(ps, lr=1e-3, amsgrad=True),
+    lambda ps: torch.optim.Adam(ps, lr=1e-3, foreach=False),
+    lambda ps: torch.optim.RMSprop(ps, lr=1e-3, alpha=0.9),
+    lambda ps: torch.optim.Adagrad(ps, lr=1e-2),
+], ids=["adam", "adamw", "amsgrad", "adam-single-tensor", "rmsprop", "adagrad"])
+def test_optimizer_moments_are_what_the_update_divides_by(make):
+    """The weight GACT gives each element's noise, ``1 / (√v + eps)``, against the
+    optimizer's own step: after a step with gradient ``g`` (float64, three steps before),
+    the update's denominator is ``-lr · m̂ / Δp`` (Adam family, ``m̂`` the bias-corrected
+    first moment) or ``-lr · g / Δp`` (RMSprop; Adagrad with its decayed lr)."""
+    gen = torch.Generator().manual_seed(0)
+    p = nn.Parameter(torch.randn(8, 16, generator=gen, dtype=torch.float64))
+    opt = make([p])
+    for _ in range(4):
+        before = p.detach().clone()
+        g = torch.randn(8, 16, generator=gen, dtype=torch.float64)
+        p.grad = g.clone()
+        opt.step()
+    delta = p.detach() - before
+    group, state = opt.param_groups[0], opt.state[p]
+    if "exp_avg" in state:
+        step = float(state["step"])
+        numerator = state["exp_avg"] / (1 - group["betas"][0] ** step)
+    else:
+        numerator = g / (1 + (float(state["step"]) - 1) * group.get("lr_decay", 0.0))
+    denominator = -group["lr"] * numerator / delta
+    ((v, eps),) = gact._optimizer_moments(opt, [p])
+    torch.testing.assert_close(v.sqrt() + eps, denominator, rtol=1e-9, atol=0)
+
+
+def test_second_moments_are_floored():
+    """An element whose second-moment estimate is 0 (a column of the probe gradient that is
+    0, an element Adam has never seen move) weighs its noise ``1 / √(10⁻⁴ · mean v)``, not
+    ``1 / eps`` (10⁸x in norm, which let a dead ReLU unit's column decide a plan)."""
+    g0 = torch.randn(16, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    g0[:, 3] = 0  # a dead unit's column
+    p = torch.zeros(16, 32)
+    weights = gact._weights([p], gact._rank1_moments(g0.reshape(-1), [p]), None)
+    noise = torch.zeros(16, 32, dtype=torch.float64)
+    noise[5, 3] = 1.0
+    mean = float(g0.square().mean())
+    assert gact._weighted_square_norm(noise.reshape(-1), [p], weights) == pytest.approx(1 / (1e-4 * mean), rel=1e-5)
+    q = nn.Parameter(torch.zeros(16, 32))
+    opt = torch.optim.Adam([q])
+    q.grad = g0.float()
+    opt.step()
+    ((v, eps),) = gact._optimizer_moments(opt, [q])
+    raw = opt.state[q]["exp_avg_sq"].double() / (1 - 0.999)
+    assert float(raw[5, 3]) == 0 and float(v[5, 3]) == pytest.approx(1e-4 * float(raw.mean()), rel=1e-12)
+    torch.testing.assert_close(v, raw.clamp(min=1e-4 * float(raw.mean())))
+
+
+def test_optimizer_of_another_model_is_a_clear_error():
+    model, other = _mlp(), _mlp()
+    comp = fewbit.convert_(model, fewbit.Config(saved_bits="auto", average_bits=2, min_numel=0)).compressor
+    x, y = torch.randn(8, 32), torch.randint(0, 10, (8,))
+    with pytest.raises(ValueError, match="optimizer holds none of the model's parameters"):
+        comp.adapt(model, lambda: nn.functional.cross_entropy(model(x), y), torch.optim.Adam(other.parameters()))
+    assert comp.policy.schedule()[:3] == (0, 1, 1)  # nothing used up
+    fixed = fewbit.convert_(_mlp(), fewbit.Config(saved_bits=2, min_numel=0)).compressor
+    with pytest.raises(TypeError, match="optimizer must be a torch.optim.Optimizer or None, got str"):
+        fixed.adapt(model, lambda: model(x).sum(), "adam")
+
+
 def test_optimizer_without_a_second_moment_falls_back_to_the_rank_1_estimate():
-    """SGD keeps no second moment, nor does an Adam before its first step: their noise is
-    weighed as without an optimizer (bit-equal sensitivities, same seeds)."""
+    """SGD keeps no second moment, nor does an Adam or an Adagrad before its first step
+    (Adagrad's ``sum`` starts at 0), and Adadelta's, Adafactor's and a centered RMSprop's
+    are not what their update divides by: their noise is weighed as without an optimizer
+    (bit-equal sensitivities, same seeds)."""
     x = torch.randn(16, 32, generator=torch.Generator().manual_seed(0))
     y = torch.randint(0, 10, (16,), generator=torch.Generator().manual_seed(1))
     sens = []
-    for make in (lambda m: None, lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
-                 lambda m: torch.optim.Adam(m.parameters())):
+    stepped = (lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
+               lambda m: torch.optim.Adadelta(m.parameters()),
+               lambda m: torch.optim.Adafactor(m.parameters()),
+               lambda m: torch.optim.RMSprop(m.parameters(), centered=True))
+    for make in (lambda m: None, lambda m: torch.optim.Adam(m.parameters()),
+                 lambda m: torch.optim.Adagrad(m.parameters()), *stepped):
         model = _mlp()
         comp = fewbit.convert_(model, fewbit.Config(saved_bits="auto", average_bits=2, min_numel=0)).compressor
         opt = make(model)
-        if isinstance(opt, torch.optim.SGD):  # a momentum buffer, no second moment
+        if any(make is f for f in stepped):  # state, but no usable second moment
             nn.functional.cross_entropy(model(x), y).backward()
             opt.step()
             model.load_state_dict(_mlp().state_dict())
@@ -550,7 +618,7 @@ def test_optimizer_without_a_second_moment_falls_back_to_the_rank_1_estimate():
             warnings.simplefilter("ignore", RuntimeWarning)
             assert comp.adapt(model, lambda: nn.functional.cross_entropy(model(x), y), opt)
         sens.append(comp.policy.sensitivity)
-    assert sens[0] == sens[1] == sens[2]
+    assert all(sens[0] == other for other in sens[1:])
 
 
 def test_adapt_without_trainable_parameters_is_a_clear_error():
@@ -680,8 +748,9 @@ def test_a_zero_gradient_measures_nothing():
     assert comp.policy.bits
 
 
-def _gact_run(steps, resume_at=None, restore_policy=True):
-    """An MLP trained with GACT at an average of 2 bits; with ``resume_at``, checkpointed
+def _gact_run(steps, resume_at=None, restore_policy=True, optimizer="sgd"):
+    """An MLP trained with GACT at an average of 2 bits (``optimizer``: SGD, or Adam passed
+    to ``adapt``); with ``resume_at``, checkpointed
     there (weights, optimizer, torch's and fewbit's RNG state and the policy's state,
     through ``torch.save`` / ``torch.load(weights_only=True)``) and resumed in a fresh model."""
     import io
@@ -692,7 +761,9 @@ def _gact_run(steps, resume_at=None, restore_policy=True):
     def build():
         model = _mlp()
         comp = fewbit.convert_(model, fewbit.Config(saved_bits="auto", average_bits=2)).compressor
-        return model, comp, torch.optim.SGD(model.parameters(), lr=0.05)
+        opt = (torch.optim.SGD(model.parameters(), lr=0.05) if optimizer == "sgd"
+               else torch.optim.Adam(model.parameters(), lr=1e-3))
+        return model, comp, opt
 
     fewbit.manual_seed(0)
     model, comp, opt = build()
@@ -713,7 +784,7 @@ def _gact_run(steps, resume_at=None, restore_policy=True):
             if restore_policy:
                 comp.policy.load_state_dict(ckpt["gact"])
         x, y = data[step], target[step]
-        comp.adapt(model, lambda: nn.functional.cross_entropy(model(x), y))
+        comp.adapt(model, lambda: nn.functional.cross_entropy(model(x), y), None if optimizer == "sgd" else opt)
         loss = nn.functional.cross_entropy(model(x), y)
         opt.zero_grad()
         loss.backward()
@@ -722,15 +793,22 @@ def _gact_run(steps, resume_at=None, restore_policy=True):
     return losses, comp.policy
 
 
-def test_gact_run_resumes_exactly_with_the_policy_state():
+@pytest.mark.parametrize("optimizer, resume_at", [("sgd", 3), ("adam", 2), ("adam", 3)])
+def test_gact_run_resumes_exactly_with_the_policy_state(optimizer, resume_at):
     """The plan, its schedule and the measurement generator live in the policy, not in the
     model's state_dict: with ``policy.state_dict()`` saved and restored, a resumed run's
-    losses and plan are the uninterrupted run's bit for bit; without it the schedule starts
-    over (the plan was lost also by ``copy.deepcopy`` and pickling of a converted model)."""
-    uninterrupted, policy = _gact_run(8)
-    resumed, resumed_policy = _gact_run(8, resume_at=3)
+    losses, plan and variance estimates are the uninterrupted run's bit for bit (resumed
+    after call 2, a re-plan, the pair of call 3 uses what the state kept); without it the
+    schedule starts over (the plan was lost also by ``copy.deepcopy`` and pickling of a
+    converted model)."""
+    uninterrupted, policy = _gact_run(8, optimizer=optimizer)
+    resumed, resumed_policy = _gact_run(8, resume_at=resume_at, optimizer=optimizer)
     assert resumed == uninterrupted
     assert resumed_policy.bits == policy.bits and resumed_policy._calls == policy._calls == 8
+    assert resumed_policy.sensitivity == policy.sensitivity
+    assert resumed_policy._variance_pairs == policy._variance_pairs and len(policy._variance_pairs) == 3
+    if optimizer == "adam":
+        return
     _, fresh_policy = _gact_run(8, resume_at=3, restore_policy=False)
     assert fresh_policy._calls == 5  # without it the schedule started over at the resumption
 
