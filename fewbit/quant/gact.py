@@ -128,115 +128,100 @@ def allocate_bits(
 #: same ``eps`` (1e-8) to the root of their second moment.
 _RELATIVE_EPS = 1e-8
 
-#: The least second moment of an element, as a fraction of its parameter tensor's mean:
-#: where a whole row or column of the probe gradient is 0 (a dead ReLU unit, an embedding
-#: row of a token not in the batch) or an optimizer has not seen an element move, the
-#: estimate is 0 and ``eps`` alone would weigh its noise up to 10^16 times; capped, such
-#: an element weighs at most 100x (in norm) what the tensor's mean scale would give it.
-#: Far below the spread the elementwise weights are for: the query and key columns of
-#: GPT-2's fused ``c_attn`` early in training sit about 10^-4 of the value columns'.
+#: The second moment given to an element whose estimate is exactly 0, as a fraction of its
+#: parameter tensor's mean: where a whole row or column of the probe gradient is 0 (a dead
+#: ReLU unit) or an optimizer has never seen an element move, ``eps`` alone would weigh its
+#: noise 10^16 times; such an element weighs 100x (in norm) what the tensor's mean scale
+#: would give it.
 _MOMENT_FLOOR = 1e-4
 
 
 def _matrix_view(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as ``(rows, columns)``: ``(shape[0], -1)`` for two or more dims, ``(1, -1)`` else."""
-    return t.reshape(t.shape[0], -1) if t.dim() >= 2 else t.reshape(1, -1)
+    """``t`` as ``(rows, columns)``: ``(shape[0], numel / shape[0])`` for two or more dims,
+    ``(1, numel)`` else (a tensor of no elements too)."""
+    rows = t.shape[0] if t.dim() >= 2 else 1
+    return t.reshape(rows, t.numel() // rows if rows else 0)
 
 
-def _rank1_moments(g0: torch.Tensor, params: list[torch.Tensor]) -> list:
-    """Per parameter tensor, the rank-1 second moment of the probe gradient ``g0``:
-    ``(R, C / S, floor)`` with ``v = max(R_i C_j / S, floor)``, ``R``, ``C`` the row and
-    column means of ``g0²`` over its :func:`_matrix_view` and ``S`` its mean (Adafactor's
-    factored second moment, Shazeer & Stern, ICML 2018, eq. 4, from one sample); a vector:
-    ``(S, 1, floor)``. ``floor = _MOMENT_FLOOR · S``. float64, small (rows + columns)."""
+def _squared_weights(v: torch.Tensor, eps: float) -> torch.Tensor:
+    """``1 / (√v + eps)²`` (float32), with ``v`` where it is exactly 0 replaced by
+    ``_MOMENT_FLOOR · mean(v)``. Only exact zeros: a small ``v`` is what Adam divides by
+    (rarely seen tokens' rows), and flooring every ``v`` under 10⁻⁴ of the mean cost gact2
+    0.04 of validation loss on GPT-2 and up to 0.17 on LLaMA (``scripts/train_lm.py``)."""
+    floor = _MOMENT_FLOOR * float(v.mean()) if v.numel() else 0.0
+    return (torch.where(v > 0, v, floor).sqrt() + eps).reciprocal().square().float()
+
+
+def _rank1_weights(g0: torch.Tensor, params: list[torch.Tensor]) -> list:
+    """Per parameter tensor, the squared weight of each element's noise from the probe
+    gradient ``g0``'s rank-1 second moment, over its :func:`_matrix_view` (a 0-d tensor for a
+    vector): ``v_ij = R_i C_j / S``, ``R``, ``C`` the row and column means of ``g0²`` and
+    ``S`` its mean (Adafactor's factored second moment, Shazeer & Stern, ICML 2018, eq. 4,
+    from one sample); a vector: ``v = S``; weight :func:`_squared_weights`. A tensor whose
+    ``g0`` is 0 throughout gives nothing to weigh its noise against: weight 0."""
     out = []
     for q, p in zip(g0.split([p.numel() for p in params]), params):
         g2 = _matrix_view(q.reshape(p.shape)).double().square()
-        mean = g2.mean() if g2.numel() else g2.new_zeros(())
-        if p.dim() < 2 or g2.numel() == 0:
-            out.append((mean.reshape(1, 1), g2.new_ones(()), _MOMENT_FLOOR * float(mean)))
+        mean = float(g2.mean()) if g2.numel() else 0.0
+        if not mean > 0:
+            out.append(torch.zeros(()))
+        elif p.dim() < 2:
+            out.append(_squared_weights(torch.tensor(mean, dtype=torch.float64), _RELATIVE_EPS))
         else:
-            cols = g2.mean(0, keepdim=True)
-            out.append((g2.mean(1, keepdim=True), cols / mean if mean > 0 else torch.zeros_like(cols),
-                        _MOMENT_FLOOR * float(mean)))
+            v = g2.mean(1, keepdim=True) * (g2.mean(0, keepdim=True) / mean)
+            out.append(_squared_weights(v, _RELATIVE_EPS).to(q.device))
     return out
 
 
-def _tensor_moments(g0: torch.Tensor, params: list[torch.Tensor]) -> list:
-    """Per parameter tensor, one second moment, the mean of ``g0²`` over it, in
-    :func:`_rank1_moments`' form (the alert's weights)."""
-    out = []
-    for q in g0.split([p.numel() for p in params]):
-        mean = q.double().square().mean() if q.numel() else q.new_zeros((), dtype=torch.float64)
-        out.append((mean.reshape(1, 1), torch.ones((), dtype=torch.float64), 0.0))
-    return out
+def _tensor_scales(g0: torch.Tensor, params: list[torch.Tensor]) -> torch.Tensor:
+    """The alert's weights: per parameter tensor ``1 / (rms(g0_p) + eps)`` (float64, CPU,
+    one per tensor); 0 for a tensor whose ``g0`` is 0 throughout."""
+    rms = torch.stack([q.double().square().mean().sqrt() if q.numel() else q.new_zeros((), dtype=torch.float64)
+                       for q in g0.split([p.numel() for p in params])]).cpu()
+    return torch.where(rms > 0, (rms + _RELATIVE_EPS).reciprocal(), torch.zeros_like(rms))
 
 
-def _optimizer_moments(optimizer, params: list[torch.Tensor]) -> list:
-    """Per parameter tensor, ``(v, eps)``: the second moment ``optimizer``'s update divides
-    by (:func:`_optimizer_moment`), or None where it keeps none."""
-    groups = {id(p): g for g in optimizer.param_groups for p in g["params"]}
-    return [_optimizer_moment(optimizer, p, groups.get(id(p))) for p in params]
-
-
-def _optimizer_moment(optimizer, p: torch.Tensor, group):
-    """``(v, eps)`` for ``p``: ``v`` (float64, ``p``'s :func:`_matrix_view` shape, floored
-    at ``_MOMENT_FLOOR`` times its mean) and the group's ``eps``, from the state of
-    :class:`torch.optim.Adam`, ``AdamW``, ``NAdam``, ``RAdam`` (``exp_avg_sq / (1 −
+def _optimizer_weights(optimizer, params: list[torch.Tensor], fallback: list) -> list:
+    """Per parameter tensor, the squared weight ``1 / (√v + eps)²`` (:func:`_squared_weights`)
+    of the second moment ``v`` the ``optimizer``'s update divides by, with its group's
+    ``eps``: :class:`torch.optim.Adam`, ``AdamW``, ``NAdam``, ``RAdam`` (``exp_avg_sq / (1 −
     β2^t)``, AMSGrad's ``max_exp_avg_sq``), ``RMSprop`` (non-centered ``square_avg``) or
-    ``Adagrad`` (``sum``), after their first step; None otherwise (another optimizer, a
-    parameter it does not hold, a step not yet taken)."""
-    state = optimizer.state.get(p) if group is not None else None
-    if not state or float(state.get("step", 0)) <= 0:
-        return None
-    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW, torch.optim.NAdam, torch.optim.RAdam)):
-        v = state.get("max_exp_avg_sq") if group.get("amsgrad") else state.get("exp_avg_sq")
-        correction = 1.0 - float(group["betas"][1]) ** float(state["step"])
-    elif isinstance(optimizer, torch.optim.RMSprop) and not group.get("centered", False):
-        v, correction = state.get("square_avg"), 1.0
-    elif isinstance(optimizer, torch.optim.Adagrad):
-        v, correction = state.get("sum"), 1.0
-    else:
-        return None
-    if not isinstance(v, torch.Tensor) or v.shape != p.shape or v.is_sparse:
-        return None
-    v = _matrix_view(v).double() / correction
-    return (v.clamp(min=_MOMENT_FLOOR * float(v.mean())), float(group["eps"]))
-
-
-def _weights(params: list[torch.Tensor], rank1: list | None, optimizer_moments: list | None):
-    """Per parameter tensor, a function of its device giving the elementwise weight
-    ``1 / (√v + eps)`` (over its :func:`_matrix_view`), or None (weight 1: the absolute
-    norm): the optimizer's ``v`` where ``optimizer_moments`` has one, else the rank-1 one."""
+    ``Adagrad`` (``sum``), after their first step; ``fallback[k]`` where there is none
+    (another optimizer, a parameter it does not hold, a step not yet taken, a state that is
+    0 throughout or not finite)."""
+    groups = {id(p): g for g in optimizer.param_groups for p in g["params"]}
     out = []
-    for k, p in enumerate(params):
-        if rank1 is None:
-            out.append(None)
-            continue
-        opt = optimizer_moments[k] if optimizer_moments is not None else None
-        if opt is not None:
-            out.append(("v", opt[0], opt[1]))
-        else:
-            r, c, floor = rank1[k]
-            out.append(("rank1", (r, c, floor), _RELATIVE_EPS))
+    for p, other in zip(params, fallback):
+        group = groups.get(id(p))
+        state = optimizer.state.get(p) if group is not None else None
+        v = None
+        if state and float(state.get("step", 0)) > 0:
+            if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW, torch.optim.NAdam, torch.optim.RAdam)):
+                v = state.get("max_exp_avg_sq") if group.get("amsgrad") else state.get("exp_avg_sq")
+                correction = 1.0 - float(group["betas"][1]) ** float(state["step"])
+            elif isinstance(optimizer, torch.optim.RMSprop) and not group.get("centered", False):
+                v, correction = state.get("square_avg"), 1.0
+            elif isinstance(optimizer, torch.optim.Adagrad):
+                v, correction = state.get("sum"), 1.0
+        if isinstance(v, torch.Tensor) and v.shape == p.shape and not v.is_sparse and v.numel():
+            v = _matrix_view(v).double() / correction
+            if bool(torch.isfinite(v).all()) and float(v.mean()) > 0:
+                out.append(_squared_weights(v, float(group["eps"])))
+                continue
+        out.append(other)
     return out
 
 
-def _weighted_square_norm(diff: torch.Tensor, params: list[torch.Tensor], weights: list) -> float:
-    """``Σ_p ‖diff_p / (√v_p + eps)‖²`` over the parameter tensors ``diff_p`` of the flat
-    ``diff`` (``weights`` from :func:`_weights`; 1 where None), in float64, one parameter
-    tensor at a time."""
-    total = 0.0
+def _noise_norms(diff: torch.Tensor, params: list[torch.Tensor], weights: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per parameter tensor, ``‖diff_p · w_p‖²`` and ``‖diff_p‖²`` (float64, 1-D, on
+    ``diff``'s device) of the flat ``diff``; ``weights[p]`` are squared weights
+    (:func:`_rank1_weights`, :func:`_optimizer_weights`), None for 1."""
+    weighted, plain = [], []
     for d, p, w in zip(diff.split([p.numel() for p in params]), params, weights):
-        d = _matrix_view(d.reshape(p.shape)).double()
-        if w is not None:
-            kind, v, eps = w
-            if kind == "rank1":
-                r, c, floor = v
-                v = (r.to(d.device) * c.to(d.device)).clamp_(min=floor)
-            d = d / (v.to(d.device).sqrt() + eps)
-        total += float(d.square().sum())
-    return total
+        sq = _matrix_view(d.reshape(p.shape)).double().square()
+        plain.append(sq.sum())
+        weighted.append(plain[-1] if w is None else (sq * w.to(sq.device)).sum())
+    return torch.stack(weighted), torch.stack(plain)
 
 
 def _keep_bits(dtype: torch.dtype) -> int:
@@ -288,7 +273,8 @@ class GACTPolicy(Policy):
             ``σ² ≈ ½‖g0' − g0‖² − Σ c_l S(probe_bits)`` (two independent batches, each
             gradient carrying the probe's compression noise). Both sides of the
             comparison weigh each parameter tensor's noise by one scale, ``1 / (rms(g0_p)
-            + 1e-8)`` of the re-plan's ``g0`` (kept with it; with or without an optimizer),
+            + 1e-8)`` of the re-plan's ``g0`` (kept with it; with or without an optimizer;
+            0 for a tensor whose ``g0`` is 0 throughout, an expert the batch did not use),
             not elementwise as the plan does: an element whose re-plan gradient was 0 (an
             embedding row of a token not in that batch) has its second moment at the
             floor, and the next batch's gradient there, weighed 10⁴x, made ``σ²`` 10⁴x the
@@ -323,9 +309,12 @@ class GACTPolicy(Policy):
             weighed the same), else a rank-1 estimate from the probe gradient (row mean x
             column mean / mean of ``g0²`` per parameter tensor, Adafactor's factored
             second moment, Shazeer & Stern, ICML 2018; one mean for a vector). Either is
-            floored at 10⁻⁴ of its tensor's mean (``_MOMENT_FLOOR``: a dead unit's column
-            or an unseen token's row has ``v = 0``, and ``eps`` alone would weigh its noise
-            10¹⁶x). The alert weighs each parameter tensor by one scale (``alert_ratio``). Per
+            10⁻⁴ of its tensor's mean where it is exactly 0 (``_MOMENT_FLOOR``: a dead
+            unit's column has ``v = 0``, and ``eps`` alone would weigh its noise 10¹⁶x; a
+            small ``v`` is kept: it is what Adam divides by); an optimizer state that is 0 throughout a tensor or not finite gives way
+            to the rank-1 estimate, and a tensor whose probe gradient is 0 throughout is
+            left out (weight 0). The alert weighs each parameter tensor by one scale
+            (``alert_ratio``). Per
             element, not per tensor: GPT-2's fused ``c_attn`` weight holds the query, key
             and value columns, and early in training the query and key gradients are far
             smaller than the value's; one scale per tensor (an earlier build's) hid the
@@ -423,7 +412,7 @@ class GACTPolicy(Policy):
         self._probe: tuple[int, int] | None = None  # (base seed, index whose seed changes)
         self._seen: dict[int, SavedTensorInfo] = {}
         # (call, g0, Σ c_l S(probe))
-        self._last_g0: tuple[int, torch.Tensor, list | None, float] | None = None
+        self._last_g0: tuple[int, torch.Tensor, torch.Tensor | None, float] | None = None
         self._variance_pairs: list[float] = []  # one SGD-variance estimate per pair of calls
         self._warned = False
 
@@ -487,10 +476,10 @@ class GACTPolicy(Policy):
             closure: ``() -> loss``, the forward of this step's batch (scalar tensor).
             optimizer: the training's optimizer, optional. With ``noise_norm="relative"``
                 the plan weighs the noise of each parameter it keeps a second moment for
-                (:func:`_optimizer_moment`: Adam, AdamW, NAdam, RAdam, non-centered RMSprop,
+                (:func:`_optimizer_weights`: Adam, AdamW, NAdam, RAdam, non-centered RMSprop,
                 Adagrad, after their first step) elementwise by ``1 / (√v + eps)``, as the
                 update is; other parameters (and every one without an optimizer) by a
-                rank-1 estimate from the probe gradient (:func:`_rank1_moments`). Read,
+                rank-1 estimate from the probe gradient (:func:`_rank1_weights`). Read,
                 not modified, and no reference to it is kept.
 
         Returns:
@@ -573,16 +562,20 @@ class GACTPolicy(Policy):
                 finite = bool(torch.isfinite(g0).all())
                 relative = self.noise_norm == "relative"
                 # the alert's weights: one per parameter tensor (kept with g0 for the pair)
-                scales = _tensor_moments(g0, params) if finite and relative else None
+                scales = _tensor_scales(g0, params) if finite and relative else None
                 if replan and finite:
                     # the plan's: the optimizer's second moments where it has them, else rank-1
-                    moments = _optimizer_moments(optimizer, params) if optimizer is not None and relative else None
-                    plan_weights = _weights(params, _rank1_moments(g0, params) if relative else None, moments)
-                    alert_weights = _weights(params, scales, None)
+                    weights = [None] * len(params)
+                    if relative:
+                        weights = _rank1_weights(g0, params)
+                        if optimizer is not None:
+                            weights = _optimizer_weights(optimizer, params, weights)
+                    alert_weights = None if scales is None else scales.square().to(g0.device)
                     for index in seen:
-                        diff = run(index).sub_(g0)
-                        sens[index] = 0.5 * _weighted_square_norm(diff, params, plan_weights) / s
-                        alert[index] = 0.5 * _weighted_square_norm(diff, params, alert_weights) / s
+                        weighted, plain = _noise_norms(run(index).sub_(g0), params, weights)
+                        alert_sum = plain.sum() if alert_weights is None else (plain * alert_weights).sum()
+                        c, a = torch.stack([weighted.sum(), alert_sum]).tolist()
+                        sens[index], alert[index] = 0.5 * c / s, 0.5 * a / s
                     finite = all(math.isfinite(v) for v in sens.values())
         finally:
             _restore_buffers(buffers)
@@ -670,12 +663,13 @@ class GACTPolicy(Policy):
 
     def _pair_variance(self, g: torch.Tensor, params: list[torch.Tensor]) -> None:
         """One SGD-variance estimate from this call's probe gradient and the last re-plan's,
-        weighted by that re-plan's per-tensor scales (:func:`_tensor_moments`, kept with it)."""
+        weighted by that re-plan's per-tensor scales (:func:`_tensor_scales`, kept with it)."""
         _, last, scales, probe_variance = self._last_g0
         self._last_g0 = None
-        if last.shape != g.shape or not (scales is None or (isinstance(scales, list) and len(scales) == len(params))):
-            return  # the parameters changed between the calls (or a state of an earlier build)
-        half = 0.5 * _weighted_square_norm(g.float().sub_(last), params, _weights(params, scales, None))
+        if last.shape != g.shape or not (scales is None or (isinstance(scales, torch.Tensor) and len(scales) == len(params))):
+            return  # the parameters changed between the calls
+        _, plain = _noise_norms(g.float().sub_(last), params, [None] * len(params))
+        half = 0.5 * float(plain.sum() if scales is None else (plain * scales.to(plain.device).square()).sum())
         self._variance_pairs.append(max(half - probe_variance, 0.0))
         self.gradient_variance = self._variance_pairs[-1]
 

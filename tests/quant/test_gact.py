@@ -396,15 +396,14 @@ def test_gradient_variance_matches_monte_carlo(noise_norm):
                                                  min_numel=0, noise_norm=noise_norm)).compressor
     policy = comp.policy
     scales = []  # per call: one weight per parameter tensor, 1 / (rms of its probe gradient + 1e-8)
-    tensor_moments = gact._tensor_moments
+    tensor_scales = gact._tensor_scales
 
     def recorded(g0, params):
-        moments = tensor_moments(g0, params)
-        scales.append(torch.stack([1 / (m[0].reshape(()).sqrt() + 1e-8) for m in moments]))
-        return moments
+        scales.append(tensor_scales(g0, params))
+        return scales[-1]
 
     gen = torch.Generator().manual_seed(0)
-    with mock.patch.object(gact, "_tensor_moments", recorded):
+    with mock.patch.object(gact, "_tensor_scales", recorded):
         for _ in range(30):
             x, y = _batch(gen)
             comp.adapt(model, lambda: nn.functional.cross_entropy(model(x), y))
@@ -555,30 +554,38 @@ def test_optimizer_moments_are_what_the_update_divides_by(make):
     else:
         numerator = g / (1 + (float(state["step"]) - 1) * group.get("lr_decay", 0.0))
     denominator = -group["lr"] * numerator / delta
-    ((v, eps),) = gact._optimizer_moments(opt, [p])
-    torch.testing.assert_close(v.sqrt() + eps, denominator, rtol=1e-9, atol=0)
+    (w2,) = gact._optimizer_weights(opt, [p], [None])
+    torch.testing.assert_close(w2.double().rsqrt(), denominator, rtol=1e-6, atol=0)  # float32 weights
 
 
 def test_second_moments_are_floored():
-    """An element whose second-moment estimate is 0 (a column of the probe gradient that is
-    0, an element Adam has never seen move) weighs its noise ``1 / √(10⁻⁴ · mean v)``, not
-    ``1 / eps`` (10⁸x in norm, which let a dead ReLU unit's column decide a plan)."""
+    """An element whose second-moment estimate is exactly 0 (a column of the probe gradient
+    that is 0, an element Adam has never seen move) weighs its noise ``1 / √(10⁻⁴ · mean v)``,
+    not ``1 / eps`` (10⁸x in norm, which let a dead ReLU unit's column decide a plan); a
+    small but nonzero one is kept (what Adam divides by)."""
     g0 = torch.randn(16, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     g0[:, 3] = 0  # a dead unit's column
     p = torch.zeros(16, 32)
-    weights = gact._weights([p], gact._rank1_moments(g0.reshape(-1), [p]), None)
+    (w2,) = gact._rank1_weights(g0.reshape(-1), [p])
     noise = torch.zeros(16, 32, dtype=torch.float64)
     noise[5, 3] = 1.0
     mean = float(g0.square().mean())
-    assert gact._weighted_square_norm(noise.reshape(-1), [p], weights) == pytest.approx(1 / (1e-4 * mean), rel=1e-5)
+    weighted, plain = gact._noise_norms(noise.reshape(-1), [p], [w2])
+    assert float(weighted[0]) == pytest.approx(1 / (1e-4 * mean), rel=1e-5) and float(plain[0]) == 1
     q = nn.Parameter(torch.zeros(16, 32))
     opt = torch.optim.Adam([q])
     q.grad = g0.float()
     opt.step()
-    ((v, eps),) = gact._optimizer_moments(opt, [q])
+    (w2,) = gact._optimizer_weights(opt, [q], [None])
     raw = opt.state[q]["exp_avg_sq"].double() / (1 - 0.999)
-    assert float(raw[5, 3]) == 0 and float(v[5, 3]) == pytest.approx(1e-4 * float(raw.mean()), rel=1e-12)
-    torch.testing.assert_close(v, raw.clamp(min=1e-4 * float(raw.mean())))
+    assert float(raw[5, 3]) == 0
+    floored = torch.where(raw > 0, raw, 1e-4 * float(raw.mean()))  # exact zeros only
+    assert float((raw > 0).sum()) < raw.numel() and float(raw[raw > 0].min()) < 1e-4 * float(raw.mean())
+    torch.testing.assert_close(w2.double(), (floored.sqrt() + 1e-8).pow(-2), rtol=1e-6, atol=0)
+    # a state that is 0 throughout (LoRA's A before B moved) or not finite: the fallback
+    for bad in (0.0, float("nan"), float("inf")):
+        opt.state[q]["exp_avg_sq"].fill_(bad)
+        assert gact._optimizer_weights(opt, [q], ["fallback"]) == ["fallback"]
 
 
 def test_optimizer_of_another_model_is_a_clear_error():
@@ -588,9 +595,39 @@ def test_optimizer_of_another_model_is_a_clear_error():
     with pytest.raises(ValueError, match="optimizer holds none of the model's parameters"):
         comp.adapt(model, lambda: nn.functional.cross_entropy(model(x), y), torch.optim.Adam(other.parameters()))
     assert comp.policy.schedule()[:3] == (0, 1, 1)  # nothing used up
+    with pytest.raises(ValueError, match="optimizer holds none"):  # the policy itself, not only the compressor
+        comp.policy.adapt(model, lambda: nn.functional.cross_entropy(model(x), y), torch.optim.Adam(other.parameters()))
+    assert comp.policy.schedule()[:3] == (0, 1, 1)
     fixed = fewbit.convert_(_mlp(), fewbit.Config(saved_bits=2, min_numel=0)).compressor
     with pytest.raises(TypeError, match="optimizer must be a torch.optim.Optimizer or None, got str"):
         fixed.adapt(model, lambda: model(x).sum(), "adam")
+
+
+@pytest.mark.parametrize("noise_norm", ["relative", "absolute"])
+def test_parameters_without_elements_are_measured_around(noise_norm):
+    """A parameter of shape (0, 4) (a LoRA of rank 0, an empty expert) has nothing to weigh:
+    the sensitivities are those of the model without it."""
+    class WithEmpty(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mlp = _mlp()
+            self.empty = nn.Parameter(torch.zeros(0, 4))
+
+        def forward(self, x):
+            return self.mlp(x) + self.empty.sum()
+
+    x, y = torch.randn(16, 32), torch.randint(0, 10, (16,))
+    sens = []
+    for model in (WithEmpty(), _mlp()):
+        comp = fewbit.convert_(model, fewbit.Config(saved_bits="auto", average_bits=2, min_numel=0,
+                                                     noise_norm=noise_norm)).compressor
+        opt = torch.optim.Adam(model.parameters())
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            for _ in range(3):  # re-plans at calls 1 and 2, the pair at 3
+                comp.adapt(model, lambda: nn.functional.cross_entropy(model(x), y), opt)
+        sens.append(comp.policy.sensitivity)
+    assert sens[0] == pytest.approx(sens[1], rel=1e-9)
 
 
 def test_optimizer_without_a_second_moment_falls_back_to_the_rank_1_estimate():
