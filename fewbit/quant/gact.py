@@ -181,32 +181,39 @@ def _tensor_scales(g0: torch.Tensor, params: list[torch.Tensor]) -> torch.Tensor
     return torch.where(rms > 0, (rms + _RELATIVE_EPS).reciprocal(), torch.zeros_like(rms))
 
 
-def _optimizer_weights(optimizer, params: list[torch.Tensor], fallback: list) -> list:
+def _optimizer_weights(optimizer, params: list[torch.Tensor], fallback: list, g0: torch.Tensor) -> list:
     """Per parameter tensor, the squared weight ``1 / (√v + eps)²`` (:func:`_squared_weights`)
-    of the second moment ``v`` the ``optimizer``'s update divides by, with its group's
-    ``eps``: :class:`torch.optim.Adam`, ``AdamW``, ``NAdam``, ``RAdam`` (``exp_avg_sq / (1 −
-    β2^t)``, AMSGrad's ``max_exp_avg_sq``), ``RMSprop`` (non-centered ``square_avg``) or
-    ``Adagrad`` (``sum``), after their first step; ``fallback[k]`` where there is none
-    (another optimizer, a parameter it does not hold, a step not yet taken, a state that is
-    0 throughout or not finite)."""
+    of the second moment ``v`` the ``optimizer``'s next update divides by when its gradient is
+    the probe gradient ``g0``, with the group's ``eps``: :class:`torch.optim.Adam`, ``AdamW``,
+    ``NAdam``, ``RAdam`` (``(β2 · exp_avg_sq + (1 − β2) g0²) / (1 − β2^(t+1))``; AMSGrad: its
+    running maximum), ``RMSprop`` (non-centered: ``α · square_avg + (1 − α) g0²``) or
+    ``Adagrad`` (``sum + g0²``), after their first step; ``fallback[k]`` where there is none
+    (another optimizer, a parameter it does not hold, no step taken yet, a state that is 0
+    throughout or not finite)."""
     groups = {id(p): g for g in optimizer.param_groups for p in g["params"]}
     out = []
-    for p, other in zip(params, fallback):
+    for q, p, other in zip(g0.split([p.numel() for p in params]), params, fallback):
         group = groups.get(id(p))
         state = optimizer.state.get(p) if group is not None else None
         v = None
         if state and float(state.get("step", 0)) > 0:
             if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW, torch.optim.NAdam, torch.optim.RAdam)):
-                v = state.get("max_exp_avg_sq") if group.get("amsgrad") else state.get("exp_avg_sq")
-                correction = 1.0 - float(group["betas"][1]) ** float(state["step"])
+                beta2, step = float(group["betas"][1]), float(state["step"])
+                v, keep, fresh, correction = state.get("exp_avg_sq"), beta2, 1.0 - beta2, 1.0 - beta2 ** (step + 1)
+                peak = state.get("max_exp_avg_sq") if group.get("amsgrad") else None
             elif isinstance(optimizer, torch.optim.RMSprop) and not group.get("centered", False):
-                v, correction = state.get("square_avg"), 1.0
+                alpha = float(group["alpha"])
+                v, keep, fresh, correction, peak = state.get("square_avg"), alpha, 1.0 - alpha, 1.0, None
             elif isinstance(optimizer, torch.optim.Adagrad):
-                v, correction = state.get("sum"), 1.0
+                v, keep, fresh, correction, peak = state.get("sum"), 1.0, 1.0, 1.0, None
         if isinstance(v, torch.Tensor) and v.shape == p.shape and not v.is_sparse and v.numel():
-            v = _matrix_view(v).double() / correction
-            if bool(torch.isfinite(v).all()) and float(v.mean()) > 0:
-                out.append(_squared_weights(v, float(group["eps"])))
+            g2 = _matrix_view(q.reshape(p.shape)).double().square().to(v.device)
+            nxt = keep * _matrix_view(v).double() + fresh * g2
+            if isinstance(peak, torch.Tensor) and peak.shape == p.shape:
+                nxt = torch.maximum(nxt, _matrix_view(peak).double())
+            nxt = nxt / correction
+            if bool(torch.isfinite(nxt).all()) and float(nxt.mean()) > 0:
+                out.append(_squared_weights(nxt, float(group["eps"])))
                 continue
         out.append(other)
     return out
@@ -569,7 +576,7 @@ class GACTPolicy(Policy):
                     if relative:
                         weights = _rank1_weights(g0, params)
                         if optimizer is not None:
-                            weights = _optimizer_weights(optimizer, params, weights)
+                            weights = _optimizer_weights(optimizer, params, weights, g0)
                     alert_weights = None if scales is None else scales.square().to(g0.device)
                     for index in seen:
                         weighted, plain = _noise_norms(run(index).sub_(g0), params, weights)

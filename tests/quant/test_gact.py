@@ -138,7 +138,8 @@ def test_sensitivity_matches_monte_carlo(noise_norm):
     exact one here, the probe's in the policy: 4-bit noise moves it by well under 5 %),
     elementwise: Adafactor's rank-1 estimate, row mean x column mean / mean;
     "relative+adam": ``adapt(..., optimizer)`` with an Adam that took three steps, each
-    element divided by Adam's ``(√(exp_avg_sq / (1 − β2^t)) + eps)²``; its state untouched."""
+    element divided by the ``(√v̂ + eps)²`` of Adam's next step with this gradient; its
+    state untouched."""
     torch.manual_seed(0)
     model = _Two()
     xb = torch.randn(64, 64, requires_grad=True)
@@ -181,8 +182,8 @@ def test_sensitivity_matches_monte_carlo(noise_norm):
             if noise_norm == "absolute":
                 weight = torch.ones(exact.numel())
             elif optimizer is not None:
-                st = optimizer.state[(model.l1, model.l2)[i].weight]
-                v = st["exp_avg_sq"] / (1 - 0.99 ** float(st["step"]))
+                st = optimizer.state[(model.l1, model.l2)[i].weight]  # the next step's, with this gradient
+                v = (0.99 * st["exp_avg_sq"] + 0.01 * exact.square()) / (1 - 0.99 ** (float(st["step"]) + 1))
                 weight = (v.sqrt() + 1e-8).pow(-2).reshape(-1)
             else:  # Adafactor's rank-1 second moment of the gradient, elementwise
                 g2 = exact.pow(2)
@@ -534,16 +535,18 @@ def test_adapt_checks_its_arguments_on_every_call():
     lambda ps: torch.optim.Adagrad(ps, lr=1e-2),
 ], ids=["adam", "adamw", "amsgrad", "adam-single-tensor", "rmsprop", "adagrad"])
 def test_optimizer_moments_are_what_the_update_divides_by(make):
-    """The weight GACT gives each element's noise, ``1 / (√v + eps)``, against the
-    optimizer's own step: after a step with gradient ``g`` (float64, three steps before),
-    the update's denominator is ``-lr · m̂ / Δp`` (Adam family, ``m̂`` the bias-corrected
-    first moment) or ``-lr · g / Δp`` (RMSprop; Adagrad with its decayed lr)."""
+    """The weight GACT gives each element's noise, ``1 / (√v + eps)``, computed from the
+    state and the probe gradient ``g`` before a step, against the optimizer's own step
+    with that gradient (float64, three steps before): the update's denominator is
+    ``-lr · m̂ / Δp`` (Adam family, ``m̂`` the bias-corrected first moment) or
+    ``-lr · g / Δp`` (RMSprop; Adagrad with its decayed lr)."""
     gen = torch.Generator().manual_seed(0)
     p = nn.Parameter(torch.randn(8, 16, generator=gen, dtype=torch.float64))
     opt = make([p])
     for _ in range(4):
         before = p.detach().clone()
         g = torch.randn(8, 16, generator=gen, dtype=torch.float64)
+        (w2,) = gact._optimizer_weights(opt, [p], [None], g.reshape(-1))
         p.grad = g.clone()
         opt.step()
     delta = p.detach() - before
@@ -554,7 +557,6 @@ def test_optimizer_moments_are_what_the_update_divides_by(make):
     else:
         numerator = g / (1 + (float(state["step"]) - 1) * group.get("lr_decay", 0.0))
     denominator = -group["lr"] * numerator / delta
-    (w2,) = gact._optimizer_weights(opt, [p], [None])
     torch.testing.assert_close(w2.double().rsqrt(), denominator, rtol=1e-6, atol=0)  # float32 weights
 
 
@@ -576,16 +578,24 @@ def test_second_moments_are_floored():
     opt = torch.optim.Adam([q])
     q.grad = g0.float()
     opt.step()
-    (w2,) = gact._optimizer_weights(opt, [q], [None])
-    raw = opt.state[q]["exp_avg_sq"].double() / (1 - 0.999)
+    probe = g0.clone()
+    probe[:, 3] = 0  # the column still 0 in the probe gradient: nothing to go by
+    (w2,) = gact._optimizer_weights(opt, [q], [None], probe.reshape(-1))
+    raw = (0.999 * opt.state[q]["exp_avg_sq"].double() + 0.001 * probe.square()) / (1 - 0.999 ** 2)
     assert float(raw[5, 3]) == 0
     floored = torch.where(raw > 0, raw, 1e-4 * float(raw.mean()))  # exact zeros only
     assert float((raw > 0).sum()) < raw.numel() and float(raw[raw > 0].min()) < 1e-4 * float(raw.mean())
     torch.testing.assert_close(w2.double(), (floored.sqrt() + 1e-8).pow(-2), rtol=1e-6, atol=0)
-    # a state that is 0 throughout (LoRA's A before B moved) or not finite: the fallback
-    for bad in (0.0, float("nan"), float("inf")):
+    # a state and a probe gradient that are 0 throughout, or a state that is not finite: the fallback
+    for bad, grad in ((0.0, torch.zeros_like(probe)), (float("nan"), probe), (float("inf"), probe)):
         opt.state[q]["exp_avg_sq"].fill_(bad)
-        assert gact._optimizer_weights(opt, [q], ["fallback"]) == ["fallback"]
+        assert gact._optimizer_weights(opt, [q], ["fallback"], grad.reshape(-1)) == ["fallback"]
+    # LoRA's A while B was 0: a state 0 throughout, the probe gradient not: weighed by the probe
+    opt.state[q]["exp_avg_sq"].zero_()
+    (w2,) = gact._optimizer_weights(opt, [q], ["fallback"], g0.reshape(-1))
+    v = 0.001 * g0.square() / (1 - 0.999 ** 2)
+    torch.testing.assert_close(w2.double(), (torch.where(v > 0, v, 1e-4 * float(v.mean())).sqrt() + 1e-8).pow(-2),
+                               rtol=1e-6, atol=0)
 
 
 def test_optimizer_of_another_model_is_a_clear_error():
