@@ -7,8 +7,8 @@ gradient variance is bounded by ``Σ_l c_l S(b_l)``, ``S(b) = (2^b - 1)^-2`` (GA
 the bits of :func:`allocate_bits` (GACT eq. 4: minimise ``Σ c_l S(b_l)`` subject to
 ``Σ b_l D_l <= average_bits · Σ D_l``), from {1, 2, 4, 8, keep}. By default each element
 of the gradient noise is measured relative to that element's gradient scale, as an
-Adam-family optimizer's update sees it (``noise_norm``; the optimizer's own second moment
-when :meth:`GACTPolicy.adapt` is given the optimizer); GACT's plain norm is
+Adam-family optimizer's update sees it (``noise_norm``; the optimizer's second moment when
+:meth:`GACTPolicy.adapt` is given the optimizer); GACT's plain norm is
 ``noise_norm="absolute"``.
 
 Through ``fewbit.convert_``::
@@ -130,9 +130,9 @@ _RELATIVE_EPS = 1e-8
 
 #: The second moment given to an element whose estimate is exactly 0, as a fraction of its
 #: parameter tensor's mean: where a whole row or column of the probe gradient is 0 (a dead
-#: ReLU unit) or an optimizer has never seen an element move, ``eps`` alone would weigh its
-#: noise 10^16 times; such an element weighs 100x (in norm) what the tensor's mean scale
-#: would give it.
+#: ReLU unit), or an element neither the optimizer nor the probe gradient has seen move,
+#: ``eps`` alone would weigh its noise 10^16 times; such an element weighs 100x (in norm)
+#: what the tensor's mean scale would give it.
 _MOMENT_FLOOR = 1e-4
 
 
@@ -146,8 +146,9 @@ def _matrix_view(t: torch.Tensor) -> torch.Tensor:
 def _squared_weights(v: torch.Tensor, eps: float) -> torch.Tensor:
     """``1 / (√v + eps)²`` (float32), with ``v`` where it is exactly 0 replaced by
     ``_MOMENT_FLOOR · mean(v)``. Only exact zeros: a small ``v`` is what Adam divides by
-    (rarely seen tokens' rows), and flooring every ``v`` under 10⁻⁴ of the mean cost gact2
-    0.04 of validation loss on GPT-2 and up to 0.17 on LLaMA (``scripts/train_lm.py``)."""
+    (rarely seen tokens' rows); a build that floored every ``v`` under 10⁻⁴ of the mean
+    (and weighed by Adam's state alone) trained gact2 0.04 worse on GPT-2
+    (``scripts/train_lm.py``, six seeds)."""
     floor = _MOMENT_FLOOR * float(v.mean()) if v.numel() else 0.0
     return (torch.where(v > 0, v, floor).sqrt() + eps).reciprocal().square().float()
 
@@ -285,7 +286,7 @@ class GACTPolicy(Policy):
             not elementwise as the plan does: an element whose re-plan gradient was 0 (an
             embedding row of a token not in that batch) has its second moment at the
             floor, and the next batch's gradient there, weighed 10⁴x, made ``σ²`` 10⁴x the
-            compression variance on a LLaMA-style model, where one scale per tensor gives
+            compression variance on a small untied-embedding model, where one scale per tensor gives
             3x; an optimizer's moments move between the two calls and do not exist at the
             first. One optimizer step of drift between the two adds to the estimate, so
             the alert errs on the quiet side. (Comparing gradients of calls far apart, as
@@ -310,10 +311,11 @@ class GACTPolicy(Policy):
             the alert's SGD variance. ``"relative"`` (default): each element is divided by
             ``(√v + eps)``, ``v`` an estimate of that element's squared gradient, as an
             Adam-family optimizer divides its update, so what is measured is the noise of
-            the update: ``v`` is the optimizer's own second moment when :meth:`adapt` is
-            given it (Adam, AdamW, NAdam, RAdam with their bias correction and ``eps``;
-            non-centered RMSprop, Adagrad; RAdam's first steps are not adaptive and are
-            weighed the same), else a rank-1 estimate from the probe gradient (row mean x
+            the update: when :meth:`adapt` is given the optimizer, the second moment its
+            next step divides by with the probe gradient as that step's gradient
+            (:func:`_optimizer_weights`: Adam, AdamW, NAdam, RAdam with their bias
+            correction and ``eps``; non-centered RMSprop, Adagrad; RAdam's first steps are
+            not adaptive and are weighed the same), else a rank-1 estimate from the probe gradient (row mean x
             column mean / mean of ``g0²`` per parameter tensor, Adafactor's factored
             second moment, Shazeer & Stern, ICML 2018; one mean for a vector). Either is
             10⁻⁴ of its tensor's mean where it is exactly 0 (``_MOMENT_FLOOR``: a dead
