@@ -331,7 +331,7 @@ class GACTPolicy(Policy):
             than the optimizer's weights at step 16 and gave it 1 bit, and gact2 trained
             above vanilla (``scripts/train_lm.py``, six seeds, validation loss +0.058 ±
             0.026 against vanilla; with the rank-1 estimate +0.029 ± 0.020; with AdamW's
-            second moment, as ``scripts/train_lm.py`` passes it, −0.005 ± 0.021).
+            next-step second moment, as ``scripts/train_lm.py`` passes it, +0.027 ± 0.017).
             ``"absolute"``: GACT's plain Euclidean norm (GACT Alg. 1), the right one for
             SGD. On ``scripts/train_lm.py``'s GPT-2 (AdamW) at ``average_bits=2``, the
             absolute norm gave 1 bit to the inputs of the attention's and MLP's first
