@@ -570,10 +570,11 @@ class GACTPolicy(Policy):
                 sens, alert = {}, {}
                 finite = bool(torch.isfinite(g0).all())
                 relative = self.noise_norm == "relative"
-                # the alert's weights: one per parameter tensor (kept with g0 for the pair)
-                scales = _tensor_scales(g0, params) if finite and relative else None
+                scales = None
                 if replan and finite:
+                    # the alert's weights: one per parameter tensor (kept with g0 for the pair);
                     # the plan's: the optimizer's second moments where it has them, else rank-1
+                    scales = _tensor_scales(g0, params) if relative else None
                     weights = [None] * len(params)
                     if relative:
                         weights = _rank1_weights(g0, params)
