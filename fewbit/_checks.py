@@ -23,6 +23,7 @@ __all__ = [
     "check_device",
     "check_float_tensor",
     "check_noise_norm",
+    "check_optimizer",
     "check_positive_int",
     "is_int",
     "packed_nbytes",
@@ -88,6 +89,16 @@ def check_bool(value: Any, name: str) -> bool:
     if isinstance(value, bool) or (type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_")):
         return bool(value)
     raise ValueError(f"{name} must be True or False, got {value!r}")
+
+
+def check_optimizer(value: Any):
+    """``value`` if it is a ``torch.optim.Optimizer`` or None (GACT's ``adapt``); else
+    ``TypeError``."""
+    import torch
+
+    if value is not None and not isinstance(value, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer or None, got {type(value).__name__}")
+    return value
 
 
 def check_noise_norm(value: Any) -> str:

@@ -23,7 +23,7 @@ import torch.utils.checkpoint
 from torch.utils._pytree import tree_leaves
 
 from fewbit import _norm_rows
-from fewbit._checks import check_positive_int, float64_out_of_range
+from fewbit._checks import check_optimizer, check_positive_int, float64_out_of_range
 from fewbit._saved import Kept, keep
 
 __all__ = ["ActivationCompressor", "CompressionStats", "SavedTensorRecord", "compress_activations"]
@@ -502,8 +502,7 @@ class ActivationCompressor:
         """
         if not callable(closure):
             raise TypeError(f"closure must be callable, () -> loss, got {type(closure).__name__}")
-        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
+        check_optimizer(optimizer)
 
         def counted():
             before = self._saves

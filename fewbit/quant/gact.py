@@ -30,7 +30,7 @@ from collections.abc import Sequence
 
 import torch
 
-from fewbit._checks import check_noise_norm, check_positive_int
+from fewbit._checks import check_noise_norm, check_optimizer, check_positive_int
 from fewbit.quant.compressors import GroupQuantizer, Keep
 from fewbit.quant.policies import Policy, SavedTensorInfo
 
@@ -315,14 +315,15 @@ class GACTPolicy(Policy):
             next step divides by with the probe gradient as that step's gradient
             (:func:`_optimizer_weights`: Adam, AdamW, NAdam, RAdam with their bias
             correction and ``eps``; non-centered RMSprop, Adagrad; RAdam's first steps are
-            not adaptive and are weighed the same), else a rank-1 estimate from the probe gradient (row mean x
-            column mean / mean of ``g0²`` per parameter tensor, Adafactor's factored
-            second moment, Shazeer & Stern, ICML 2018; one mean for a vector). Either is
-            10⁻⁴ of its tensor's mean where it is exactly 0 (``_MOMENT_FLOOR``: a dead
-            unit's column has ``v = 0``, and ``eps`` alone would weigh its noise 10¹⁶x; a
-            small ``v`` is kept: it is what Adam divides by); an optimizer state that is 0 throughout a tensor or not finite gives way
-            to the rank-1 estimate, and a tensor whose probe gradient is 0 throughout is
-            left out (weight 0). The alert weighs each parameter tensor by one scale
+            not adaptive and are weighed the same), else a rank-1 estimate from the probe
+            gradient (row mean x column mean / mean of ``g0²`` per parameter tensor,
+            Adafactor's factored second moment, Shazeer & Stern, ICML 2018; one mean for a
+            vector). Where either is exactly 0 it is 10⁻⁴ of its tensor's mean
+            (``_MOMENT_FLOOR``: a dead unit's column has ``v = 0``, and ``eps`` alone would
+            weigh its noise 10¹⁶x; a small ``v`` is kept: it is what Adam divides by); an
+            optimizer's next-step moment that is 0 throughout a tensor or not finite gives
+            way to the rank-1 estimate, and a tensor whose probe gradient is 0 throughout
+            is left out (weight 0). The alert weighs each parameter tensor by one scale
             (``alert_ratio``). Per
             element, not per tensor: GPT-2's fused ``c_attn`` weight holds the query, key
             and value columns, and early in training the query and key gradients are far
@@ -420,7 +421,7 @@ class GACTPolicy(Policy):
         self._gap = 1  # doubles after each re-plan, up to adapt_interval
         self._probe: tuple[int, int] | None = None  # (base seed, index whose seed changes)
         self._seen: dict[int, SavedTensorInfo] = {}
-        # (call, g0, Σ c_l S(probe))
+        # (call, g0, the alert's per-tensor scales or None, Σ c_l S(probe) in them)
         self._last_g0: tuple[int, torch.Tensor, torch.Tensor | None, float] | None = None
         self._variance_pairs: list[float] = []  # one SGD-variance estimate per pair of calls
         self._warned = False
@@ -507,8 +508,7 @@ class GACTPolicy(Policy):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if not callable(closure):
             raise TypeError(f"closure must be callable, () -> loss, got {type(closure).__name__}")
-        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
+        check_optimizer(optimizer)
         calls = self._calls + 1
         replan = calls >= self._next_plan
         pair = self._last_g0 is not None and self._last_g0[0] == calls - 1
