@@ -91,14 +91,19 @@ def check_bool(value: Any, name: str) -> bool:
     raise ValueError(f"{name} must be True or False, got {value!r}")
 
 
-def check_optimizer(value: Any):
-    """``value`` if it is a ``torch.optim.Optimizer`` or None (GACT's ``adapt``); else
-    ``TypeError``."""
+def check_optimizer(value: Any) -> tuple:
+    """``value`` as a tuple of optimizers: ``()`` for None, ``(value,)`` for one
+    ``torch.optim.Optimizer``, the optimizers of a list or tuple of them (a ``SparseAdam`` for
+    the embedding beside an ``AdamW``; GACT's ``adapt``); else ``TypeError``."""
     import torch
 
-    if value is not None and not isinstance(value, torch.optim.Optimizer):
-        raise TypeError(f"optimizer must be a torch.optim.Optimizer or None, got {type(value).__name__}")
-    return value
+    if value is None:
+        return ()
+    if isinstance(value, torch.optim.Optimizer):
+        return (value,)
+    if isinstance(value, (list, tuple)) and all(isinstance(v, torch.optim.Optimizer) for v in value):
+        return tuple(value)
+    raise TypeError(f"optimizer must be a torch.optim.Optimizer, a list of them or None, got {type(value).__name__}")
 
 
 def check_noise_norm(value: Any) -> str:

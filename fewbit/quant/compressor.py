@@ -16,6 +16,7 @@ import sys
 import threading
 import warnings
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -479,12 +480,14 @@ class ActivationCompressor:
         self._ordinals = {}
         self.records = {}
 
-    def adapt(self, model: torch.nn.Module, closure, optimizer: torch.optim.Optimizer | None = None) -> bool:
+    def adapt(self, model: torch.nn.Module, closure,
+              optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None) -> bool:
         """Let the policy re-plan (GACT: :meth:`fewbit.quant.gact.GACTPolicy.adapt`); call
         it once per training step, before the step's forward. ``closure()`` runs the
         model's forward on the step's batch and returns the scalar loss (no backward).
-        ``optimizer`` (optional): the training's optimizer, whose second moments GACT
-        weighs the gradient noise by (:meth:`fewbit.quant.gact.GACTPolicy.adapt`).
+        ``optimizer`` (optional): the training's optimizer, or a list of its optimizers,
+        whose second moments GACT weighs the gradient noise by
+        (:meth:`fewbit.quant.gact.GACTPolicy.adapt`).
 
         Returns:
             True if the policy re-planned now; False otherwise (also for fixed policies,
@@ -498,7 +501,8 @@ class ActivationCompressor:
 
         Raises:
             TypeError: ``closure`` is not callable, ``optimizer`` not a
-                ``torch.optim.Optimizer`` or None (and the policy's own checks).
+                ``torch.optim.Optimizer``, a list of them or None (and the policy's own
+                checks).
         """
         if not callable(closure):
             raise TypeError(f"closure must be callable, () -> loss, got {type(closure).__name__}")

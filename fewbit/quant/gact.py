@@ -186,7 +186,7 @@ def _optimizer_weights(optimizer, params: list[torch.Tensor], fallback: list, g0
     """Per parameter tensor, the squared weight ``1 / (√v + eps)²`` (:func:`_squared_weights`)
     of the second moment ``v`` the ``optimizer``'s next update divides by when its gradient is
     the probe gradient ``g0``, with the group's ``eps``: :class:`torch.optim.Adam`, ``AdamW``,
-    ``NAdam``, ``RAdam`` (``(β2 · exp_avg_sq + (1 − β2) g0²) / (1 − β2^(t+1))``; AMSGrad: its
+    ``NAdam``, ``RAdam``, ``SparseAdam`` (``(β2 · exp_avg_sq + (1 − β2) g0²) / (1 − β2^(t+1))``; AMSGrad: its
     running maximum), ``RMSprop`` (non-centered: ``α · square_avg + (1 − α) g0²``) or
     ``Adagrad`` (``sum + g0²``), after their first step; ``fallback[k]`` where there is none
     (another optimizer, a parameter it does not hold, no step taken yet, a state that is 0
@@ -198,7 +198,8 @@ def _optimizer_weights(optimizer, params: list[torch.Tensor], fallback: list, g0
         state = optimizer.state.get(p) if group is not None else None
         v = None
         if state and float(state.get("step", 0)) > 0:
-            if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW, torch.optim.NAdam, torch.optim.RAdam)):
+            if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW, torch.optim.NAdam, torch.optim.RAdam,
+                                      torch.optim.SparseAdam)):
                 beta2, step = float(group["betas"][1]), float(state["step"])
                 v, keep, fresh, correction = state.get("exp_avg_sq"), beta2, 1.0 - beta2, 1.0 - beta2 ** (step + 1)
                 peak = state.get("max_exp_avg_sq") if group.get("amsgrad") else None
@@ -230,6 +231,15 @@ def _noise_norms(diff: torch.Tensor, params: list[torch.Tensor], weights: list) 
         plain.append(sq.sum())
         weighted.append(plain[-1] if w is None else (sq * w.to(sq.device)).sum())
     return torch.stack(weighted), torch.stack(plain)
+
+
+def _dense_grad(p: torch.Tensor) -> torch.Tensor:
+    """``p.grad`` detached and dense (a sparse gradient, ``nn.Embedding(sparse=True)``'s,
+    densified; None: zeros of ``p``'s shape)."""
+    g = p.grad
+    if g is None:
+        return torch.zeros_like(p, memory_format=torch.contiguous_format).detach()
+    return (g.to_dense() if g.layout != torch.strided else g).detach()
 
 
 def _keep_bits(dtype: torch.dtype) -> int:
@@ -313,7 +323,7 @@ class GACTPolicy(Policy):
             Adam-family optimizer divides its update, so what is measured is the noise of
             the update: when :meth:`adapt` is given the optimizer, the second moment its
             next step divides by with the probe gradient as that step's gradient
-            (:func:`_optimizer_weights`: Adam, AdamW, NAdam, RAdam with their bias
+            (:func:`_optimizer_weights`: Adam, AdamW, NAdam, RAdam, SparseAdam with their bias
             correction and ``eps``; non-centered RMSprop, Adagrad; RAdam's first steps are
             not adaptive and are weighed the same), else a rank-1 estimate from the probe
             gradient (row mean x column mean / mean of ``g0²`` per parameter tensor,
@@ -460,7 +470,8 @@ class GACTPolicy(Policy):
         return torch.Generator().manual_seed(seed)
 
     # sensitivity ---------------------------------------------------------------------------
-    def adapt(self, model: torch.nn.Module, closure, optimizer: torch.optim.Optimizer | None = None) -> bool:
+    def adapt(self, model: torch.nn.Module, closure,
+              optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None) -> bool:
         """Re-plan on this call if it is due: calls 1, 2, 4, 8, ... (the gap doubles up to
         ``adapt_interval``), then every ``adapt_interval`` calls.
 
@@ -486,21 +497,25 @@ class GACTPolicy(Policy):
             closure: ``() -> loss``, the forward of this step's batch (scalar tensor).
             optimizer: the training's optimizer, optional. With ``noise_norm="relative"``
                 the plan weighs the noise of each parameter it keeps a second moment for
-                (:func:`_optimizer_weights`: Adam, AdamW, NAdam, RAdam, non-centered RMSprop,
-                Adagrad, after their first step) elementwise by ``1 / (√v + eps)``, as the
-                update is; other parameters (and every one without an optimizer) by a
-                rank-1 estimate from the probe gradient (:func:`_rank1_weights`). Read,
-                not modified, and no reference to it is kept.
+                (:func:`_optimizer_weights`: Adam, AdamW, NAdam, RAdam, SparseAdam,
+                non-centered RMSprop, Adagrad, after their first step) elementwise by
+                ``1 / (√v + eps)``, as the update is; other parameters (and every one
+                without an optimizer) by a rank-1 estimate from the probe gradient
+                (:func:`_rank1_weights`). Read, not modified, and no reference to it is
+                kept. A list of optimizers weighs each parameter by the one holding it
+                (``[SparseAdam(embedding), AdamW(rest)]``); sparse gradients
+                (``nn.Embedding(sparse=True)``) are measured as the dense gradients they
+                stand for.
 
         Returns:
             True if it re-planned.
 
         Raises:
             TypeError: if ``model`` is not an ``nn.Module``, ``closure`` is not callable
-                or ``optimizer`` is not a ``torch.optim.Optimizer`` or None (checked on
-                every call), or ``closure`` does not return a scalar tensor.
-            ValueError: ``optimizer`` holds none of the model's parameters that require
-                grad (checked on the calls that measure).
+                or ``optimizer`` is not a ``torch.optim.Optimizer``, a list of them or None
+                (checked on every call), or ``closure`` does not return a scalar tensor.
+            ValueError: ``optimizer`` (or one of the list) holds none of the model's
+                parameters that require grad (checked on the calls that measure).
             ValueError: if ``model`` has no parameter that requires grad (the
                 sensitivities are measured on the parameters' gradient).
         """
@@ -508,7 +523,7 @@ class GACTPolicy(Policy):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if not callable(closure):
             raise TypeError(f"closure must be callable, () -> loss, got {type(closure).__name__}")
-        check_optimizer(optimizer)
+        optimizers = check_optimizer(optimizer)
         calls = self._calls + 1
         replan = calls >= self._next_plan
         pair = self._last_g0 is not None and self._last_g0[0] == calls - 1
@@ -520,11 +535,11 @@ class GACTPolicy(Policy):
         if not params:
             raise ValueError("model has no parameter that requires grad: GACT measures each saved tensor's "
                              "sensitivity on the parameters' gradient")
-        if optimizer is not None:
-            held = {id(p) for g in optimizer.param_groups for p in g["params"]}
-            if not any(id(p) in held for p in params):
+        trainable = {id(p) for p in params}
+        for opt in optimizers:
+            if not any(id(p) in trainable for g in opt.param_groups for p in g["params"]):
                 raise ValueError(f"optimizer holds none of the model's parameters that require grad "
-                                 f"({type(optimizer).__name__} of another model?)")
+                                 f"({type(opt).__name__} of another model?)")
         self._calls = calls
         schedule = (self._next_plan, self._gap)
         if replan:
@@ -558,10 +573,7 @@ class GACTPolicy(Policy):
                             loss.backward()
                     finally:
                         self._probe = None
-                    return torch.cat([
-                        (p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1).double()
-                        for p in params
-                    ])
+                    return torch.cat([_dense_grad(p).reshape(-1).double() for p in params])
 
                 self._seen = {}
                 g0 = run(-1)
@@ -578,8 +590,8 @@ class GACTPolicy(Policy):
                     weights = [None] * len(params)
                     if relative:
                         weights = _rank1_weights(g0, params)
-                        if optimizer is not None:
-                            weights = _optimizer_weights(optimizer, params, weights, g0)
+                        for opt in optimizers:  # each weighs the parameters it holds
+                            weights = _optimizer_weights(opt, params, weights, g0)
                     alert_weights = None if scales is None else scales.square().to(g0.device)
                     for index in seen:
                         weighted, plain = _noise_norms(run(index).sub_(g0), params, weights)
@@ -632,7 +644,10 @@ class GACTPolicy(Policy):
         ``torch.save`` and loads with ``torch.load(weights_only=True)``). Save it beside the
         model's and optimizer's state to resume a GACT run exactly; a converted model's
         pickle and ``copy.deepcopy`` carry it."""
-        state = {name: copy.deepcopy(getattr(self, name)) for name in self._STATE}
+        state = {name: copy.deepcopy(getattr(self, name)) for name in self._STATE if name != "_last_g0"}
+        # the probe gradient lives on the model's device between calls; the state holds a CPU copy
+        state["_last_g0"] = None if self._last_g0 is None else tuple(
+            t.detach().to("cpu", copy=True) if isinstance(t, torch.Tensor) else t for t in self._last_g0)
         state["generator"] = self._gen.get_state()
         state["settings"] = self._settings()
         return state
@@ -678,7 +693,7 @@ class GACTPolicy(Policy):
         self._last_g0 = None
         if last.shape != g.shape or not (scales is None or (isinstance(scales, torch.Tensor) and len(scales) == len(params))):
             return  # the parameters changed between the calls
-        _, plain = _noise_norms(g.float().sub_(last), params, [None] * len(params))
+        _, plain = _noise_norms(g.float().sub_(last.to(g.device)), params, [None] * len(params))
         half = 0.5 * float(plain.sum() if scales is None else (plain * scales.to(plain.device).square()).sum())
         self._variance_pairs.append(max(half - probe_variance, 0.0))
         self.gradient_variance = self._variance_pairs[-1]

@@ -521,7 +521,7 @@ def test_adapt_checks_its_arguments_on_every_call():
         comp.adapt(model, 5)
     with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
         comp.adapt("model", lambda: model(x).sum())
-    with pytest.raises(TypeError, match="optimizer must be a torch.optim.Optimizer or None, got dict"):
+    with pytest.raises(TypeError, match="optimizer must be a torch.optim.Optimizer, a list of them or None, got dict"):
         comp.adapt(model, lambda: model(x).sum(), {"lr": 1e-3})
     assert comp.policy.schedule()[0] == 2  # a refused call is not counted
 
@@ -609,7 +609,7 @@ def test_optimizer_of_another_model_is_a_clear_error():
         comp.policy.adapt(model, lambda: nn.functional.cross_entropy(model(x), y), torch.optim.Adam(other.parameters()))
     assert comp.policy.schedule()[:3] == (0, 1, 1)
     fixed = fewbit.convert_(_mlp(), fewbit.Config(saved_bits=2, min_numel=0)).compressor
-    with pytest.raises(TypeError, match="optimizer must be a torch.optim.Optimizer or None, got str"):
+    with pytest.raises(TypeError, match="optimizer must be a torch.optim.Optimizer, a list of them or None, got str"):
         fixed.adapt(model, lambda: model(x).sum(), "adam")
 
 
@@ -951,3 +951,98 @@ def test_adapt_with_another_model_warns_and_leaves_the_schedule():
     with pytest.raises(TypeError, match="closure must be callable"):
         comp.adapt(m, None)
     assert comp.adapt(m, lambda: m(x).pow(2).mean()) is True and comp.policy.bits
+
+
+class _TokenMLP(nn.Module):
+    def __init__(self, sparse):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(50, 64, sparse=sparse)
+        self.mlp = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 50))
+
+    def forward(self, tokens):
+        return self.mlp(self.emb(tokens))
+
+
+@pytest.mark.parametrize("optimizers", ["none", "embedding", "two"])
+def test_sparse_gradients_are_measured_like_dense(optimizers):
+    """``nn.Embedding(sparse=True)`` gives a sparse ``.grad``: ``adapt`` measures it as the
+    dense gradient it stands for (it raised ``reshape is not implemented for sparse
+    tensors``), leaves the user's sparse ``.grad`` in place, and reads ``SparseAdam``'s
+    second moment as Adam's: same sensitivities as a dense embedding under Adam, also with
+    the usual pair of optimizers (``[SparseAdam(embedding), Adam(rest)]`` against one Adam
+    with the two parameter groups)."""
+    tokens = torch.randint(0, 50, (32, 16), generator=torch.Generator().manual_seed(0))
+    target = torch.randint(0, 50, (32 * 16,), generator=torch.Generator().manual_seed(1))
+    sens = []
+    for sparse in (False, True):
+        fewbit.manual_seed(0)  # the warm-up step's rounding noise
+        model = _TokenMLP(sparse)
+        comp = fewbit.convert_(model, fewbit.Config(saved_bits="auto", average_bits=2, min_numel=0)).compressor
+        closure = lambda: nn.functional.cross_entropy(model(tokens).reshape(-1, 50), target)  # noqa: E731
+        opt = None
+        if optimizers != "none":
+            emb, rest = list(model.emb.parameters()), list(model.mlp.parameters())
+            if not sparse:
+                opt = torch.optim.Adam([{"params": emb}] + ([{"params": rest}] if optimizers == "two" else []))
+            else:
+                opt = torch.optim.SparseAdam(emb)
+                opt = [opt, torch.optim.Adam(rest)] if optimizers == "two" else opt
+            closure().backward()
+            for o in opt if isinstance(opt, list) else [opt]:
+                o.step()
+        grad = model.emb.weight.grad
+        assert grad is None or grad.is_sparse == sparse
+        assert comp.adapt(model, closure, opt)
+        assert model.emb.weight.grad is grad  # the user's gradient is put back as it was
+        sens.append(comp.policy.sensitivity)
+    # a sparse gradient sums the rows of repeated tokens in another order than the dense
+    # one: float32 rounding, which the weights 1/v of Adam's rows amplify in g1 - g0 (2e-4)
+    assert len(sens[0]) >= 2 and sens[1] == pytest.approx(sens[0], rel=1e-6 if optimizers == "none" else 1e-3)
+
+
+def test_a_list_of_optimizers_weighs_each_parameter_by_its_own():
+    """``adapt(model, closure, [opt_a, opt_b])`` over two halves of the parameters gives the
+    sensitivities of one optimizer over both (same hyper-parameters, same state), and each
+    optimizer of the list must hold a parameter of the model."""
+    x, y = torch.randn(16, 32), torch.randint(0, 10, (16,))
+    sens = []
+    for split in (False, True):
+        fewbit.manual_seed(0)  # the warm-up step's rounding noise
+        model = _mlp()
+        comp = fewbit.convert_(model, fewbit.Config(saved_bits="auto", average_bits=2, min_numel=0)).compressor
+        params = list(model.parameters())
+        opt = ([torch.optim.Adam(params[:4]), torch.optim.Adam(params[4:])] if split
+               else torch.optim.Adam([{"params": params[:4]}, {"params": params[4:]}]))
+        nn.functional.cross_entropy(model(x), y).backward()
+        for o in opt if split else [opt]:
+            o.step()
+        assert comp.adapt(model, lambda: nn.functional.cross_entropy(model(x), y), opt)
+        sens.append(comp.policy.sensitivity)
+    assert sens[0] == sens[1]
+    with pytest.raises(ValueError, match="Adam of another model"):
+        comp.adapt(model, lambda: nn.functional.cross_entropy(model(x), y),
+                   (opt[0], torch.optim.Adam(_mlp().parameters())))
+    with pytest.raises(TypeError, match="a list of them or None, got list"):
+        comp.adapt(model, lambda: nn.functional.cross_entropy(model(x), y), [opt[0], "adam"])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the probe gradient on a GPU")
+def test_state_dict_holds_cpu_tensors_for_a_cuda_model():
+    """Between a re-plan and the next call the policy keeps the probe gradient on the model's
+    device; its ``state_dict`` holds CPU tensors (as documented), and a CUDA run resumes from
+    it (the pair's variance is the uninterrupted run's)."""
+    model = _mlp().cuda()
+    comp = fewbit.convert_(model, fewbit.Config(saved_bits="auto", average_bits=2, min_numel=0)).compressor
+    x, y = torch.randn(64, 32, device="cuda"), torch.randint(0, 10, (64,), device="cuda")
+    closure = lambda: nn.functional.cross_entropy(model(x), y)  # noqa: E731
+    comp.adapt(model, closure)
+    state = comp.policy.state_dict()
+    tensors = [t for t in state["_last_g0"] if isinstance(t, torch.Tensor)]
+    assert tensors and all(t.device.type == "cpu" for t in tensors)
+    assert comp.policy._last_g0[1].device.type == "cuda"  # the live one stays on the device
+    comp.adapt(model, closure)  # call 2: re-plans and makes the pair with call 1's g0
+    first = comp.policy._variance_pairs[-1]
+    comp.policy.load_state_dict(state)  # back to after call 1, with the CPU copy of g0
+    comp.adapt(model, closure)
+    assert len(comp.policy._variance_pairs) == 1 and comp.policy._variance_pairs[-1] == pytest.approx(first, rel=1e-6)
