@@ -221,16 +221,33 @@ def _optimizer_weights(optimizer, params: list[torch.Tensor], fallback: list, g0
     return out
 
 
-def _noise_norms(diff: torch.Tensor, params: list[torch.Tensor], weights: list) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per parameter tensor, ``‖diff_p · w_p‖²`` and ``‖diff_p‖²`` (float64, 1-D, on
-    ``diff``'s device) of the flat ``diff``; ``weights[p]`` are squared weights
-    (:func:`_rank1_weights`, :func:`_optimizer_weights`), None for 1."""
+def _noise_norms(diffs, weights: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per parameter tensor, ``‖d_p · w_p‖²`` and ``‖d_p‖²`` (float64, 1-D, on the diffs'
+    device) of ``diffs``, an iterable of one difference of gradients per parameter tensor
+    (shaped as the parameter; made one at a time, so only one tensor's temporaries are held);
+    ``weights[p]`` are squared weights (:func:`_rank1_weights`, :func:`_optimizer_weights`),
+    None for 1."""
     weighted, plain = [], []
-    for d, p, w in zip(diff.split([p.numel() for p in params]), params, weights):
-        sq = _matrix_view(d.reshape(p.shape)).double().square()
+    for d, w in zip(diffs, weights):
+        sq = _matrix_view(d).double().square()
         plain.append(sq.sum())
-        weighted.append(plain[-1] if w is None else (sq * w.to(sq.device)).sum())
+        weighted.append(plain[-1] if w is None else sq.mul_(w.to(sq.device)).sum())
     return torch.stack(weighted), torch.stack(plain)
+
+
+def _grad_minus(params: list[torch.Tensor], reference: torch.Tensor):
+    """Per parameter tensor ``p``, its dense ``.grad`` minus ``p``'s part of the flat
+    ``reference`` (:func:`_flat_grads`), in ``reference``'s dtype, one tensor at a time."""
+    for p, r in zip(params, reference.split([p.numel() for p in params])):
+        yield _dense_grad(p).to(r.dtype) - r.view(p.shape)
+
+
+def _flat_grads(params: list[torch.Tensor]) -> torch.Tensor:
+    """The parameters' dense gradients (zeros where None) as one flat tensor, float32 (float64
+    if a parameter is): 4 bytes per parameter, the one full copy a measuring call keeps (the
+    probe gradient; float64 copies of it and of each run's gradient held 16 bytes)."""
+    dtype = torch.float64 if any(p.dtype == torch.float64 for p in params) else torch.float32
+    return torch.cat([_dense_grad(p).reshape(-1).to(dtype) for p in params])
 
 
 def _dense_grad(p: torch.Tensor) -> torch.Tensor:
@@ -557,7 +574,7 @@ class GACTPolicy(Policy):
                 cpu_state = torch.get_rng_state()
                 cuda_states = [torch.cuda.get_rng_state(d) for d in devices]
 
-                def run(flipped: int) -> torch.Tensor:
+                def run(flipped: int) -> None:  # leaves this run's gradient in the parameters' .grad
                     _restore_buffers(buffers)
                     torch.set_rng_state(cpu_state)
                     for d, s in zip(devices, cuda_states):
@@ -573,10 +590,10 @@ class GACTPolicy(Policy):
                             loss.backward()
                     finally:
                         self._probe = None
-                    return torch.cat([_dense_grad(p).reshape(-1).double() for p in params])
 
                 self._seen = {}
-                g0 = run(-1)
+                run(-1)
+                g0 = _flat_grads(params)
                 seen, self._seen = self._seen, {}
                 s = variance_factor(self.probe_bits)
                 sens, alert = {}, {}
@@ -594,7 +611,8 @@ class GACTPolicy(Policy):
                             weights = _optimizer_weights(opt, params, weights, g0)
                     alert_weights = None if scales is None else scales.square().to(g0.device)
                     for index in seen:
-                        weighted, plain = _noise_norms(run(index).sub_(g0), params, weights)
+                        run(index)
+                        weighted, plain = _noise_norms(_grad_minus(params, g0), weights)
                         alert_sum = plain.sum() if alert_weights is None else (plain * alert_weights).sum()
                         c, a = torch.stack([weighted.sum(), alert_sum]).tolist()
                         sens[index], alert[index] = 0.5 * c / s, 0.5 * a / s
@@ -621,7 +639,7 @@ class GACTPolicy(Policy):
             self._pair_variance(g0, params)
         if replan:
             self._plan(seen, sens, alert)
-            self._last_g0 = (self._calls, g0.float(), scales, s * sum(alert.values()))
+            self._last_g0 = (self._calls, g0, scales, s * sum(alert.values()))
         self._check_variance()
         return replan
 
@@ -693,7 +711,10 @@ class GACTPolicy(Policy):
         self._last_g0 = None
         if last.shape != g.shape or not (scales is None or (isinstance(scales, torch.Tensor) and len(scales) == len(params))):
             return  # the parameters changed between the calls
-        _, plain = _noise_norms(g.float().sub_(last.to(g.device)), params, [None] * len(params))
+        last = last.to(g.device)
+        diffs = (a.view(p.shape) - b.view(p.shape)
+                 for p, a, b in zip(params, g.split([p.numel() for p in params]), last.split([p.numel() for p in params])))
+        _, plain = _noise_norms(diffs, [None] * len(params))
         half = 0.5 * float(plain.sum() if scales is None else (plain * scales.to(plain.device).square()).sum())
         self._variance_pairs.append(max(half - probe_variance, 0.0))
         self.gradient_variance = self._variance_pairs[-1]

@@ -572,7 +572,7 @@ def test_second_moments_are_floored():
     noise = torch.zeros(16, 32, dtype=torch.float64)
     noise[5, 3] = 1.0
     mean = float(g0.square().mean())
-    weighted, plain = gact._noise_norms(noise.reshape(-1), [p], [w2])
+    weighted, plain = gact._noise_norms([noise], [w2])
     assert float(weighted[0]) == pytest.approx(1 / (1e-4 * mean), rel=1e-5) and float(plain[0]) == 1
     q = nn.Parameter(torch.zeros(16, 32))
     opt = torch.optim.Adam([q])
