@@ -674,8 +674,9 @@ class GACTPolicy(Policy):
         """Restore :meth:`state_dict`.
 
         Raises:
-            ValueError: ``state`` is not a GACT policy state, or one of a policy with other
-                settings (``average_bits``, ``adapt_interval``, ...). Nothing is changed then.
+            ValueError: ``state`` is not a GACT policy state (an entry missing, a generator
+                state torch refuses), or one of a policy with other settings
+                (``average_bits``, ``adapt_interval``, ...). Nothing is changed then.
         """
         missing = [k for k in (*self._STATE, "generator", "settings") if not isinstance(state, dict) or k not in state]
         if missing:
@@ -683,9 +684,15 @@ class GACTPolicy(Policy):
         if state["settings"] != self._settings():
             raise ValueError(f"state is of a GACT policy with other settings: {state['settings']} "
                              f"against this policy's {self._settings()}")
-        for name in self._STATE:
-            setattr(self, name, copy.deepcopy(state[name]))
-        self._gen.set_state(state["generator"])
+        scratch = torch.Generator()  # the generator's state checked before anything is changed
+        try:
+            scratch.set_state(state["generator"])
+        except (RuntimeError, TypeError) as exc:
+            raise ValueError(f"state's generator is not a CPU torch.Generator state: {exc}") from None
+        values = {name: copy.deepcopy(state[name]) for name in self._STATE}
+        for name, value in values.items():
+            setattr(self, name, value)
+        self._gen.set_state(scratch.get_state())
 
     def _settings(self) -> dict:
         return {"average_bits": self.average_bits, "adapt_interval": self.adapt_interval,

@@ -873,6 +873,12 @@ def test_a_copy_of_a_gact_model_keeps_its_plan():
 
 def test_load_state_dict_refuses_other_settings():
     state = GACTPolicy(average_bits=2).state_dict()
+    planned = GACTPolicy(average_bits=2)
+    planned.bits, planned._calls = {3: 4}, 5
+    for bad in (torch.zeros(3, dtype=torch.uint8), "seed"):  # a damaged checkpoint: nothing is changed
+        with pytest.raises(ValueError, match="generator is not a CPU torch.Generator state"):
+            planned.load_state_dict({**state, "generator": bad})
+        assert planned.bits == {3: 4} and planned._calls == 5
     with pytest.raises(ValueError, match="other settings"):
         GACTPolicy(average_bits=3).load_state_dict(state)
     with pytest.raises(ValueError, match="lacks"):
