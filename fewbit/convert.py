@@ -106,6 +106,7 @@ from fewbit._checks import check_bits, check_bool, check_noise_norm, check_posit
 from fewbit._saved import under_checkpoint
 from fewbit.activations import ACTIVATIONS, get_activation
 from fewbit.losses import _PATCH_ATTR
+from fewbit.ops._pointwise import _transforms_active
 
 __all__ = ["Config", "ConversionSummary", "convert_", "LAYER_KINDS", "layer_kind"]
 
@@ -788,7 +789,9 @@ class _EnterHook:
         self.kind = kind
 
     def __call__(self, module: nn.Module, args: Any) -> None:
-        if not torch.is_grad_enabled() or torch.compiler.is_compiling() or _checkpointed():
+        if not torch.is_grad_enabled() or torch.compiler.is_compiling() or _checkpointed() or _transforms_active():
+            # under torch.func (grad, vmap, jacrev: per-sample gradients) saved-tensor hooks
+            # are refused by torch: what is saved stays exact there
             return None
         shared = self.shared
         if shared.root_depth == 0 and not shared.compressor.active:

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fewbit._checks import check_float_tensor, check_positive_int, is_int
+from fewbit.ops._pointwise import _transforms_active
 
 __all__ = [
     "linear_cross_entropy",
@@ -271,6 +272,8 @@ def _check_args(input, weight, target, bias, ignore_index, reduction, label_smoo
         raise ValueError("grad_in_forward=True needs reduction 'mean' or 'sum' (the per-token incoming "
                          "gradient of reduction='none' is known only in backward), got reduction='none'")
     v = weight.shape[0]
+    if _transforms_active():  # data-dependent: torch.func's vmap refuses it (cross_entropy checks)
+        return
     bad = (target != ignore_index) & ((target < 0) | (target >= v))
     if bad.any():
         raise ValueError(f"target must be in [0, {v - 1}] or ignore_index ({ignore_index}), "
@@ -346,7 +349,9 @@ def linear_cross_entropy(
         RuntimeError: in a double backward (``create_graph=True``).
 
     Under ``torch.autocast``, ``input``, ``weight`` and ``bias`` are cast to the autocast
-    dtype first, as ``F.linear`` would be.
+    dtype first, as ``F.linear`` would be. Under ``torch.func`` transforms (``grad``,
+    ``vmap``, ``jacrev``: per-sample gradients) the unfused computation runs, in the same
+    dtypes (the logits are materialised there).
 
     Example:
         >>> import torch, fewbit
@@ -372,7 +377,15 @@ def linear_cross_entropy(
     x = input.reshape(-1, h)
     t = target.reshape(-1)
     with torch.autocast(device_type, enabled=False):
-        if torch.is_grad_enabled() and any(a is not None and a.requires_grad for a in (x, weight, bias)):
+        if _transforms_active():
+            # torch.func (grad, vmap, jacrev) runs torch's ops, not a custom Function: the
+            # unfused computation, logits materialised, in the dtypes the fused one uses
+            logits = F.linear(x, weight, bias)
+            if logits.dtype in (torch.float16, torch.bfloat16):
+                logits = logits.float()
+            loss = F.cross_entropy(logits, t, ignore_index=int(ignore_index), reduction=reduction,
+                                   label_smoothing=float(label_smoothing))
+        elif torch.is_grad_enabled() and any(a is not None and a.requires_grad for a in (x, weight, bias)):
             loss = _LinearCrossEntropy.apply(x, weight, bias, t, int(ignore_index), reduction,
                                              float(label_smoothing), int(chunk_size), grad_in_forward)
         else:  # evaluation: the loss only (autograd would still ask the Function for gradients)

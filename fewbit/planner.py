@@ -88,6 +88,7 @@ from fewbit._saved import keep, unpack
 from fewbit.convert import _is_causal_lm, layer_kind, normalization_size
 from fewbit.losses import _PATCH_ATTR
 from fewbit.memory import resume_recording
+from fewbit.ops._pointwise import _transforms_active
 
 __all__ = [
     "Option",
@@ -384,10 +385,11 @@ class _GroupHook:
 
     def pre(self, module, args):
         o = self.option
-        if not torch.is_grad_enabled() or torch.compiler.is_compiling():
+        if not torch.is_grad_enabled() or torch.compiler.is_compiling() or _transforms_active():
             # as convert_'s hooks: nothing is saved without grad, and a torch-function mode
             # would turn off torch's inference fast paths (nn.TransformerEncoderLayer's nested
-            # tensors then fail outside them); a compiled graph saves its own tensors
+            # tensors then fail outside them); a compiled graph saves its own tensors; torch.func
+            # transforms refuse saved-tensor hooks
             self.stack.append(None)
             return
         if o.kind == "quant":
@@ -479,7 +481,7 @@ def _checkpointed_forward(state: _State, block: nn.Module, forward: Callable, ro
         finally:
             state.checkpoint_hooks.pop()
 
-    if not torch.is_grad_enabled():
+    if not torch.is_grad_enabled() or _transforms_active():  # torch.func refuses checkpoint's hooks
         return forward(*args, **kwargs)
     if signature is not None:  # as transformers' GradientCheckpointingLayer: no cache while recomputing
         try:

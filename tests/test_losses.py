@@ -577,3 +577,30 @@ def test_convert_patches_again_after_a_hand_unpatch():
     assert summary.fused_cross_entropy and out.logits is None  # the fused loss returns no logits
     fewbit.convert_(model, fewbit.Config(activation_bits=None))  # and unpatching through convert_ works
     assert model(input_ids=ids, labels=ids).logits is not None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_torch_func_transforms_run_the_unfused_loss(dtype):
+    """Under ``torch.func`` (``grad``, ``vmap``: per-sample gradients, DP-SGD) the loss is the
+    unfused computation's in the same dtypes (before: torch's "must override the
+    setup_context staticmethod" error; under vmap also the target check's data-dependent
+    ``if``)."""
+    from torch.func import grad, vmap
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 4, 16, generator=gen).to(dtype)
+    w = torch.randn(30, 16, generator=gen).to(dtype)
+    t = torch.randint(0, 30, (5, 4), generator=gen)
+    t[1, 2] = -100
+
+    def ours(w_, xi, ti):
+        return fewbit.linear_cross_entropy(xi, w_, ti, label_smoothing=0.1)
+
+    def theirs(w_, xi, ti):
+        logits = F.linear(xi, w_)
+        return F.cross_entropy(logits.float() if dtype != torch.float32 else logits, ti, label_smoothing=0.1)
+
+    got = vmap(grad(ours), in_dims=(None, 0, 0))(w, x, t)
+    expect = vmap(grad(theirs), in_dims=(None, 0, 0))(w, x, t)
+    assert got.dtype == dtype and torch.equal(got, expect)
+    assert torch.equal(grad(ours)(w, x[0], t[0]), grad(theirs)(w, x[0], t[0]))
