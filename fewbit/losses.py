@@ -30,6 +30,7 @@ from fewbit.ops._pointwise import _transforms_active
 __all__ = [
     "linear_cross_entropy",
     "linear_cross_entropy_reference",
+    "logit_transform",
     "patch_causal_lm_",
     "unpatch_causal_lm_",
     "DEFAULT_CHUNK_LOGITS",
@@ -415,6 +416,7 @@ class _Patch:
     handles: list = field(default_factory=list)
     active: list = field(default_factory=list)  # per running forward: labels given?
     hidden: torch.Tensor | None = None  # what lm_head returned instead of the logits
+    hidden_version: int = 0  # its version counter then (an in-place change moves it)
 
 
 def _causal_lm_fused_loss(patch: _Patch, hidden: torch.Tensor, labels: torch.Tensor, vocab_size: int,
@@ -458,7 +460,7 @@ class _HeadForward:
     def __call__(self, hidden_states: torch.Tensor) -> torch.Tensor:
         patch = self.patch
         if patch.active and patch.active[-1]:
-            patch.hidden = hidden_states
+            patch.hidden, patch.hidden_version = hidden_states, hidden_states._version
             return hidden_states
         return type(patch.head).forward(patch.head, hidden_states)
 
@@ -474,10 +476,15 @@ class _LossFunction:
                  shift_labels=None, **kwargs):
         patch = self.patch
         if patch.active and patch.active[-1]:
-            if logits is None or logits is not patch.hidden:
+            if logits is None or logits is not patch.hidden or logits._version != patch.hidden_version:
+                # a transform between the head and the loss, also one in place (Chameleon's
+                # masked image tokens, xLSTM's soft cap in eval mode): it acted on the hidden
+                # states, so the fused loss would be silently wrong
                 raise RuntimeError(
-                    "the model's loss function did not get the output of its lm_head unchanged, so "
-                    "the fused cross-entropy cannot compute it; call fewbit.losses.unpatch_causal_lm_(model)")
+                    "the model's loss function did not get the output of its lm_head unchanged (the "
+                    "model transforms its logits, perhaps in place), so the fused cross-entropy cannot "
+                    "compute it; convert without it (fewbit.Config(fused_cross_entropy=False), "
+                    "fewbit.plan(..., fused_cross_entropy=False)) or call fewbit.losses.unpatch_causal_lm_(model)")
             return _causal_lm_fused_loss(patch, logits, labels, vocab_size, num_items_in_batch,
                                          ignore_index, shift_labels)
         return patch.fallback(logits, labels, vocab_size, num_items_in_batch=num_items_in_batch,
@@ -525,6 +532,34 @@ class _PostHook:
         if getattr(output, "logits", None) is hidden:
             return type(output)(**{k: v for k, v in output.items() if k != "logits"})
         return None
+
+
+#: Config fields of transformers models that transform the logits between the ``lm_head``
+#: and the loss (their neutral values: None, 1): Gemma 2/3's soft cap, Cohere's scale,
+#: Granite's divisor, xLSTM's soft cap (applied in place in eval mode).
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale",
+                     "output_logit_soft_cap")
+
+
+def logit_transform(model: nn.Module) -> str | None:
+    """Which transform of the logits a transformers model's config names (``"config.name =
+    value"``, also in its text config), or None: such models cannot take the fused loss
+    (:func:`patch_causal_lm_` refuses them; ``fewbit.plan`` does not choose it for them)."""
+    config = getattr(model, "config", None)
+    get_text = getattr(config, "get_text_config", None)
+    configs = [("config", config)]
+    try:
+        text = get_text() if callable(get_text) else None
+    except (TypeError, ValueError, AttributeError):
+        text = None
+    if text is not None and text is not config:
+        configs.append(("config.text_config", text))
+    for where, cfg in configs:
+        for name in _LOGIT_TRANSFORMS:
+            value = getattr(cfg, name, None)
+            if value not in (None, 1, 1.0):
+                return f"{where}.{name} = {value!r}"
+    return None
 
 
 def patch_causal_lm_(model: nn.Module, *, chunk_size: int | None = None, grad_in_forward: bool = False) -> nn.Module:
@@ -580,12 +615,10 @@ def patch_causal_lm_(model: nn.Module, *, chunk_size: int | None = None, grad_in
     if not isinstance(head, nn.Linear) or not hasattr(model, "loss_function") or not hasattr(model, "config"):
         raise ValueError(f"model must be a transformers *ForCausalLM model with a Linear output embedding "
                          f"and a loss_function, got {type(model).__name__}")
-    config = model.config
-    for name in ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale"):
-        value = getattr(config, name, None)
-        if value not in (None, 1, 1.0):
-            raise ValueError(f"model ({type(model).__name__}) transforms its logits before the loss "
-                             f"(config.{name} = {value!r}); the fused loss would not match it")
+    transform = logit_transform(model)
+    if transform is not None:
+        raise ValueError(f"model ({type(model).__name__}) transforms its logits before the loss "
+                         f"({transform}); the fused loss would not match it")
     if chunk_size is not None:
         check_positive_int(chunk_size, "chunk_size")
     if not isinstance(grad_in_forward, bool):

@@ -521,6 +521,51 @@ def test_patch_causal_lm_refuses_transformed_logits():
     model(input_ids=ids)  # without labels the model is untouched
 
 
+@pytest.mark.parametrize("grad", [True, False])
+def test_patch_causal_lm_refuses_logits_changed_in_place(grad):
+    """A model that changes its logits in place between the head and the loss (Chameleon
+    masks its image tokens, xLSTM soft-caps under ``no_grad`` in eval mode) changed the
+    hidden states the patched head returned: the loss was silently wrong (4.57 against inf,
+    24.98 against 32.13). The version counter is checked, in training and evaluation."""
+    class Masked(transformers.GPT2LMHeadModel):
+        def forward(self, input_ids=None, labels=None, **kwargs):
+            logits = self.lm_head(self.transformer(input_ids).last_hidden_state)
+            logits[..., :3] = -30.0  # in place, as Chameleon's image tokens
+            loss = None if labels is None else self.loss_function(logits, labels, self.config.vocab_size)
+            return transformers.modeling_outputs.CausalLMOutput(loss=loss, logits=logits)
+
+    model = Masked(_gpt2().config)
+    ids = torch.randint(0, 97, (2, 8))
+    patch_causal_lm_(model)
+    with torch.set_grad_enabled(grad), pytest.raises(RuntimeError, match="perhaps in place"):
+        model(input_ids=ids, labels=ids)
+    model(input_ids=ids)  # without labels the model is untouched
+
+
+def test_models_whose_config_transforms_the_logits_are_refused_up_front():
+    """xLSTM's ``output_logit_soft_cap`` (and a text config's soft cap) is named at patch
+    time, by ``convert_`` before it changes anything, and ``fewbit.plan`` does not choose the
+    fused loss for such a model."""
+    from fewbit.losses import logit_transform
+
+    capped = _gpt2()
+    capped.config.output_logit_soft_cap = 30.0
+    assert logit_transform(capped) == "config.output_logit_soft_cap = 30.0"
+    with pytest.raises(ValueError, match="output_logit_soft_cap = 30.0"):
+        patch_causal_lm_(capped)
+    before = {n: type(m) for n, m in capped.named_modules()}
+    with pytest.raises(ValueError, match="fused_cross_entropy=True: model .* transforms its logits"):
+        fewbit.convert_(capped, fewbit.Config(fused_cross_entropy=True))
+    assert {n: type(m) for n, m in capped.named_modules()} == before  # nothing converted
+    text = _gpt2()
+    text.config.get_text_config = lambda *a, **k: transformers.Gemma2Config(final_logit_softcapping=30.0)
+    assert logit_transform(text) == "config.text_config.final_logit_softcapping = 30.0"
+    assert logit_transform(_gpt2()) is None
+    ids = torch.randint(0, 97, (2, 8))
+    prof = fewbit.planner.profile(capped, {"input_ids": ids, "labels": ids}, repeats=1)
+    assert not prof.fused_cross_entropy
+
+
 @pytest.mark.slow
 def test_benchmark_script_runs_at_tiny_sizes():
     """scripts/bench_linear_cross_entropy.py (README, docs/compression.md §5) at tiny sizes."""
