@@ -15,7 +15,9 @@ computes), or a user ``"module:callable"``. Its table is resolved in this order
    (corrupt, truncated, other schema version) is moved aside to ``<file>.corrupt``
    (``.corrupt.1``, ... : one set aside earlier is never overwritten) and the table is
    refitted (step 4, the warning names both files); a readable cache file whose table is
-   for other parameters raises ValueError (it is never reused);
+   for other parameters raises ValueError (it is never reused); a user function's file
+   is named with a fingerprint of its derivative (:func:`_cache_path`: an edited function
+   gets its own table);
 4. otherwise the table is fitted by :func:`fewbit.solver.fit` with :data:`FIT_OPTIONS`
    (needs ``pip install "fewbit[solver]"``), written to the cache atomically, and a
    :class:`TableFittedWarning` says so. A user function whose derivative grows past the
@@ -407,6 +409,43 @@ def _check_asymptotes(f: ResolvedFn, params: dict[str, float],
     check_derivative_growth(f.name, derivative, tuple(domain or FIT_OPTIONS["domain"]))
 
 
+#: Points (float64, over :data:`FIT_OPTIONS`' domain) where a user function's derivative is
+#: sampled for its cache file's fingerprint (:func:`_cache_path`).
+_FINGERPRINT_POINTS = 129
+
+
+def _fingerprint(f: ResolvedFn, params: dict[str, float]) -> str:
+    """16 hex digits of SHA-256 over a user function's derivative (torch's autograd, float64)
+    at :data:`_FINGERPRINT_POINTS` points of the fit domain, each to 7 significant digits:
+    what its table approximates, so an edited function (or another one of the same
+    ``module:callable`` name) gets another cache file."""
+    import hashlib
+
+    lo, hi = FIT_OPTIONS["domain"]
+    for dtype in (torch.float64, torch.float32):  # float32 for a function that takes no float64
+        x = torch.linspace(float(lo), float(hi), _FINGERPRINT_POINTS, dtype=dtype).requires_grad_()
+        try:
+            with torch.enable_grad():
+                (d,) = torch.autograd.grad(f.callable(x, **params).sum(), x, allow_unused=True)
+            break
+        except (RuntimeError, TypeError):
+            if dtype == torch.float32:
+                raise
+    values = torch.zeros_like(x) if d is None else d.detach()
+    text = ",".join(f"{v:.7g}" for v in values.tolist())
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _cache_path(f: ResolvedFn, params: dict[str, float]) -> Path:
+    """The user-cache file of ``f``'s tables for ``params``: ``table_filename(name, params)``
+    for a registry function; for a user ``"module:callable"`` its name with
+    ``#<fingerprint>`` (:func:`_fingerprint`), so that the table of an edited function is
+    never reused for the new one (its backward would be the old function's derivative)."""
+    if f.act is not None:
+        return cache_dir() / table_filename(f.name, params)
+    return cache_dir() / table_filename(f"{f.name}#{_fingerprint(f, params)}", params)
+
+
 def _fit_and_cache(f: ResolvedFn, bits: int, params: dict[str, float], note: str = "") -> Table:
     """Step 4: fit with :data:`FIT_OPTIONS`, add to the cache file, warn."""
     try:
@@ -435,7 +474,7 @@ def _fit_and_cache(f: ResolvedFn, bits: int, params: dict[str, float], note: str
     check_table_matches(table, f.name, params, "fewbit.solver.fit")
     if table.bits != bits:
         raise RuntimeError(f"fewbit.solver.fit returned a {table.bits}-bit table for bits={bits}")
-    path = cache_dir() / table_filename(f.name, params)
+    path = _cache_path(f, params)
     where = f"cached at {path}"
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -474,7 +513,7 @@ def _lookup(f: ResolvedFn, bits: int, full: dict[str, float], nd: dict[str, floa
             table = _pick_bits(shipped, bits, source)
             check_table_matches(table, f.name, nd, source)
             return table, source, ""
-    path = cache_dir() / table_filename(f.name, nd)
+    path = _cache_path(f, nd)
     if not path.exists():
         return None, "", ""
     try:

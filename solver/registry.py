@@ -466,10 +466,15 @@ def get(name_or_spec: str) -> SolverFunction:
     """
     if not isinstance(name_or_spec, str):
         raise TypeError(f"fn must be a str (name or 'module:callable'), got {type(name_or_spec).__name__}")
-    if name_or_spec in _CACHE:
-        return _CACHE[name_or_spec]
     if ":" in name_or_spec:
+        # a user function is looked up again each time: a module re-imported since (an edited
+        # function) must not be fitted through the callable of its first import
+        cached = _CACHE.get(name_or_spec)
+        if cached is not None and cached.torch_fn is import_callable(name_or_spec):
+            return cached
         sf = _load_user(name_or_spec)
+    elif name_or_spec in _CACHE:
+        return _CACHE[name_or_spec]
     else:
         sf = _from_registry(name_or_spec)
     _CACHE[name_or_spec] = sf

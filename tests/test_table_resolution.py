@@ -159,3 +159,39 @@ def test_a_table_for_a_user_function_is_checked_once(cache, monkeypatch):
     for _ in range(20):
         FF.activation(x, "torch:tanh", table=table)
     assert len(calls) <= 1
+
+
+def test_an_edited_user_function_is_refitted_not_served_its_old_table(cache, tmp_path, monkeypatch):
+    """The user cache keyed a user function by its ``module:callable`` name only: after the
+    function was edited (x·sigmoid(1.5x) -> 3·tanh(x)) the next process loaded the old table,
+    and backward was the old function's derivative (-0.066 where the new one is 0.21). Its
+    cache file is named with a fingerprint of the derivative now: the edited function is
+    fitted anew; the unchanged one finds its file, also with the memory cache cleared (a new
+    process)."""
+    import importlib
+    import sys
+
+    pytest.importorskip("fewbit.solver")
+    package = tmp_path / "edited_pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    x = torch.linspace(-4, 4, 9, requires_grad=True)
+    grads = {}
+    for name, body in (("swish", "x * torch.sigmoid(1.5 * x)"), ("tanh", "3.0 * torch.tanh(x)")):
+        (package / "acts.py").write_text(f"import torch\n\n\ndef act(x):\n    return {body}\n")
+        sys.modules.pop("edited_pkg.acts", None)
+        importlib.invalidate_caches()
+        FF.clear_table_cache()  # a new process
+        with pytest.warns(FF.TableFittedWarning):
+            FF.activation(x, "edited_pkg.acts:act", bits=3).sum().backward()
+        grads[name], x.grad = x.grad.clone(), None
+        FF.clear_table_cache()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # found in the cache: not fitted again
+            FF.activation(x, "edited_pkg.acts:act", bits=3).sum().backward()
+        assert torch.equal(x.grad, grads[name])
+        x.grad = None
+    true = 3.0 / torch.cosh(x.detach()).square()
+    assert (grads["tanh"] - true).abs().max() < 0.5 < (grads["swish"] - true).abs().max()
+    assert len(list(cache.iterdir())) == 2
