@@ -143,54 +143,142 @@ def _matrix_view(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(rows, t.numel() // rows if rows else 0)
 
 
-def _squared_weights(v: torch.Tensor, eps: float) -> torch.Tensor:
-    """``1 / (√v + eps)²`` (float32), with ``v`` where it is exactly 0 replaced by
-    ``_MOMENT_FLOOR · mean(v)``. Only exact zeros: a small ``v`` is what Adam divides by
-    (rarely seen tokens' rows); a build that floored every ``v`` under 10⁻⁴ of the mean
-    (and weighed by Adam's state alone) trained gact2 0.04 worse on GPT-2
+#: Elements per block when a parameter tensor's noise norms and weights are made a block of
+#: rows at a time: a measuring call holds float64 temporaries of this size, not of its
+#: largest parameter (GPT-2's 38.6 M-element embedding: 0.3 GiB each).
+_BLOCK = 1 << 20
+
+
+def _row_blocks(rows: int, columns: int):
+    """``(start, stop)`` of consecutive row blocks of about :data:`_BLOCK` elements."""
+    step = max(1, _BLOCK // max(columns, 1))
+    return ((i, min(i + step, rows)) for i in range(0, rows, step))
+
+
+def _squared_weights(v: torch.Tensor, eps: float, floor: float) -> torch.Tensor:
+    """``1 / (√v + eps)²`` (``v``'s dtype; ``v`` is overwritten, a temporary), with ``v``
+    where it is exactly 0 replaced by ``floor``
+    (``_MOMENT_FLOOR`` · the tensor's mean ``v``). Only exact zeros: a small ``v`` is what
+    Adam divides by (rarely seen tokens' rows); a build that floored every ``v`` under 10⁻⁴
+    of the mean (and weighed by Adam's state alone) trained gact2 0.04 worse on GPT-2
     (``scripts/train_lm.py``, six seeds)."""
-    floor = _MOMENT_FLOOR * float(v.mean()) if v.numel() else 0.0
-    return (torch.where(v > 0, v, floor).sqrt() + eps).reciprocal().square().float()
+    return v.masked_fill_(v <= 0, floor).sqrt_().add_(eps).reciprocal_().square_()
+
+
+class _Weights:
+    """The squared weights of one parameter tensor's noise over its :func:`_matrix_view`,
+    made a block of rows at a time (:meth:`rows`) from what they are computed from (factors,
+    the optimizer's state), never held whole: a full float32 copy per parameter held 4 bytes
+    per parameter through the call, and the rank-1 fallback 4 more."""
+
+    def rows(self, start: int, stop: int) -> torch.Tensor:
+        """Rows ``start:stop`` (float32, float64 for a float64 state; broadcastable to them).
+        float32 as the weights always were: made at every run, in float64 they cost 5x."""
+        raise NotImplementedError
+
+    def full(self, shape: torch.Size) -> torch.Tensor:
+        """All of them, shaped as the matrix view of a tensor of ``shape`` (tests)."""
+        rows, columns = _matrix_view(torch.empty(shape, device="meta")).shape
+        return self.rows(0, rows).expand(rows, columns)
+
+
+class _Constant(_Weights):
+    """One weight for every element (a vector's, or 0 for a tensor with nothing to weigh by)."""
+
+    def __init__(self, value: float, device: torch.device) -> None:
+        self.value = torch.tensor(value, dtype=torch.float64, device=device)
+
+    def rows(self, start: int, stop: int) -> torch.Tensor:
+        return self.value
+
+
+class _Rank1(_Weights):
+    """``v_ij = R_i C_j / S`` (:func:`_rank1_weights`), squared weights of it."""
+
+    def __init__(self, row_means: torch.Tensor, column_means: torch.Tensor, mean: float) -> None:
+        # (rows, 1), (1, columns), float32: the product is made at every run
+        self.row_means, self.column_scale = row_means.float(), (column_means / mean).float()
+        self.floor = _MOMENT_FLOOR * mean  # the mean of v is S
+
+    def rows(self, start: int, stop: int) -> torch.Tensor:
+        return _squared_weights(self.row_means[start:stop] * self.column_scale, _RELATIVE_EPS, self.floor)
+
+
+class _NextMoment(_Weights):
+    """The second moment an optimizer's next step divides by (:func:`_optimizer_weights`),
+    squared weights of it: ``(keep · v + fresh · g0²) / correction``, at least ``peak``."""
+
+    def __init__(self, v, peak, g0, keep: float, fresh: float, correction: float, eps: float) -> None:
+        self.v, self.peak, self.g0 = _matrix_view(v), None if peak is None else _matrix_view(peak), g0
+        self.keep, self.fresh, self.correction, self.eps = keep, fresh, correction, eps
+        self.floor = 0.0
+
+    def moment(self, start: int, stop: int) -> torch.Tensor:
+        dtype = torch.promote_types(self.v.dtype, torch.float32)
+        g2 = self.g0[start:stop].to(self.v.device, dtype).square()
+        nxt = torch.add(g2.mul_(self.fresh), self.v[start:stop].to(dtype), alpha=self.keep)  # the state is read only
+        if self.peak is not None:
+            nxt = torch.maximum(nxt, self.peak[start:stop].to(dtype))
+        return nxt.div_(self.correction)
+
+    def rows(self, start: int, stop: int) -> torch.Tensor:
+        return _squared_weights(self.moment(start, stop), self.eps, self.floor)
 
 
 def _rank1_weights(g0: torch.Tensor, params: list[torch.Tensor]) -> list:
-    """Per parameter tensor, the squared weight of each element's noise from the probe
-    gradient ``g0``'s rank-1 second moment, over its :func:`_matrix_view` (a 0-d tensor for a
-    vector): ``v_ij = R_i C_j / S``, ``R``, ``C`` the row and column means of ``g0²`` and
-    ``S`` its mean (Adafactor's factored second moment, Shazeer & Stern, ICML 2018, eq. 4,
-    from one sample); a vector: ``v = S``; weight :func:`_squared_weights`. A tensor whose
-    ``g0`` is 0 throughout gives nothing to weigh its noise against: weight 0."""
+    """Per parameter tensor, the squared weights (:class:`_Weights`) of each element's noise
+    from the probe gradient ``g0``'s rank-1 second moment, over its :func:`_matrix_view`:
+    ``v_ij = R_i C_j / S``, ``R``, ``C`` the row and column means of ``g0²`` and ``S`` its
+    mean (Adafactor's factored second moment, Shazeer & Stern, ICML 2018, eq. 4, from one
+    sample); a vector: ``v = S``; weight ``1 / (√v + eps)²``, an exactly-zero ``v`` at
+    ``_MOMENT_FLOOR · S``. A tensor whose ``g0`` is 0 throughout gives nothing to weigh its
+    noise against: weight 0."""
     out = []
     for q, p in zip(g0.split([p.numel() for p in params]), params):
-        g2 = _matrix_view(q.reshape(p.shape)).double().square()
-        mean = float(g2.mean()) if g2.numel() else 0.0
+        m = _matrix_view(q.view(p.shape))
+        rows, columns = m.shape
+        row_means = torch.empty(rows, 1, dtype=torch.float64, device=q.device)
+        column_sums = torch.zeros(1, columns, dtype=torch.float64, device=q.device)
+        for start, stop in _row_blocks(rows, columns):
+            g2 = m[start:stop].double().square()
+            row_means[start:stop] = g2.mean(1, keepdim=True)
+            column_sums += g2.sum(0, keepdim=True)
+        mean = float(row_means.mean()) if q.numel() else 0.0
         if not mean > 0:
-            out.append(torch.zeros(()))
+            out.append(_Constant(0.0, q.device))
         elif p.dim() < 2:
-            out.append(_squared_weights(torch.tensor(mean, dtype=torch.float64), _RELATIVE_EPS))
+            out.append(_Constant(1.0 / (math.sqrt(mean) + _RELATIVE_EPS) ** 2, q.device))
         else:
-            v = g2.mean(1, keepdim=True) * (g2.mean(0, keepdim=True) / mean)
-            out.append(_squared_weights(v, _RELATIVE_EPS).to(q.device))
+            out.append(_Rank1(row_means, column_sums / rows, mean))
     return out
+
+
+def _square_sum(m: torch.Tensor) -> torch.Tensor:
+    """``Σ m²`` in float64 (0-d, on ``m``'s device) of a matrix view, a block of rows at a time."""
+    total = m.new_zeros((), dtype=torch.float64)
+    for start, stop in _row_blocks(*m.shape):
+        total = total + m[start:stop].double().square().sum()
+    return total
 
 
 def _tensor_scales(g0: torch.Tensor, params: list[torch.Tensor]) -> torch.Tensor:
     """The alert's weights: per parameter tensor ``1 / (rms(g0_p) + eps)`` (float64, CPU,
     one per tensor); 0 for a tensor whose ``g0`` is 0 throughout."""
-    rms = torch.stack([q.double().square().mean().sqrt() if q.numel() else q.new_zeros((), dtype=torch.float64)
-                       for q in g0.split([p.numel() for p in params])]).cpu()
+    rms = torch.stack([_square_sum(_matrix_view(q.view(p.shape))).div(max(q.numel(), 1)).sqrt()
+                       for q, p in zip(g0.split([p.numel() for p in params]), params)]).cpu()
     return torch.where(rms > 0, (rms + _RELATIVE_EPS).reciprocal(), torch.zeros_like(rms))
 
 
 def _optimizer_weights(optimizer, params: list[torch.Tensor], fallback: list, g0: torch.Tensor) -> list:
-    """Per parameter tensor, the squared weight ``1 / (√v + eps)²`` (:func:`_squared_weights`)
+    """Per parameter tensor, the squared weights ``1 / (√v + eps)²`` (:class:`_NextMoment`)
     of the second moment ``v`` the ``optimizer``'s next update divides by when its gradient is
     the probe gradient ``g0``, with the group's ``eps``: :class:`torch.optim.Adam`, ``AdamW``,
-    ``NAdam``, ``RAdam``, ``SparseAdam`` (``(β2 · exp_avg_sq + (1 − β2) g0²) / (1 − β2^(t+1))``; AMSGrad: its
-    running maximum), ``RMSprop`` (non-centered: ``α · square_avg + (1 − α) g0²``) or
-    ``Adagrad`` (``sum + g0²``), after their first step; ``fallback[k]`` where there is none
-    (another optimizer, a parameter it does not hold, no step taken yet, a state that is 0
-    throughout or not finite)."""
+    ``NAdam``, ``RAdam``, ``SparseAdam`` (``(β2 · exp_avg_sq + (1 − β2) g0²) / (1 − β2^(t+1))``;
+    AMSGrad: its running maximum), ``RMSprop`` (non-centered: ``α · square_avg + (1 − α)
+    g0²``) or ``Adagrad`` (``sum + g0²``), after their first step, an exactly-zero ``v`` at
+    ``_MOMENT_FLOOR`` · its mean; ``fallback[k]`` where there is none (another optimizer, a
+    parameter it does not hold, no step taken yet, a state that is 0 throughout or not
+    finite)."""
     groups = {id(p): g for g in optimizer.param_groups for p in g["params"]}
     out = []
     for q, p, other in zip(g0.split([p.numel() for p in params]), params, fallback):
@@ -209,37 +297,46 @@ def _optimizer_weights(optimizer, params: list[torch.Tensor], fallback: list, g0
             elif isinstance(optimizer, torch.optim.Adagrad):
                 v, keep, fresh, correction, peak = state.get("sum"), 1.0, 1.0, 1.0, None
         if isinstance(v, torch.Tensor) and v.shape == p.shape and not v.is_sparse and v.numel():
-            g2 = _matrix_view(q.reshape(p.shape)).double().square().to(v.device)
-            nxt = keep * _matrix_view(v).double() + fresh * g2
-            if isinstance(peak, torch.Tensor) and peak.shape == p.shape:
-                nxt = torch.maximum(nxt, _matrix_view(peak).double())
-            nxt = nxt / correction
-            if bool(torch.isfinite(nxt).all()) and float(nxt.mean()) > 0:
-                out.append(_squared_weights(nxt, float(group["eps"])))
+            peak = peak if isinstance(peak, torch.Tensor) and peak.shape == p.shape else None
+            weights = _NextMoment(v, peak, _matrix_view(q.view(p.shape)), keep, fresh, correction,
+                                  float(group["eps"]))
+            rows, columns = weights.v.shape
+            total = weights.v.new_zeros((), dtype=torch.float64)
+            for start, stop in _row_blocks(rows, columns):  # the mean (not finite if a block is not)
+                total = total + weights.moment(start, stop).sum(dtype=torch.float64)
+            mean = float(total) / v.numel()
+            if math.isfinite(mean) and mean > 0:
+                weights.floor = _MOMENT_FLOOR * mean
+                out.append(weights)
                 continue
         out.append(other)
     return out
 
 
-def _noise_norms(diffs, weights: list) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per parameter tensor, ``‖d_p · w_p‖²`` and ``‖d_p‖²`` (float64, 1-D, on the diffs'
-    device) of ``diffs``, an iterable of one difference of gradients per parameter tensor
-    (shaped as the parameter; made one at a time, so only one tensor's temporaries are held);
-    ``weights[p]`` are squared weights (:func:`_rank1_weights`, :func:`_optimizer_weights`),
-    None for 1."""
+def _noise_norms(params: list[torch.Tensor], current, reference: torch.Tensor, weights: list
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per parameter tensor ``p``, ``‖d_p · w_p‖²`` and ``‖d_p‖²`` (float64, 1-D, on the
+    gradients' device) of ``d = current − reference``: ``current`` the parameters' dense
+    ``.grad`` (None) or a flat tensor, ``reference`` a flat one (:func:`_flat_grads`),
+    ``weights[p]`` :class:`_Weights` or None for 1. A block of rows at a time (the
+    difference exact, in float64): temporaries of :data:`_BLOCK` elements, not of a tensor."""
+    sizes = [p.numel() for p in params]
+    refs = reference.split(sizes)
+    currents = (_dense_grad(p) for p in params) if current is None else current.split(sizes)
     weighted, plain = [], []
-    for d, w in zip(diffs, weights):
-        sq = _matrix_view(d).double().square()
-        plain.append(sq.sum())
-        weighted.append(plain[-1] if w is None else sq.mul_(w.to(sq.device)).sum())
+    for p, c, r, w in zip(params, currents, refs, weights):
+        cm, rm = _matrix_view(c.view(p.shape)), _matrix_view(r.view(p.shape))
+        rows, columns = cm.shape
+        wsum = psum = cm.new_zeros((), dtype=torch.float64)
+        for start, stop in _row_blocks(rows, columns):
+            # out of place: a float64 .grad's .double() is the gradient itself
+            sq = torch.sub(cm[start:stop].double(), rm[start:stop].to(cm.device, torch.float64)).square_()
+            psum = psum + sq.sum()
+            if w is not None:
+                wsum = wsum + sq.mul_(w.rows(start, stop).to(sq.device)).sum()
+        plain.append(psum)
+        weighted.append(psum if w is None else wsum)
     return torch.stack(weighted), torch.stack(plain)
-
-
-def _grad_minus(params: list[torch.Tensor], reference: torch.Tensor):
-    """Per parameter tensor ``p``, its dense ``.grad`` minus ``p``'s part of the flat
-    ``reference`` (:func:`_flat_grads`), in ``reference``'s dtype, one tensor at a time."""
-    for p, r in zip(params, reference.split([p.numel() for p in params])):
-        yield _dense_grad(p).to(r.dtype) - r.view(p.shape)
 
 
 def _flat_grads(params: list[torch.Tensor]) -> torch.Tensor:
@@ -612,7 +709,7 @@ class GACTPolicy(Policy):
                     alert_weights = None if scales is None else scales.square().to(g0.device)
                     for index in seen:
                         run(index)
-                        weighted, plain = _noise_norms(_grad_minus(params, g0), weights)
+                        weighted, plain = _noise_norms(params, None, g0, weights)
                         alert_sum = plain.sum() if alert_weights is None else (plain * alert_weights).sum()
                         c, a = torch.stack([weighted.sum(), alert_sum]).tolist()
                         sens[index], alert[index] = 0.5 * c / s, 0.5 * a / s
@@ -718,10 +815,7 @@ class GACTPolicy(Policy):
         self._last_g0 = None
         if last.shape != g.shape or not (scales is None or (isinstance(scales, torch.Tensor) and len(scales) == len(params))):
             return  # the parameters changed between the calls
-        last = last.to(g.device)
-        diffs = (a.view(p.shape) - b.view(p.shape)
-                 for p, a, b in zip(params, g.split([p.numel() for p in params]), last.split([p.numel() for p in params])))
-        _, plain = _noise_norms(diffs, [None] * len(params))
+        _, plain = _noise_norms(params, g, last.to(g.device), [None] * len(params))
         half = 0.5 * float(plain.sum() if scales is None else (plain * scales.to(plain.device).square()).sum())
         self._variance_pairs.append(max(half - probe_variance, 0.0))
         self.gradient_variance = self._variance_pairs[-1]
