@@ -84,6 +84,10 @@ def main(argv=None) -> int:
         p.error(str(exc))
     if args.width % args.heads:
         p.error(f"--width must be a multiple of --heads, got {args.width} and {args.heads}")
+    try:  # adapt_interval=1: every adapt call re-plans (what is timed), the steps call none
+        config = fewbit.Config(saved_bits="auto", average_bits=args.average_bits, adapt_interval=1)
+    except ValueError as exc:
+        p.error(f"--average-bits: {exc}")
     if args.threads:
         torch.set_num_threads(args.threads)
     print(_versions())
@@ -113,8 +117,7 @@ def main(argv=None) -> int:
     del vanilla, vopt, v_step
 
     model, opt = build()
-    # adapt_interval=1: every adapt call re-plans (what is timed), the steps call none
-    fewbit.convert_(model, fewbit.Config(saved_bits="auto", average_bits=args.average_bits, adapt_interval=1))
+    fewbit.convert_(model, config)
     comp = compressor_of(model)
     step = stepper(model, opt)
     closure = lambda: lm_loss(model, x, y)  # noqa: E731

@@ -57,8 +57,38 @@ def test_scripts_refuse_bad_arguments_in_one_line():
         (["scripts/bench_linear_cross_entropy.py", "--device", "CPU"], "--device"),
         (["scripts/bench_quant.py", "--device", "CPU"], "--device"),
         (["scripts/bench_activations.py", "--device", "CPU"], "--device"),
+        (["scripts/bench_adapt.py", "--device", "CPU"], "--device"),
+        (["scripts/bench_adapt.py", "--average-bits", "0.5"], "--average-bits"),
+        (["scripts/bench_adapt.py", "--width", "10", "--heads", "4"], "--width"),
     ]
     for args, needle in cases:
         proc = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 2, (args, proc.stderr[-500:])
         assert "Traceback" not in proc.stderr and needle in proc.stderr.strip().splitlines()[-1], (args, proc.stderr)
+
+
+def test_bench_adapt_runs_and_its_cpu_peak_is_the_bytes_held(monkeypatch):
+    """scripts/bench_adapt.py at a tiny size prints its three rows with positive times and
+    peaks; its CPU peak (torch.profiler's memory events) of a function with known
+    allocations is what was held at most (4 + 8, then 8 + 4 + 16 MiB of float32)."""
+    import torch
+
+    cmd = [sys.executable, "scripts/bench_adapt.py", "--layers", "1", "--width", "32", "--heads", "2",
+           "--seq-len", "16", "--batch-size", "2", "--repeats", "1", "--threads", "1"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {line[:34].strip(): line[34:].split() for line in proc.stdout.splitlines()
+            if line.startswith(("vanilla step", "gact2 step", "re-plan ("))}
+    assert len(rows) == 3 and all(float(v[0]) > 0 and float(v[2]) > 0 for v in rows.values()), proc.stdout
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    from bench_adapt import peak_bytes
+
+    def allocate():
+        a = torch.empty(1 << 20)
+        b = torch.empty(1 << 21)
+        del a
+        c = torch.empty(1 << 20)
+        d = b.double()
+        del b, c, d
+
+    assert peak_bytes(allocate, torch.device("cpu")) == 28 << 20
