@@ -298,8 +298,11 @@ def _optimizer_weights(optimizer, params: list[torch.Tensor], fallback: list, g0
                 v, keep, fresh, correction, peak = state.get("sum"), 1.0, 1.0, 1.0, None
         if isinstance(v, torch.Tensor) and v.shape == p.shape and not v.is_sparse and v.numel():
             peak = peak if isinstance(peak, torch.Tensor) and peak.shape == p.shape else None
-            weights = _NextMoment(v, peak, _matrix_view(q.view(p.shape)), keep, fresh, correction,
-                                  float(group["eps"]))
+            eps = float(group["eps"])
+            if isinstance(optimizer, (torch.optim.SparseAdam, torch.optim.RAdam)):
+                # they add eps to √v before the bias correction: √(v/c) + eps/√c
+                eps /= math.sqrt(correction)
+            weights = _NextMoment(v, peak, _matrix_view(q.view(p.shape)), keep, fresh, correction, eps)
             rows, columns = weights.v.shape
             total = weights.v.new_zeros((), dtype=torch.float64)
             for start, stop in _row_blocks(rows, columns):  # the mean (not finite if a block is not)
@@ -438,7 +441,7 @@ class GACTPolicy(Policy):
             the update: when :meth:`adapt` is given the optimizer, the second moment its
             next step divides by with the probe gradient as that step's gradient
             (:func:`_optimizer_weights`: Adam, AdamW, NAdam, RAdam, SparseAdam with their bias
-            correction and ``eps``; non-centered RMSprop, Adagrad; RAdam's first steps are
+            correction and ``eps``, which RAdam and SparseAdam add before the correction; non-centered RMSprop, Adagrad; RAdam's first steps are
             not adaptive and are weighed the same), else a rank-1 estimate from the probe
             gradient (row mean x column mean / mean of ``g0²`` per parameter tensor,
             Adafactor's factored second moment, Shazeer & Stern, ICML 2018; one mean for a

@@ -533,33 +533,43 @@ def test_adapt_checks_its_arguments_on_every_call():
     lambda ps: torch.optim.Adam(ps, lr=1e-3, foreach=False),
     lambda ps: torch.optim.RMSprop(ps, lr=1e-3, alpha=0.9),
     lambda ps: torch.optim.Adagrad(ps, lr=1e-2),
-], ids=["adam", "adamw", "amsgrad", "adam-single-tensor", "rmsprop", "adagrad"])
+    lambda ps: torch.optim.SparseAdam(ps, lr=1e-3),
+    lambda ps: torch.optim.RAdam(ps, lr=1e-3),
+], ids=["adam", "adamw", "amsgrad", "adam-single-tensor", "rmsprop", "adagrad", "sparse-adam", "radam"])
 def test_optimizer_moments_are_what_the_update_divides_by(make):
     """The weight GACT gives each element's noise, ``1 / (√v + eps)``, computed from the
     state and the probe gradient ``g`` before a step, against the optimizer's own step
-    with that gradient (float64, three steps before): the update's denominator is
-    ``-lr · m̂ / Δp`` (Adam family, ``m̂`` the bias-corrected first moment) or
-    ``-lr · g / Δp`` (RMSprop; Adagrad with its decayed lr)."""
+    with that gradient (float64, seven steps before; gradients of 1e-7, where ``eps``
+    counts): the update's denominator is ``-lr · m̂ / Δp`` (Adam family, ``m̂`` the
+    bias-corrected first moment; RAdam's rectification ``r_t`` too) or ``-lr · g / Δp``
+    (RMSprop; Adagrad with its decayed lr). SparseAdam and RAdam add ``eps`` before the bias
+    correction: their weights used Adam's ``eps`` (off by up to 49x in the square)."""
     gen = torch.Generator().manual_seed(0)
     p = nn.Parameter(torch.randn(8, 16, generator=gen, dtype=torch.float64))
     opt = make([p])
-    for _ in range(4):
+    sparse = isinstance(opt, torch.optim.SparseAdam)
+    for _ in range(8):  # RAdam is adaptive from step 6
         before = p.detach().clone()
-        g = torch.randn(8, 16, generator=gen, dtype=torch.float64)
+        g = 1e-7 * torch.randn(8, 16, generator=gen, dtype=torch.float64)
         # made from the state before the step (lazily: the call reads the optimizer then)
         (w2,) = gact._optimizer_weights(opt, [p], [None], g.reshape(-1))
         w2 = None if w2 is None else w2.full(p.shape).clone()  # None before the first step
-        p.grad = g.clone()
+        p.grad = g.to_sparse() if sparse else g.clone()
         opt.step()
     delta = p.detach() - before
     group, state = opt.param_groups[0], opt.state[p]
     if "exp_avg" in state:
         step = float(state["step"])
         numerator = state["exp_avg"] / (1 - group["betas"][0] ** step)
+        if isinstance(opt, torch.optim.RAdam):
+            beta2 = group["betas"][1]
+            rho_inf = 2 / (1 - beta2) - 1
+            rho = rho_inf - 2 * step * beta2 ** step / (1 - beta2 ** step)
+            numerator = numerator * math.sqrt((rho - 4) * (rho - 2) * rho_inf / ((rho_inf - 4) * (rho_inf - 2) * rho))
     else:
         numerator = g / (1 + (float(state["step"]) - 1) * group.get("lr_decay", 0.0))
     denominator = -group["lr"] * numerator / delta
-    torch.testing.assert_close(w2.rsqrt(), denominator, rtol=1e-9, atol=0)
+    torch.testing.assert_close(w2.rsqrt(), denominator, rtol=1e-8, atol=0)
 
 
 def test_second_moments_are_floored():
