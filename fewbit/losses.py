@@ -416,7 +416,8 @@ class _Patch:
     handles: list = field(default_factory=list)
     active: list = field(default_factory=list)  # per running forward: labels given?
     hidden: torch.Tensor | None = None  # what lm_head returned instead of the logits
-    hidden_version: int = 0  # its version counter then (an in-place change moves it)
+    hidden_version: int | None = 0  # its version counter then (an in-place change moves it)
+    hidden_copy: torch.Tensor | None = None  # an inference tensor's copy (it has no version counter)
 
 
 def _causal_lm_fused_loss(patch: _Patch, hidden: torch.Tensor, labels: torch.Tensor, vocab_size: int,
@@ -460,9 +461,24 @@ class _HeadForward:
     def __call__(self, hidden_states: torch.Tensor) -> torch.Tensor:
         patch = self.patch
         if patch.active and patch.active[-1]:
-            patch.hidden, patch.hidden_version = hidden_states, hidden_states._version
+            patch.hidden = hidden_states
+            if hidden_states.is_inference():  # no version counter: a copy to compare with instead
+                patch.hidden_version, patch.hidden_copy = None, hidden_states.clone()
+            else:
+                patch.hidden_version, patch.hidden_copy = hidden_states._version, None
             return hidden_states
         return type(patch.head).forward(patch.head, hidden_states)
+
+
+def _changed(hidden: torch.Tensor, patch: _Patch) -> bool:
+    """Whether ``hidden`` (what the head returned) was changed in place since: its version
+    counter, or for an inference tensor (``torch.inference_mode``, which keeps none) its bits
+    against the copy the head kept."""
+    copy, patch.hidden_copy = patch.hidden_copy, None
+    if patch.hidden_version is not None:
+        return hidden._version != patch.hidden_version
+    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[hidden.element_size()]
+    return not torch.equal(hidden.view(ints), copy.view(ints))
 
 
 class _LossFunction:
@@ -476,7 +492,7 @@ class _LossFunction:
                  shift_labels=None, **kwargs):
         patch = self.patch
         if patch.active and patch.active[-1]:
-            if logits is None or logits is not patch.hidden or logits._version != patch.hidden_version:
+            if logits is None or logits is not patch.hidden or _changed(logits, patch):
                 # a transform between the head and the loss, also one in place (Chameleon's
                 # masked image tokens, xLSTM's soft cap in eval mode): it acted on the hidden
                 # states, so the fused loss would be silently wrong
@@ -536,9 +552,10 @@ class _PostHook:
 
 #: Config fields of transformers models that transform the logits between the ``lm_head``
 #: and the loss (their neutral values: None, 1): Gemma 2/3's soft cap, Cohere's scale,
-#: Granite's divisor, xLSTM's soft cap (applied in place in eval mode).
+#: Granite's divisor, xLSTM's soft cap (applied in place in eval mode), RecurrentGemma's soft
+#: cap, MuseGlimmer's multiplier. Others are refused at their first forward with labels.
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale",
-                     "output_logit_soft_cap")
+                     "output_logit_soft_cap", "logits_soft_cap", "output_multiplier")
 
 
 def logit_transform(model: nn.Module) -> str | None:

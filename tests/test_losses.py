@@ -521,8 +521,22 @@ def test_patch_causal_lm_refuses_transformed_logits():
     model(input_ids=ids)  # without labels the model is untouched
 
 
-@pytest.mark.parametrize("grad", [True, False])
-def test_patch_causal_lm_refuses_logits_changed_in_place(grad):
+def test_patched_model_evaluates_under_inference_mode():
+    """Inference tensors keep no version counter (reading it raised "Inference tensors do not
+    track version counter"): under ``torch.inference_mode`` the head keeps a copy of what it
+    returned and the loss compares bits; the loss is the unpatched model's."""
+    model = _gpt2().eval()
+    ids = torch.randint(0, 97, (2, 8))
+    with torch.inference_mode():
+        expect = model(input_ids=ids, labels=ids).loss
+    patch_causal_lm_(model)
+    with torch.inference_mode():
+        got = model(input_ids=ids, labels=ids).loss
+    torch.testing.assert_close(got, expect)
+
+
+@pytest.mark.parametrize("mode", ["grad", "no_grad", "inference_mode"])
+def test_patch_causal_lm_refuses_logits_changed_in_place(mode):
     """A model that changes its logits in place between the head and the loss (Chameleon
     masks its image tokens, xLSTM soft-caps under ``no_grad`` in eval mode) changed the
     hidden states the patched head returned: the loss was silently wrong (4.57 against inf,
@@ -537,7 +551,8 @@ def test_patch_causal_lm_refuses_logits_changed_in_place(grad):
     model = Masked(_gpt2().config)
     ids = torch.randint(0, 97, (2, 8))
     patch_causal_lm_(model)
-    with torch.set_grad_enabled(grad), pytest.raises(RuntimeError, match="perhaps in place"):
+    context = {"grad": torch.enable_grad, "no_grad": torch.no_grad, "inference_mode": torch.inference_mode}[mode]
+    with context(), pytest.raises(RuntimeError, match="perhaps in place"):
         model(input_ids=ids, labels=ids)
     model(input_ids=ids)  # without labels the model is untouched
 
@@ -561,6 +576,9 @@ def test_models_whose_config_transforms_the_logits_are_refused_up_front():
     text.config.get_text_config = lambda *a, **k: transformers.Gemma2Config(final_logit_softcapping=30.0)
     assert logit_transform(text) == "config.text_config.final_logit_softcapping = 30.0"
     assert logit_transform(_gpt2()) is None
+    assert logit_transform(transformers.RecurrentGemmaForCausalLM(transformers.RecurrentGemmaConfig(
+        num_hidden_layers=1, vocab_size=64, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+        lru_width=32, attention_window_size=8))) == "config.logits_soft_cap = 30.0"
     ids = torch.randint(0, 97, (2, 8))
     prof = fewbit.planner.profile(capped, {"input_ids": ids, "labels": ids}, repeats=1)
     assert not prof.fused_cross_entropy
