@@ -415,24 +415,35 @@ _FINGERPRINT_POINTS = 129
 
 
 def _fingerprint(f: ResolvedFn, params: dict[str, float]) -> str:
-    """16 hex digits of SHA-256 over a user function's derivative (torch's autograd, float64)
-    at :data:`_FINGERPRINT_POINTS` points of the fit domain, each to 7 significant digits:
-    what its table approximates, so an edited function (or another one of the same
-    ``module:callable`` name) gets another cache file."""
+    """16 hex digits of SHA-256 over a user function's derivative (torch's autograd, float64;
+    float32 for a function that takes no float64) at :data:`_FINGERPRINT_POINTS` points of
+    the fit domain, each as an integer multiple of 10⁻⁶ of the largest magnitude: what its
+    table approximates, so an edited function (or another one of the same
+    ``module:callable`` name) gets another cache file. Relative to the largest value, so
+    the last bits that differ between CPU kernels (a tail value of 5·10⁻¹⁵ against 0) do not
+    move it. ``"unchecked"`` when the derivative cannot be taken here (an in-place function,
+    one without autograd): the fit then reports what is wrong with the function."""
     import hashlib
 
     lo, hi = FIT_OPTIONS["domain"]
+    d = None
     for dtype in (torch.float64, torch.float32):  # float32 for a function that takes no float64
-        x = torch.linspace(float(lo), float(hi), _FINGERPRINT_POINTS, dtype=dtype).requires_grad_()
+        base = torch.linspace(float(lo), float(hi), _FINGERPRINT_POINTS, dtype=dtype)
         try:
-            with torch.enable_grad():
-                (d,) = torch.autograd.grad(f.callable(x, **params).sum(), x, allow_unused=True)
+            with torch.inference_mode(False), torch.enable_grad():
+                x = base.clone().requires_grad_()
+                y = f.callable(x * 1.0, **params)  # not the leaf: an in-place function is the fit's to refuse
+                (d,) = torch.autograd.grad(y.sum(), x, allow_unused=True)
             break
-        except (RuntimeError, TypeError):
-            if dtype == torch.float32:
-                raise
-    values = torch.zeros_like(x) if d is None else d.detach()
-    text = ",".join(f"{v:.7g}" for v in values.tolist())
+        except Exception:  # noqa: BLE001 - any failure of the user's function: the fit reports it
+            continue
+    else:
+        return "unchecked"
+    values = torch.zeros_like(base, dtype=torch.float64) if d is None else d.detach().double()
+    finite = values[values.isfinite()]
+    scale = float(finite.abs().max()) if finite.numel() else 0.0
+    steps = (values / scale * 1e6) if scale > 0 else values * 0
+    text = ",".join(str(round(v)) if math.isfinite(v) else str(v) for v in steps.tolist())  # -0 and 0 alike
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

@@ -195,3 +195,51 @@ def test_an_edited_user_function_is_refitted_not_served_its_old_table(cache, tmp
     true = 3.0 / torch.cosh(x.detach()).square()
     assert (grads["tanh"] - true).abs().max() < 0.5 < (grads["swish"] - true).abs().max()
     assert len(list(cache.iterdir())) == 2
+
+
+def _user_package(tmp_path, monkeypatch, body: str) -> None:
+    package = tmp_path / "fp_pkg"
+    package.mkdir(exist_ok=True)
+    (package / "__init__.py").write_text("")
+    (package / "acts.py").write_text("import torch\nimport torch.nn.functional as F\n\n\n" + body)
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+
+def test_the_fingerprint_is_the_same_on_every_cpu_kernel_set(tmp_path, monkeypatch):
+    """A tail value of the derivative was -5e-15 with torch's default kernels and 0 with
+    AVX-512's, and 7 significant digits of it named another cache file (a refit, or
+    ImportError without the solver, on another machine): the fingerprint is relative to the
+    largest value, and -0 is 0."""
+    import subprocess
+    import sys
+
+    _user_package(tmp_path, monkeypatch, "def act(x):\n    return F.gelu(x, approximate='tanh')\n")
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); from fewbit.resolve import _fingerprint, resolve_fn; "
+            "print(_fingerprint(resolve_fn('fp_pkg.acts:act'), {}))")
+    names = set()
+    for capability in ("default", "avx2", None):
+        env = {k: v for k, v in __import__("os").environ.items() if k != "ATEN_CPU_CAPABILITY"}
+        if capability:
+            env["ATEN_CPU_CAPABILITY"] = capability
+        proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True,
+                              env=env, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        names.add(proc.stdout.strip())
+    assert len(names) == 1 and len(names.pop()) == 16
+
+
+def test_the_fingerprint_leaves_bad_functions_to_the_fit_and_works_in_inference_mode(cache, tmp_path, monkeypatch):
+    """The fingerprint ran the user's function first: an in-place one raised autograd's
+    "leaf Variable ... in-place" instead of the fit's ValueError, and a cached table could
+    not be loaded under ``torch.inference_mode`` (autograd there)."""
+    pytest.importorskip("fewbit.solver")
+    _user_package(tmp_path, monkeypatch, "def inplace(x):\n    return x.mul_(torch.sigmoid(x))\n\n\n"
+                                         "def act(x):\n    return x * torch.sigmoid(1.5 * x)\n")
+    with pytest.raises(ValueError, match="modified its input in place"):
+        FF.load_table("fp_pkg.acts:inplace", bits=3)
+    with pytest.warns(FF.TableFittedWarning):
+        fitted = FF.load_table("fp_pkg.acts:act", bits=3)
+    FF.clear_table_cache()
+    with warnings.catch_warnings(), torch.inference_mode():
+        warnings.simplefilter("error")  # found in the cache, not fitted again
+        assert FF.load_table("fp_pkg.acts:act", bits=3) == fitted
