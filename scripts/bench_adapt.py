@@ -17,9 +17,11 @@ with AdamW on random bytes. Measured, in one run:
    copies of the probe gradient).
 
 Peak memory: on CUDA ``torch.cuda.max_memory_allocated`` above ``memory_allocated`` at the
-start; on the CPU the running sum of the allocations and frees ``torch.profiler`` records
-(``profile_memory=True``) during the call, its maximum (the profiler's own overhead makes the
-CPU times of that pass meaningless, so times come from a separate pass without it).
+start; on the CPU the maximum over the call of the bytes of the tensors created minus those
+destroyed, from ``torch.profiler``'s memory timeline (``profile_memory=True``, what
+``export_memory_timeline`` draws; tensors of the allocator only, not the process's resident
+memory; the profiler's own overhead makes the CPU times of that pass meaningless, so times
+come from a separate pass without it).
 
 Example:
     python scripts/bench_adapt.py --layers 4 --width 256 --batch-size 8 --seq-len 128
@@ -53,14 +55,18 @@ def peak_bytes(fn, device: torch.device) -> int:
         return int(torch.cuda.max_memory_allocated(device)) - start
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
         fn()
-    # an allocation is attributed to the op that made it (its self memory), a free outside
-    # any op to a "[memory]" event: together, in time order, the bytes held over the call
-    events = sorted((e.time_range.start, e.self_cpu_memory_usage) for e in prof.events() if e.self_cpu_memory_usage)
+    # the profiler's memory timeline (what Profiler.export_memory_timeline draws): each
+    # tensor's creation and destruction in order, frees inside composite ops included (a
+    # sum of the ops' self memory put them at the op's start: F.cross_entropy's
+    # log-softmax counted 0 bytes)
     held = top = 0
-    for _, delta in events:
-        held += delta
+    for _, action, _, size in prof._memory_profile().timeline:
+        if action.name == "CREATE":
+            held += size
+        elif action.name == "DESTROY":
+            held -= size
         top = max(top, held)
     return top
 

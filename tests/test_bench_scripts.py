@@ -69,7 +69,7 @@ def test_scripts_refuse_bad_arguments_in_one_line():
 
 def test_bench_adapt_runs_and_its_cpu_peak_is_the_bytes_held(monkeypatch):
     """scripts/bench_adapt.py at a tiny size prints its three rows with positive times and
-    peaks; its CPU peak (torch.profiler's memory events) of a function with known
+    peaks; its CPU peak (torch.profiler's memory timeline) of a function with known
     allocations is what was held at most (4 + 8, then 8 + 4 + 16 MiB of float32)."""
     import torch
 
@@ -92,3 +92,7 @@ def test_bench_adapt_runs_and_its_cpu_peak_is_the_bytes_held(monkeypatch):
         del b, c, d
 
     assert peak_bytes(allocate, torch.device("cpu")) == 28 << 20
+    # a temporary freed inside a composite op (F.cross_entropy's 32 MiB log-softmax) counts:
+    # a sum of the ops' self memory had put its free at the op's start (0 bytes)
+    logits, target = torch.randn(4096, 2048), torch.randint(0, 2048, (4096,))
+    assert peak_bytes(lambda: torch.nn.functional.cross_entropy(logits, target), torch.device("cpu")) >= 32 << 20
