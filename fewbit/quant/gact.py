@@ -149,10 +149,25 @@ def _matrix_view(t: torch.Tensor) -> torch.Tensor:
 _BLOCK = 1 << 20
 
 
-def _row_blocks(rows: int, columns: int):
-    """``(start, stop)`` of consecutive row blocks of about :data:`_BLOCK` elements."""
-    step = max(1, _BLOCK // max(columns, 1))
-    return ((i, min(i + step, rows)) for i in range(0, rows, step))
+def _blocks(shape: torch.Size):
+    """``(start, stop)`` of the consecutive blocks of about :data:`_BLOCK` elements of a
+    tensor of ``shape``: ranges of its first dim for two or more dims (rows of its
+    :func:`_matrix_view`), of its elements for a vector (FSDP's flat parameters are 1-D),
+    ``(0, 1)`` for a scalar."""
+    if len(shape) == 0:
+        return iter(((0, 1),))
+    n = shape[0]
+    step = max(1, _BLOCK // max(math.prod(shape[1:]), 1)) if len(shape) >= 2 else _BLOCK
+    return ((i, min(i + step, n)) for i in range(0, n, step))
+
+
+def _block(t: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """Block ``start:stop`` (:func:`_blocks`) of ``t`` as rows of its :func:`_matrix_view`
+    (a vector's as one row): a copy of the block only where ``t`` is not contiguous (a
+    channels_last weight), never of the whole tensor."""
+    if t.dim() >= 2:
+        return t[start:stop].reshape(stop - start, -1)
+    return t[start:stop].reshape(1, -1) if t.dim() == 1 else t.reshape(1, 1)
 
 
 def _squared_weights(v: torch.Tensor, eps: float, floor: float) -> torch.Tensor:
@@ -179,7 +194,8 @@ class _Weights:
     def full(self, shape: torch.Size) -> torch.Tensor:
         """All of them, shaped as the matrix view of a tensor of ``shape`` (tests)."""
         rows, columns = _matrix_view(torch.empty(shape, device="meta")).shape
-        return self.rows(0, rows).expand(rows, columns)
+        units = shape[0] if len(shape) >= 2 else (shape[0] if len(shape) == 1 else 1)
+        return self.rows(0, units).expand(rows, columns)
 
 
 class _Constant(_Weights):
@@ -209,16 +225,16 @@ class _NextMoment(_Weights):
     squared weights of it: ``(keep · v + fresh · g0²) / correction``, at least ``peak``."""
 
     def __init__(self, v, peak, g0, keep: float, fresh: float, correction: float, eps: float) -> None:
-        self.v, self.peak, self.g0 = _matrix_view(v), None if peak is None else _matrix_view(peak), g0
+        self.v, self.peak, self.g0 = v, peak, g0  # g0: the probe gradient's part, shaped as v
         self.keep, self.fresh, self.correction, self.eps = keep, fresh, correction, eps
         self.floor = 0.0
 
     def moment(self, start: int, stop: int) -> torch.Tensor:
         dtype = torch.promote_types(self.v.dtype, torch.float32)
-        g2 = self.g0[start:stop].to(self.v.device, dtype).square()
-        nxt = torch.add(g2.mul_(self.fresh), self.v[start:stop].to(dtype), alpha=self.keep)  # the state is read only
+        g2 = _block(self.g0, start, stop).to(self.v.device, dtype).square()
+        nxt = torch.add(g2.mul_(self.fresh), _block(self.v, start, stop).to(dtype), alpha=self.keep)  # read only
         if self.peak is not None:
-            nxt = torch.maximum(nxt, self.peak[start:stop].to(dtype))
+            nxt = torch.maximum(nxt, _block(self.peak, start, stop).to(dtype))
         return nxt.div_(self.correction)
 
     def rows(self, start: int, stop: int) -> torch.Tensor:
@@ -235,15 +251,19 @@ def _rank1_weights(g0: torch.Tensor, params: list[torch.Tensor]) -> list:
     noise against: weight 0."""
     out = []
     for q, p in zip(g0.split([p.numel() for p in params]), params):
-        m = _matrix_view(q.view(p.shape))
-        rows, columns = m.shape
-        row_means = torch.empty(rows, 1, dtype=torch.float64, device=q.device)
-        column_sums = torch.zeros(1, columns, dtype=torch.float64, device=q.device)
-        for start, stop in _row_blocks(rows, columns):
-            g2 = m[start:stop].double().square()
-            row_means[start:stop] = g2.mean(1, keepdim=True)
-            column_sums += g2.sum(0, keepdim=True)
-        mean = float(row_means.mean()) if q.numel() else 0.0
+        t = q.view(p.shape)
+        rows, columns = _matrix_view(t).shape
+        matrix = p.dim() >= 2
+        row_means = torch.empty(rows if matrix else 0, 1, dtype=torch.float64, device=q.device)
+        column_sums = torch.zeros(1, columns if matrix else 0, dtype=torch.float64, device=q.device)
+        total = torch.zeros((), dtype=torch.float64, device=q.device)
+        for start, stop in _blocks(t.shape):
+            g2 = _block(t, start, stop).double().square()
+            total += g2.sum()
+            if matrix:
+                row_means[start:stop] = g2.mean(1, keepdim=True)
+                column_sums += g2.sum(0, keepdim=True)
+        mean = float(total) / q.numel() if q.numel() else 0.0
         if not mean > 0:
             out.append(_Constant(0.0, q.device))
         elif p.dim() < 2:
@@ -253,18 +273,18 @@ def _rank1_weights(g0: torch.Tensor, params: list[torch.Tensor]) -> list:
     return out
 
 
-def _square_sum(m: torch.Tensor) -> torch.Tensor:
-    """``Σ m²`` in float64 (0-d, on ``m``'s device) of a matrix view, a block of rows at a time."""
-    total = m.new_zeros((), dtype=torch.float64)
-    for start, stop in _row_blocks(*m.shape):
-        total = total + m[start:stop].double().square().sum()
+def _square_sum(t: torch.Tensor) -> torch.Tensor:
+    """``Σ t²`` in float64 (0-d, on ``t``'s device), a block (:func:`_blocks`) at a time."""
+    total = t.new_zeros((), dtype=torch.float64)
+    for start, stop in _blocks(t.shape):
+        total = total + _block(t, start, stop).double().square().sum()
     return total
 
 
 def _tensor_scales(g0: torch.Tensor, params: list[torch.Tensor]) -> torch.Tensor:
     """The alert's weights: per parameter tensor ``1 / (rms(g0_p) + eps)`` (float64, CPU,
     one per tensor); 0 for a tensor whose ``g0`` is 0 throughout."""
-    rms = torch.stack([_square_sum(_matrix_view(q.view(p.shape))).div(max(q.numel(), 1)).sqrt()
+    rms = torch.stack([_square_sum(q.view(p.shape)).div(max(q.numel(), 1)).sqrt()
                        for q, p in zip(g0.split([p.numel() for p in params]), params)]).cpu()
     return torch.where(rms > 0, (rms + _RELATIVE_EPS).reciprocal(), torch.zeros_like(rms))
 
@@ -302,10 +322,9 @@ def _optimizer_weights(optimizer, params: list[torch.Tensor], fallback: list, g0
             if isinstance(optimizer, (torch.optim.SparseAdam, torch.optim.RAdam)):
                 # they add eps to √v before the bias correction: √(v/c) + eps/√c
                 eps /= math.sqrt(correction)
-            weights = _NextMoment(v, peak, _matrix_view(q.view(p.shape)), keep, fresh, correction, eps)
-            rows, columns = weights.v.shape
-            total = weights.v.new_zeros((), dtype=torch.float64)
-            for start, stop in _row_blocks(rows, columns):  # the mean (not finite if a block is not)
+            weights = _NextMoment(v, peak, q.view(p.shape), keep, fresh, correction, eps)
+            total = v.new_zeros((), dtype=torch.float64)
+            for start, stop in _blocks(v.shape):  # the mean (not finite if a block is not)
                 total = total + weights.moment(start, stop).sum(dtype=torch.float64)
             mean = float(total) / v.numel()
             if math.isfinite(mean) and mean > 0:
@@ -328,12 +347,13 @@ def _noise_norms(params: list[torch.Tensor], current, reference: torch.Tensor, w
     currents = (_dense_grad(p) for p in params) if current is None else current.split(sizes)
     weighted, plain = [], []
     for p, c, r, w in zip(params, currents, refs, weights):
-        cm, rm = _matrix_view(c.view(p.shape)), _matrix_view(r.view(p.shape))
-        rows, columns = cm.shape
-        wsum = psum = cm.new_zeros((), dtype=torch.float64)
-        for start, stop in _row_blocks(rows, columns):
-            # out of place: a float64 .grad's .double() is the gradient itself
-            sq = torch.sub(cm[start:stop].double(), rm[start:stop].to(cm.device, torch.float64)).square_()
+        c, r = c.view(p.shape), r.view(p.shape)
+        wsum = psum = c.new_zeros((), dtype=torch.float64)
+        for start, stop in _blocks(p.shape):
+            # a copy (a float64 .grad's .double() would be the gradient itself), then in place:
+            # one float64 block, the difference exact
+            sq = _block(c, start, stop).to(torch.float64, copy=True).sub_(_block(r, start, stop).to(c.device))
+            sq.square_()
             psum = psum + sq.sum()
             if w is not None:
                 wsum = wsum + sq.mul_(w.rows(start, stop).to(sq.device)).sum()

@@ -1092,3 +1092,53 @@ def test_adapt_leaves_the_optimizer_state_and_grads_as_they_were(dtype):
         for name, value in values.items():
             assert torch.equal(after["state"][key][name], value), (key, name)
     assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))
+
+
+def _conv_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.GELU(), nn.Conv2d(16, 16, 3, padding=1),
+                         nn.BatchNorm2d(16), nn.GELU(), nn.Flatten(), nn.Linear(16 * 8 * 8, 10))
+
+
+@pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last])
+def test_sensitivities_do_not_depend_on_the_block_size(monkeypatch, memory_format):
+    """Weights and norms are made a block at a time (rows of a matrix, elements of a vector);
+    blocks of 7 elements give the sensitivities and variances of blocks of 2^20 (float
+    rounding only), also for channels_last convolution weights and their Adam state."""
+    x = torch.randn(8, 3, 8, 8, generator=torch.Generator().manual_seed(0)).to(memory_format=memory_format)
+    y = torch.randint(0, 10, (8,), generator=torch.Generator().manual_seed(1))
+    results = []
+    for block in (gact._BLOCK, 7):
+        monkeypatch.setattr(gact, "_BLOCK", block)
+        fewbit.manual_seed(0)
+        model = _conv_model().to(memory_format=memory_format)
+        comp = fewbit.convert_(model, fewbit.Config(saved_bits="auto", average_bits=2, min_numel=0)).compressor
+        opt = torch.optim.Adam(model.parameters())
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            for _ in range(3):
+                comp.adapt(model, lambda: nn.functional.cross_entropy(model(x), y), opt)
+        results.append((comp.policy.sensitivity, comp.policy.compression_variance, comp.policy.gradient_variance))
+    assert results[0][0] == pytest.approx(results[1][0], rel=1e-9)
+    assert results[0][1:] == pytest.approx(results[1][1:], rel=1e-9)
+
+
+def test_noise_norms_of_a_large_vector_hold_blocks_not_the_vector(monkeypatch):
+    """A 1-D parameter (FSDP's flat parameters) was one block: 2^22 elements held 96 MiB of
+    float64 temporaries in ``_noise_norms`` (six float32 copies); blocks of 2^20 elements
+    hold a few blocks' worth (torch.profiler's memory timeline, as scripts/bench_adapt.py)."""
+    import pathlib
+
+    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).resolve().parents[2] / "scripts"))
+    from bench_adapt import peak_bytes
+
+    p = nn.Parameter(torch.zeros(1 << 22))
+    p.grad = torch.randn(1 << 22)
+    reference = torch.randn(1 << 22)
+    opt = torch.optim.Adam([p])
+    opt.step()
+    (weights,) = gact._optimizer_weights(opt, [p], [None], reference)
+    peak = peak_bytes(lambda: gact._noise_norms([p], None, reference, [weights]), torch.device("cpu"))
+    assert peak <= 4 * 8 * gact._BLOCK, peak / 2**20  # a few float64 blocks, not 6 x 16 MiB
