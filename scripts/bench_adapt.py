@@ -14,7 +14,8 @@ with AdamW on random bytes. Measured, in one run:
    probe bits, then one per saved tensor (GACT Alg. 1), so its time is about ``L + 1``
    steps' forward + backward; its peak memory above what is held before it, and that peak
    beyond the converted step's in bytes per parameter (what the measurement itself holds:
-   copies of the probe gradient).
+   its probe gradient, and the previous call's, which a re-plan right after another keeps
+   for the gradient-variance pair: every timed call is one, ``adapt_interval=1``).
 
 Peak memory: on CUDA ``torch.cuda.max_memory_allocated`` above ``memory_allocated`` at the
 start; on the CPU the maximum over the call of the bytes of the tensors created minus those
