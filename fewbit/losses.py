@@ -474,11 +474,10 @@ def _changed(hidden: torch.Tensor, patch: _Patch) -> bool:
     """Whether ``hidden`` (what the head returned) was changed in place since: its version
     counter, or for an inference tensor (``torch.inference_mode``, which keeps none) its bits
     against the copy the head kept."""
-    copy, patch.hidden_copy = patch.hidden_copy, None
     if patch.hidden_version is not None:
         return hidden._version != patch.hidden_version
     ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[hidden.element_size()]
-    return not torch.equal(hidden.view(ints), copy.view(ints))
+    return not torch.equal(hidden.view(ints), patch.hidden_copy.view(ints))
 
 
 class _LossFunction:
@@ -540,7 +539,7 @@ class _PostHook:
         if not patch.active:
             return None
         active = patch.active.pop()
-        hidden, patch.hidden = patch.hidden, None
+        hidden, patch.hidden, patch.hidden_copy = patch.hidden, None, None  # the copy also when the loss raised
         if not active or hidden is None:
             return None
         if isinstance(output, tuple):

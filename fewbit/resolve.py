@@ -421,7 +421,8 @@ def _fingerprint(f: ResolvedFn, params: dict[str, float]) -> str:
     table approximates, so an edited function (or another one of the same
     ``module:callable`` name) gets another cache file. Relative to the largest value, so
     the last bits that differ between CPU kernels (a tail value of 5·10⁻¹⁵ against 0) do not
-    move it. ``"unchecked"`` when the derivative cannot be taken here (an in-place function,
+    move it, with that largest value itself to 7 significant digits (``3·tanh`` is not
+    ``tanh``). ``"unchecked"`` when the derivative cannot be taken here (an in-place function,
     one without autograd): the fit then reports what is wrong with the function."""
     import hashlib
 
@@ -443,7 +444,8 @@ def _fingerprint(f: ResolvedFn, params: dict[str, float]) -> str:
     finite = values[values.isfinite()]
     scale = float(finite.abs().max()) if finite.numel() else 0.0
     steps = (values / scale * 1e6) if scale > 0 else values * 0
-    text = ",".join(str(round(v)) if math.isfinite(v) else str(v) for v in steps.tolist())  # -0 and 0 alike
+    # the scale too (to 7 digits): x and 3x have the same shape of derivative, not one table
+    text = f"{scale:.7g};" + ",".join(str(round(v)) if math.isfinite(v) else str(v) for v in steps.tolist())
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -466,6 +468,13 @@ def _fit_and_cache(f: ResolvedFn, bits: int, params: dict[str, float], note: str
     if not hasattr(solver, "fit"):
         raise ImportError('fewbit.solver.fit is not available: pip install "fewbit[solver]"')
     symmetric = bool(f.act.even) if f.act is not None else False
+    with torch.inference_mode(False), torch.enable_grad():  # the fit differentiates the function
+        return _fit_and_cache_grad(f, solver, symmetric, bits, params, note)
+
+
+def _fit_and_cache_grad(f: ResolvedFn, solver, symmetric: bool, bits: int, params: dict[str, float],
+                        note: str) -> Table:
+    """:func:`_fit_and_cache` with autograd on (a first call under ``torch.inference_mode``)."""
     if f.act is None:
         _check_asymptotes(f, params)
     try:
@@ -498,7 +507,7 @@ def _fit_and_cache(f: ResolvedFn, bits: int, params: dict[str, float], note: str
     warnings.warn(
         f"fewbit: fitted a {bits}-bit table for {f.name}({shown}) with grid={FIT_OPTIONS['grid']}; {where}{note}",
         TableFittedWarning,
-        stacklevel=4,  # _fit_and_cache < table_for < load_table (or a functional wrapper) < its caller
+        stacklevel=5,  # here < _fit_and_cache < table_for < load_table (or a functional wrapper) < its caller
     )
     return table
 

@@ -21,8 +21,9 @@ Peak memory: on CUDA ``torch.cuda.max_memory_allocated`` above ``memory_allocate
 start; on the CPU the maximum over the call of the bytes of the tensors created minus those
 destroyed, from ``torch.profiler``'s memory timeline (``profile_memory=True``, what
 ``export_memory_timeline`` draws; tensors of the allocator only, not the process's resident
-memory; the profiler's own overhead makes the CPU times of that pass meaningless, so times
-come from a separate pass without it).
+memory), over the second of two runs of the call (the CPU allocator reports no free of a
+block allocated before profiling began); the profiler's own overhead makes the CPU times
+of that pass meaningless, so times come from a separate pass without it.
 
 Example:
     python scripts/bench_adapt.py --layers 4 --width 256 --batch-size 8 --seq-len 128
@@ -56,20 +57,38 @@ def peak_bytes(fn, device: torch.device) -> int:
         return int(torch.cuda.max_memory_allocated(device)) - start
     from torch.profiler import ProfilerActivity, profile
 
+    # fn runs twice under the profiler and the second run is measured: the CPU allocator
+    # reports no free of a block allocated before profiling began (the gradients a step's
+    # zero_grad drops, the previous re-plan's probe gradient), and after a first run those
+    # are the first run's; a sentinel allocation of an odd size marks the second run's start
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
+        fn()
+        sentinel = torch.empty(_SENTINEL, dtype=torch.uint8)
+        del sentinel
         fn()
     # the profiler's memory timeline (what Profiler.export_memory_timeline draws): each
     # tensor's creation and destruction in order, frees inside composite ops included (a
     # sum of the ops' self memory put them at the op's start: F.cross_entropy's
     # log-softmax counted 0 bytes)
-    held = top = 0
+    held, start, top, seen = 0, None, 0, 0
     for _, action, _, size in prof._memory_profile().timeline:
-        if action.name == "CREATE":
-            held += size
-        elif action.name == "DESTROY":
-            held -= size
-        top = max(top, held)
-    return top
+        if action.name not in ("CREATE", "DESTROY"):
+            continue
+        held += size if action.name == "CREATE" else -size
+        if start is None:
+            seen += size == _SENTINEL and action.name == "DESTROY"
+            if seen:
+                start = top = held
+        else:
+            top = max(top, held)
+    if start is None:
+        raise RuntimeError("bench_adapt: the sentinel allocation is missing from the profiler's memory timeline")
+    return top - start
+
+
+#: Bytes of the sentinel allocation between the two runs of :func:`peak_bytes` (an odd size
+#: no tensor of the benchmark has).
+_SENTINEL = 1_234_567
 
 
 def main(argv=None) -> int:

@@ -70,7 +70,8 @@ def test_scripts_refuse_bad_arguments_in_one_line():
 def test_bench_adapt_runs_and_its_cpu_peak_is_the_bytes_held(monkeypatch):
     """scripts/bench_adapt.py at a tiny size prints its three rows with positive times and
     peaks; its CPU peak (torch.profiler's memory timeline) of a function with known
-    allocations is what was held at most (4 + 8, then 8 + 4 + 16 MiB of float32)."""
+    allocations is what was held at most (4 + 8, then 8 + 4 + 16 MiB of float32), frees of
+    tensors made before the call included."""
     import torch
 
     cmd = [sys.executable, "scripts/bench_adapt.py", "--layers", "1", "--width", "32", "--heads", "2",
@@ -96,3 +97,12 @@ def test_bench_adapt_runs_and_its_cpu_peak_is_the_bytes_held(monkeypatch):
     # a sum of the ops' self memory had put its free at the op's start (0 bytes)
     logits, target = torch.randn(4096, 2048), torch.randint(0, 2048, (4096,))
     assert peak_bytes(lambda: torch.nn.functional.cross_entropy(logits, target), torch.device("cpu")) >= 32 << 20
+    # a tensor made before the call and replaced by it: the free is seen (the call runs twice),
+    # so the peak above the start is 0, as CUDA's max_memory_allocated - start (16 MiB before)
+    buffers = [torch.empty(1 << 22)]
+
+    def replace():
+        buffers[0] = None
+        buffers[0] = torch.empty(1 << 22)
+
+    assert peak_bytes(replace, torch.device("cpu")) == 0

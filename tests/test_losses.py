@@ -535,6 +535,36 @@ def test_patched_model_evaluates_under_inference_mode():
     torch.testing.assert_close(got, expect)
 
 
+def test_inference_mode_copy_is_dropped_also_when_the_loss_raises():
+    """The head's copy of an inference tensor lived on after a refused forward (into later
+    forwards, ``torch.save`` and ``deepcopy``), and a second loss call in one forward found
+    it gone (``AttributeError``)."""
+    from fewbit.losses import _PATCH_ATTR
+
+    class Twice(transformers.GPT2LMHeadModel):
+        def forward(self, input_ids=None, labels=None, **kwargs):
+            logits = self.lm_head(self.transformer(input_ids).last_hidden_state)
+            loss = self.loss_function(logits, labels, self.config.vocab_size)
+            loss = loss + self.loss_function(logits, labels, self.config.vocab_size)
+            return transformers.modeling_outputs.CausalLMOutput(loss=loss, logits=logits)
+
+    class Scaled(transformers.GPT2LMHeadModel):
+        def forward(self, input_ids=None, labels=None, **kwargs):
+            logits = self.lm_head(self.transformer(input_ids).last_hidden_state) * 2.0
+            return transformers.modeling_outputs.CausalLMOutput(
+                loss=self.loss_function(logits, labels, self.config.vocab_size), logits=logits)
+
+    ids = torch.randint(0, 97, (2, 8))
+    twice = patch_causal_lm_(Twice(_gpt2().config).eval())
+    with torch.inference_mode():
+        loss = twice(input_ids=ids, labels=ids).loss
+    assert torch.isfinite(loss) and getattr(twice, _PATCH_ATTR).hidden_copy is None
+    scaled = patch_causal_lm_(Scaled(_gpt2().config).eval())
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="did not get the output of its lm_head"):
+        scaled(input_ids=ids, labels=ids)
+    assert getattr(scaled, _PATCH_ATTR).hidden_copy is None
+
+
 @pytest.mark.parametrize("mode", ["grad", "no_grad", "inference_mode"])
 def test_patch_causal_lm_refuses_logits_changed_in_place(mode):
     """A model that changes its logits in place between the head and the loss (Chameleon

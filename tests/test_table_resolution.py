@@ -3,6 +3,7 @@ the user cache's handling of unreadable files (fewbit.functional._set_aside)."""
 
 from __future__ import annotations
 
+import sys
 import warnings
 
 import torch
@@ -203,6 +204,8 @@ def _user_package(tmp_path, monkeypatch, body: str) -> None:
     (package / "__init__.py").write_text("")
     (package / "acts.py").write_text("import torch\nimport torch.nn.functional as F\n\n\n" + body)
     monkeypatch.syspath_prepend(str(tmp_path))
+    for name in ("fp_pkg", "fp_pkg.acts"):  # another test's package of the same name
+        monkeypatch.delitem(sys.modules, name, raising=False)
 
 
 def test_the_fingerprint_is_the_same_on_every_cpu_kernel_set(tmp_path, monkeypatch):
@@ -243,3 +246,17 @@ def test_the_fingerprint_leaves_bad_functions_to_the_fit_and_works_in_inference_
     with warnings.catch_warnings(), torch.inference_mode():
         warnings.simplefilter("error")  # found in the cache, not fitted again
         assert FF.load_table("fp_pkg.acts:act", bits=3) == fitted
+
+
+def test_a_rescaled_function_is_not_served_the_old_table(cache, tmp_path, monkeypatch):
+    """The fingerprint was relative to the derivative's largest value: ``tanh`` and
+    ``3·tanh`` shared a file, and the edited function's backward was the old one's (0.915
+    where 3.0 is right). The scale is hashed too; a first fit under ``inference_mode`` works."""
+    from fewbit.resolve import _fingerprint, resolve_fn
+
+    _user_package(tmp_path, monkeypatch, "def one(x):\n    return torch.tanh(x)\n\n\n"
+                                         "def three(x):\n    return 3.0 * torch.tanh(x)\n")
+    assert _fingerprint(resolve_fn("fp_pkg.acts:one"), {}) != _fingerprint(resolve_fn("fp_pkg.acts:three"), {})
+    pytest.importorskip("fewbit.solver")
+    with pytest.warns(FF.TableFittedWarning), torch.inference_mode():
+        FF.load_table("fp_pkg.acts:three", bits=2)
