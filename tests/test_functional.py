@@ -501,7 +501,11 @@ def test_user_function_fitted_lazily(tmp_path, monkeypatch):
     table = FF.load_table("torch.special:expit", 2)
     assert table.name == "torch.special:expit" and table.bits == 2
     torch.testing.assert_close(x.grad, reference_grad(g, x.detach(), table), atol=0, rtol=0)
-    assert (tmp_path / "tables" / table_filename("torch.special:expit")).exists()
+    from fewbit.resolve import _cache_path, resolve_fn
+
+    cached = _cache_path(resolve_fn("torch.special:expit"), {})  # named with the derivative's fingerprint
+    assert cached.parent == tmp_path / "tables" and cached.exists()
+    assert cached.name.startswith("torch.special--expit#") and cached.name.endswith(".json")
     # a module-level callable is accepted as is (it is importable under its own name)
     x.grad = None
     with pytest.warns(FF.TableFittedWarning, match="_quick_gelu_torch"):
