@@ -182,12 +182,13 @@ def _squared_weights(v: torch.Tensor, eps: float, floor: float) -> torch.Tensor:
 
 class _Weights:
     """The squared weights of one parameter tensor's noise over its :func:`_matrix_view`,
-    made a block of rows at a time (:meth:`rows`) from what they are computed from (factors,
-    the optimizer's state), never held whole: a full float32 copy per parameter held 4 bytes
-    per parameter through the call, and the rank-1 fallback 4 more."""
+    made a block at a time (:meth:`rows`; :func:`_blocks`) from what they are computed from
+    (factors, the optimizer's state), never held whole: a full float32 copy per parameter
+    held 4 bytes per parameter through the call, and the rank-1 fallback 4 more."""
 
     def rows(self, start: int, stop: int) -> torch.Tensor:
-        """Rows ``start:stop`` (float32, float64 for a float64 state; broadcastable to them).
+        """Block ``start:stop`` (:func:`_blocks`: rows of a matrix, elements of a vector) as
+        :func:`_block` shapes it (float32, float64 for a float64 state; broadcastable to it).
         float32 as the weights always were: made at every run, in float64 they cost 5x."""
         raise NotImplementedError
 
