@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fewbit._checks import check_float_tensor, check_positive_int, is_int
+from fewbit.ops._nonfinite import _same
 from fewbit.ops._pointwise import _transforms_active
 
 __all__ = [
@@ -473,11 +474,10 @@ class _HeadForward:
 def _changed(hidden: torch.Tensor, patch: _Patch) -> bool:
     """Whether ``hidden`` (what the head returned) was changed in place since: its version
     counter, or for an inference tensor (``torch.inference_mode``, which keeps none) its bits
-    against the copy the head kept."""
+    against the copy the head kept (``_same``: any NaN equal to any NaN)."""
     if patch.hidden_version is not None:
         return hidden._version != patch.hidden_version
-    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[hidden.element_size()]
-    return not torch.equal(hidden.view(ints), patch.hidden_copy.view(ints))
+    return not _same(hidden, patch.hidden_copy)
 
 
 class _LossFunction:
