@@ -480,6 +480,11 @@ def _changed(hidden: torch.Tensor, patch: _Patch) -> bool:
     return not _same(hidden, patch.hidden_copy)
 
 
+class _TransformedLogits(RuntimeError):
+    """The model changed its logits between ``lm_head`` and the loss (raised by the fused loss;
+    :func:`fewbit.plan` then profiles the unfused loss instead)."""
+
+
 class _LossFunction:
     """The patched ``model.loss_function``: the fused loss on the recorded hidden states while
     a forward with labels runs, else the model's loss function from before patching."""
@@ -495,7 +500,7 @@ class _LossFunction:
                 # a transform between the head and the loss, also one in place (Chameleon's
                 # masked image tokens, xLSTM's soft cap in eval mode): it acted on the hidden
                 # states, so the fused loss would be silently wrong
-                raise RuntimeError(
+                raise _TransformedLogits(
                     "the model's loss function did not get the output of its lm_head unchanged (the "
                     "model transforms its logits, perhaps in place), so the fused cross-entropy cannot "
                     "compute it; convert without it (fewbit.Config(fused_cross_entropy=False), "

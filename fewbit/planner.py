@@ -86,7 +86,7 @@ from fewbit._checks import check_positive_int, is_int
 from fewbit._blocks import find_blocks
 from fewbit._saved import keep, unpack
 from fewbit.convert import _is_causal_lm, layer_kind, normalization_size
-from fewbit.losses import _PATCH_ATTR, logit_transform
+from fewbit.losses import _PATCH_ATTR, _TransformedLogits, logit_transform
 from fewbit.memory import resume_recording
 from fewbit.ops._pointwise import _transforms_active
 
@@ -920,8 +920,9 @@ def profile(
         optimizer: one of :data:`OPTIMIZER_STATES` (static memory of its state).
         fused_cross_entropy: compute a Hugging Face ``*ForCausalLM``'s loss with
             :func:`fewbit.losses.patch_causal_lm_` (no saved logits); ``None``: when the model
-            is one, ``example_batch`` has ``labels`` and its config names no transform of
-            the logits (:func:`fewbit.losses.logit_transform`).
+            is one, ``example_batch`` has ``labels``, its config names no transform of
+            the logits (:func:`fewbit.losses.logit_transform`) and its forward changes none
+            between ``lm_head`` and the loss (checked on the profiled step).
         group_size, min_numel: of the group quantizer (:class:`fewbit.quant.ActivationCompressor`).
         repeats: timed steps (after one warm-up), >= 1.
 
@@ -946,7 +947,8 @@ def profile(
     min_numel = check_positive_int(min_numel, "min_numel", minimum=0)
     loss_fn = loss_fn or _default_loss
     has_labels = isinstance(example_batch, Mapping) and example_batch.get("labels") is not None
-    if fused_cross_entropy is None:  # not for a model that transforms its logits (Gemma 2's soft cap)
+    fused_by_default = fused_cross_entropy is None
+    if fused_by_default:  # not for a model that transforms its logits (Gemma 2's soft cap)
         fused_cross_entropy = _is_causal_lm(model) and has_labels and logit_transform(model) is None
     elif fused_cross_entropy and not _is_causal_lm(model):
         raise ValueError(f"fused_cross_entropy=True needs a Hugging Face *ForCausalLM model, got {type(model).__name__}")
@@ -972,7 +974,22 @@ def profile(
         _sync(device)
         torch.cuda.reset_peak_memory_stats(device)
         base_alloc = torch.cuda.memory_allocated(device)
-    rec = _recorded_step(work, example_batch, loss_fn)
+    try:
+        rec = _recorded_step(work, example_batch, loss_fn)
+    except _TransformedLogits:
+        if not (fused_by_default and fused_cross_entropy):
+            raise
+        # the model changes its logits without naming it in its config (a mask written in
+        # place, a soft cap in its forward): the fused loss cannot compute its loss, the unfused can
+        from fewbit.losses import unpatch_causal_lm_
+
+        unpatch_causal_lm_(work)
+        fused_cross_entropy = False
+        if device.type == "cuda":
+            _sync(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            base_alloc = torch.cuda.memory_allocated(device)
+        rec = _recorded_step(work, example_batch, loss_fn)
     transient = 0
     n_params = _parameter_bytes(work)
     if device.type == "cuda":

@@ -740,6 +740,39 @@ def test_plan_end_to_end_and_argument_errors(batch):
                     torch.randn(2, 2), memory_budget="1GiB", fused_cross_entropy=True)
 
 
+class MaskedLMHeadModel(transformers.GPT2LMHeadModel):
+    """Changes its logits in place after the head (Chameleon's image tokens), naming no
+    transform in its config (in a module of transformers, as Chameleon is)."""
+
+    def forward(self, input_ids=None, labels=None, **kwargs):
+        logits = self.lm_head(self.transformer(input_ids).last_hidden_state)
+        logits[..., :3] = -30.0
+        loss = None if labels is None else self.loss_function(logits, labels, self.config.vocab_size)
+        return transformers.modeling_outputs.CausalLMOutput(loss=loss, logits=logits)
+
+
+MaskedLMHeadModel.__module__ = "transformers.models.masked"
+
+
+def test_plan_of_a_model_that_changes_its_logits_unannounced_uses_the_unfused_loss(batch):
+    """The default fused loss is chosen from the config; a model that changes its logits in
+    its forward without naming it there made the profile raise the fused loss's RuntimeError.
+    It falls back to the unfused loss (asked for explicitly, the error stands)."""
+    torch.manual_seed(0)
+    model = MaskedLMHeadModel(transformers.GPT2Config(**CFG))
+    assert fewbit.convert._is_causal_lm(model)
+    p = fewbit.plan(model, batch, memory_budget="60%", repeats=1, options=("keep", "quant4", "recompute"))
+    assert not p.fused_cross_entropy
+    assert not hasattr(model, "_fewbit_fused_cross_entropy")
+    fewbit.convert_(model, p)
+    assert not hasattr(model, "_fewbit_fused_cross_entropy")
+    loss = model(**batch).loss
+    loss.backward()
+    assert torch.isfinite(loss)
+    with pytest.raises(RuntimeError, match="perhaps in place"):
+        planner.profile(MaskedLMHeadModel(transformers.GPT2Config(**CFG)), batch, repeats=1, fused_cross_entropy=True)
+
+
 def test_milp_solves_gpt2_sized_problem_fast(prof):
     """GPT-2 small's per-block tensor list (the same GPT2Block groups), 12 blocks, bytes scaled to
     n_embd 768, seq 1024: the MILP solve takes < 1 s."""
