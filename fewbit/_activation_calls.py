@@ -10,6 +10,8 @@ arguments bind. :mod:`fewbit.quant.nonlinear` uses its stepwise part.
 
 from __future__ import annotations
 
+import inspect
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -18,7 +20,7 @@ from torch.overrides import TorchFunctionMode
 
 from fewbit.activations import checked_params
 
-__all__ = ["ARGS", "STEPWISE_NAMES", "CALLS", "bind", "plain_input", "run", "ActivationMode"]
+__all__ = ["ARGS", "STEPWISE_NAMES", "CALLS", "SIGNATURES", "Signature", "bind", "plain_input", "run", "ActivationMode"]
 
 #: fewbit.functional name -> torch's argument names after ``input``, in torch's order.
 ARGS: dict[str, tuple[str, ...]] = {
@@ -48,40 +50,81 @@ STEPWISE_NAMES = frozenset({"relu", "relu6", "leaky_relu", "hardtanh", "threshol
                             "hardsigmoid"})
 
 
-def _calls() -> dict[Callable, tuple[str, bool]]:
+@dataclass(frozen=True)
+class Signature:
+    """How one torch callable takes its arguments after ``input``: positional-or-keyword
+    names in order, keyword-only names, and ``fixed``: torch's arguments that
+    :mod:`fewbit.functional` does not have (``elu``'s ``scale``, ``input_scale``), taken over
+    only at these values."""
+
+    positional: tuple[str, ...]
+    keyword_only: tuple[str, ...] = ()
+    fixed: tuple[tuple[str, Any], ...] = ()
+
+
+def _signature(f: Callable, name: str, aten_name: str) -> Signature:
+    """``f``'s own signature: a Python function's (``F.elu(input, alpha, inplace)``), else
+    its aten schema's (``torch._C._nn.elu(self, alpha, scale, input_scale)``, ``F.gelu``'s
+    keyword-only ``approximate``)."""
+    try:
+        params = list(inspect.signature(f).parameters.values())[1:]
+    except (TypeError, ValueError):  # a builtin: its aten operator's schema
+        args = getattr(torch.ops.aten, aten_name).default._schema.arguments[1:]
+        positional = tuple(a.name for a in args if not a.kwarg_only)
+        keyword_only = tuple(a.name for a in args if a.kwarg_only)
+        fixed = tuple((a.name, a.default_value) for a in args if a.name not in ARGS[name])
+        return Signature(positional, keyword_only, fixed)
+    return Signature(tuple(p.name for p in params if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD),
+                     tuple(p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY))
+
+
+def _calls() -> tuple[dict[Callable, tuple[str, bool]], dict[Callable, Signature]]:
     out: dict[Callable, tuple[str, bool]] = {}
+    signatures: dict[Callable, Signature] = {}
     for name in ARGS:
         for owner in (F, torch, torch.Tensor, torch._C._nn):
-            f = getattr(owner, name, None)
-            if callable(f):
-                out.setdefault(f, (name, False))
-            f_ = getattr(owner, name + "_", None)
-            if callable(f_):
-                out.setdefault(f_, (name, True))
-    return out
+            for suffix in ("", "_"):
+                f = getattr(owner, name + suffix, None)
+                if callable(f) and f not in out:
+                    out[f] = (name, suffix == "_")
+                    signatures[f] = _signature(f, name, name + suffix)
+    return out, signatures
 
 
 #: torch callables (functions, tensor methods, in-place forms) -> (fewbit.functional name,
 #: whether the callable itself is the in-place form).
-CALLS: dict[Callable, tuple[str, bool]] = _calls()
+CALLS: dict[Callable, tuple[str, bool]]
+#: torch callables -> how each takes its arguments (:class:`Signature`).
+SIGNATURES: dict[Callable, Signature]
+CALLS, SIGNATURES = _calls()
 
 
-def bind(name: str, inplace_fn: bool, args: tuple, kwargs: dict) -> dict[str, Any] | None:
-    """Keyword arguments of ``fewbit.functional.<name>`` for a torch call ``(args,
-    kwargs)``, or None where they do not bind or torch's own behaviour differs (torch then
-    runs the call and raises its own error, if any)."""
-    names = ("input",) + ARGS[name]
+def bind(func: Callable, args: tuple, kwargs: dict) -> dict[str, Any] | None:
+    """Keyword arguments of ``fewbit.functional.<name>`` for a call ``func(*args, **kwargs)``
+    of a callable of :data:`CALLS`, bound by ``func``'s own signature, or None where they do
+    not bind or torch's own behaviour differs (torch then runs the call and raises its own
+    error, if any): an argument ``func`` does not take (``inplace`` of ``torch.relu``), a
+    keyword-only one given by position, an argument fewbit.functional has not at a value
+    other than torch's default (``torch._C._nn.elu``'s ``scale``)."""
+    name, inplace_fn = CALLS[func]
+    signature = SIGNATURES[func]
+    names = ("input",) + signature.positional
     if len(args) > len(names):
         return None
     bound = dict(zip(names, args))
     for k, v in kwargs.items():
-        if k not in names or k in bound:
+        if (k not in names and k not in signature.keyword_only) or k in bound:
             return None
         bound[k] = v
     if "input" not in bound:
         return None
+    for k, default in signature.fixed:
+        if k in bound:
+            v = bound.pop(k)
+            if type(v) not in (int, float) or v != default:
+                return None
     if inplace_fn:
-        if "inplace" in bound or "inplace" not in names:
+        if "inplace" in bound or "inplace" not in ARGS[name]:
             return None  # no in-place form in fewbit.functional
         bound["inplace"] = True
     if not _accepted(name, bound):
@@ -161,7 +204,7 @@ class ActivationMode(TorchFunctionMode):
         if hit is None or torch.compiler.is_compiling() or not torch.is_grad_enabled():
             return func(*args, **kwargs)
         self.hits += 1
-        bound = bind(hit[0], hit[1], args, kwargs)
+        bound = bind(func, args, kwargs)
         if bound is None or not plain_input(bound["input"]):
             return func(*args, **kwargs)
         return run(hit[0], bound, self.bits)

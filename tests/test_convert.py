@@ -863,6 +863,14 @@ TORCH_ONLY_CALLS = {
     "celu alpha 0": lambda h: F.celu(h, alpha=0.0),  # torch raises
     "softshrink lambd -1": lambda h: F.softshrink(h, -1.0),  # torch raises
     "gelu approximate foo": lambda h: F.gelu(h, approximate="foo"),  # torch raises
+    # torch's own signatures, not F's: aten::elu(self, alpha, scale, input_scale) took
+    # ``scale`` for ``inplace`` (half the output, silently); silu and gelu raise TypeError
+    "elu scale 2": lambda h: torch._C._nn.elu(h, 1.0, 2.0),
+    "elu input_scale 0.5": lambda h: torch._C._nn.elu(h, 1.0, 1.0, 0.5),
+    "elu_ scale 2": lambda h: torch._C._nn.elu_(h * 1, 1.0, 2.0),
+    "silu inplace by position": lambda h: torch._C._nn.silu(h, True),  # torch raises
+    "gelu approximate by position": lambda h: F.gelu(h, "tanh"),  # torch raises
+    "relu inplace keyword": lambda h: torch.relu(h, inplace=True),  # torch raises
 }
 
 
@@ -879,14 +887,32 @@ def test_functional_calls_fewbit_refuses_stay_torch_calls(name):
     x = torch.randn(4, 8)
     try:
         want = ref(x)
-    except RuntimeError as exc:
-        with pytest.raises(RuntimeError, match=re.escape(str(exc).splitlines()[0])):
+    except (RuntimeError, TypeError) as exc:
+        with pytest.raises(type(exc), match=re.escape(str(exc).splitlines()[0])):
             model(x)
         return
     got = model(x)
     assert torch.equal(got.nan_to_num(), want.nan_to_num())
     for a, b in zip(_weight_grads(model, x), _weight_grads(ref, x)):
         assert torch.equal(a.nan_to_num(), b.nan_to_num()) and torch.equal(a.isnan(), b.isnan())
+
+
+def test_aten_elu_at_its_default_scales_is_taken_over_out_of_place():
+    """``torch._C._nn.elu(h, 1.0, 1.0)`` (scale and input_scale spelled out at 1) is fewbit's
+    elu, out of place: the third argument was bound as ``inplace``, so ``h + elu(h)`` read
+    the overwritten ``h`` (0.30 off)."""
+    torch.manual_seed(0)
+    ref = _OneCall(lambda h: h + torch._C._nn.elu(h, 1.0, 1.0))
+    model = copy.deepcopy(ref)
+    summary = convert_(model)
+    x = torch.randn(4, 8)
+    assert torch.equal(model(x), ref(x))
+    assert summary.functional_bits == 3
+    from fewbit._activation_calls import bind
+
+    assert bind(torch._C._nn.elu, (x, 1.0, 1.0, 1.0), {}) == {"input": x, "alpha": 1.0}
+    assert bind(torch._C._nn.silu, (x, True), {}) is None
+    assert bind(torch._C._nn.elu, (x,), {"scale": 2.0}) is None
 
 
 def test_functional_activation_mode_off_without_such_calls_and_looks_again():

@@ -257,7 +257,7 @@ def reroute(comp, func: Callable, args: tuple, kwargs: dict) -> Any:
     docstring), or return :data:`NOT_HANDLED` for calls not listed here."""
     step = STEPWISE.get(func)
     if step is not None:
-        bound = bind(step[0], step[1], args, kwargs)
+        bound = bind(func, args, kwargs)
         if bound is not None and plain_input(bound["input"], comp.min_numel):
             return run(step[0], bound, 1)
         if bound is not None and plain_input(bound["input"]):
