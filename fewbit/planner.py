@@ -35,7 +35,12 @@ Granularity and options (:data:`DEFAULT_OPTIONS`, data-driven: :func:`get_option
   checkpoint: it is kept. Groups that keep or compress inside a checkpointed block push their
   own saved-tensor hooks in a forward pre-hook, on top of the checkpoint's, so what they save is
   stored (compressed or not) and not recomputed; groups that recompute inside such a module
-  push the checkpoint's hooks back.
+  push the checkpoint's hooks back. The recomputation leaves the block's norms' running
+  statistics alone (BatchNorm counts the step once), passes no KV cache (as transformers'
+  ``GradientCheckpointingLayer``), and refuses inputs changed in place since the forward
+  (torch's in-place error). A block that changes its own input in place (a pre-activation
+  block's ``ReLU(inplace=True)``) cannot be recomputed from it: the profile offers it no
+  ``recompute``, and a plan that recomputes it raises at its forward.
 
 Cost model (seconds per training step, all measured by :func:`profile`): recomputing costs the
 block's forward time up to the end of the last recomputed group (a chain of binaries
@@ -198,6 +203,9 @@ def _options(names: Iterable[str] | None) -> list[Option]:
         names = DEFAULT_OPTIONS
     if isinstance(names, str):
         names = (names,)
+    names = list(names)
+    if not names:
+        raise ValueError("options must name at least one option (e.g. ('keep', 'quant4', 'recompute')), got none")
     opts = []
     for n in names:
         o = get_option(n)
@@ -420,19 +428,72 @@ class _GroupHook:
 
 class _HoldInput(torch.autograd.Function):
     """Identity that saves its input: the checkpoint holds the block input, this makes it visible
-    to saved-tensor hooks (fewbit.memory counts it)."""
+    to saved-tensor hooks (fewbit.memory counts it). The output shares the input's storage and
+    version counter, not as a view (torch forbids changing a custom Function's view in place,
+    which raised an unhelpful error for a block that starts with an in-place op); backward
+    never unpacks the input."""
 
     @staticmethod
     def forward(ctx, x):
         ctx.save_for_backward(x)
-        return x.view_as(x)
+        return x.detach()
 
     @staticmethod
     def backward(ctx, g):
         return g
 
 
-_CACHE_ARGS = ("past_key_values", "past_key_value", "layer_past")
+#: KV-cache arguments a recomputed block gets as None (transformers' GradientCheckpointingLayer:
+#: ``cache`` and ``layer_past`` in transformers 5, ``past_key_value(s)`` before): a
+#: recomputation would write the cache a second time.
+_CACHE_ARGS = ("past_key_values", "past_key_value", "layer_past", "cache")
+
+
+@contextlib.contextmanager
+def _norm_statistics_kept(block: nn.Module):
+    """Within: a recomputation of ``block``; after it, the running statistics of its norms in
+    training mode (BatchNorm, InstanceNorm with ``track_running_stats``) are put back as the
+    forward left them: a recomputation counted every step twice (``num_batches_tracked`` 2
+    after one step, the running mean moved twice). Put back through ``.data``, so that the
+    version counters the recomputed ops saved stay valid (their backward in training mode
+    reads the batch's statistics, not these); the norms still run as in the forward (the
+    same ops save the same tensors, as the checkpoint requires)."""
+    held = []
+    for m in block.modules():
+        if isinstance(m, nn.modules.batchnorm._NormBase) and m.training and m.track_running_stats:
+            for name in ("running_mean", "running_var", "num_batches_tracked"):
+                t = getattr(m, name, None)
+                if isinstance(t, torch.Tensor):
+                    held.append((t, t.detach().clone()))
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for t, value in held:
+                t.data.copy_(value)
+
+
+def _input_versions(args: tuple, kwargs: dict) -> list[tuple[str, torch.Tensor, int]]:
+    """``(argument, tensor, version)`` of a block call's tensor arguments."""
+    named = [(f"argument {i}", a) for i, a in enumerate(args)] + [(f"argument {k!r}", a) for k, a in kwargs.items()]
+    return [(n, a, a._version) for n, a in named if isinstance(a, torch.Tensor) and not a.is_inference()]
+
+
+def _check_inputs_unchanged(block: nn.Module, versions: list, during_forward: bool) -> None:
+    for name, t, version in versions:
+        if t._version == version:
+            continue
+        if during_forward:
+            raise RuntimeError(
+                f"{type(block).__name__} changed its input ({name}, {list(t.shape)}) in place in its forward "
+                "(an in-place first op, e.g. ReLU(inplace=True)); a block the plan recomputes is re-run from "
+                "its input, so the recomputation would start from the changed values: plan it without "
+                "recompute (fewbit.plan offers none for such a block) or make that op out of place")
+        raise RuntimeError(
+            "one of the variables needed for gradient computation has been modified by an inplace "
+            f"operation: the input ({name}, {list(t.shape)}) of a block that the plan recomputes is at "
+            f"version {t._version}; expected version {version} instead (changed after the block's forward; "
+            "the recomputation would give a gradient of values the forward did not use)")
 
 
 def _check_unchanged(block: nn.Module, versions: list) -> None:
@@ -458,28 +519,38 @@ def _checkpointed_forward(state: _State, block: nn.Module, forward: Callable, ro
 
     calls = [0]
     noise = [None]  # the compressors' noise stream at the forward, replayed by recomputations
+    inputs: list = []  # (argument, tensor, version) after the forward: checked by recomputations
 
     def run(*a, **k):
-        if calls[0]:  # a recomputation in backward
-            _check_unchanged(block, versions)
-            replay = _noise_stream.replay(noise[0])
-        else:
+        first = not calls[0]
+        if first:
             noise[0] = _noise_stream.get_state()
-            replay = contextlib.nullcontext()
+            context = contextlib.nullcontext()
+            held = _input_versions(a, k)
+        else:  # a recomputation in backward
+            _check_unchanged(block, versions)
+            _check_inputs_unchanged(block, inputs, during_forward=False)
+            context = contextlib.ExitStack()
+            context.enter_context(_noise_stream.replay(noise[0]))
+            context.enter_context(_norm_statistics_kept(block))
         calls[0] += 1
         state.checkpoint_hooks.append(torch._C._autograd._top_saved_tensors_default_hooks(False))
         try:
-            with replay:
+            with context:
                 if root is not None:
                     root.pre(block, a)
                 try:
                     with resume_recording():  # a SavedTensorRecorder sees what the block's own forward saves
-                        return forward(*a, **k)
+                        out = forward(*a, **k)
                 finally:
                     if root is not None:
                         root.post(block, a, None)
         finally:
             state.checkpoint_hooks.pop()
+        if first:
+            _check_inputs_unchanged(block, held, during_forward=True)
+            inputs.extend(held)
+        return out
 
     if not torch.is_grad_enabled() or _transforms_active():  # torch.func refuses checkpoint's hooks
         return forward(*args, **kwargs)
@@ -490,7 +561,8 @@ def _checkpointed_forward(state: _State, block: nn.Module, forward: Callable, ro
             bound = None
         if bound is not None:
             changed = False
-            for name in _CACHE_ARGS:
+            reader = getattr(block, "_can_checkpoint_with_cache", False)  # a layer that only reads the cache
+            for name in () if reader else _CACHE_ARGS:
                 if bound.arguments.get(name) is not None:
                     bound.arguments[name] = None
                     changed = True
@@ -743,14 +815,18 @@ def _split_saved(rec, locate: Callable) -> tuple[dict[str, int], dict[str, int],
     return own, shared_of, sets
 
 
-def _block_timings(work: nn.Module, blocks: list[tuple[str, list[str]]], batch, loss_fn, device, repeats):
+def _block_timings(work: nn.Module, blocks: list[tuple[str, list[str]]], batch, loss_fn, device, repeats,
+                   changes_input: set[str] | None = None):
     """Per block type (its first block): ``{relative fqn: (order, end time)}``, forward time, input
-    bytes, the saved tensors per group, and the median step time."""
+    bytes, the saved tensors per group, and the median step time. ``changes_input`` gets the
+    block types whose forward changes a tensor argument in place (they cannot be recomputed
+    from it)."""
     named = dict(work.named_modules())
     ends: dict[str, dict[str, list[float]]] = {t: {} for t, _ in blocks}
     order: dict[str, dict[str, int]] = {t: {} for t, _ in blocks}
     fwd: dict[str, list[float]] = {t: [] for t, _ in blocks}
     inputs: dict[str, int] = {}
+    held: dict[str, list] = {}
     start: dict[str, float] = {}
     handles = []
     for btype, fqns in blocks:
@@ -761,10 +837,13 @@ def _block_timings(work: nn.Module, blocks: list[tuple[str, list[str]]], batch, 
             start[_t] = time.perf_counter()
             x = next((a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)), None)
             inputs[_t] = 0 if x is None else x.untyped_storage().nbytes()
+            held[_t] = _input_versions(args, kwargs)
 
         def bpost(m, args, out, _t=btype):
             _sync(device)
             fwd[_t].append(time.perf_counter() - start[_t])
+            if changes_input is not None and any(t._version != v for _, t, v in held.pop(_t, ())):
+                changes_input.add(_t)
 
         handles.append(block.register_forward_pre_hook(bpre, with_kwargs=True))
         handles.append(block.register_forward_hook(bpost, always_call=True))
@@ -927,24 +1006,46 @@ def profile(
         repeats: timed steps (after one warm-up), >= 1.
 
     Returns:
-        A :class:`ModelProfile`.
+        A :class:`ModelProfile`. torch's random state (CPU and initialised CUDA devices) and
+        fewbit's noise streams (:func:`fewbit.manual_seed`) are as they were before the call.
 
     Raises:
-        ValueError: bad ``optimizer``, ``options``, ``repeats``, ``group_size``, ``min_numel``;
+        ValueError: bad ``optimizer``, ``options``, ``repeats``, ``group_size``, ``min_numel``,
+            ``fused_cross_entropy`` (not a bool or None);
             a model without repeated blocks or without a parameter that requires grad;
             ``fused_cross_entropy=True`` for a model that is not a Hugging Face causal LM.
     """
-    from fewbit.convert import _hf_factories, _torch_factories
-    from fewbit.memory import _default_loss, is_activation_module
-
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if fused_cross_entropy is not None and not isinstance(fused_cross_entropy, bool):
+        raise ValueError(f"fused_cross_entropy must be True, False or None, got {fused_cross_entropy!r}")
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"optimizer must be one of {tuple(OPTIMIZER_STATES)}, got {optimizer!r}")
-    opts = _options(options)
+    options = _options(options)
     repeats = check_positive_int(repeats, "repeats")
     group_size = check_positive_int(group_size, "group_size")
     min_numel = check_positive_int(min_numel, "min_numel", minimum=0)
+    from fewbit.quant import _noise_stream
+
+    # the profile's steps draw dropout masks and compression noise: the caller's random
+    # streams (torch's CPU and CUDA generators, fewbit's noise streams) are left as they were
+    cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    streams = _noise_stream.snapshot()
+    try:
+        with torch.random.fork_rng(devices=cuda):
+            return _profile(model, example_batch, loss_fn, options, optimizer, fused_cross_entropy, group_size,
+                            min_numel, repeats)
+    finally:
+        _noise_stream.restore(streams)
+
+
+def _profile(model, example_batch, loss_fn, options, optimizer, fused_cross_entropy, group_size, min_numel,
+             repeats) -> ModelProfile:
+    """:func:`profile` (its arguments checked; ``options`` as :class:`Option` objects)."""
+    from fewbit.convert import _hf_factories, _torch_factories
+    from fewbit.memory import _default_loss, is_activation_module
+
+    opts = options
     loss_fn = loss_fn or _default_loss
     has_labels = isinstance(example_batch, Mapping) and example_batch.get("labels") is not None
     fused_by_default = fused_cross_entropy is None
@@ -1002,7 +1103,8 @@ def profile(
     own, shared_of, shared_sets = _split_saved(rec, locate)
 
     # groups: modules of the first block that save something, in call order
-    timings, step_time = _block_timings(work, blocks, example_batch, loss_fn, device, repeats)
+    changes_input: set[str] = set()  # block types that change their input in place: not recomputed
+    timings, step_time = _block_timings(work, blocks, example_batch, loss_fn, device, repeats, changes_input)
     groups: dict[str, dict[str, bool]] = {}
     block_profiles: list[BlockProfile] = []
     inside = sum(sum(b) for b in shared_sets.values())
@@ -1082,7 +1184,7 @@ def profile(
                         del g.options[o.name]
                     else:
                         g.options[o.name][1] = t
-            if any(o.kind == "recompute" for o in opts):
+            if any(o.kind == "recompute" for o in opts) and bp.block_type not in changes_input:
                 g.options["recompute"] = [0, 0.0]
     del saved, act_in, work
 
@@ -1519,13 +1621,18 @@ def _make_plan(prof: ModelProfile, choices: list[list[str]], budget_bytes: int) 
                 parameter_bytes=prof.parameter_bytes, shared_bytes=_shared_bytes(prof, choices))
 
 
+def _check_accuracy_weight(accuracy_weight: Any) -> None:
+    if (isinstance(accuracy_weight, bool) or not isinstance(accuracy_weight, (int, float))
+            or not (accuracy_weight >= 0 and math.isfinite(accuracy_weight))):
+        raise ValueError(f"accuracy_weight must be a finite number >= 0, got {accuracy_weight!r}")
+
+
 def plan_from_profile(prof: ModelProfile, memory_budget: Any, *, accuracy_weight: float = 1.0) -> Plan:
     """Solve the MILP for a measured :class:`ModelProfile` (see :func:`plan`)."""
     budget = parse_budget(memory_budget)
     if isinstance(budget, float):
         budget = int(budget * prof.vanilla_peak_bytes)
-    if not (isinstance(accuracy_weight, (int, float)) and accuracy_weight >= 0 and math.isfinite(accuracy_weight)):
-        raise ValueError(f"accuracy_weight must be a finite number >= 0, got {accuracy_weight!r}")
+    _check_accuracy_weight(accuracy_weight)
     sol = solve(prof, budget, accuracy_weight=accuracy_weight)
     if sol is None:
         smallest = solve(prof, None)
@@ -1572,20 +1679,18 @@ def plan(
 
     Returns:
         A :class:`Plan` (print it; ``save``/``load``; ``predicted_peak_bytes``,
-        ``predicted_step_time``). torch's random state is as it was before the call.
+        ``predicted_step_time``). torch's random state and fewbit's noise streams are as they
+        were before the call.
 
     Raises:
         ValueError: a malformed argument (named), or a budget below the smallest feasible one
             (the message gives it in bytes).
     """
     budget = parse_budget(memory_budget)  # check before the (slow) profile
-    # the profile's steps draw dropout masks and quantizer noise: the caller's random
-    # streams (CPU and every CUDA device) are left as they were
-    cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
-    with torch.random.fork_rng(devices=cuda):
-        prof = profile(model, example_batch, loss_fn=loss_fn, options=options, optimizer=optimizer,
-                       fused_cross_entropy=fused_cross_entropy, group_size=group_size, min_numel=min_numel,
-                       repeats=repeats)
+    _check_accuracy_weight(accuracy_weight)
+    prof = profile(model, example_batch, loss_fn=loss_fn, options=options, optimizer=optimizer,
+                   fused_cross_entropy=fused_cross_entropy, group_size=group_size, min_numel=min_numel,
+                   repeats=repeats)
     return plan_from_profile(prof, budget if isinstance(budget, int) else memory_budget,
                              accuracy_weight=accuracy_weight)
 

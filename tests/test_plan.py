@@ -443,6 +443,150 @@ def test_recompute_gradients_exact(prof, batch):
         assert rep.saved_bytes < rep0.saved_bytes
 
 
+def _recompute_everything(model, batch, loss_fn=None) -> fewbit.Plan:
+    """A plan of ``model`` whose every group recomputes (its profile's own, not solved)."""
+    prof = planner.profile(model, batch, loss_fn=loss_fn, options=("keep", "recompute"), repeats=1)
+    choices = [["recompute"] * len(bp.groups) for bp in prof.blocks]
+    return planner._make_plan(prof, choices, budget_bytes=prof.vanilla_peak_bytes)
+
+
+def _conv_net() -> torch.nn.Module:
+    torch.manual_seed(0)
+
+    def block():
+        return torch.nn.Sequential(torch.nn.Conv2d(8, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+                                   torch.nn.Conv2d(8, 8, 3, padding=1), torch.nn.BatchNorm2d(8, momentum=None),
+                                   torch.nn.ReLU())
+
+    return torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), block(), block(), torch.nn.Flatten(),
+                               torch.nn.Linear(8 * 64, 10))
+
+
+def test_recomputed_batch_norm_counts_the_step_once():
+    """A recomputed block ran its BatchNorms twice in training mode: ``num_batches_tracked``
+    2 after one step, the running statistics moved twice (also a cumulative average,
+    ``momentum=None``). Gradients and buffers are the unplanned model's."""
+    x, y = torch.randn(4, 3, 8, 8), torch.randint(0, 10, (4,))
+    loss_fn = lambda out: torch.nn.functional.cross_entropy(out, y)  # noqa: E731
+    p = _recompute_everything(_conv_net(), x, loss_fn)
+    assert all(b.checkpoint for b in p.blocks)
+    vanilla, planned = _conv_net(), _conv_net()
+    fewbit.convert_(planned, p)
+    for _ in range(2):
+        loss_fn(vanilla(x)).backward()
+        loss_fn(planned(x)).backward()
+    for (name, a), b in zip(vanilla.state_dict().items(), planned.state_dict().values()):
+        assert torch.equal(a, b), name
+    for (name, a), b in zip(vanilla.named_parameters(), planned.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_recomputed_decoder_layers_get_no_kv_cache():
+    """transformers 5 passes decoder layers their cache as ``cache=``: the recomputation
+    wrote it a second time (LLaMA with a padded batch failed in backward, the cache came
+    back twice as long); it is not passed, as transformers' own checkpointing does."""
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    ids = torch.randint(1, 64, (2, 12))
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, :4] = 0
+    batch = {"input_ids": ids, "labels": ids, "attention_mask": mask}
+    vanilla = transformers.LlamaForCausalLM(cfg)
+    planned = copy.deepcopy(vanilla)
+    fewbit.convert_(planned, _recompute_everything(vanilla, batch))
+    want = vanilla(**batch).loss
+    want.backward()
+    got = planned(**batch).loss  # the plan's fused cross-entropy: equal up to rounding
+    got.backward()
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    for (name, a), b in zip(vanilla.named_parameters(), planned.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+class _PreActivation(torch.nn.Module):
+    def __init__(self, inplace: bool = True) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = torch.nn.Linear(16, 16)
+        self.blocks = torch.nn.ModuleList([
+            torch.nn.Sequential(torch.nn.ReLU(inplace=inplace), torch.nn.Linear(16, 64), torch.nn.GELU(),
+                                torch.nn.Linear(64, 16)) for _ in range(3)])
+
+    def forward(self, x):
+        h = self.inp(x) * 1.0
+        for b in self.blocks:
+            h = b(h) + 0.5
+        return h.pow(2).mean()
+
+
+def test_a_block_that_changes_its_input_in_place_is_not_recomputed():
+    """A pre-activation block (``ReLU(inplace=True)`` first) cannot be recomputed from its
+    input: the profile offers it no ``recompute`` (before, a plan that recomputed it failed at
+    its first forward with torch's error about a custom Function's view), and a plan that
+    recomputes it anyway says why at the forward."""
+    x = torch.randn(4, 8, 16)
+    loss_fn = lambda out: out  # noqa: E731
+    prof = planner.profile(_PreActivation(), x, loss_fn=loss_fn, options=("keep", "recompute"), repeats=1)
+    assert not any("recompute" in g.options for g in prof.blocks[0].groups)
+    p = fewbit.plan(_PreActivation(), x, "100%", loss_fn=loss_fn, options=("keep", "recompute"), repeats=1)
+    assert not any(b.checkpoint for b in p.blocks)
+    model = _PreActivation()
+    fewbit.convert_(model, p)
+    model(x).backward()
+    forced = _recompute_everything(_PreActivation(inplace=False), x, loss_fn)  # the same modules
+    model = _PreActivation()
+    fewbit.convert_(model, forced)
+    with pytest.raises(RuntimeError, match="changed its input .* in place"):
+        model(x)
+
+
+class _KeywordBlocks(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = torch.nn.Linear(16, 16)
+        self.blocks = torch.nn.ModuleList([_KeywordBlock() for _ in range(2)])
+        self.mutate = False
+
+    def forward(self, x):
+        h, out = self.inp(x), 0
+        for b in self.blocks:
+            y = b(hidden_states=h)
+            if self.mutate:
+                h.mul_(0.5)  # the block's input changes after its forward
+            out, h = out + y, h + y
+        return out.pow(2).mean()
+
+
+class _KeywordBlock(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln, self.fc1, self.fc2 = torch.nn.LayerNorm(16), torch.nn.Linear(16, 64), torch.nn.Linear(64, 16)
+
+    def forward(self, hidden_states):
+        return self.fc2(torch.nn.functional.gelu(self.fc1(self.ln(hidden_states))))
+
+
+def test_a_recomputed_block_refuses_a_keyword_input_changed_in_place():
+    """Torch refuses backward when a block's input was changed in place after its forward;
+    a plan that recomputes the block gave a gradient of the changed input when it came by
+    keyword (only positional inputs were held)."""
+    x = torch.randn(4, 8, 16)
+    p = _recompute_everything(_KeywordBlocks(), x, lambda out: out)
+    assert all(b.checkpoint for b in p.blocks)
+    vanilla = _KeywordBlocks()
+    vanilla.mutate = True
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        vanilla(x).backward()
+    model = _KeywordBlocks()
+    fewbit.convert_(model, p)
+    model(x).backward()  # unchanged: fine
+    model.mutate = True
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        model(x).backward()
+
+
 def test_compress_inside_checkpoint(prof, batch):
     """Groups that compress inside a checkpointed block are compressed (their bytes shrink, they are
     not recomputed), the later groups are recomputed. The recomputation replays the RNG (dropout
@@ -738,6 +882,34 @@ def test_plan_end_to_end_and_argument_errors(batch):
     with pytest.raises(ValueError, match="fused_cross_entropy"):
         fewbit.plan(torch.nn.Sequential(torch.nn.ModuleList([torch.nn.Sequential(torch.nn.Linear(2, 2))])),
                     torch.randn(2, 2), memory_budget="1GiB", fused_cross_entropy=True)
+
+
+def test_profile_and_plan_leave_torch_and_fewbit_random_streams(batch, monkeypatch):
+    """The profile's steps drew fewbit's compression noise (and, from a Replanner's
+    re-profile, torch's dropout masks): the same planned step after ``fewbit.manual_seed``
+    gave other gradients when a plan() ran in between. Bad arguments that need no profile are
+    refused before it (``accuracy_weight`` was checked after a minute of profiling)."""
+    model = make_model()
+    fewbit.manual_seed(5)
+    torch_state, fewbit_state = torch.get_rng_state(), fewbit.get_rng_state()
+    fewbit.quant._noise_stream.draw()  # a stream for this seed exists, as in a run
+    fewbit_state = fewbit.get_rng_state()
+    planner.profile(model, batch, repeats=1, options=("keep", "quant2", "recompute"))
+    assert torch.equal(torch.get_rng_state(), torch_state) and fewbit.get_rng_state() == fewbit_state
+    fewbit.plan(model, batch, "60%", repeats=1, options=("keep", "quant2"))
+    assert torch.equal(torch.get_rng_state(), torch_state) and fewbit.get_rng_state() == fewbit_state
+
+    def no_profile(*args, **kwargs):
+        raise AssertionError("profiled before checking the arguments")
+
+    monkeypatch.setattr(planner, "_profile", no_profile)
+    for bad in (-1.0, "1", True, float("nan")):
+        with pytest.raises(ValueError, match="accuracy_weight"):
+            fewbit.plan(model, batch, "60%", accuracy_weight=bad)
+    with pytest.raises(ValueError, match="fused_cross_entropy must be True, False or None, got 'yes'"):
+        fewbit.plan(model, batch, "60%", fused_cross_entropy="yes")
+    with pytest.raises(ValueError, match="options must name at least one option"):
+        fewbit.plan(model, batch, "60%", options=[])
 
 
 class MaskedLMHeadModel(transformers.GPT2LMHeadModel):
