@@ -75,7 +75,8 @@ def is_activation_module(module: nn.Module) -> bool:
 
     torch: the ``nn`` classes that fewbit mirrors (``GELU``, ``SiLU``, ``ReLU``, ...; not
     ``Softmax`` or ``MultiheadAttention``). Hugging Face: any module defined in
-    ``transformers.activations`` (``GELUActivation``, ``NewGELUActivation``, ...). fewbit:
+    ``transformers.activations`` (``GELUActivation``, ``NewGELUActivation``, ...) and the
+    model-specific ones :func:`fewbit.convert_` replaces (BLOOM's ``BloomGelu``). fewbit:
     any module defined under ``fewbit.modules``.
     """
     cls = type(module)
@@ -84,6 +85,10 @@ def is_activation_module(module: nn.Module) -> bool:
         return True
     if mod == "transformers.activations":
         return True
+    if mod.startswith("transformers."):
+        from fewbit.convert import _hf_factories
+
+        return cls in _hf_factories()[0]
     return mod.startswith("torch.nn.modules.activation") and cls.__name__ in _TORCH_ACTIVATION_NAMES
 
 
@@ -620,7 +625,7 @@ def compare(
     base = out.get("vanilla")
     for d in out.values():
         for key, ratio in (("saved_bytes", "saved_ratio"), ("activation_bytes", "activation_ratio")):
-            d[ratio] = (base[key] / d[key]) if base is not None and d[key] else None
+            d[ratio] = (base[key] / d[key]) if base is not None and base[key] and d[key] else None
     return out
 
 

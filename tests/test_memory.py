@@ -153,6 +153,24 @@ def test_compare_tiny_gpt2():
     assert f["loss"] == pytest.approx(v["loss"], rel=1e-5)
 
 
+def test_compare_counts_bloom_gelu_as_an_activation():
+    """BLOOM's ``BloomGelu`` (which convert_ replaces) was counted under "other" for vanilla:
+    activation ratio 0/3104 = 0.00x and a warning that BLOOM had no activation fewbit
+    supports, while fewbit had converted two."""
+    transformers = pytest.importorskip("transformers")
+
+    def build():
+        cfg = transformers.BloomConfig(vocab_size=128, hidden_size=32, n_layer=2, n_head=4)
+        return transformers.BloomForCausalLM(cfg)
+
+    assert fm.is_activation_module(build().transformer.h[0].mlp.gelu_impl)
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    res = fm.compare(build, {"input_ids": ids, "labels": ids}, variants=("vanilla", "fewbit"))
+    v, f = res["vanilla"], res["fewbit"]
+    assert f["converted"] == 2 and v["activation_bytes"] > 0
+    assert f["activation_ratio"] > 8 and v["activation_ratio"] == 1.0
+
+
 @pytest.mark.parametrize("kwargs, match", [
     ({"bits": 0}, "bits"), ({"saved_bits": 3}, "saved_bits"), ({"group_size": 0}, "group_size"),
     ({"variants": ["foo"]}, "variant"),
@@ -264,7 +282,15 @@ def test_cli_every_listed_model_runs(model):
     assert res["vanilla"]["saved_bytes"] > 0
 
 
-def test_cli_model_without_supported_activation_still_reports():
+def test_cli_model_without_supported_activation_still_reports(monkeypatch):
+    """BLOOM's ``BloomGelu`` is converted (and counted as an activation); without the
+    factory that knows it, BLOOM has no supported activation and the report says so."""
+    r = _run(["--model", "bloom", "--seq-len", "8", "--layers", "1", "--hidden", "32"])
+    assert r.exit_code == 0, r.output
+    assert "no activation module" not in r.stderr and "0.00x" not in r.stdout
+    from fewbit import convert
+
+    monkeypatch.setattr(convert, "_hf_factories", lambda: ({}, ()))
     r = _run(["--model", "bloom", "--seq-len", "8", "--layers", "1", "--hidden", "32"])
     assert r.exit_code == 0, r.output
     assert "no activation module that fewbit supports" in r.stderr
