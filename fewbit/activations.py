@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import inspect
 import math
 import numbers
 import struct
@@ -319,6 +320,26 @@ def import_callable(spec: str) -> Callable[..., torch.Tensor]:
     if not callable(obj):
         raise ValueError(f"fn: {spec!r} is not callable (got {type(obj).__name__})")
     return obj
+
+
+def callable_params(fn: Callable[..., torch.Tensor]) -> dict[str, float]:
+    """The parameters of a user function ``fn(input, **params)``: its arguments after the
+    first whose defaults are numbers (``def my_act(x, a=1.5)`` takes ``a``, default 1.5),
+    as floats. Arguments without a default, with a non-number default (``inplace=False``,
+    ``approximate="none"``) and ``*args``/``**kwargs`` are not table parameters; ``{}`` for a
+    callable without an inspectable signature."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return {}
+    out = {}
+    for p in list(signature.parameters.values())[1:]:
+        if p.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD):
+            continue
+        d = p.default
+        if isinstance(d, numbers.Real) and not isinstance(d, bool) and math.isfinite(float(d)):
+            out[p.name] = float(d)
+    return out
 
 
 _FORMULA_ACTIVATIONS: dict[str, Activation] = {name: f.activation for name, f in FORMULAS.items()}

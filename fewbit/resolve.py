@@ -46,11 +46,13 @@ from fewbit import _traced
 from fewbit._checks import check_bits
 from fewbit.activations import (
     Activation,
+    callable_params,
     canonical_params,
     exact_table,
     get_activation,
     get_formula,
     import_callable,
+    merge_params,
     non_default_params,
     table_activation,
 )
@@ -126,19 +128,16 @@ class ResolvedFn:
         """Every parameter, defaults filled in (``ValueError`` for unknown or non-finite ones)."""
         if self.act is not None:
             return canonical_params(self.act, params)
-        out = {}
-        for k, v in dict(params or {}).items():
-            v = float(v)
-            if not math.isfinite(v):
-                raise ValueError(f"parameter {k} of {self.name} must be finite, got {v}")
-            out[str(k)] = v
-        return out
+        # a user function's: its arguments with number defaults (fn(x, a=1.5))
+        return merge_params(self.name, callable_params(self.callable), params)
 
     def table_params(self, params: Mapping[str, float] | None) -> dict[str, float]:
-        """The parameters a table is keyed by (non-default ones for registry functions)."""
+        """The parameters a table is keyed by: those not at their defaults (a user function's
+        defaults are its signature's, as ``fewbit.solver`` fits it)."""
         if self.act is not None:
             return non_default_params(self.act, params)
-        return self.full_params(params)
+        defaults = callable_params(self.callable)
+        return {k: v for k, v in self.full_params(params).items() if v != defaults[k]}
 
     def border_params(self, full: dict[str, float], dtype: torch.dtype | None) -> dict[str, float]:
         """The parameters the borders of a stepwise function's exact table come from:

@@ -26,7 +26,7 @@ import numpy as np
 from scipy import special
 
 from fewbit import activations as _acts
-from fewbit.activations import import_callable, merge_params
+from fewbit.activations import callable_params, import_callable, merge_params
 
 __all__ = ["SolverFunction", "get", "names"]
 
@@ -381,14 +381,15 @@ def _from_registry(name: str) -> SolverFunction:
 
 def _load_user(spec: str) -> SolverFunction:
     fn = import_callable(spec)
+    defaults = callable_params(fn)  # fn(input, a=1.5): parameter a, default 1.5
 
     import torch
 
-    def call(x: np.ndarray):
+    def call(x: np.ndarray, p: Mapping[str, float]):
         xt = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float64).reshape(-1))
         x0 = xt.clone()
         try:
-            y = fn(xt)
+            y = fn(xt, **p)
         except Exception as exc:
             raise ValueError(f"fn: {spec!r} failed on a float64 tensor ({type(exc).__name__}: {exc})") from None
         if not torch.equal(xt.nan_to_num(), x0.nan_to_num()):
@@ -406,14 +407,14 @@ def _load_user(spec: str) -> SolverFunction:
 
     def f_impl(x, p):
         with torch.no_grad():
-            y = call(x)
+            y = call(x, p)
         return y.detach().to(torch.float64).numpy().reshape(np.shape(x))
 
     def df_impl(x, p):
         xt = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float64).reshape(-1)).clone().requires_grad_(True)
         with torch.enable_grad():
             try:
-                y = fn(xt)
+                y = fn(xt, **p)
             except Exception as exc:
                 raise ValueError(f"fn: {spec!r} failed on a float64 tensor ({type(exc).__name__}: {exc})") from None
             if not isinstance(y, torch.Tensor) or tuple(y.shape) != tuple(xt.shape):
@@ -428,9 +429,9 @@ def _load_user(spec: str) -> SolverFunction:
 
     # Probe: the function must keep shape and act elementwise (a permutation commutes).
     probe = np.linspace(-3.0, 3.0, 13)
-    y = f_impl(probe, {})
+    y = f_impl(probe, defaults)
     perm = np.random.default_rng(0).permutation(probe.size)
-    y_perm = f_impl(probe[perm], {})
+    y_perm = f_impl(probe[perm], defaults)
     both = np.isfinite(y[perm]) & np.isfinite(y_perm)
     if not np.allclose(y[perm][both], y_perm[both], rtol=1e-12, atol=1e-12):
         raise ValueError(f"fn: {spec!r} is not elementwise (permuting the input changes the values)")
@@ -438,7 +439,7 @@ def _load_user(spec: str) -> SolverFunction:
         name=spec,
         f_impl=f_impl,
         df_impl=df_impl,
-        defaults={},
+        defaults=defaults,
         even=False,
         torch_fn=fn,
         stepwise=False,

@@ -32,6 +32,10 @@ def _quick_gelu_torch(x):
     return x * torch.sigmoid(1.702 * x)
 
 
+def _scaled_swish(x, a=1.5, inplace=False):
+    return x * torch.sigmoid(a * x)
+
+
 # (fewbit function name, torch reference, kwargs, table name, table params)
 CASES = [
     ("gelu", F.gelu, {}, "gelu", {}),
@@ -517,6 +521,40 @@ def test_user_function_fitted_lazily(tmp_path, monkeypatch):
     torch.testing.assert_close(x.grad, reference_grad(g, x.detach(), table), atol=0, rtol=0)
     with pytest.raises(TypeError, match="not importable"):
         FF.activation(x, lambda t: t * 2)
+
+
+def test_user_function_with_parameters(tmp_path, monkeypatch):
+    """``fn(input, a=1.5)``: ``a`` is a parameter (documented as ``fn(input, **params)``);
+    the solver called ``fn(x)`` only and refused every parameter, at the first forward of a
+    module built with one. Tables are keyed by the non-default parameters, the backward is
+    the derivative at the given value, and an unknown parameter is refused at construction."""
+    pytest.importorskip("fewbit.solver")
+    monkeypatch.setenv("FEWBIT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setitem(FF.FIT_OPTIONS, "grid", 300)
+    x = torch.linspace(-4, 4, 801, dtype=torch.float64).float().requires_grad_()
+    grads = {}
+    for a in (1.5, 4.0):
+        x.grad = None
+        with pytest.warns(FF.TableFittedWarning, match="_scaled_swish"):
+            y = FF.activation(x, _scaled_swish, bits=3, params={"a": a})
+        torch.testing.assert_close(y, _scaled_swish(x.detach(), a=a), atol=0, rtol=0)
+        y.backward(torch.ones_like(y))
+        table = FF.load_table(_scaled_swish, 3, {"a": a})
+        assert table.params == ({} if a == 1.5 else {"a": 4.0})
+        torch.testing.assert_close(x.grad, reference_grad(torch.ones_like(y), x.detach(), table), atol=0, rtol=0)
+        grads[a] = x.grad.clone()
+    exact = {}
+    for a in (1.5, 4.0):
+        xe = x.detach().double().requires_grad_()
+        _scaled_swish(xe, a=a).sum().backward()
+        exact[a] = xe.grad.float()
+    # each backward approximates its own derivative, not the other's
+    assert (grads[4.0] - exact[4.0]).abs().mean() < 0.5 * (grads[4.0] - exact[1.5]).abs().mean()
+    assert (grads[1.5] - exact[1.5]).abs().mean() < 0.5 * (grads[1.5] - exact[4.0]).abs().mean()
+    spec = f"{__name__}:_scaled_swish"
+    assert fewbit.FewBitActivation(spec, params={"a": 4.0}, bits=3)(x).shape == x.shape
+    with pytest.raises(ValueError, match="takes parameters a; got b"):
+        fewbit.FewBitActivation(spec, params={"b": 1.0})
 
 
 def test_repeated_gradient_calls_are_checked_like_the_first():
