@@ -231,13 +231,15 @@ class Config:
         layers = self.layers
         if isinstance(layers, str):
             layers = (layers,)
-        try:
-            layers = tuple(layers)
-        except TypeError:
-            raise ValueError(f"layers must be a tuple of {LAYER_KINDS} or 'all', got {self.layers!r}") from None
+        if not isinstance(layers, (tuple, list)):  # a dict's keys, a set's order, bytes' ints: not meant
+            raise ValueError(f"layers must be a tuple of {LAYER_KINDS} or 'all', got {self.layers!r}")
+        layers = tuple(layers)
         bad = [k for k in layers if k not in LAYER_KINDS and k != "all"]
         if bad:
             raise ValueError(f"layers must be chosen from {LAYER_KINDS} or 'all', got {bad!r}")
+        if not layers and self.saved_bits is not None:  # compresses nothing: a value given for nothing
+            raise ValueError(f"layers must name at least one of {LAYER_KINDS} or 'all' with saved_bits="
+                             f"{self.saved_bits!r}, got {self.layers!r} (saved_bits=None compresses nothing)")
         if "all" in layers:
             layers = LAYER_KINDS
         else:

@@ -507,6 +507,17 @@ def test_config_validation(field, value):
 def test_config_layers_normalised_and_frozen():
     assert Config(layers="all").layers == ("linear", "conv", "norm", "attention", "block")
     assert Config(layers=["norm", "linear", "norm"]).layers == ("linear", "norm")
+    assert Config(layers=()).layers == ()  # nothing compressed: without saved_bits, fine
+
+
+@pytest.mark.parametrize("layers, needle", [
+    ((), "at least one"), ([], "at least one"),  # compressed 0 modules, silently
+    ({"linear": 0}, "got {'linear': 0}"), ({"linear"}, "got {'linear'}"),  # a dict, a set: taken by iteration
+    (b"linear", "got b'linear'"),  # was shown as [108, 105, ...]
+])
+def test_config_layers_that_select_nothing_or_are_not_a_sequence_are_refused(layers, needle):
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        Config(saved_bits=4, layers=layers)
     with pytest.raises(Exception):
         Config().activation_bits = 4  # frozen
     assert fewbit.Config is Config and fewbit.convert_ is convert_
