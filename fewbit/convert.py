@@ -124,7 +124,8 @@ class Config:
 
     Args:
         activation_bits: bits per element kept by few-bit activations, 1..8, or ``None``
-            to leave activations as they are. Stepwise functions always use 1 (exact).
+            to leave activations as they are (modules and calls an earlier conversion
+            made few-bit stay so, at their bits). Stepwise functions always use 1 (exact).
         saved_bits: bits per element for the tensors saved by layers of kind ``layers``
             (group quantizer, docs/method.md §7), one of 1, 2, 4, 8; ``None`` (default)
             compresses nothing.
@@ -974,17 +975,23 @@ def _install_compression_hooks(
 
 
 def _install_activation_mode(model: nn.Module, config: Config, selected: _Selected,
-                             summary: ConversionSummary) -> None:
+                             summary: ConversionSummary, earlier_bits: int | None = None) -> None:
     """Phase 2 of :func:`convert_` for activations called as functions: with
     ``activation_bits`` set (and the root selected), the model's forward runs inside an
     :class:`fewbit._activation_calls.ActivationMode` (hooks removed first by
-    :func:`_install_compression_hooks`)."""
-    if config.activation_bits is None or not selected(model, ""):
+    :func:`_install_compression_hooks`); with ``activation_bits=None``, as an earlier
+    conversion left it (``earlier_bits``: its bits, or None), as its modules stay (they had
+    stayed few-bit while the calls went back to torch)."""
+    if config.activation_bits is None:
+        bits = earlier_bits
+    else:
+        bits = config.activation_bits if selected(model, "") else None
+    if bits is None:
         return
-    enter = _ActivationModeHook(config.activation_bits)
+    enter = _ActivationModeHook(bits)
     model.register_forward_pre_hook(enter)
     model.register_forward_hook(_ActivationModeExit(enter), always_call=True)
-    summary.functional_bits = config.activation_bits
+    summary.functional_bits = bits
 
 
 def compressor_of(model: nn.Module):
@@ -1129,7 +1136,9 @@ def convert_(
     summary = ConversionSummary(model=model, config=config)
     if config.activation_bits is not None:
         _replace_activations(model, config.activation_bits, selected, summary)
+    functional_bits = next((h.bits for h in model._forward_pre_hooks.values() if isinstance(h, _ActivationModeHook)),
+                           None)  # an earlier conversion's, kept by activation_bits=None
     _install_compression_hooks(model, config, selected, summary)
-    _install_activation_mode(model, config, selected, summary)
+    _install_activation_mode(model, config, selected, summary, functional_bits)
     _set_fused_cross_entropy(model, config, summary)
     return summary

@@ -970,10 +970,14 @@ def test_functional_activation_hooks_reconvert_copy_and_raise():
     with pytest.raises(RuntimeError):
         model(torch.randn(4, 15))
     assert len(torch.overrides._get_current_function_mode_stack()) == depth
-    # activation_bits=None, or a filter_fn that refuses the root, leaves them to torch
-    assert convert_(model, Config(activation_bits=None)).functional_bits is None
-    assert not model._forward_pre_hooks and not model._forward_hooks
+    # activation_bits=None leaves them as they are, as it leaves converted modules (the calls
+    # went back to torch while the modules stayed few-bit); a filter_fn that refuses the root
+    # leaves them to torch
+    assert convert_(model, Config(activation_bits=None)).functional_bits == 2
+    assert len(model._forward_pre_hooks) == 1 and len(model._forward_hooks) == 1
     assert convert_(model, filter_fn=lambda m, fqn: fqn != "").functional_bits is None
+    assert not model._forward_pre_hooks and not model._forward_hooks
+    assert convert_(model, Config(activation_bits=None)).functional_bits is None
     ref = _FunctionalMLP()
     ref.load_state_dict(model.state_dict())
     assert all(torch.equal(a, b) for a, b in zip(_weight_grads(model, x), _weight_grads(ref, x)))
