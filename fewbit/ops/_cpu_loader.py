@@ -13,7 +13,8 @@ intermediates), so a process that must time or size the fast path from its first
 calls :func:`load_cpu_kernels`.
 
 Environment: ``FEWBIT_CPU_KERNELS=sync`` loads on the first call, in the calling thread
-(the behaviour before this module); ``=reference`` never loads numba. A forked child
+(the behaviour before this module); ``=reference`` never loads these kernels (the
+compressors' CPU kernels, :mod:`fewbit.quant._cpu`, are numba whatever the setting). A forked child
 starts its own loader (the parent's thread does not exist there).
 """
 

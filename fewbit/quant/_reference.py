@@ -30,6 +30,11 @@ Non-finite groups: if a group holds a NaN or an infinity (or its range overflows
 compute dtype or the stats dtype), its stored ``m`` and ``s`` are NaN and its codes 0,
 so it dequantizes to NaN *for that group only*; other groups are untouched. A NaN in the
 gradient is what mixed-precision loss scalers look for, so the overflow is not hidden.
+Limits of this rule: a finite group whose range is within a few percent of the compute
+dtype's largest value (float32 values near 1.6e38 and beyond: ``s`` is then a coarse
+subnormal of the stats dtype) can have ``q / s`` overflow and decode to +-inf instead of
+NaN; a float16 value within one code step of 65504 decodes clamped (:func:`clamp_float16_`),
+so ``E[x_hat] = x`` fails there by up to 2**-8 of the range.
 
 Random numbers: :func:`uniform_noise` is the one definition of ``u``, a counter-based hash
 of the flat element index and a 64-bit seed (the numba and Triton kernels implement it, in
@@ -247,9 +252,12 @@ def group_stats_reference(x: torch.Tensor, bits: int, group_size: int, stats_dty
     n = x.numel()
     n_groups = -(-n // group_size)
     xc = x.reshape(-1).to(cdt)
-    pad = n_groups * group_size - n
-    lo_src = torch.cat([xc, xc.new_full((pad,), float("inf"))]).reshape(n_groups, group_size)
-    hi_src = torch.cat([xc, xc.new_full((pad,), float("-inf"))]).reshape(n_groups, group_size)
+    # rows of the groups' width, padded to whole rows; a group wider than the tensor is the
+    # tensor (padding it to group_size took memory in group_size: 1.7 GiB for 2**27)
+    width = min(group_size, max(n, 1))
+    pad = n_groups * width - n
+    lo_src = torch.cat([xc, xc.new_full((pad,), float("inf"))]).reshape(n_groups, width)
+    hi_src = torch.cat([xc, xc.new_full((pad,), float("-inf"))]).reshape(n_groups, width)
     lo = lo_src.amin(dim=1)  # propagates NaN
     hi = hi_src.amax(dim=1)
     ok = torch.isfinite(lo) & torch.isfinite(hi)

@@ -31,6 +31,7 @@ from __future__ import annotations
 import abc
 import functools
 import math
+import numbers
 from typing import Callable, ClassVar, NamedTuple, Protocol, runtime_checkable
 
 import torch
@@ -550,7 +551,7 @@ class OutlierSeparated(_KernelCompressor):
     min_dim = 2
 
     def __init__(self, z: float = 3.0, bits: int = 4) -> None:
-        if isinstance(z, bool) or not isinstance(z, (int, float)) or not math.isfinite(z):
+        if isinstance(z, bool) or not isinstance(z, numbers.Real) or not math.isfinite(z):
             raise ValueError(f"z must be a finite number, got {z!r}")
         self.z = float(z)
         self.bits = check_bits(bits, allowed=_ref.SUPPORTED_BITS)
@@ -698,8 +699,8 @@ class Softmax(_KernelCompressor):
         cdt = _ref.compute_dtype(x.dtype)
         flat = x.detach().reshape(-1)
         levels = float((1 << self.bits) - 1)
-        m = torch.zeros(1, device=x.device)
-        s = torch.full((1,), levels, device=x.device)
+        m = torch.zeros(1, device=x.device, dtype=torch.float32)  # float32 stats whatever torch's default dtype
+        s = torch.full((1,), levels, device=x.device, dtype=torch.float32)
         if flat.numel():
             lo, hi = torch.aminmax(flat.to(cdt))
             m_own, s_own = _range_stats(k, lo, hi, self.bits)

@@ -174,3 +174,26 @@ def test_float64_beyond_the_statistics_range_is_refused_and_kept_exact(name):
         (out * 1e-300).sum().backward()
         grads.append(lin.weight.grad.clone())
     assert torch.equal(grads[0], grads[1]) and grads[0].isfinite().all()
+
+
+def test_softmax_stats_are_float32_whatever_the_default_dtype():
+    """With ``torch.set_default_dtype(torch.float64)`` the fixed [0, 1] statistics were
+    float64: 2064 bytes stored against the 2056 its bytes per element state."""
+    comp = get_compressor("softmax", bits=4)
+    x = torch.rand(4, 512).softmax(-1)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        c = comp.compress(x)
+    finally:
+        torch.set_default_dtype(default)
+    assert c.nbytes == comp.bytes_per_element(x) * x.numel()
+
+
+def test_outlier_z_takes_numpy_numbers():
+    """``OutlierSeparated(z=np.float32(3.0))`` was refused with "z must be a finite number,
+    got np.float32(3.0)"."""
+    np = pytest.importorskip("numpy")
+    assert get_compressor("outlier", z=np.float32(2.5), bits=4).z == 2.5
+    with pytest.raises(ValueError, match="z must be a finite number"):
+        get_compressor("outlier", z=np.float32("nan"), bits=4)

@@ -362,3 +362,18 @@ def test_stochastic_must_be_a_bool_at_every_entry_point(value):
         with pytest.raises(ValueError, match=r"stochastic must be True or False, got"):
             call()
     assert fq.quantize(x, 2, stochastic=np.bool_(False)).decode_seed is None
+
+
+def test_reference_memory_follows_the_tensor_not_the_group_size():
+    """A group wider than the tensor is the tensor: ``quantize_reference`` padded every group
+    to ``group_size`` with infinities (1.7 GiB for 1000 elements and ``group_size=2**27``;
+    killed for 2**31). Same codes and statistics as the CPU kernel."""
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        q_ref = fq.quantize_reference(x, 4, group_size=2**26)
+    allocated = sum(max(e.self_cpu_memory_usage, 0) for e in prof.key_averages())
+    assert allocated < 2**20, allocated
+    q = fq.quantize(x, 4, group_size=2**26, generator=torch.Generator().manual_seed(1))
+    q_ref = fq.quantize_reference(x, 4, group_size=2**26, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(q.packed, q_ref.packed) and torch.equal(q.mins, q_ref.mins)
+    assert torch.equal(q.scales, q_ref.scales)
