@@ -13,6 +13,9 @@ Each script keeps its model, its data and its defaults; everything else lives he
   - ``fewbit3+quant4``, ``fewbit3+quant2``: fewbit 3-bit activations and every other saved
     tensor quantized to 4 (2) bits (docs/method.md §7; ``+quant2`` is the uniform baseline of
     ``gact2``);
+  - ``fewbit3+quant2+warm4``: the same at 4 bits for the first :data:`WARM_STEPS` training
+    steps, then at 2 bits (two ``fewbit.convert_`` calls; the README's remedy for 2-bit runs
+    that stay on the early plateau; the run's peak is the 4-bit one);
 
 - seeding and building a model for a (variant, seed) (:func:`prepare_model`);
 - the AdamW loop with warm-up + cosine learning rate, exact saved-bytes counting, the
@@ -39,7 +42,13 @@ import torch
 from torch import nn
 
 VARIANTS = ("vanilla", "fewbit1", "fewbit2", "fewbit3", "fewbit4", "actnn2", "fewbit3+quant4",
-            "fewbit3+quant2", "gact2", "gact4", "division", "adacc")
+            "fewbit3+quant2", "fewbit3+quant2+warm4", "gact2", "gact4", "division", "adacc")
+
+#: Training steps at 4 bits of ``fewbit3+quant2+warm4`` before it goes to 2 bits.
+WARM_STEPS = 100
+
+#: Draws of fewbit's noise stream skipped per ``--noise-draw`` (more than a run makes).
+NOISE_DRAW_STRIDE = 1 << 40
 
 #: Saved-tensor compression variants (docs/compression.md §2-§4): fewbit 3-bit activations and
 #: ``fewbit.Config`` compression fields.
@@ -149,8 +158,9 @@ def apply_variant(model: nn.Module, variant: str, *, group_size: int = 256) -> S
     group-quantized); ``gact2``/``gact4``: ``Config(activation_bits=3, saved_bits="auto",
     average_bits=2/4)`` (:func:`train_loop` calls ``adapt`` before each step); ``division``:
     ``saved_bits=2, compressor="division"``; ``adacc``: ``saved_bits=4, compressor="adacc"``; ``actnn2``: activation modules wrapped in
-    :class:`QuantizedSavedActivation` (inputs kept at 2 bits). The returned context (entered around each
-    forward) is currently a no-op for every variant.
+    :class:`QuantizedSavedActivation` (inputs kept at 2 bits); ``fewbit3+quant2+warm4``: ``saved_bits=4``,
+    then ``saved_bits=2`` from training step ``WARM_STEPS + 1`` on. The returned context (entered around
+    each training forward) converts ``fewbit3+quant2+warm4`` at that step; a no-op for the other variants.
 
     ``group_size`` goes to ``Config(group_size=...)`` (and to the actnn2 wrappers): the
     group quantizer's elements per (min, scale) pair; variants without one ignore it.
@@ -173,6 +183,17 @@ def apply_variant(model: nn.Module, variant: str, *, group_size: int = 256) -> S
     if variant in _POLICY_VARIANTS:
         fewbit.convert_(model, fewbit.Config(activation_bits=3, group_size=group_size, **_POLICY_VARIANTS[variant]))
         return null
+    if variant == "fewbit3+quant2+warm4":
+        fewbit.convert_(model, fewbit.Config(activation_bits=3, saved_bits=4, group_size=group_size))
+        steps = [0]
+
+        def warm():  # entered around each training forward (train_loop)
+            steps[0] += 1
+            if steps[0] == WARM_STEPS + 1:
+                fewbit.convert_(model, fewbit.Config(activation_bits=3, saved_bits=2, group_size=group_size))
+            return contextlib.nullcontext()
+
+        return warm
     bits = int(variant[len("fewbit")])
     saved_bits = int(variant[-1]) if "+quant" in variant else None
     summary = fewbit.convert_(model, fewbit.Config(activation_bits=bits, saved_bits=saved_bits, group_size=group_size))
@@ -183,15 +204,22 @@ def apply_variant(model: nn.Module, variant: str, *, group_size: int = 256) -> S
 
 def prepare_model(
     variant: str, seed: int, build_model: Callable[[], nn.Module], device: str | torch.device = "cpu",
-    *, group_size: int = 256,
+    *, group_size: int = 256, noise_draw: int = 0,
 ) -> tuple[nn.Module, StepContext]:
     """Seed torch's generator with ``seed``, build the model on ``device`` and convert it
     for ``variant`` (with ``group_size``); return the model and its per-step context (see
-    :func:`apply_variant`)."""
+    :func:`apply_variant`). ``noise_draw`` K > 0: skip K · :data:`NOISE_DRAW_STRIDE` draws of
+    fewbit's noise stream for ``seed``, so the run compresses with other rounding noise and
+    the same initialisation, data order and dropout masks (0: the stream as it is)."""
     check_variant(variant)
     torch.manual_seed(seed)
     model = build_model().to(torch.device(device))
-    return model, apply_variant(model, variant, group_size=group_size)
+    step_ctx = apply_variant(model, variant, group_size=group_size)
+    if noise_draw:
+        from fewbit.quant import _noise_stream
+
+        _noise_stream.advance(noise_draw * NOISE_DRAW_STRIDE)
+    return model, step_ctx
 
 
 # ---------------------------------------------------------------------------------------
@@ -303,12 +331,13 @@ def train_variant(
     device: str = "cpu",
     progress: bool = False,
     group_size: int = 256,
+    noise_draw: int = 0,
     **loop: Any,
 ) -> list[dict]:
     """Train one (variant, seed): :func:`prepare_model`, then :func:`train_loop` with the
     keyword arguments ``loop`` (``steps``, ``lr``, ``warmup``, ``eval_every``) and a progress
     bar titled ``"<kind> <variant> seed <seed>"`` if ``progress``; return the CSV rows."""
-    model, step_ctx = prepare_model(variant, seed, build_model, device, group_size=group_size)
+    model, step_ctx = prepare_model(variant, seed, build_model, device, group_size=group_size, noise_draw=noise_draw)
     if torch.device(device).type == "cpu" and variant != "vanilla":  # step times of the numba kernels from step 1
         from fewbit.ops import load_cpu_kernels
 
@@ -366,6 +395,10 @@ def build_parser(description: str) -> argparse.ArgumentParser:
                    help="elements per (min, scale) pair of the group quantizer: fewbit.Config(group_size=...) "
                         "of the variants that quantize saved tensors (+quantQ, gact2/4, actnn2); CSVs of a "
                         "size other than 256 are named <task>_<variant>_g<size>_seed<N>.csv")
+    p.add_argument("--noise-draw", type=nonneg_int, default=0,
+                   help="train with the K-th other draw of the compression noise: the same initialisation, data "
+                        "order and dropout masks (fewbit's noise stream of the seed skipped K * 2**40 draws); "
+                        "CSVs of K > 0 are named <task>_<variant>_draw<K>_seed<N>.csv")
     return p
 
 
@@ -385,18 +418,21 @@ def loop_options(args: argparse.Namespace) -> dict[str, Any]:
     """The options of :func:`build_parser` that every ``run_<kind>`` function takes."""
     return dict(steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup=args.warmup,
                 eval_every=args.eval_every, device=args.device, progress=args.progress,
-                group_size=args.group_size)
+                group_size=args.group_size, noise_draw=args.noise_draw)
 
 
 def run_all(
     args: argparse.Namespace, kind: str, run: Callable[[str, int], list[dict]], *, mib_digits: int = 2
 ) -> int:
     """Train every ``--variants`` x ``--seeds`` with ``run(variant, seed)``, write each run's
-    rows to ``OUT/<kind>_<variant>_seed<seed>.csv`` and print its last row; return 0."""
+    rows to ``OUT/<kind>_<variant>[_g<group size>][_draw<K>]_seed<seed>.csv`` and print its
+    last row; return 0."""
     for variant in args.variants:
         for seed in args.seeds:
             rows = run(variant, seed)
             tag = "" if args.group_size == 256 else f"_g{args.group_size}"
+            if getattr(args, "noise_draw", 0):
+                tag += f"_draw{args.noise_draw}"
             path = args.out / f"{kind}_{variant}{tag}_seed{seed}.csv"
             write_csv(path, rows)
             last = rows[-1]

@@ -62,6 +62,7 @@ def run_cnn(
     progress: bool = False,
     n_train: int | None = None,
     group_size: int = 256,
+    noise_draw: int = 0,
 ) -> list[dict]:
     """Train one (variant, seed); return the CSV rows (``group_size``: the group
     quantizer's, see ``_training.apply_variant``)."""
@@ -87,7 +88,7 @@ def run_cnn(
 
     task = _training.Task(next_batch, forward_loss, evaluate)
     return _training.train_variant("cnn", variant, seed, lambda: build_cnn(width), task, device=device,
-                                   progress=progress, group_size=group_size, steps=steps, lr=lr, warmup=warmup,
+                                   progress=progress, group_size=group_size, noise_draw=noise_draw, steps=steps, lr=lr, warmup=warmup,
                                    eval_every=eval_every)
 
 

@@ -112,6 +112,7 @@ def run_lm(
     attention: str = "sdpa",
     arch: str = "gpt2",
     group_size: int = 256,
+    noise_draw: int = 0,
 ) -> list[dict]:
     """Train one (variant, seed) and return the CSV rows (``group_size``: the group
     quantizer's, see ``_training.apply_variant``)."""
@@ -138,7 +139,7 @@ def run_lm(
     task = _training.Task(next_batch, lm_loss, evaluate)
     return _training.train_variant("lm", variant, seed,
                                    lambda: build_lm(n_layer, n_embd, n_head, seq_len, attention, arch), task,
-                                   device=device, progress=progress, group_size=group_size, steps=steps, lr=lr,
+                                   device=device, progress=progress, group_size=group_size, noise_draw=noise_draw, steps=steps, lr=lr,
                                    warmup=warmup, eval_every=eval_every)
 
 

@@ -249,3 +249,52 @@ def test_main_job_quick(tmp_path):
     for name in ("approximations.png", "lm_val_loss.png", "memory.json", "main_job.md",
                  "lm_vanilla_seed0.csv", "lm_fewbit3_seed0.csv"):
         assert (tmp_path / name).exists(), name
+
+
+def test_warm4_variant_goes_to_2_bits_after_its_warm_steps(monkeypatch):
+    """``fewbit3+quant2+warm4`` (the README's remedy for a 2-bit run stuck on the early
+    plateau): 4 bits for the first ``WARM_STEPS`` training forwards, 2 bits after."""
+    import _training
+    from fewbit.convert import compressor_of
+
+    monkeypatch.setattr(_training, "WARM_STEPS", 3)
+    model, ctx = _training.prepare_model("fewbit3+quant2+warm4", 0, lambda: train_lm.build_lm(1, 32, 2, 32))
+
+    def bits():
+        return compressor_of(model).policy.compressor.bits
+
+    for _ in range(3):
+        with ctx():
+            assert bits() == 4
+    with ctx():
+        assert bits() == 2
+
+
+def test_noise_draw_changes_the_compression_noise_only():
+    """``--noise-draw K``: the same initialisation, data and dropout (vanilla is unchanged),
+    other rounding noise; a run repeats itself after the noise streams restart."""
+    import fewbit
+    from fewbit.quant import _noise_stream
+
+    data = _data.load_text(max_train_bytes=200_000, max_val_bytes=50_000)
+    sizes = dict(data=data, steps=4, batch_size=4, seq_len=32, n_layer=1, n_embd=32, n_head=2, eval_every=4,
+                 val_batches=2, warmup=2)
+    runs = {}
+    for variant in ("vanilla", "fewbit3+quant2"):
+        for draw in (0, 0, 1):
+            fewbit.manual_seed(0)
+            _noise_stream.reset()
+            rows = train_lm.run_lm(variant, 0, noise_draw=draw, **sizes)
+            runs.setdefault((variant, draw), []).append(rows[-1]["val_loss"])
+    assert runs[("vanilla", 0)] == [runs[("vanilla", 1)][0]] * 2
+    assert runs[("fewbit3+quant2", 0)][0] == runs[("fewbit3+quant2", 0)][1]
+    assert runs[("fewbit3+quant2", 1)][0] != runs[("fewbit3+quant2", 0)][0]
+
+
+def test_noise_draw_option_names_its_csv(tmp_path):
+    r = _run("train_lm.py", "--quick", "--variants", "fewbit3+quant2", "--seeds", "0", "--noise-draw", "2",
+             "--out", tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert [p.name for p in tmp_path.glob("*.csv")] == ["lm_fewbit3+quant2_draw2_seed0.csv"]
+    r = _run("train_lm.py", "--quick", "--noise-draw", "-1", "--out", tmp_path)
+    assert r.returncode != 0 and "--noise-draw" in r.stderr

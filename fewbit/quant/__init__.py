@@ -254,6 +254,17 @@ class _NoiseStream:
         with self.lock:
             self.streams.clear()
 
+    def advance(self, n: int) -> None:
+        """Skip ``n`` draws of the stream of torch's current seed (made now if it is not yet):
+        ``scripts/train_lm.py --noise-draw`` trains with other compression noise and the same
+        initialisation, data order and dropout masks."""
+        torch_seed = torch.initial_seed() & _MASK64
+        with self.lock:
+            entry = self.streams.get(torch_seed)
+            if entry is None:
+                entry = self.streams[torch_seed] = [self._base(torch_seed), 0]
+            entry[1] = (entry[1] + n) & _MASK64
+
     def snapshot(self) -> list[list[int]]:
         """Every stream as ``[torch seed, base, count]``, least recently used first."""
         with self.lock:
