@@ -47,8 +47,10 @@ VARIANTS = ("vanilla", "fewbit1", "fewbit2", "fewbit3", "fewbit4", "actnn2", "fe
 #: Training steps at 4 bits of ``fewbit3+quant2+warm4`` before it goes to 2 bits.
 WARM_STEPS = 100
 
-#: Draws of fewbit's noise stream skipped per ``--noise-draw`` (more than a run makes).
-NOISE_DRAW_STRIDE = 1 << 40
+#: Draws of fewbit's noise stream skipped per ``--noise-draw`` (a noise seed per compressed
+#: tensor: more than a run of train_lm.py's defaults makes, about 30 per step; runs of more
+#: than 10**5 compressed tensors share seeds with the next draw's later steps).
+NOISE_DRAW_STRIDE = 100_000
 
 #: Saved-tensor compression variants (docs/compression.md §2-§4): fewbit 3-bit activations and
 #: ``fewbit.Config`` compression fields.
@@ -397,7 +399,7 @@ def build_parser(description: str) -> argparse.ArgumentParser:
                         "size other than 256 are named <task>_<variant>_g<size>_seed<N>.csv")
     p.add_argument("--noise-draw", type=nonneg_int, default=0,
                    help="train with the K-th other draw of the compression noise: the same initialisation, data "
-                        "order and dropout masks (fewbit's noise stream of the seed skipped K * 2**40 draws); "
+                        "order and dropout masks (fewbit's noise stream of the seed skipped K * 10**5 draws); "
                         "CSVs of K > 0 are named <task>_<variant>_draw<K>_seed<N>.csv")
     return p
 
