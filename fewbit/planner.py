@@ -35,10 +35,11 @@ Granularity and options (:data:`DEFAULT_OPTIONS`, data-driven: :func:`get_option
   checkpoint: it is kept. Groups that keep or compress inside a checkpointed block push their
   own saved-tensor hooks in a forward pre-hook, on top of the checkpoint's, so what they save is
   stored (compressed or not) and not recomputed; groups that recompute inside such a module
-  push the checkpoint's hooks back. The recomputation leaves the block's norms' running
-  statistics alone (BatchNorm counts the step once), passes no KV cache (as transformers'
-  ``GradientCheckpointingLayer``), and refuses inputs changed in place since the forward
-  (torch's in-place error). A block that changes its own input in place (a pre-activation
+  push the checkpoint's hooks back. The recomputation leaves the block's buffers as the
+  forward left them (BatchNorm counts the step once), and refuses inputs changed in place
+  since the forward (torch's in-place error). A KV cache is not recomputed: a
+  transformers block in training gets none (as transformers' ``GradientCheckpointingLayer``),
+  any other block given one (evaluation continuing a cache) runs without recomputation. A block that changes its own input in place (a pre-activation
   block's ``ReLU(inplace=True)``) cannot be recomputed from it: the profile offers it no
   ``recompute``, and a plan that recomputes it raises at its forward.
 
@@ -443,34 +444,29 @@ class _HoldInput(torch.autograd.Function):
         return g
 
 
-#: KV-cache arguments a recomputed block gets as None (transformers' GradientCheckpointingLayer:
-#: ``cache`` and ``layer_past`` in transformers 5, ``past_key_value(s)`` before): a
-#: recomputation would write the cache a second time.
+#: KV-cache arguments (transformers' GradientCheckpointingLayer: ``cache`` and ``layer_past``
+#: in transformers 5, ``past_key_value(s)`` before): a recomputation would write the cache a
+#: second time, so a transformers block in training gets them as None (as transformers'
+#: own checkpointing does), and any other block given one runs without recomputation.
 _CACHE_ARGS = ("past_key_values", "past_key_value", "layer_past", "cache")
 
 
 @contextlib.contextmanager
-def _norm_statistics_kept(block: nn.Module):
-    """Within: a recomputation of ``block``; after it, the running statistics of its norms in
-    training mode (BatchNorm, InstanceNorm with ``track_running_stats``) are put back as the
-    forward left them: a recomputation counted every step twice (``num_batches_tracked`` 2
-    after one step, the running mean moved twice). Put back through ``.data``, so that the
-    version counters the recomputed ops saved stay valid (their backward in training mode
-    reads the batch's statistics, not these); the norms still run as in the forward (the
+def _buffers_kept(block: nn.Module):
+    """Within: a recomputation of ``block``; after it, every buffer of the block is put back
+    as the forward left it: a recomputation counted every training step
+    twice (BatchNorm's ``num_batches_tracked`` 2 after one step and its running mean moved
+    twice; a block's own counters and moving averages likewise). Put back through ``.data``,
+    so the version counters the recomputed ops saved stay valid (BatchNorm's backward in
+    training reads the batch's statistics, not these); the block runs as in the forward (the
     same ops save the same tensors, as the checkpoint requires)."""
-    held = []
-    for m in block.modules():
-        if isinstance(m, nn.modules.batchnorm._NormBase) and m.training and m.track_running_stats:
-            for name in ("running_mean", "running_var", "num_batches_tracked"):
-                t = getattr(m, name, None)
-                if isinstance(t, torch.Tensor):
-                    held.append((t, t.detach().clone()))
+    held = [(b, b.detach().clone()) for b in block.buffers() if isinstance(b, torch.Tensor)]
     try:
         yield
     finally:
         with torch.no_grad():
-            for t, value in held:
-                t.data.copy_(value)
+            for b, value in held:  # every one: BatchNorm's kernel updates its statistics without a version bump
+                b.data.copy_(value)
 
 
 def _input_versions(args: tuple, kwargs: dict) -> list[tuple[str, torch.Tensor, int]]:
@@ -532,7 +528,7 @@ def _checkpointed_forward(state: _State, block: nn.Module, forward: Callable, ro
             _check_inputs_unchanged(block, inputs, during_forward=False)
             context = contextlib.ExitStack()
             context.enter_context(_noise_stream.replay(noise[0]))
-            context.enter_context(_norm_statistics_kept(block))
+            context.enter_context(_buffers_kept(block))
         calls[0] += 1
         state.checkpoint_hooks.append(torch._C._autograd._top_saved_tensors_default_hooks(False))
         try:
@@ -554,23 +550,26 @@ def _checkpointed_forward(state: _State, block: nn.Module, forward: Callable, ro
 
     if not torch.is_grad_enabled() or _transforms_active():  # torch.func refuses checkpoint's hooks
         return forward(*args, **kwargs)
-    if signature is not None:  # as transformers' GradientCheckpointingLayer: no cache while recomputing
+    bound = None
+    if signature is not None and not getattr(block, "_can_checkpoint_with_cache", False):  # readers keep it
         try:
             bound = signature.bind_partial(*args, **kwargs)
         except TypeError:
             bound = None
-        if bound is not None:
-            changed = False
-            reader = getattr(block, "_can_checkpoint_with_cache", False)  # a layer that only reads the cache
-            for name in () if reader else _CACHE_ARGS:
-                if bound.arguments.get(name) is not None:
+    if bound is not None:
+        caches = [name for name in _CACHE_ARGS if bound.arguments.get(name) is not None]
+        if caches or bound.arguments.get("use_cache"):
+            # a recomputation would write the KV cache a second time
+            if block.training and (type(block).__module__ or "").startswith("transformers."):
+                # as transformers' GradientCheckpointingLayer in training: no cache
+                for name in caches:
                     bound.arguments[name] = None
-                    changed = True
-            if bound.arguments.get("use_cache"):
-                bound.arguments["use_cache"] = False
-                changed = True
-            if changed:
+                if bound.arguments.get("use_cache"):
+                    bound.arguments["use_cache"] = False
                 args, kwargs = bound.args, bound.kwargs
+            else:  # in evaluation (a cache continued), or a block of the user's: not recomputed
+                return forward(*args, **kwargs) if root is None else _plain_forward(block, forward, root, *args,
+                                                                                      **kwargs)
     args = list(args)
     for i, a in enumerate(args):
         if isinstance(a, torch.Tensor) and a.is_floating_point():
