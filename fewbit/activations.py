@@ -19,6 +19,7 @@ This module needs only torch and the standard library.
 from __future__ import annotations
 
 import difflib
+import functools
 import importlib
 import inspect
 import math
@@ -322,12 +323,8 @@ def import_callable(spec: str) -> Callable[..., torch.Tensor]:
     return obj
 
 
-def callable_params(fn: Callable[..., torch.Tensor]) -> dict[str, float]:
-    """The parameters of a user function ``fn(input, **params)``: its arguments after the
-    first whose defaults are numbers (``def my_act(x, a=1.5)`` takes ``a``, default 1.5),
-    as floats. Arguments without a default, with a non-number default (``inplace=False``,
-    ``approximate="none"``) and ``*args``/``**kwargs`` are not table parameters; ``{}`` for a
-    callable without an inspectable signature."""
+def _number_defaults(fn: Callable[..., torch.Tensor]) -> dict[str, int | float]:
+    """``fn``'s arguments after the first whose defaults are numbers, with those defaults."""
     try:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):
@@ -338,8 +335,48 @@ def callable_params(fn: Callable[..., torch.Tensor]) -> dict[str, float]:
             continue
         d = p.default
         if isinstance(d, numbers.Real) and not isinstance(d, bool) and math.isfinite(float(d)):
-            out[p.name] = float(d)
+            out[p.name] = d
     return out
+
+
+def callable_params(fn: Callable[..., torch.Tensor]) -> dict[str, float]:
+    """The parameters of a user function ``fn(input, **params)``: its arguments after the
+    first whose defaults are numbers (``def my_act(x, a=1.5)`` takes ``a``, default 1.5),
+    as floats (what tables are keyed by). Arguments without a default, with a non-number
+    default (``inplace=False``, ``approximate="none"``) and ``*args``/``**kwargs`` are not
+    table parameters; ``{}`` for a callable without an inspectable signature."""
+    return {k: float(v) for k, v in _number_defaults(fn).items()}
+
+
+@functools.lru_cache(maxsize=256)
+def _int_caller(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    @functools.wraps(fn)
+    def call(input, **params):
+        return fn(input, **call_params(fn, params))
+
+    return call
+
+
+def forward_callable(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """What a user function's forward is called as, ``forward_callable(fn)(input, **params)``
+    with float ``params``: ``fn`` itself, or for a function with an int default a wrapper
+    that passes integral values of those arguments as ints (:func:`call_params`; the same
+    wrapper object every time, so caches keyed by the callable keep hitting)."""
+    if not any(isinstance(v, numbers.Integral) for v in _number_defaults(fn).values()):
+        return fn
+    try:
+        return _int_caller(fn)
+    except TypeError:  # an unhashable callable
+        return _int_caller.__wrapped__(fn)
+
+
+def call_params(fn: Callable[..., torch.Tensor], params: Mapping[str, float]) -> dict[str, int | float]:
+    """``params`` (floats, :func:`callable_params`' names) as ``fn`` takes them: an integral
+    value of an argument whose default is an int passed as an int (``def f(x, terms=3)``
+    with ``range(terms)`` fails on 3.0)."""
+    defaults = _number_defaults(fn)
+    return {k: int(v) if isinstance(defaults.get(k), numbers.Integral) and float(v).is_integer() else v
+            for k, v in params.items()}
 
 
 _FORMULA_ACTIVATIONS: dict[str, Activation] = {name: f.activation for name, f in FORMULAS.items()}

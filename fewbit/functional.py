@@ -96,7 +96,7 @@ def _needs_grad(input: torch.Tensor) -> bool:
 
 def _pointwise(input: torch.Tensor, table: Table, f: ResolvedFn, params: dict[str, float], inplace: bool) -> torch.Tensor:
     # input checked, f resolved, table matched here: fewbit.ops does none of it again
-    return _apply(input, table, f.op_name, f.callable, params, inplace)
+    return _apply(input, table, f.op_name, f.forward, params, inplace)
 
 
 def _registry(
@@ -135,8 +135,8 @@ def _registry(
         return torch_call()  # sparse: torch's function and gradient (no codes for them)
     table = table_for(f, bits, full, input.dtype)
     if key is not None and not torch.compiler.is_compiling() and not _transforms_active():
-        plan = _plan(table, f.op_name, full, input.dtype, input.device, f.callable)
-        _CALLS[key] = (table, f.op_name, f.callable, full, plan)
+        plan = _plan(table, f.op_name, full, input.dtype, input.device, f.forward)
+        _CALLS[key] = (table, f.op_name, f.forward, full, plan)
     return _pointwise(input, table, f, full, inplace)
 
 

@@ -49,6 +49,7 @@ from fewbit.activations import (
     callable_params,
     canonical_params,
     exact_table,
+    forward_callable,
     get_activation,
     get_formula,
     import_callable,
@@ -110,13 +111,16 @@ class ResolvedFn:
             not the registry entry's kernel).
     """
 
-    __slots__ = ("name", "act", "callable", "op_name")
+    __slots__ = ("name", "act", "callable", "forward", "op_name")
 
     def __init__(self, name: str, act: Activation | None, fn: Callable[..., torch.Tensor],
                  op_name: str | None = None):
         self.name = name
         self.act = act
         self.callable = fn
+        #: the forward as ``forward(input, **params)`` with float params (a user function's
+        #: int arguments passed as ints: :func:`fewbit.activations.forward_callable`)
+        self.forward = fn if act is not None else forward_callable(fn)
         self.op_name = op_name or name
 
     @property
@@ -147,7 +151,7 @@ class ResolvedFn:
         return stepwise_params_for(self.name, full, dtype)
 
     def __call__(self, input: torch.Tensor, params: Mapping[str, float]) -> torch.Tensor:
-        return self.callable(input, **params)
+        return self.forward(input, **params)
 
 
 def resolve_fn(fn: FnLike) -> ResolvedFn:
@@ -402,7 +406,7 @@ def _check_asymptotes(f: ResolvedFn, params: dict[str, float],
     def derivative(x: torch.Tensor) -> torch.Tensor:
         x = x.clone().requires_grad_()
         with torch.enable_grad():
-            (d,) = torch.autograd.grad(f.callable(x, **params).sum(), x)
+            (d,) = torch.autograd.grad(f(x, params).sum(), x)
         return d.detach()
 
     check_derivative_growth(f.name, derivative, tuple(domain or FIT_OPTIONS["domain"]))
@@ -432,7 +436,7 @@ def _fingerprint(f: ResolvedFn, params: dict[str, float]) -> str:
         try:
             with torch.inference_mode(False), torch.enable_grad():
                 x = base.clone().requires_grad_()
-                y = f.callable(x * 1.0, **params)  # not the leaf: an in-place function is the fit's to refuse
+                y = f(x * 1.0, params)  # not the leaf: an in-place function is the fit's to refuse
                 (d,) = torch.autograd.grad(y.sum(), x, allow_unused=True)
             break
         except Exception:  # noqa: BLE001 - any failure of the user's function: the fit reports it

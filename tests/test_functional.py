@@ -36,6 +36,14 @@ def _scaled_swish(x, a=1.5, inplace=False):
     return x * torch.sigmoid(a * x)
 
 
+def _tanh_series(x, terms=2, scale=1.0):
+    """An int argument used as one (``range``): a float 2.0 fails."""
+    y = torch.zeros_like(x)
+    for k in range(terms):
+        y = y + torch.tanh(x * scale / (k + 1))
+    return y
+
+
 # (fewbit function name, torch reference, kwargs, table name, table params)
 CASES = [
     ("gelu", F.gelu, {}, "gelu", {}),
@@ -555,6 +563,22 @@ def test_user_function_with_parameters(tmp_path, monkeypatch):
     assert fewbit.FewBitActivation(spec, params={"a": 4.0}, bits=3)(x).shape == x.shape
     with pytest.raises(ValueError, match="takes parameters a; got b"):
         fewbit.FewBitActivation(spec, params={"b": 1.0})
+
+
+def test_user_function_with_an_int_argument(tmp_path, monkeypatch):
+    """``fn(x, terms=2)`` with ``range(terms)``: every number default became a float
+    parameter passed back as ``terms=2.0`` (TypeError in the fit and in the forward); an
+    integral value of an int argument goes to ``fn`` as an int."""
+    pytest.importorskip("fewbit.solver")
+    monkeypatch.setenv("FEWBIT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setitem(FF.FIT_OPTIONS, "grid", 300)
+    x = torch.randn(300, requires_grad=True)
+    for params in ({}, {"terms": 3}):
+        with pytest.warns(FF.TableFittedWarning, match="_tanh_series"):
+            y = FF.activation(x, _tanh_series, bits=2, params=params)
+        torch.testing.assert_close(y, _tanh_series(x.detach(), **params), atol=0, rtol=0)
+        y.sum().backward()
+    assert fewbit.FewBitActivation(f"{__name__}:_tanh_series", params={"terms": 3}, bits=2)(x).shape == x.shape
 
 
 def test_repeated_gradient_calls_are_checked_like_the_first():

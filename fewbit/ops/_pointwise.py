@@ -15,7 +15,7 @@ import torch
 
 from fewbit import _traced
 from fewbit._checks import check_float_tensor
-from fewbit.activations import ACTIVATIONS, ALIASES, canonical_params, get_activation, import_callable
+from fewbit.activations import ACTIVATIONS, ALIASES, canonical_params, forward_callable, get_activation, import_callable
 from fewbit.ops import _cpu_loader
 from fewbit.ops import _ops  # noqa: F401  (registers fewbit::encode / fewbit::decode_mul)
 from fewbit.ops._ops import _encode_reference_path as encode_reference_path
@@ -68,7 +68,7 @@ def _lookup_fn(fn: str) -> tuple[Callable[..., torch.Tensor], object]:
     if not isinstance(fn, str):
         raise TypeError(f"fn must be a registry name or a 'package.module:callable' string, got {type(fn).__name__}")
     if ":" in fn:
-        return import_callable(fn), None  # ValueError naming fn
+        return forward_callable(import_callable(fn)), None  # ValueError naming fn; int arguments as ints
     act = get_activation(fn)  # ValueError for unknown names
     return act.torch_fn, act
 
