@@ -975,23 +975,23 @@ def _install_compression_hooks(
 
 
 def _install_activation_mode(model: nn.Module, config: Config, selected: _Selected,
-                             summary: ConversionSummary, earlier_bits: int | None = None) -> None:
+                             summary: ConversionSummary, earlier: list[tuple[nn.Module, int]] = ()) -> None:
     """Phase 2 of :func:`convert_` for activations called as functions: with
-    ``activation_bits`` set (and the root selected), the model's forward runs inside an
+    ``activation_bits`` set and the root selected, the model's forward runs inside an
     :class:`fewbit._activation_calls.ActivationMode` (hooks removed first by
-    :func:`_install_compression_hooks`); with ``activation_bits=None``, as an earlier
-    conversion left it (``earlier_bits``: its bits, or None), as its modules stay (they had
-    stayed few-bit while the calls went back to torch)."""
-    if config.activation_bits is None:
-        bits = earlier_bits
+    :func:`_install_compression_hooks`); otherwise (``activation_bits=None``, or a
+    ``filter_fn`` that leaves the root out) the calls stay as earlier conversions made them
+    (``earlier``: ``(module, bits)`` of their modes), as converted modules stay (the calls
+    had gone back to torch while the modules stayed few-bit)."""
+    if config.activation_bits is not None and selected(model, ""):
+        modes = [(model, config.activation_bits)]
     else:
-        bits = config.activation_bits if selected(model, "") else None
-    if bits is None:
-        return
-    enter = _ActivationModeHook(bits)
-    model.register_forward_pre_hook(enter)
-    model.register_forward_hook(_ActivationModeExit(enter), always_call=True)
-    summary.functional_bits = bits
+        modes = list(earlier)
+    for module, bits in modes:
+        enter = _ActivationModeHook(bits)
+        module.register_forward_pre_hook(enter)
+        module.register_forward_hook(_ActivationModeExit(enter), always_call=True)
+    summary.functional_bits = next((bits for module, bits in modes if module is model), None)
 
 
 def compressor_of(model: nn.Module):
@@ -1130,15 +1130,24 @@ def convert_(
                          "saved tensor's compression); fewbit.planner.remove_plan on the planned model removes it "
                          "before a convert_(model, Config)")
 
+    if config.saved_bits is not None and config.layers == ("block",):  # before anything changes
+        from fewbit._blocks import find_blocks
+
+        try:
+            find_blocks(model)
+        except ValueError as exc:
+            raise ValueError(f"layers=('block',) compresses what the code of the model's repeated blocks saves, "
+                             f"and {type(model).__name__} has none ({exc}); choose other layers") from None
+
     def selected(m: nn.Module, fqn: str) -> bool:
         return filter_fn is None or bool(filter_fn(m, fqn))
 
     summary = ConversionSummary(model=model, config=config)
     if config.activation_bits is not None:
         _replace_activations(model, config.activation_bits, selected, summary)
-    functional_bits = next((h.bits for h in model._forward_pre_hooks.values() if isinstance(h, _ActivationModeHook)),
-                           None)  # an earlier conversion's, kept by activation_bits=None
+    earlier = [(m, h.bits) for m in model.modules() for h in m._forward_pre_hooks.values()
+               if isinstance(h, _ActivationModeHook)]  # earlier conversions' (of the model or a submodule)
     _install_compression_hooks(model, config, selected, summary)
-    _install_activation_mode(model, config, selected, summary, functional_bits)
+    _install_activation_mode(model, config, selected, summary, earlier)
     _set_fused_cross_entropy(model, config, summary)
     return summary

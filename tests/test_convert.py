@@ -518,6 +518,14 @@ def test_config_layers_normalised_and_frozen():
 def test_config_layers_that_select_nothing_or_are_not_a_sequence_are_refused(layers, needle):
     with pytest.raises(ValueError, match=re.escape(needle)):
         Config(saved_bits=4, layers=layers)
+
+
+def test_block_layers_of_a_model_without_repeated_blocks_are_refused_before_any_change():
+    """``layers=("block",)`` on a model without repeated blocks compressed nothing, silently."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8))
+    with pytest.raises(ValueError, match=r"layers=\('block',\) .* has none"):
+        convert_(model, Config(activation_bits=3, saved_bits=4, layers="block"))
+    assert type(model[1]) is nn.GELU and not model._forward_pre_hooks  # nothing changed
     with pytest.raises(Exception):
         Config().activation_bits = 4  # frozen
     assert fewbit.Config is Config and fewbit.convert_ is convert_
@@ -970,17 +978,32 @@ def test_functional_activation_hooks_reconvert_copy_and_raise():
     with pytest.raises(RuntimeError):
         model(torch.randn(4, 15))
     assert len(torch.overrides._get_current_function_mode_stack()) == depth
-    # activation_bits=None leaves them as they are, as it leaves converted modules (the calls
-    # went back to torch while the modules stayed few-bit); a filter_fn that refuses the root
-    # leaves them to torch
+    # activation_bits=None, or a filter_fn that leaves the root out, leaves them as they are,
+    # as it leaves converted modules (the calls went back to torch while the modules stayed
+    # few-bit)
+    before = _weight_grads(model, x)
     assert convert_(model, Config(activation_bits=None)).functional_bits == 2
     assert len(model._forward_pre_hooks) == 1 and len(model._forward_hooks) == 1
-    assert convert_(model, filter_fn=lambda m, fqn: fqn != "").functional_bits is None
-    assert not model._forward_pre_hooks and not model._forward_hooks
-    assert convert_(model, Config(activation_bits=None)).functional_bits is None
+    assert convert_(model, filter_fn=lambda m, fqn: fqn != "").functional_bits == 2
+    assert len(model._forward_pre_hooks) == 1 and len(model._forward_hooks) == 1
+    assert all(torch.equal(a, b) for a, b in zip(_weight_grads(model, x), before))
     ref = _FunctionalMLP()
     ref.load_state_dict(model.state_dict())
-    assert all(torch.equal(a, b) for a, b in zip(_weight_grads(model, x), _weight_grads(ref, x)))
+    assert not all(torch.equal(a, b) for a, b in zip(_weight_grads(model, x), _weight_grads(ref, x)))
+
+
+def test_functional_activations_of_a_converted_submodule_stay_with_activation_bits_none():
+    """``convert_(m.enc, bits=4)`` then ``convert_(m, Config(activation_bits=None))``: the
+    submodule's calls went back to torch (its hooks removed, only the root's restored)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_FunctionalMLP(), nn.Linear(4, 4))
+    convert_(model[0], Config(activation_bits=4))
+    x = torch.randn(4, 16)
+    before = _weight_grads(model, x)
+    summary = convert_(model, Config(activation_bits=None))
+    assert summary.functional_bits is None  # the root's: none
+    assert len(model[0]._forward_pre_hooks) == 1
+    assert all(torch.equal(a, b) for a, b in zip(_weight_grads(model, x), before))
 
 
 def test_functional_activations_compile_fullgraph():
