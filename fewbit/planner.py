@@ -1749,7 +1749,9 @@ class Replanner:
         example_batch: the batch to profile with (``step`` may pass a newer one).
         tolerance: relative rate change that triggers a re-plan (> 0).
         profiler: ``profiler(model, batch) -> ModelProfile``; default :func:`profile` with the
-            plan's settings (``**plan_kwargs`` are passed to it).
+            plan's settings (``**plan_kwargs`` are passed to it; ``options`` by default
+            :data:`DEFAULT_OPTIONS` and the options the plan uses, so that the rates of its
+            DIVISION or outlier groups are measured again too).
 
     Attributes:
         plan: the plan in force; history: ``[(step, replanned: bool, max drift)]``.
@@ -1766,6 +1768,9 @@ class Replanner:
         self.batch = example_batch
         self.tolerance = float(tolerance)
         self.history: list[tuple[int, bool, float]] = []
+        if "options" not in plan_kwargs:  # the defaults and what the plan uses (its division/outlier groups' drift)
+            used = [g.option for b in plan.blocks for g in b.groups]
+            plan_kwargs["options"] = tuple(dict.fromkeys([*DEFAULT_OPTIONS, *used]))
         self._plan_kwargs = plan_kwargs
         self._profiler = profiler or (lambda m, b: profile(
             m, b, optimizer=self.plan.optimizer, fused_cross_entropy=self.plan.fused_cross_entropy,

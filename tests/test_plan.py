@@ -1069,6 +1069,25 @@ def test_replanner_schedule_and_drift(prof, batch):
         planner.Replanner(model, p, batch, tolerance=0)
 
 
+def test_replanner_profiles_the_options_its_plan_uses(prof, batch, monkeypatch):
+    """A plan with DIVISION groups was re-profiled with the default options only, so those
+    groups' rates were never measured again (their drift unseen)."""
+    p = choices_plan(prof, {"mlp.c_fc": "quant2"})
+    next(g for g in p.blocks[0].groups if g.name == "mlp.c_fc").option = "division2"
+    seen = []
+
+    def fake_profile(model, b, **kwargs):
+        seen.append(kwargs["options"])
+        return prof
+
+    monkeypatch.setattr(planner, "profile", fake_profile)
+    r = planner.Replanner(make_model(), p, batch)
+    r.step(1)
+    assert "division2" in seen[0] and set(planner.DEFAULT_OPTIONS) <= set(seen[0])
+    planner.Replanner(make_model(), p, batch, options=("keep", "quant4")).step(1)
+    assert seen[1] == ("keep", "quant4")
+
+
 # ----------------------------------------------------------------------------- fused CE in convert_
 
 
