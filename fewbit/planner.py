@@ -35,11 +35,13 @@ Granularity and options (:data:`DEFAULT_OPTIONS`, data-driven: :func:`get_option
   checkpoint: it is kept. Groups that keep or compress inside a checkpointed block push their
   own saved-tensor hooks in a forward pre-hook, on top of the checkpoint's, so what they save is
   stored (compressed or not) and not recomputed; groups that recompute inside such a module
-  push the checkpoint's hooks back. The recomputation leaves the block's buffers as the
-  forward left them (BatchNorm counts the step once), and refuses inputs changed in place
-  since the forward (torch's in-place error). A KV cache is not recomputed: a
-  transformers block in training gets none (as transformers' ``GradientCheckpointingLayer``),
-  any other block given one (evaluation continuing a cache) runs without recomputation. A block that changes its own input in place (a pre-activation
+  push the checkpoint's hooks back. The recomputation runs from the buffers the forward
+  started from and leaves them as the forward left them (BatchNorm counts the step once;
+  :class:`_BlockBuffers`), and refuses inputs changed in place since the forward (torch's
+  in-place error). A recomputed transformers layer in training gets no KV cache (as
+  transformers' ``GradientCheckpointingLayer``; a ``RuntimeWarning`` says the cache stays
+  empty); one given a cache holding earlier tokens, or asked for one in evaluation mode,
+  runs without recomputation (a ``RuntimeWarning`` too: ``use_cache=False`` keeps the plan). A block that changes its own input in place (a pre-activation
   block's ``ReLU(inplace=True)``) cannot be recomputed from it: the profile offers it no
   ``recompute``, and a plan that recomputes it raises at its forward.
 
@@ -444,29 +446,106 @@ class _HoldInput(torch.autograd.Function):
         return g
 
 
-#: KV-cache arguments (transformers' GradientCheckpointingLayer: ``cache`` and ``layer_past``
-#: in transformers 5, ``past_key_value(s)`` before): a recomputation would write the cache a
-#: second time, so a transformers block in training gets them as None (as transformers'
-#: own checkpointing does), and any other block given one runs without recomputation.
+#: KV-cache arguments of transformers' layers (GradientCheckpointingLayer: ``cache`` and
+#: ``layer_past`` in transformers 5, ``past_key_value(s)`` before): a recomputation would
+#: write the cache a second time, so a recomputed transformers layer in training gets them as
+#: None (as transformers' own checkpointing does); one given a cache that holds earlier
+#: tokens, or asked for one in evaluation, runs without recomputation. Other blocks get their
+#: arguments as given (as torch's checkpoint).
 _CACHE_ARGS = ("past_key_values", "past_key_value", "layer_past", "cache")
 
 
-@contextlib.contextmanager
-def _buffers_kept(block: nn.Module):
-    """Within: a recomputation of ``block``; after it, every buffer of the block is put back
-    as the forward left it: a recomputation counted every training step
-    twice (BatchNorm's ``num_batches_tracked`` 2 after one step and its running mean moved
-    twice; a block's own counters and moving averages likewise). Put back through ``.data``,
-    so the version counters the recomputed ops saved stay valid (BatchNorm's backward in
-    training reads the batch's statistics, not these); the block runs as in the forward (the
-    same ops save the same tensors, as the checkpoint requires)."""
-    held = [(b, b.detach().clone()) for b in block.buffers() if isinstance(b, torch.Tensor)]
-    try:
-        yield
-    finally:
+def _is_transformers_layer(block: nn.Module) -> bool:
+    """A Hugging Face layer: a class of transformers (or of a ``trust_remote_code`` module,
+    ``transformers_modules``), or a subclass of its ``GradientCheckpointingLayer``."""
+    for cls in type(block).__mro__:
+        module = cls.__module__ or ""
+        if module.startswith(("transformers.", "transformers_modules.")):
+            return True
+    return False
+
+
+def _holds_states(cache: Any) -> bool:
+    """Whether a KV-cache argument holds earlier tokens' keys and values: a transformers
+    ``Cache`` of non-zero length, or a legacy tuple of tensors."""
+    length = getattr(cache, "get_seq_length", None)
+    if callable(length):
+        try:
+            return int(length()) > 0
+        except Exception:  # noqa: BLE001 - a cache of another kind: treat it as holding states
+            return True
+    return isinstance(cache, (tuple, list, torch.Tensor))
+
+
+class _BlockBuffers:
+    """A recomputed block's buffers from its forward to its recomputation, so that the
+    recomputation runs from the buffers the forward started from and leaves them as the
+    forward left them: it had counted every training step twice (BatchNorm's
+    ``num_batches_tracked`` 2 after one step, its running mean moved twice; a block's own
+    counters and moving averages, also reassigned ones, ``self.n = self.n + 1``), and a
+    buffer the forward read before updating it gave the recomputation other values (a
+    gradient 80 % off).
+
+    Which buffers a forward changes (in place, with a version bump, or reassigned) is learnt
+    on the block's first forward, when every buffer is copied; later forwards copy those
+    only (a forward that changes another one raises: its values before are gone). The
+    running statistics of norms in training (BatchNorm's kernel updates them without a
+    version bump; its forward in training does not read them) are put back after the
+    recomputation. Values are written through ``.data``, so the version counters the
+    recomputed ops saved stay valid."""
+
+    _LEARNT = "_fewbit_changed_buffers"
+
+    def __init__(self, block: nn.Module) -> None:
+        self.block = block
+        learnt = vars(block).get(self._LEARNT)
+        self.slots = []  # (module, name, tensor at the forward's start, its version, copy or None)
+        for m in block.modules():
+            for name, b in m._buffers.items():
+                if isinstance(b, torch.Tensor):
+                    copy_ = b.detach().clone() if learnt is None or (id(m), name) in learnt else None
+                    self.slots.append((m, name, b, b._version, copy_))
+        self.changed: list = []  # (module, name, tensor at the start, copy at the start, tensor at the end)
+
+    def forward_done(self) -> None:
+        learnt = set(vars(self.block).get(self._LEARNT) or ())
+        for m, name, b, version, copy_ in self.slots:
+            now = m._buffers.get(name)
+            if now is b and b._version == version:
+                continue
+            if copy_ is None and now is b:
+                raise RuntimeError(
+                    f"{type(self.block).__name__}'s forward changed its buffer {name!r} in place, which its "
+                    "earlier forwards did not: a block the plan recomputes is re-run from the buffers its forward "
+                    "started from, and those values are gone; plan the block without recompute")
+            self.changed.append((m, name, b, copy_, now))
+            learnt.add((id(m), name))
+        vars(self.block)[self._LEARNT] = learnt
+        self.slots = [(m, name) for m, name, *_ in self.slots
+                      if isinstance(m, nn.modules.batchnorm._NormBase) and m.training and m.track_running_stats]
+
+    @contextlib.contextmanager
+    def recomputing(self):
+        """The buffers as the forward started for the recomputation, as it left them after."""
+        after = [(m, name, m._buffers[name], m._buffers[name].detach().clone()) for m, name in self.slots
+                 if isinstance(m._buffers.get(name), torch.Tensor)]
+        changed = [(m, name, start, copy_, end, end.detach().clone()) for m, name, start, copy_, end in self.changed
+                   if isinstance(end, torch.Tensor)]
         with torch.no_grad():
-            for b, value in held:  # every one: BatchNorm's kernel updates its statistics without a version bump
-                b.data.copy_(value)
+            for m, name, start, copy_, end, _ in changed:
+                m._buffers[name] = start
+                if copy_ is not None:
+                    start.data.copy_(copy_)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for m, name, start, copy_, end, end_value in changed:
+                    m._buffers[name] = end
+                    end.data.copy_(end_value)
+                for m, name, b, value in after:
+                    m._buffers[name] = b
+                    b.data.copy_(value)
 
 
 def _input_versions(args: tuple, kwargs: dict) -> list[tuple[str, torch.Tensor, int]]:
@@ -516,6 +595,7 @@ def _checkpointed_forward(state: _State, block: nn.Module, forward: Callable, ro
     calls = [0]
     noise = [None]  # the compressors' noise stream at the forward, replayed by recomputations
     inputs: list = []  # (argument, tensor, version) after the forward: checked by recomputations
+    buffers: list = [None]  # the block's _BlockBuffers, made by the forward
 
     def run(*a, **k):
         first = not calls[0]
@@ -523,12 +603,13 @@ def _checkpointed_forward(state: _State, block: nn.Module, forward: Callable, ro
             noise[0] = _noise_stream.get_state()
             context = contextlib.nullcontext()
             held = _input_versions(a, k)
+            buffers[0] = _BlockBuffers(block)
         else:  # a recomputation in backward
             _check_unchanged(block, versions)
             _check_inputs_unchanged(block, inputs, during_forward=False)
             context = contextlib.ExitStack()
             context.enter_context(_noise_stream.replay(noise[0]))
-            context.enter_context(_buffers_kept(block))
+            context.enter_context(buffers[0].recomputing())
         calls[0] += 1
         state.checkpoint_hooks.append(torch._C._autograd._top_saved_tensors_default_hooks(False))
         try:
@@ -546,30 +627,43 @@ def _checkpointed_forward(state: _State, block: nn.Module, forward: Callable, ro
         if first:
             _check_inputs_unchanged(block, held, during_forward=True)
             inputs.extend(held)
+            buffers[0].forward_done()
         return out
 
     if not torch.is_grad_enabled() or _transforms_active():  # torch.func refuses checkpoint's hooks
         return forward(*args, **kwargs)
     bound = None
-    if signature is not None and not getattr(block, "_can_checkpoint_with_cache", False):  # readers keep it
+    if (signature is not None and _is_transformers_layer(block)
+            and not getattr(block, "_can_checkpoint_with_cache", False)):  # layers that only read it keep it
         try:
             bound = signature.bind_partial(*args, **kwargs)
         except TypeError:
             bound = None
     if bound is not None:
         caches = [name for name in _CACHE_ARGS if bound.arguments.get(name) is not None]
+        if any(_holds_states(bound.arguments[name]) for name in caches):
+            # continuing a cache (a prefix's keys and values): the recomputation would need them
+            # as the forward saw them and would write them again; run the block as it is
+            warnings.warn(f"{type(block).__name__} was given a KV cache holding earlier tokens, so the plan "
+                          "does not recompute it in this forward (it keeps what it saves); pass no cache to train",
+                          RuntimeWarning, stacklevel=3)
+            return forward(*args, **kwargs) if root is None else _plain_forward(block, forward, root, *args, **kwargs)
+        if (caches or bound.arguments.get("use_cache")) and not block.training:
+            # evaluation with grad that asks for the cache: the caller may continue from it
+            warnings.warn(f"{type(block).__name__} is asked for a KV cache in evaluation mode, so the plan does "
+                          "not recompute it (it keeps what it saves); pass use_cache=False to keep the plan's "
+                          "memory", RuntimeWarning, stacklevel=3)
+            return forward(*args, **kwargs) if root is None else _plain_forward(block, forward, root, *args, **kwargs)
         if caches or bound.arguments.get("use_cache"):
-            # a recomputation would write the KV cache a second time
-            if block.training and (type(block).__module__ or "").startswith("transformers."):
-                # as transformers' GradientCheckpointingLayer in training: no cache
-                for name in caches:
-                    bound.arguments[name] = None
-                if bound.arguments.get("use_cache"):
-                    bound.arguments["use_cache"] = False
-                args, kwargs = bound.args, bound.kwargs
-            else:  # in evaluation (a cache continued), or a block of the user's: not recomputed
-                return forward(*args, **kwargs) if root is None else _plain_forward(block, forward, root, *args,
-                                                                                      **kwargs)
+            # as transformers' GradientCheckpointingLayer in training: no cache (the recomputation
+            # would write it a second time); the returned cache stays empty
+            warnings.warn(f"{type(block).__name__} is recomputed by the plan, so in training it fills no KV cache "
+                          "(as transformers' gradient checkpointing)", RuntimeWarning, stacklevel=3)
+            for name in caches:
+                bound.arguments[name] = None
+            if bound.arguments.get("use_cache"):
+                bound.arguments["use_cache"] = False
+            args, kwargs = bound.args, bound.kwargs
     args = list(args)
     for i, a in enumerate(args):
         if isinstance(a, torch.Tensor) and a.is_floating_point():

@@ -7,6 +7,7 @@ import copy
 import dataclasses
 import json
 import time
+import warnings
 
 import pytest
 import torch
@@ -505,9 +506,10 @@ def test_recomputed_decoder_layers_get_no_kv_cache():
 
 
 def test_recomputed_decoder_layers_keep_the_cache_in_evaluation():
-    """In evaluation (grad enabled, as in eval-mode fine-tuning) a KV cache is kept: a
-    recomputed block given one runs without recomputation (the cache came back empty, and
-    continuing a prefix's cache failed: nulled as in training)."""
+    """In evaluation (grad enabled, as in eval-mode fine-tuning) a KV cache asked for is
+    kept: the layer runs without recomputation and a RuntimeWarning says so (the cache came
+    back empty, and continuing a prefix's cache failed: nulled as in training); with
+    ``use_cache=False`` the plan recomputes (it had silently kept everything)."""
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
@@ -518,12 +520,20 @@ def test_recomputed_decoder_layers_keep_the_cache_in_evaluation():
     vanilla.eval(), planned.eval()
     outs = []
     for model in (vanilla, planned):
-        prefix = model(input_ids=ids[:, :8], use_cache=True)
-        out = model(input_ids=ids[:, 8:], past_key_values=prefix.past_key_values, use_cache=True)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            prefix = model(input_ids=ids[:, :8], use_cache=True)
+            out = model(input_ids=ids[:, 8:], past_key_values=prefix.past_key_values, use_cache=True)
         out.logits.sum().backward()
         outs.append((prefix.past_key_values.get_seq_length(), out.logits))
+        if model is planned:
+            assert any("pass use_cache=False" in str(w.message) for w in seen)
+            assert any("holding earlier tokens" in str(w.message) for w in seen)
     assert outs[0][0] == outs[1][0] == 12
     torch.testing.assert_close(outs[1][1], outs[0][1], rtol=0, atol=0)
+    batch = {"input_ids": ids, "use_cache": False}
+    assert saved_tensor_report(planned, batch, loss_fn=lambda o: o.logits.sum()).saved_bytes < 0.5 * \
+        saved_tensor_report(vanilla, batch, loss_fn=lambda o: o.logits.sum()).saved_bytes
 
 
 class _CachedArgBlocks(torch.nn.Module):
@@ -564,9 +574,60 @@ def test_a_users_block_keeps_its_cache_argument_and_buffers():
     p = _recompute_everything(_CachedArgBlocks(), x, lambda out: out)
     vanilla, planned = _CachedArgBlocks(), _CachedArgBlocks()
     fewbit.convert_(planned, p)
+    saved = [saved_tensor_report(m, x, loss_fn=lambda o: o).saved_bytes for m in (vanilla, planned)]
+    assert saved[1] < 0.5 * saved[0]  # recomputed (a block given a cache= had kept everything)
+    vanilla, planned = _CachedArgBlocks(), _CachedArgBlocks()
+    fewbit.convert_(planned, p)
     for model in (vanilla, planned):
         model(x).backward()
     assert torch.equal(planned.blocks[0].calls, vanilla.blocks[0].calls) and int(vanilla.blocks[0].calls) == 1
+    for (name, a), b in zip(vanilla.named_parameters(), planned.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+class _ShiftBlock(torch.nn.Module):
+    """Reads its buffer, then updates it in place (a moving average), and counts its calls
+    by reassigning another."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(16, 64), torch.nn.Linear(64, 16)
+        self.register_buffer("shift", torch.zeros(64))
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        h = torch.nn.functional.gelu(self.fc1(x)) - self.shift
+        if self.training:
+            with torch.no_grad():
+                self.shift.mul_(0.5).add_(h.mean(0), alpha=0.5)
+            self.calls = self.calls + 1
+        return x + self.fc2(h)
+
+
+class _ShiftNet(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = torch.nn.ModuleList([_ShiftBlock() for _ in range(2)])
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x.pow(2).mean()
+
+
+def test_a_recomputation_starts_from_the_buffers_the_forward_started_from():
+    """A buffer read and then updated by the forward was recomputed from its updated value
+    (gradients 80 % off), and a reassigned counter counted twice."""
+    x = torch.randn(4, 16)
+    p = _recompute_everything(_ShiftNet(), x, lambda out: out)
+    vanilla, planned = _ShiftNet(), _ShiftNet()
+    fewbit.convert_(planned, p)
+    for _ in range(3):
+        for model in (vanilla, planned):
+            model(x).backward()
+    for (name, a), b in zip(vanilla.state_dict().items(), planned.state_dict().values()):
+        assert torch.equal(a, b), name
     for (name, a), b in zip(vanilla.named_parameters(), planned.parameters()):
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-7, msg=name)
 
