@@ -366,8 +366,17 @@ def forward_callable(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Ten
         return fn
     try:
         return _int_caller(fn)
-    except TypeError:  # an unhashable callable
-        return _int_caller.__wrapped__(fn)
+    except TypeError:  # an unhashable callable: by identity (a new wrapper per call grew the plan caches)
+        hit = _UNHASHABLE_CALLERS.get(id(fn))
+        if hit is None or hit[0] is not fn:
+            if len(_UNHASHABLE_CALLERS) >= 256:
+                _UNHASHABLE_CALLERS.pop(next(iter(_UNHASHABLE_CALLERS)))
+            hit = _UNHASHABLE_CALLERS[id(fn)] = (fn, _int_caller.__wrapped__(fn))
+        return hit[1]
+
+
+#: id -> (callable, wrapper) of unhashable user functions (the callable held: its id stays its own).
+_UNHASHABLE_CALLERS: dict[int, tuple] = {}
 
 
 def call_params(fn: Callable[..., torch.Tensor], params: Mapping[str, float]) -> dict[str, int | float]:

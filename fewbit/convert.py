@@ -913,7 +913,8 @@ class _ActivationModeExit:
             mode = modes.pop()
             if mode is not None:
                 mode.__exit__(None, None, None)
-                self.enter._popped(mode)
+                if sys.exc_info()[0] is None:  # a forward that raised proves nothing about its calls
+                    self.enter._popped(mode)
         return None
 
 
@@ -975,18 +976,20 @@ def _install_compression_hooks(
 
 
 def _install_activation_mode(model: nn.Module, config: Config, selected: _Selected,
-                             summary: ConversionSummary, earlier: list[tuple[nn.Module, int]] = ()) -> None:
+                             summary: ConversionSummary, earlier: list[tuple[str, nn.Module, int]] = ()) -> None:
     """Phase 2 of :func:`convert_` for activations called as functions: with
     ``activation_bits`` set and the root selected, the model's forward runs inside an
     :class:`fewbit._activation_calls.ActivationMode` (hooks removed first by
-    :func:`_install_compression_hooks`); otherwise (``activation_bits=None``, or a
-    ``filter_fn`` that leaves the root out) the calls stay as earlier conversions made them
-    (``earlier``: ``(module, bits)`` of their modes), as converted modules stay (the calls
-    had gone back to torch while the modules stayed few-bit)."""
+    :func:`_install_compression_hooks`). Earlier conversions' modes (``earlier``: ``(fqn,
+    module, bits)``) stay where this one changes nothing: all of them with
+    ``activation_bits=None`` or a root left out, those of modules ``filter_fn`` leaves out
+    otherwise (inner modes win for their module's calls), as converted modules stay (the
+    calls had gone back to torch, or to the root's bits, while the modules stayed as they were)."""
     if config.activation_bits is not None and selected(model, ""):
         modes = [(model, config.activation_bits)]
+        modes += [(m, bits) for fqn, m, bits in earlier if m is not model and not selected(m, fqn)]
     else:
-        modes = list(earlier)
+        modes = [(m, bits) for _, m, bits in earlier]
     for module, bits in modes:
         enter = _ActivationModeHook(bits)
         module.register_forward_pre_hook(enter)
@@ -1145,7 +1148,7 @@ def convert_(
     summary = ConversionSummary(model=model, config=config)
     if config.activation_bits is not None:
         _replace_activations(model, config.activation_bits, selected, summary)
-    earlier = [(m, h.bits) for m in model.modules() for h in m._forward_pre_hooks.values()
+    earlier = [(fqn, m, h.bits) for fqn, m in model.named_modules() for h in m._forward_pre_hooks.values()
                if isinstance(h, _ActivationModeHook)]  # earlier conversions' (of the model or a submodule)
     _install_compression_hooks(model, config, selected, summary)
     _install_activation_mode(model, config, selected, summary, earlier)

@@ -1006,6 +1006,63 @@ def test_functional_activations_of_a_converted_submodule_stay_with_activation_bi
     assert all(torch.equal(a, b) for a, b in zip(_weight_grads(model, x), before))
 
 
+class _FailingInner(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.fail = nn.Linear(16, 64), False
+
+    def forward(self, x):
+        h = self.a(x)
+        if self.fail:
+            raise torch.OutOfMemoryError("simulated")
+        return F.gelu(h)
+
+
+class _FailingOuter(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.enc, self.d = _FailingInner(), nn.Linear(64, 4)
+
+    def forward(self, x):
+        return self.d(F.silu(self.enc(x)))
+
+
+def _functional_bits_seen(model, x, monkeypatch):
+    import fewbit._activation_calls as calls
+
+    seen, run = [], calls.run
+    monkeypatch.setattr(calls, "run", lambda name, bound, bits: (seen.append((name, bits)), run(name, bound, bits))[1])
+    model(x).sum().backward()
+    monkeypatch.setattr(calls, "run", run)
+    return seen
+
+
+def test_functional_activation_mode_survives_forwards_that_raise(monkeypatch):
+    """Two forwards that raised before any activation call (an out-of-memory error caught
+    and retried) counted as forwards without such calls: the mode turned itself off and the
+    next step ran torch's activations."""
+    torch.manual_seed(0)
+    model, x = _FailingOuter(), torch.randn(8, 16)
+    convert_(model, Config(activation_bits=3))
+    assert _functional_bits_seen(model, x, monkeypatch) == [("gelu", 3), ("silu", 3)]
+    model.enc.fail = True
+    for _ in range(2):
+        with pytest.raises(torch.OutOfMemoryError):
+            model(x)
+    model.enc.fail = False
+    assert _functional_bits_seen(model, x, monkeypatch) == [("gelu", 3), ("silu", 3)]
+
+
+def test_a_submodule_left_out_by_filter_fn_keeps_its_functional_bits(monkeypatch):
+    """``convert_(m.enc, bits=4)`` then ``convert_(m, bits=2, filter_fn=not enc)``: the
+    module activations of ``enc`` stay at 4 bits, and its functional calls went to 2."""
+    torch.manual_seed(0)
+    model, x = _FailingOuter(), torch.randn(8, 16)
+    convert_(model.enc, Config(activation_bits=4))
+    convert_(model, Config(activation_bits=2), filter_fn=lambda m, fqn: not fqn.startswith("enc"))
+    assert _functional_bits_seen(model, x, monkeypatch) == [("gelu", 4), ("silu", 2)]
+
+
 def test_functional_activations_compile_fullgraph():
     """Under torch.compile the mode stands aside (no graph break): the compiled graph keeps
     torch's activations; the output is the eager model's."""

@@ -581,6 +581,40 @@ def test_user_function_with_an_int_argument(tmp_path, monkeypatch):
     assert fewbit.FewBitActivation(f"{__name__}:_tanh_series", params={"terms": 3}, bits=2)(x).shape == x.shape
 
 
+class _UnhashableSeries:
+    """A callable user activation that cannot be hashed (``__eq__`` without ``__hash__``)."""
+
+    def __eq__(self, other):
+        return isinstance(other, _UnhashableSeries)
+
+    def __call__(self, x, terms=2):
+        return _tanh_series(x, terms)
+
+
+_unhashable_series = _UnhashableSeries()
+
+
+def test_an_unhashable_user_function_with_an_int_argument_reuses_its_plan(tmp_path, monkeypatch):
+    """Its int-restoring wrapper was made anew at every call, and the pointwise plan cache,
+    keyed by the callable, grew by one plan a call."""
+    pytest.importorskip("fewbit.solver")
+    from fewbit.ops import _pointwise
+
+    monkeypatch.setenv("FEWBIT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setitem(FF.FIT_OPTIONS, "grid", 300)
+    x = torch.randn(64, requires_grad=True)
+    with pytest.warns(FF.TableFittedWarning):
+        FF.activation(x, f"{__name__}:_unhashable_series", bits=2)
+
+    def plans():
+        return sum(len(entry[1]) for entry in _pointwise._plans.values())
+
+    before = plans()
+    for _ in range(50):
+        FF.activation(x, f"{__name__}:_unhashable_series", bits=2).sum().backward()
+    assert plans() == before
+
+
 def test_repeated_gradient_calls_are_checked_like_the_first():
     """Gradient calls of a setting already resolved skip the resolution (fewbit.resolve.CALLS),
     not the checks: bad bits, another dtype or a non-float input still raise, and
