@@ -41,8 +41,9 @@ Granularity and options (:data:`DEFAULT_OPTIONS`, data-driven: :func:`get_option
   in-place error). A recomputed transformers layer in training gets no KV cache (as
   transformers' ``GradientCheckpointingLayer``; a ``RuntimeWarning`` says the cache stays
   empty); one given a cache holding earlier tokens, or asked for one in evaluation mode,
-  runs without recomputation (a ``RuntimeWarning`` too: ``use_cache=False`` keeps the plan). A block that changes its own input in place (a pre-activation
-  block's ``ReLU(inplace=True)``) cannot be recomputed from it: the profile offers it no
+  runs without recomputation (a ``RuntimeWarning`` too: ``use_cache=False`` keeps the
+  plan). A block that changes its own input in place (a pre-activation block's
+  ``ReLU(inplace=True)``) cannot be recomputed from it: the profile offers it no
   ``recompute``, and a plan that recomputes it raises at its forward.
 
 Cost model (seconds per training step, all measured by :func:`profile`): recomputing costs the
@@ -498,30 +499,31 @@ class _BlockBuffers:
 
     def __init__(self, block: nn.Module) -> None:
         self.block = block
-        learnt = vars(block).get(self._LEARNT)
-        self.slots = []  # (module, name, tensor at the forward's start, its version, copy or None)
-        for m in block.modules():
+        learnt = vars(block).get(self._LEARNT)  # {(module path in the block, buffer name)}: survives copies
+        self.slots = []  # (module, key, tensor at the forward's start, its version, copy or None)
+        for path, m in block.named_modules():
             for name, b in m._buffers.items():
                 if isinstance(b, torch.Tensor):
-                    copy_ = b.detach().clone() if learnt is None or (id(m), name) in learnt else None
-                    self.slots.append((m, name, b, b._version, copy_))
+                    copy_ = b.detach().clone() if learnt is None or (path, name) in learnt else None
+                    self.slots.append((m, (path, name), b, b._version, copy_))
         self.changed: list = []  # (module, name, tensor at the start, copy at the start, tensor at the end)
 
     def forward_done(self) -> None:
         learnt = set(vars(self.block).get(self._LEARNT) or ())
-        for m, name, b, version, copy_ in self.slots:
+        for m, key, b, version, copy_ in self.slots:
+            name = key[1]
             now = m._buffers.get(name)
             if now is b and b._version == version:
                 continue
             if copy_ is None and now is b:
                 raise RuntimeError(
-                    f"{type(self.block).__name__}'s forward changed its buffer {name!r} in place, which its "
-                    "earlier forwards did not: a block the plan recomputes is re-run from the buffers its forward "
-                    "started from, and those values are gone; plan the block without recompute")
+                    f"{type(self.block).__name__}'s forward changed its buffer {'.'.join(filter(None, key))!r} in "
+                    "place, which its earlier forwards did not: a block the plan recomputes is re-run from the "
+                    "buffers its forward started from, and those values are gone; plan the block without recompute")
             self.changed.append((m, name, b, copy_, now))
-            learnt.add((id(m), name))
+            learnt.add(key)
         vars(self.block)[self._LEARNT] = learnt
-        self.slots = [(m, name) for m, name, *_ in self.slots
+        self.slots = [(m, key[1]) for m, key, *_ in self.slots
                       if isinstance(m, nn.modules.batchnorm._NormBase) and m.training and m.track_running_stats]
 
     @contextlib.contextmanager
