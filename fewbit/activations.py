@@ -25,6 +25,7 @@ import inspect
 import math
 import numbers
 import struct
+import types
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
@@ -323,8 +324,22 @@ def import_callable(spec: str) -> Callable[..., torch.Tensor]:
     return obj
 
 
-def _number_defaults(fn: Callable[..., torch.Tensor]) -> dict[str, int | float]:
-    """``fn``'s arguments after the first whose defaults are numbers, with those defaults."""
+def _number_defaults(fn: Callable[..., torch.Tensor]) -> Mapping[str, int | float]:
+    """``fn``'s arguments after the first whose defaults are numbers, with those defaults
+    (read-only; read once per hashable callable: the forward of a function with an int
+    argument asks at every call)."""
+    try:
+        return _number_defaults_cached(fn)
+    except TypeError:  # an unhashable callable
+        return _read_number_defaults(fn)
+
+
+@functools.lru_cache(maxsize=256)
+def _number_defaults_cached(fn: Callable[..., torch.Tensor]) -> Mapping[str, int | float]:
+    return _read_number_defaults(fn)
+
+
+def _read_number_defaults(fn: Callable[..., torch.Tensor]) -> Mapping[str, int | float]:
     try:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):
@@ -336,7 +351,7 @@ def _number_defaults(fn: Callable[..., torch.Tensor]) -> dict[str, int | float]:
         d = p.default
         if isinstance(d, numbers.Real) and not isinstance(d, bool) and math.isfinite(float(d)):
             out[p.name] = d
-    return out
+    return types.MappingProxyType(out)
 
 
 def callable_params(fn: Callable[..., torch.Tensor]) -> dict[str, float]:

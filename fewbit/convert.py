@@ -93,8 +93,9 @@ import inspect
 import math
 import sys
 import threading
+import types
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -413,12 +414,18 @@ def _hf_mish(m: nn.Module, b: int) -> nn.Module | str:
     return fm.Mish(bits=b)
 
 
-def _hf_factories() -> tuple[dict[type, _Factory], tuple[type, ...]]:
+def _hf_factories() -> tuple[Mapping[type, _Factory], tuple[type, ...]]:
     """Factories for transformers.activations classes, if transformers is already imported
-    (a model holding such modules has imported it; fewbit never imports it itself)."""
-    acts = sys.modules.get("transformers.activations")
+    (a model holding such modules has imported it; fewbit never imports it itself); made
+    once per set of those modules (``fewbit.memory.is_activation_module`` asks per module)."""
+    return _hf_factories_of(sys.modules.get("transformers.activations"),
+                            sys.modules.get("transformers.models.bloom.modeling_bloom"))
+
+
+@functools.lru_cache(maxsize=8)
+def _hf_factories_of(acts, bloom) -> tuple[Mapping[type, _Factory], tuple[type, ...]]:
     if acts is None:
-        return {}, ()
+        return types.MappingProxyType({}), ()
     out: dict[type, _Factory] = {}
 
     def add(name: str, factory: _Factory) -> None:
@@ -435,12 +442,11 @@ def _hf_factories() -> tuple[dict[type, _Factory], tuple[type, ...]]:
     add("QuickGELUActivation", lambda m, b: fm.QuickGELU(bits=b))
     add("SiLUActivation", lambda m, b: fm.SiLU(bits=b))
     add("MishActivation", _hf_mish)
-    bloom = sys.modules.get("transformers.models.bloom.modeling_bloom")
     if bloom is not None and isinstance(getattr(bloom, "BloomGelu", None), type):
         # its forward is a custom autograd Function (GeLUFunction) of the same formula
         out[bloom.BloomGelu] = _formula("bloom_gelu")
     unsupported = tuple(c for c in (getattr(acts, n, None) for n in _HF_UNSUPPORTED) if isinstance(c, type))
-    return out, unsupported
+    return types.MappingProxyType(out), unsupported  # shared: read-only
 
 
 def _set_bits(m: nn.Module, bits: int) -> str | None:

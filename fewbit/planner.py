@@ -649,13 +649,13 @@ def _checkpointed_forward(state: _State, block: nn.Module, forward: Callable, ro
             warnings.warn(f"{type(block).__name__} was given a KV cache holding earlier tokens, so the plan "
                           "does not recompute it in this forward (it keeps what it saves); pass no cache to train",
                           RuntimeWarning, stacklevel=3)
-            return forward(*args, **kwargs) if root is None else _plain_forward(block, forward, root, *args, **kwargs)
+            return _plain_forward(block, forward, root, *args, **kwargs)
         if (caches or bound.arguments.get("use_cache")) and not block.training:
             # evaluation with grad that asks for the cache: the caller may continue from it
             warnings.warn(f"{type(block).__name__} is asked for a KV cache in evaluation mode, so the plan does "
                           "not recompute it (it keeps what it saves); pass use_cache=False to keep the plan's "
                           "memory", RuntimeWarning, stacklevel=3)
-            return forward(*args, **kwargs) if root is None else _plain_forward(block, forward, root, *args, **kwargs)
+            return _plain_forward(block, forward, root, *args, **kwargs)
         if caches or bound.arguments.get("use_cache"):
             # as transformers' GradientCheckpointingLayer in training: no cache (the recomputation
             # would write it a second time); the returned cache stays empty
@@ -677,7 +677,9 @@ def _checkpointed_forward(state: _State, block: nn.Module, forward: Callable, ro
     return checkpoint(run, *args, use_reentrant=False, **kwargs)
 
 
-def _plain_forward(block: nn.Module, forward: Callable, root: _GroupHook, *args, **kwargs):
+def _plain_forward(block: nn.Module, forward: Callable, root: _GroupHook | None, *args, **kwargs):
+    if root is None:  # a checkpointed block whose root keeps nothing itself
+        return forward(*args, **kwargs)
     root.pre(block, args)
     try:
         with resume_recording():  # a SavedTensorRecorder sees what the block's own forward saves

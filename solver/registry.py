@@ -26,7 +26,7 @@ import numpy as np
 from scipy import special
 
 from fewbit import activations as _acts
-from fewbit.activations import call_params, callable_params, import_callable, merge_params
+from fewbit.activations import callable_params, forward_callable, import_callable, merge_params
 
 __all__ = ["SolverFunction", "get", "names"]
 
@@ -382,6 +382,7 @@ def _from_registry(name: str) -> SolverFunction:
 def _load_user(spec: str) -> SolverFunction:
     fn = import_callable(spec)
     defaults = callable_params(fn)  # fn(input, a=1.5): parameter a, default 1.5
+    forward = forward_callable(fn)  # its int arguments as ints
 
     import torch
 
@@ -389,7 +390,7 @@ def _load_user(spec: str) -> SolverFunction:
         xt = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float64).reshape(-1))
         x0 = xt.clone()
         try:
-            y = fn(xt, **call_params(fn, p))
+            y = forward(xt, **p)
         except Exception as exc:
             raise ValueError(f"fn: {spec!r} failed on a float64 tensor ({type(exc).__name__}: {exc})") from None
         if not torch.equal(xt.nan_to_num(), x0.nan_to_num()):
@@ -414,7 +415,7 @@ def _load_user(spec: str) -> SolverFunction:
         xt = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float64).reshape(-1)).clone().requires_grad_(True)
         with torch.enable_grad():
             try:
-                y = fn(xt, **call_params(fn, p))
+                y = forward(xt, **p)
             except Exception as exc:
                 raise ValueError(f"fn: {spec!r} failed on a float64 tensor ({type(exc).__name__}: {exc})") from None
             if not isinstance(y, torch.Tensor) or tuple(y.shape) != tuple(xt.shape):

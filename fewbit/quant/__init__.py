@@ -241,14 +241,19 @@ class _NoiseStream:
                 entry[0] = self._base(torch_seed)
             return self._next(entry)
         with self.lock:
-            entry = self.streams.get(torch_seed)
-            if entry is None:
-                entry = self.streams[torch_seed] = [self._base(torch_seed), 0]
-                while len(self.streams) > self.MAX_STREAMS:
-                    self.streams.popitem(last=False)
-            else:
-                self.streams.move_to_end(torch_seed)
-            return self._next(entry)
+            return self._next(self._stream(torch_seed))
+
+    def _stream(self, torch_seed: int) -> list:
+        """The ``[base, count]`` of ``torch_seed``'s stream, made now if it is not yet (the
+        least recently used dropped past :attr:`MAX_STREAMS`); the caller holds the lock."""
+        entry = self.streams.get(torch_seed)
+        if entry is None:
+            entry = self.streams[torch_seed] = [self._base(torch_seed), 0]
+            while len(self.streams) > self.MAX_STREAMS:
+                self.streams.popitem(last=False)
+        else:
+            self.streams.move_to_end(torch_seed)
+        return entry
 
     def reset(self) -> None:
         with self.lock:
@@ -258,11 +263,8 @@ class _NoiseStream:
         """Skip ``n`` draws of the stream of torch's current seed (made now if it is not yet):
         ``scripts/train_lm.py --noise-draw`` trains with other compression noise and the same
         initialisation, data order and dropout masks."""
-        torch_seed = torch.initial_seed() & _MASK64
         with self.lock:
-            entry = self.streams.get(torch_seed)
-            if entry is None:
-                entry = self.streams[torch_seed] = [self._base(torch_seed), 0]
+            entry = self._stream(torch.initial_seed() & _MASK64)
             entry[1] = (entry[1] + n) & _MASK64
 
     def snapshot(self) -> list[list[int]]:
