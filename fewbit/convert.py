@@ -170,6 +170,16 @@ class Config:
             ``labels`` are passed) with the exact chunked linear + cross-entropy of
             :func:`fewbit.losses.patch_causal_lm_`, so the logits are never saved for
             backward (docs/compression.md §5). Converting again with ``False`` undoes it.
+        warmup_steps: training steps (optimizer steps) compressed at ``warmup_bits`` before
+            ``saved_bits`` (or GACT, whose ``adapt`` re-plans start then) take over, an
+            integer >= 0; 0 (default): no warm-up. Needs ``saved_bits``. More bits early keep
+            a 2-bit run off the long early loss plateau that a GPT-2 seed in twelve stayed on
+            (4 bits for 100 steps: README "Training"); the run's peak memory is the
+            warm-up's. Steps are counted by :class:`fewbit.quant.policies.WarmupPolicy`
+            (``step()`` of any ``torch.optim`` optimizer after a compressed forward).
+        warmup_bits: bits per element during the warm-up, more than ``saved_bits`` (with
+            ``saved_bits="auto"``: more than ``average_bits``), one of 1, 2, 4, 8 (Adacc: 2,
+            4, 8); default 4.
 
     Raises:
         ValueError: naming the field, for any value outside the ranges above.
@@ -186,6 +196,8 @@ class Config:
     adapt_interval: int = 1000
     noise_norm: str = "relative"
     fused_cross_entropy: bool = False
+    warmup_steps: int = 0
+    warmup_bits: int = 4
 
     def __post_init__(self) -> None:
         if self.activation_bits is not None:
@@ -230,6 +242,7 @@ class Config:
         object.__setattr__(self, "min_numel", check_positive_int(self.min_numel, "min_numel", minimum=0))
         object.__setattr__(self, "stochastic", check_bool(self.stochastic, "stochastic"))
         object.__setattr__(self, "fused_cross_entropy", check_bool(self.fused_cross_entropy, "fused_cross_entropy"))
+        self._check_warmup()
         layers = self.layers
         if isinstance(layers, str):
             layers = (layers,)
@@ -247,6 +260,28 @@ class Config:
         else:
             layers = tuple(k for k in LAYER_KINDS if k in layers)  # canonical order, no repeats
         object.__setattr__(self, "layers", layers)
+
+    def _check_warmup(self) -> None:
+        steps = check_positive_int(self.warmup_steps, "warmup_steps", minimum=0)
+        object.__setattr__(self, "warmup_steps", steps)
+        if not steps:
+            if self.warmup_bits != self.__dataclass_fields__["warmup_bits"].default:  # given for nothing
+                raise ValueError(f"warmup_bits is only used with warmup_steps >= 1, got warmup_bits="
+                                 f"{self.warmup_bits!r} with warmup_steps=0")
+            return
+        if self.saved_bits is None:
+            raise ValueError("warmup_steps is only used with saved_bits set (1, 2, 4, 8 or 'auto'), got "
+                             f"warmup_steps={steps} with saved_bits=None")
+        from fewbit.quant import SUPPORTED_BITS
+
+        allowed = (2, 4, 8) if self.compressor == "adacc" else SUPPORTED_BITS
+        bits = check_bits(self.warmup_bits, "warmup_bits", allowed)
+        after = self.average_bits if self.saved_bits == "auto" else self.saved_bits
+        if bits <= after:
+            what = "average_bits" if self.saved_bits == "auto" else "saved_bits"
+            raise ValueError(f"warmup_bits must be more than {what} (a warm-up keeps more bits than the run), "
+                             f"got warmup_bits={bits} with {what}={after:g}")
+        object.__setattr__(self, "warmup_bits", bits)
 
 
 @dataclass
@@ -744,19 +779,24 @@ class _SharedCompressor:
 def _policy(c: Config):
     """The per-tensor policy for ``c`` (fewbit.quant.policies; fewbit.quant.gact)."""
     from fewbit.quant.compressors import get_compressor
-    from fewbit.quant.policies import AdaccPolicy, FixedPolicy, fallback_compressor
+    from fewbit.quant.policies import AdaccPolicy, FixedPolicy, WarmupPolicy, fallback_compressor
+
+    def fixed(bits: int):  # c's compressor at ``bits``
+        if c.compressor == "adacc":
+            return AdaccPolicy(bits, group_size=c.group_size)
+        if c.compressor == "division":  # 1-D tensors: the group quantizer at the same bits
+            division = get_compressor("division", bits=bits)
+            return FixedPolicy(division, fallback_compressor(division, group_size=c.group_size, stochastic=c.stochastic))
+        return FixedPolicy(get_compressor("group", bits=bits, group_size=c.group_size, stochastic=c.stochastic))
 
     if c.saved_bits == "auto":
         from fewbit.quant.gact import GACTPolicy
 
-        return GACTPolicy(c.average_bits, adapt_interval=c.adapt_interval, noise_norm=c.noise_norm,
-                          group_size=c.group_size, stochastic=c.stochastic)
-    if c.compressor == "adacc":
-        return AdaccPolicy(c.saved_bits, group_size=c.group_size)
-    if c.compressor == "division":  # 1-D tensors: the group quantizer at the same bits
-        division = get_compressor("division", bits=c.saved_bits)
-        return FixedPolicy(division, fallback_compressor(division, group_size=c.group_size, stochastic=c.stochastic))
-    return FixedPolicy(get_compressor("group", bits=c.saved_bits, group_size=c.group_size, stochastic=c.stochastic))
+        policy = GACTPolicy(c.average_bits, adapt_interval=c.adapt_interval, noise_norm=c.noise_norm,
+                            group_size=c.group_size, stochastic=c.stochastic)
+    else:
+        policy = fixed(c.saved_bits)
+    return WarmupPolicy(fixed(c.warmup_bits), policy, c.warmup_steps) if c.warmup_steps else policy
 
 
 class _StepHook:

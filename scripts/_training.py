@@ -14,8 +14,8 @@ Each script keeps its model, its data and its defaults; everything else lives he
     tensor quantized to 4 (2) bits (docs/method.md §7; ``+quant2`` is the uniform baseline of
     ``gact2``);
   - ``fewbit3+quant2+warm4``: the same at 4 bits for the first :data:`WARM_STEPS` training
-    steps, then at 2 bits (two ``fewbit.convert_`` calls; the README's remedy for 2-bit runs
-    that stay on the early plateau; the run's peak is the 4-bit one);
+    steps, then at 2 bits (``Config(warmup_steps=WARM_STEPS, warmup_bits=4)``; the README's
+    remedy for 2-bit runs that stay on the early plateau; the run's peak is the 4-bit one);
 
 - seeding and building a model for a (variant, seed) (:func:`prepare_model`);
 - the AdamW loop with warm-up + cosine learning rate, exact saved-bytes counting, the
@@ -29,7 +29,6 @@ Each script keeps its model, its data and its defaults; everything else lives he
 from __future__ import annotations
 
 import argparse
-import contextlib
 import csv
 import math
 import os
@@ -57,12 +56,11 @@ NOISE_DRAW_STRIDE = 100_000
 _POLICY_VARIANTS = {
     "gact2": {"saved_bits": "auto", "average_bits": 2},
     "gact4": {"saved_bits": "auto", "average_bits": 4},
+    "fewbit3+quant2+warm4": {"saved_bits": 2, "warmup_steps": WARM_STEPS, "warmup_bits": 4},
     "division": {"saved_bits": 2, "compressor": "division"},
     "adacc": {"saved_bits": 4, "compressor": "adacc"},
 }
 CSV_FIELDS = ("step", "train_loss", "val_loss", "accuracy", "step_time_s", "peak_saved_bytes")
-
-StepContext = Callable[[], contextlib.AbstractContextManager]
 
 
 @dataclass(frozen=True)
@@ -152,17 +150,16 @@ def check_variant(variant: str) -> str:
     return variant
 
 
-def apply_variant(model: nn.Module, variant: str, *, group_size: int = 256) -> StepContext:
-    """Convert ``model`` in place for ``variant``; return a factory of the per-step context.
+def apply_variant(model: nn.Module, variant: str, *, group_size: int = 256) -> None:
+    """Convert ``model`` in place for ``variant``.
 
     ``fewbitB``: ``fewbit.convert_(model, Config(activation_bits=B))``; ``fewbit3+quantQ``:
     ``Config(activation_bits=3, saved_bits=Q)`` (linear/conv/norm/attention saved tensors
     group-quantized); ``gact2``/``gact4``: ``Config(activation_bits=3, saved_bits="auto",
     average_bits=2/4)`` (:func:`train_loop` calls ``adapt`` before each step); ``division``:
     ``saved_bits=2, compressor="division"``; ``adacc``: ``saved_bits=4, compressor="adacc"``; ``actnn2``: activation modules wrapped in
-    :class:`QuantizedSavedActivation` (inputs kept at 2 bits); ``fewbit3+quant2+warm4``: ``saved_bits=4``,
-    then ``saved_bits=2`` from training step ``WARM_STEPS + 1`` on. The returned context (entered around
-    each training forward) converts ``fewbit3+quant2+warm4`` at that step; a no-op for the other variants.
+    :class:`QuantizedSavedActivation` (inputs kept at 2 bits); ``fewbit3+quant2+warm4``: ``saved_bits=2,
+    warmup_steps=WARM_STEPS, warmup_bits=4``.
 
     ``group_size`` goes to ``Config(group_size=...)`` (and to the actnn2 wrappers): the
     group quantizer's elements per (min, scale) pair; variants without one ignore it.
@@ -172,56 +169,42 @@ def apply_variant(model: nn.Module, variant: str, *, group_size: int = 256) -> S
         RuntimeError: if a fewbit variant finds no activation to convert.
     """
     check_variant(variant)
-    null = contextlib.nullcontext
     if variant == "vanilla":
-        return null
+        return
     if variant == "actnn2":
         n = _replace_activations(model, lambda m: QuantizedSavedActivation(m, bits=2, group_size=group_size))
         if n == 0:
             raise RuntimeError("actnn2: the model has no activation module")
-        return null
+        return
     import fewbit
 
     if variant in _POLICY_VARIANTS:
         fewbit.convert_(model, fewbit.Config(activation_bits=3, group_size=group_size, **_POLICY_VARIANTS[variant]))
-        return null
-    if variant == "fewbit3+quant2+warm4":
-        fewbit.convert_(model, fewbit.Config(activation_bits=3, saved_bits=4, group_size=group_size))
-        steps = [0]
-
-        def warm():  # entered around each training forward (train_loop)
-            steps[0] += 1
-            if steps[0] == WARM_STEPS + 1:
-                fewbit.convert_(model, fewbit.Config(activation_bits=3, saved_bits=2, group_size=group_size))
-            return contextlib.nullcontext()
-
-        return warm
+        return
     bits = int(variant[len("fewbit")])
     saved_bits = int(variant[-1]) if "+quant" in variant else None
     summary = fewbit.convert_(model, fewbit.Config(activation_bits=bits, saved_bits=saved_bits, group_size=group_size))
     if not summary.replaced:
         raise RuntimeError(f"{variant}: fewbit.convert_ replaced no activation")
-    return null
 
 
 def prepare_model(
     variant: str, seed: int, build_model: Callable[[], nn.Module], device: str | torch.device = "cpu",
     *, group_size: int = 256, noise_draw: int = 0,
-) -> tuple[nn.Module, StepContext]:
+) -> nn.Module:
     """Seed torch's generator with ``seed``, build the model on ``device`` and convert it
-    for ``variant`` (with ``group_size``); return the model and its per-step context (see
-    :func:`apply_variant`). ``noise_draw`` K > 0: skip K · :data:`NOISE_DRAW_STRIDE` draws of
+    for ``variant`` (with ``group_size``, :func:`apply_variant`); return the model. ``noise_draw`` K > 0: skip K · :data:`NOISE_DRAW_STRIDE` draws of
     fewbit's noise stream for ``seed``, so the run compresses with other rounding noise and
     the same initialisation, data order and dropout masks (0: the stream as it is)."""
     check_variant(variant)
     torch.manual_seed(seed)
     model = build_model().to(torch.device(device))
-    step_ctx = apply_variant(model, variant, group_size=group_size)
+    apply_variant(model, variant, group_size=group_size)
     if noise_draw:
         from fewbit.quant import _noise_stream
 
         _noise_stream.advance(noise_draw * NOISE_DRAW_STRIDE)
-    return model, step_ctx
+    return model
 
 
 # ---------------------------------------------------------------------------------------
@@ -249,7 +232,6 @@ def write_csv(path: Path, rows: list[dict]) -> None:
 
 def train_loop(
     model: nn.Module,
-    step_ctx: StepContext,
     task: Task,
     *,
     steps: int,
@@ -292,7 +274,7 @@ def train_loop(
         rec.reset()
         if comp is not None:  # GACT re-plans when due (doubling gaps), noise weighed by AdamW's moments; others: no-op
             comp.adapt(model, lambda: task.forward_loss(model, x, y), opt)
-        with step_ctx(), rec:
+        with rec:
             loss = task.forward_loss(model, x, y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -339,12 +321,12 @@ def train_variant(
     """Train one (variant, seed): :func:`prepare_model`, then :func:`train_loop` with the
     keyword arguments ``loop`` (``steps``, ``lr``, ``warmup``, ``eval_every``) and a progress
     bar titled ``"<kind> <variant> seed <seed>"`` if ``progress``; return the CSV rows."""
-    model, step_ctx = prepare_model(variant, seed, build_model, device, group_size=group_size, noise_draw=noise_draw)
+    model = prepare_model(variant, seed, build_model, device, group_size=group_size, noise_draw=noise_draw)
     if torch.device(device).type == "cpu" and variant != "vanilla":  # step times of the numba kernels from step 1
         from fewbit.ops import load_cpu_kernels
 
         load_cpu_kernels()
-    return train_loop(model, step_ctx, task, progress=f"{kind} {variant} seed {seed}" if progress else None, **loop)
+    return train_loop(model, task, progress=f"{kind} {variant} seed {seed}" if progress else None, **loop)
 
 
 # ---------------------------------------------------------------------------------------

@@ -97,7 +97,7 @@ def test_main_job_times_steps_interleaved_after_warm_up(monkeypatch):
     real = main_job.train_lm.apply_variant
 
     def spy_apply(model, variant):
-        ctx = real(model, variant)
+        real(model, variant)
         fwd = model.forward
 
         def forward(*a, **k):
@@ -105,7 +105,6 @@ def test_main_job_times_steps_interleaved_after_warm_up(monkeypatch):
             return fwd(*a, **k)
 
         model.forward = forward
-        return ctx
 
     monkeypatch.setattr(main_job.train_lm, "apply_variant", spy_apply)
     times = main_job.time_steps(("vanilla", "fewbit3"), sizes, data, warmup=2, rounds=4)

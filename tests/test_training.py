@@ -251,23 +251,17 @@ def test_main_job_quick(tmp_path):
         assert (tmp_path / name).exists(), name
 
 
-def test_warm4_variant_goes_to_2_bits_after_its_warm_steps(monkeypatch):
+def test_warm4_variant_is_the_config_warm_up():
     """``fewbit3+quant2+warm4`` (the README's remedy for a 2-bit run stuck on the early
-    plateau): 4 bits for the first ``WARM_STEPS`` training forwards, 2 bits after."""
+    plateau): ``Config(saved_bits=2, warmup_steps=WARM_STEPS, warmup_bits=4)``."""
     import _training
     from fewbit.convert import compressor_of
+    from fewbit.quant.policies import WarmupPolicy
 
-    monkeypatch.setattr(_training, "WARM_STEPS", 3)
-    model, ctx = _training.prepare_model("fewbit3+quant2+warm4", 0, lambda: train_lm.build_lm(1, 32, 2, 32))
-
-    def bits():
-        return compressor_of(model).policy.compressor.bits
-
-    for _ in range(3):
-        with ctx():
-            assert bits() == 4
-    with ctx():
-        assert bits() == 2
+    model = _training.prepare_model("fewbit3+quant2+warm4", 0, lambda: train_lm.build_lm(1, 32, 2, 32))
+    policy = compressor_of(model).policy
+    assert isinstance(policy, WarmupPolicy) and policy.steps == _training.WARM_STEPS == 100
+    assert (policy.warm.default.bits, policy.policy.default.bits) == (4, 2)
 
 
 def test_noise_draw_changes_the_compression_noise_only():

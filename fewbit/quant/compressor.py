@@ -475,10 +475,16 @@ class ActivationCompressor:
 
     # passes and policies -------------------------------------------------------------
     def step(self) -> None:
-        """Start a pass: the next tensor taken gets index 0 and :attr:`records` is emptied."""
+        """Start a pass: the next tensor taken gets index 0 and :attr:`records` is emptied;
+        :attr:`compressor` follows the policy's ``default`` (a
+        :class:`~fewbit.quant.policies.WarmupPolicy` changes it after its warm-up)."""
         self._index = 0
         self._ordinals = {}
         self.records = {}
+        default = self.policy.default
+        if default is not self._default:
+            self._default = self.compressor = default
+            self.bits = getattr(default, "bits", self.bits)
 
     def adapt(self, model: torch.nn.Module, closure,
               optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None) -> bool:
