@@ -106,7 +106,7 @@ from fewbit import modules as fm
 from fewbit._checks import check_bits, check_bool, check_noise_norm, check_positive_int
 from fewbit._saved import under_checkpoint
 from fewbit.activations import ACTIVATIONS, get_activation
-from fewbit.losses import _PATCH_ATTR, logit_transform
+from fewbit.losses import _PATCH_ATTR, fused_loss_refusal
 from fewbit.ops._pointwise import _transforms_active
 
 __all__ = ["Config", "ConversionSummary", "convert_", "LAYER_KINDS", "layer_kind"]
@@ -1097,12 +1097,11 @@ def _check_arguments(model: Any, config: Any, bits: Any, filter_fn: Any) -> Conf
     if config.fused_cross_entropy and not _is_causal_lm(model):
         raise ValueError(f"fused_cross_entropy=True needs a Hugging Face *ForCausalLM model, got "
                          f"{type(model).__name__}")
-    if config.fused_cross_entropy and (transform := logit_transform(model)) is not None:
-        raise ValueError(f"fused_cross_entropy=True: model ({type(model).__name__}) transforms its logits before "
-                         f"the loss ({transform}); the fused loss would not match it")
     if config.fused_cross_entropy and not vars(model).get(_FUSED_CE_ATTR) and hasattr(model, _PATCH_ATTR):
         raise ValueError(f"fused_cross_entropy=True: model ({type(model).__name__}) is already patched by "
                          "fewbit.losses.patch_causal_lm_; call unpatch_causal_lm_ first")
+    if config.fused_cross_entropy and (refusal := fused_loss_refusal(model)) is not None:
+        raise ValueError(f"fused_cross_entropy=True: {refusal}")
     if filter_fn is not None and not callable(filter_fn):
         raise TypeError(f"filter_fn must be callable(module, fqn) -> bool or None, got {type(filter_fn).__name__}")
     return config

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +32,7 @@ from fewbit.ops._pointwise import _transforms_active
 __all__ = [
     "linear_cross_entropy",
     "linear_cross_entropy_reference",
+    "fused_loss_refusal",
     "logit_transform",
     "patch_causal_lm_",
     "unpatch_causal_lm_",
@@ -255,7 +257,7 @@ def _check_args(input, weight, target, bias, ignore_index, reduction, label_smoo
                              f"got shape {tuple(bias.shape)} and dtype {bias.dtype}")
     if not isinstance(target, torch.Tensor) or target.dtype != torch.int64:
         what = f"dtype {target.dtype}" if isinstance(target, torch.Tensor) else type(target).__name__
-        raise ValueError(f"target must be an int64 tensor of class indices, got {what}")
+        raise ValueError(f"target must be an int64 (or uint8) tensor of class indices, got {what}")
     if target.shape != input.shape[:-1]:
         raise ValueError(f"target must have shape input.shape[:-1] = {tuple(input.shape[:-1])}, "
                          f"got {tuple(target.shape)}")
@@ -327,7 +329,8 @@ def linear_cross_entropy(
     Args:
         input: (..., H) floating tensor (float16, bfloat16, float32, float64).
         weight: (V, H), ``input``'s dtype.
-        target: ``input.shape[:-1]``, int64 class indices in [0, V) or ``ignore_index``.
+        target: ``input.shape[:-1]``, int64 (or uint8, as torch's) class indices in [0, V)
+            or ``ignore_index``.
         bias: (V,) or None, ``input``'s dtype.
         ignore_index: target value that contributes neither loss nor gradient; ``"mean"``
             averages over the other tokens (all ignored: NaN, as torch).
@@ -351,7 +354,7 @@ def linear_cross_entropy(
         RuntimeError: in a double backward (``create_graph=True``).
 
     Under ``torch.autocast``, ``input``, ``weight`` and ``bias`` are cast to the autocast
-    dtype first, as ``F.linear`` would be. Under ``torch.func`` transforms (``grad``,
+    dtype first, as ``F.linear`` would be (float64 tensors are not cast, as there). Under ``torch.func`` transforms (``grad``,
     ``vmap``, ``jacrev``: per-sample gradients) the unfused computation runs, in the same
     dtypes (the logits are materialised there).
 
@@ -369,8 +372,14 @@ def linear_cross_entropy(
         raise ValueError(f"input must be on a cpu or cuda device (the loss is computed there), got {input.device}")
     if torch.is_autocast_enabled(device_type) and isinstance(input, torch.Tensor):
         dtype = torch.get_autocast_dtype(device_type)
-        input, weight = input.to(dtype), weight.to(dtype) if isinstance(weight, torch.Tensor) else weight
-        bias = bias.to(dtype) if isinstance(bias, torch.Tensor) else bias
+
+        def cast(t):  # autocast's rule: floating tensors but float64 (F.linear leaves those)
+            eligible = isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64
+            return t.to(dtype) if eligible else t
+
+        input, weight, bias = cast(input), cast(weight), cast(bias)
+    if isinstance(target, torch.Tensor) and target.dtype == torch.uint8:  # torch takes Long or Byte
+        target = target.long()
     _check_args(input, weight, target, bias, ignore_index, reduction, label_smoothing, chunk_size,
                 grad_in_forward)
     v, h = weight.shape
@@ -415,7 +424,7 @@ class _Patch:
     had_loss_function: bool
     previous_loss_function: Any
     handles: list = field(default_factory=list)
-    active: list = field(default_factory=list)  # per running forward: labels given?
+    active: list = field(default_factory=list)  # per running forward: [labels given?, fused loss computed?]
     hidden: torch.Tensor | None = None  # what lm_head returned instead of the logits
     hidden_version: int | None = 0  # its version counter then (an in-place change moves it)
     hidden_copy: torch.Tensor | None = None  # an inference tensor's copy (it has no version counter)
@@ -461,7 +470,7 @@ class _HeadForward:
 
     def __call__(self, hidden_states: torch.Tensor) -> torch.Tensor:
         patch = self.patch
-        if patch.active and patch.active[-1]:
+        if patch.active and patch.active[-1][0]:
             patch.hidden = hidden_states
             if hidden_states.is_inference():  # no version counter: a copy to compare with instead
                 patch.hidden_version, patch.hidden_copy = None, hidden_states.clone()
@@ -495,7 +504,8 @@ class _LossFunction:
     def __call__(self, logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100,
                  shift_labels=None, **kwargs):
         patch = self.patch
-        if patch.active and patch.active[-1]:
+        if patch.active and patch.active[-1][0]:
+            patch.active[-1][1] = True
             if logits is None or logits is not patch.hidden or _changed(logits, patch):
                 # a transform between the head and the loss, also one in place (Chameleon's
                 # masked image tokens, xLSTM's soft cap in eval mode): it acted on the hidden
@@ -530,7 +540,13 @@ class _PreHook:
                 f"{type(module).__name__}'s output embedding was replaced after "
                 "fewbit.losses.patch_causal_lm_; call fewbit.losses.unpatch_causal_lm_(model) before "
                 "replacing it and patch the model again after")
-        patch.active.append(labels is not None)
+        if labels is not None and not isinstance(vars(module).get("_loss_function"), _LossFunction):
+            # the user's loss would get the hidden states as logits
+            raise RuntimeError(
+                f"{type(module).__name__}'s loss_function was replaced after fewbit.losses.patch_causal_lm_; "
+                "call fewbit.losses.unpatch_causal_lm_(model) (fewbit.Config(fused_cross_entropy=False)) to "
+                "use your own loss: the fused loss computes transformers' ForCausalLMLoss only")
+        patch.active.append([labels is not None, False])
 
 
 class _PostHook:
@@ -543,10 +559,18 @@ class _PostHook:
         patch = self.patch
         if not patch.active:
             return None
-        active = patch.active.pop()
-        hidden, patch.hidden, patch.hidden_copy = patch.hidden, None, None  # the copy also when the loss raised
+        (active, computed), hidden = patch.active.pop(), patch.hidden
+        patch.hidden, patch.hidden_copy = None, None  # the copy also when the loss raised
         if not active or hidden is None:
             return None
+        if not computed and sys.exc_info()[0] is None:
+            # the head gave the hidden states, and the forward computed its loss from them
+            # otherwise than through self.loss_function: whatever it returned is wrong
+            raise RuntimeError(
+                f"{type(module).__name__}'s forward ran its lm_head with labels but did not compute its loss "
+                "with self.loss_function, so the fused cross-entropy could not compute it and the loss it "
+                "returned was computed from the hidden states; call fewbit.losses.unpatch_causal_lm_(model) "
+                "(fewbit.Config(fused_cross_entropy=False))")
         if isinstance(output, tuple):
             return tuple(o for o in output if o is not hidden)
         if getattr(output, "logits", None) is hidden:
@@ -583,6 +607,50 @@ def logit_transform(model: nn.Module) -> str | None:
     return None
 
 
+def fused_loss_refusal(model: nn.Module) -> str | None:
+    """Why :func:`patch_causal_lm_` cannot compute ``model``'s loss exactly, or None if it can.
+
+    It can when ``model`` is a transformers model whose forward takes ``labels`` and computes
+    its loss as ``self.loss_function(self.lm_head(hidden), labels, ...)``, with
+    ``model.get_output_embeddings()`` a plain ``nn.Linear`` (a subclass whose own ``forward``
+    would be skipped is refused: DoryForCausalLM's head scales its logits), the loss function
+    transformers' ``ForCausalLMLoss`` (not one set by the user, nor another loss type: a
+    masked-LM loss has no shift), a forward that calls ``self.loss_function`` (BART's,
+    Whisper's, Marian's ``*ForCausalLM`` compute the cross-entropy inline), and no logit
+    transform named by its config (:func:`logit_transform`). A model patched already is
+    judged by the loss function it had before."""
+    name = type(model).__name__
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) and isinstance(model, nn.Module) else None
+    if not isinstance(head, nn.Linear) or not hasattr(model, "loss_function") or not hasattr(model, "config"):
+        return (f"model must be a transformers *ForCausalLM model with a Linear output embedding and a "
+                f"loss_function, got {name}")
+    if type(head).forward is not nn.Linear.forward and not isinstance(vars(head).get("forward"), _HeadForward):
+        return (f"model ({name})'s output embedding is a {type(head).__name__}, whose forward is not "
+                "nn.Linear's: the fused loss, which takes its weight and bias only, would skip it")
+    signature = _forward_signature(type(model))
+    if signature is None or "labels" not in signature.parameters:
+        return f"model ({name}).forward takes no 'labels' argument"
+    code = getattr(inspect.unwrap(type(model).forward), "__code__", None)
+    if code is None or "loss_function" not in code.co_names:
+        return (f"model ({name}).forward does not compute its loss with self.loss_function (it computes the "
+                "cross-entropy itself), so the fused loss cannot take its place")
+    patch = getattr(model, _PATCH_ATTR, None)
+    loss_function = patch.fallback if patch is not None else model.loss_function
+    try:
+        from transformers.loss.loss_utils import ForCausalLMLoss
+    except ImportError:  # not a transformers model then
+        return f"model ({name}) is not a transformers model (transformers' ForCausalLMLoss is not importable)"
+    if loss_function is not ForCausalLMLoss:
+        what = getattr(loss_function, "__name__", type(loss_function).__name__)
+        return (f"model ({name})'s loss_function is {what}, not transformers' ForCausalLMLoss, which is the "
+                "loss the fused cross-entropy computes")
+    transform = logit_transform(model)
+    if transform is not None:
+        return f"model ({name}) transforms its logits before the loss ({transform}); the fused loss would not match it"
+    return None
+
+
 def patch_causal_lm_(model: nn.Module, *, chunk_size: int | None = None, grad_in_forward: bool = False) -> nn.Module:
     """Make a Hugging Face ``*ForCausalLM`` model compute its loss with :func:`linear_cross_entropy`.
 
@@ -614,10 +682,14 @@ def patch_causal_lm_(model: nn.Module, *, chunk_size: int | None = None, grad_in
         ``model``.
 
     Raises:
-        ValueError: ``model`` is not such a model, is already patched, or transforms its
-            logits; ``chunk_size`` or ``grad_in_forward`` is invalid.
+        ValueError: ``model`` is not such a model (:func:`fused_loss_refusal` says why: a
+            head whose class has its own forward, a loss function other than
+            ``ForCausalLMLoss``, a loss computed without ``self.loss_function``, logits
+            transformed before the loss), or is already patched; ``chunk_size`` or
+            ``grad_in_forward`` is invalid.
         RuntimeError: at a forward with labels, if the model's loss function was given
-            something other than the head's output.
+            something other than the head's output, was replaced after patching, or was
+            not called.
 
     Example:
         >>> import torch, transformers, fewbit
@@ -631,22 +703,14 @@ def patch_causal_lm_(model: nn.Module, *, chunk_size: int | None = None, grad_in
         raise ValueError(f"model must be a transformers *ForCausalLM model, got {type(model).__name__}")
     if hasattr(model, _PATCH_ATTR):
         raise ValueError(f"model ({type(model).__name__}) is already patched; call unpatch_causal_lm_ first")
-    get_head = getattr(model, "get_output_embeddings", None)
-    head = get_head() if callable(get_head) else None
-    if not isinstance(head, nn.Linear) or not hasattr(model, "loss_function") or not hasattr(model, "config"):
-        raise ValueError(f"model must be a transformers *ForCausalLM model with a Linear output embedding "
-                         f"and a loss_function, got {type(model).__name__}")
-    transform = logit_transform(model)
-    if transform is not None:
-        raise ValueError(f"model ({type(model).__name__}) transforms its logits before the loss "
-                         f"({transform}); the fused loss would not match it")
+    refusal = fused_loss_refusal(model)
+    if refusal is not None:
+        raise ValueError(refusal)
     if chunk_size is not None:
         check_positive_int(chunk_size, "chunk_size")
     if not isinstance(grad_in_forward, bool):
         raise ValueError(f"grad_in_forward must be True or False, got {grad_in_forward!r}")
-    signature = _forward_signature(type(model))
-    if signature is None or "labels" not in signature.parameters:
-        raise ValueError(f"model ({type(model).__name__}).forward takes no 'labels' argument")
+    head = model.get_output_embeddings()
 
     had = "_loss_function" in vars(model)
     patch = _Patch(head=head, chunk_size=chunk_size, grad_in_forward=grad_in_forward,
@@ -665,7 +729,8 @@ def patch_causal_lm_(model: nn.Module, *, chunk_size: int | None = None, grad_in
 
 
 def unpatch_causal_lm_(model: nn.Module) -> nn.Module:
-    """Undo :func:`patch_causal_lm_` in place: the head's forward, the loss function, the hooks.
+    """Undo :func:`patch_causal_lm_` in place: the head's forward, the loss function (unless
+    one was set since: it stays), the hooks.
 
     Raises:
         ValueError: ``model`` was not patched.
@@ -677,7 +742,9 @@ def unpatch_causal_lm_(model: nn.Module) -> nn.Module:
         handle.remove()
     if "forward" in vars(patch.head):
         del patch.head.forward
-    if patch.had_loss_function:
+    if not isinstance(vars(model).get("_loss_function"), _LossFunction):
+        pass  # the user set a loss function of their own since: theirs stays
+    elif patch.had_loss_function:
         model._loss_function = patch.previous_loss_function
     else:
         del model._loss_function

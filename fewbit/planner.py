@@ -95,7 +95,7 @@ from fewbit._checks import check_positive_int, is_int
 from fewbit._blocks import find_blocks
 from fewbit._saved import keep, unpack
 from fewbit.convert import _is_causal_lm, layer_kind, normalization_size
-from fewbit.losses import _PATCH_ATTR, _TransformedLogits, logit_transform
+from fewbit.losses import _PATCH_ATTR, _TransformedLogits, fused_loss_refusal
 from fewbit.memory import resume_recording
 from fewbit.ops._pointwise import _transforms_active
 
@@ -1096,9 +1096,11 @@ def profile(
         optimizer: one of :data:`OPTIMIZER_STATES` (static memory of its state).
         fused_cross_entropy: compute a Hugging Face ``*ForCausalLM``'s loss with
             :func:`fewbit.losses.patch_causal_lm_` (no saved logits); ``None``: when the model
-            is one, ``example_batch`` has ``labels``, its config names no transform of
-            the logits (:func:`fewbit.losses.logit_transform`) and its forward changes none
-            between ``lm_head`` and the loss (checked on the profiled step).
+            is one, ``example_batch`` has ``labels``, the fused loss can compute its loss
+            (:func:`fewbit.losses.fused_loss_refusal`: no transform of the logits named by
+            its config, ``ForCausalLMLoss`` called by its forward, a plain Linear head) and
+            its forward changes no logits between ``lm_head`` and the loss (checked on the
+            profiled step).
         group_size, min_numel: of the group quantizer (:class:`fewbit.quant.ActivationCompressor`).
         repeats: timed steps (after one warm-up), >= 1.
 
@@ -1146,8 +1148,8 @@ def _profile(model, example_batch, loss_fn, options, optimizer, fused_cross_entr
     loss_fn = loss_fn or _default_loss
     has_labels = isinstance(example_batch, Mapping) and example_batch.get("labels") is not None
     fused_by_default = fused_cross_entropy is None
-    if fused_by_default:  # not for a model that transforms its logits (Gemma 2's soft cap)
-        fused_cross_entropy = _is_causal_lm(model) and has_labels and logit_transform(model) is None
+    if fused_by_default:  # not for a model whose loss it cannot compute (Gemma 2's soft cap, BART's inline loss)
+        fused_cross_entropy = _is_causal_lm(model) and has_labels and fused_loss_refusal(model) is None
     elif fused_cross_entropy and not _is_causal_lm(model):
         raise ValueError(f"fused_cross_entropy=True needs a Hugging Face *ForCausalLM model, got {type(model).__name__}")
     blocks = find_blocks(model)

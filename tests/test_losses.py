@@ -223,8 +223,8 @@ def test_double_backward_raises():
         (dict(weight=torch.zeros(V, H + 1)), ValueError, r"weight must have shape \(V, H\) with H = input"),
         (dict(weight=torch.zeros(V, H, dtype=torch.float32)), ValueError, "weight must have the dtype of input"),
         (dict(bias=torch.zeros(V + 1, dtype=torch.float64)), ValueError, r"bias must have shape \(V,\)"),
-        (dict(target=torch.zeros(N, dtype=torch.int32)), ValueError, "target must be an int64 tensor"),
-        (dict(target=torch.zeros(N, V)), ValueError, "target must be an int64 tensor"),
+        (dict(target=torch.zeros(N, dtype=torch.int32)), ValueError, "target must be an int64 \\(or uint8\\) tensor"),
+        (dict(target=torch.zeros(N, V)), ValueError, "target must be an int64 \\(or uint8\\) tensor"),
         (dict(target=torch.zeros(N + 1, dtype=torch.int64)), ValueError, r"target must have shape input.shape\[:-1\]"),
         (dict(target=torch.full((N,), V)), ValueError, rf"target must be in \[0, {V - 1}\] or ignore_index .*got {V}"),
         (dict(target=torch.full((N,), -1)), ValueError, r"target must be in .*got -1"),
@@ -264,6 +264,21 @@ def test_autocast_casts_like_linear():
     for a, r in zip(gm, gr):
         assert a.dtype == r.dtype == torch.float32
         torch.testing.assert_close(a, r, rtol=2e-2, atol=2e-3)
+
+
+def test_autocast_leaves_float64_as_linear_does():
+    """torch's autocast casts no float64 tensor (F.linear stays float64); the fused loss had
+    cast them to bfloat16 (loss 6.0701 against 6.0752)."""
+    x, w, b, t = _data(torch.float64)
+    x, w, b = (a.requires_grad_() for a in (x, w, b))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        mine = linear_cross_entropy(x, w, t, b, chunk_size=10)
+        ref = F.cross_entropy(F.linear(x, w, b), t)
+    assert mine.dtype == ref.dtype == torch.float64
+    _assert_close(_run(linear_cross_entropy, x, w, b, t, torch.float64),
+                  _run(lambda *a: F.cross_entropy(F.linear(a[0], a[1], a[3]), a[2]), x, w, b, t, torch.float64),
+                  torch.float64)
+    torch.testing.assert_close(mine, ref, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.slow
@@ -503,6 +518,97 @@ def test_patch_causal_lm_refusals():
         patch_causal_lm_(capped)
     with pytest.raises(ValueError, match="chunk_size must be an integer >= 1"):
         patch_causal_lm_(_gpt2(), chunk_size=0)
+
+
+def test_uint8_targets_as_torch():
+    x, w, b, t = _data(torch.float64, ignored=())
+    torch.testing.assert_close(linear_cross_entropy(x, w, t.to(torch.uint8), b, chunk_size=7),
+                               F.cross_entropy(F.linear(x, w, b), t.to(torch.uint8)), rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="int64 \\(or uint8\\) tensor"):
+        linear_cross_entropy(x, w, t.int(), b)
+
+
+def test_patch_causal_lm_refuses_a_head_with_its_own_forward():
+    """A Linear subclass whose forward does more (DoryForCausalLM's head scales the logits by
+    a parameter): the fused loss takes only its weight and bias, so it would skip the scale
+    and the scale would stop training."""
+    class ScaledHead(torch.nn.Linear):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            self.logit_scale = torch.nn.Parameter(torch.ones(()))
+
+        def forward(self, x):
+            return super().forward(x) * self.logit_scale
+
+    class PlainSubclass(torch.nn.Linear):
+        pass
+
+    model = _untied_gpt2()
+    model.lm_head = ScaledHead(32, 97, bias=False)
+    with pytest.raises(ValueError, match="ScaledHead, whose forward is not nn.Linear's"):
+        patch_causal_lm_(model)
+    with pytest.raises(ValueError, match="ScaledHead"):
+        fewbit.convert_(model, fewbit.Config(activation_bits=None, fused_cross_entropy=True))
+    assert fewbit.losses.fused_loss_refusal(model) is not None
+    model.lm_head = PlainSubclass(32, 97, bias=False)
+    assert fewbit.losses.fused_loss_refusal(model) is None
+
+
+def test_patch_causal_lm_refuses_a_loss_other_than_causal_lm():
+    """A loss function the user set (label smoothing, z-loss) or another loss type (a
+    masked-LM loss has no shift) is not the loss the fused cross-entropy computes: refused
+    before patching; replaced after patching, an error at the next forward with labels
+    (the user's loss had got the hidden states as logits)."""
+    def smoothed(logits, labels, vocab_size, **kwargs):
+        return F.cross_entropy(logits[:, :-1].reshape(-1, vocab_size).float(), labels[:, 1:].reshape(-1),
+                               label_smoothing=0.2)
+
+    model = _gpt2()
+    model.loss_function = smoothed
+    with pytest.raises(ValueError, match="loss_function is smoothed, not transformers' ForCausalLMLoss"):
+        patch_causal_lm_(model)
+    masked = _gpt2()
+    masked.loss_type = "ForMaskedLM"
+    with pytest.raises(ValueError, match="ForMaskedLMLoss"):
+        fewbit.convert_(masked, fewbit.Config(activation_bits=None, fused_cross_entropy=True))
+    model = patch_causal_lm_(_gpt2())
+    ids = torch.randint(0, 97, (2, 8))
+    model.loss_function = smoothed
+    with pytest.raises(RuntimeError, match="loss_function was replaced after fewbit.losses.patch_causal_lm_"):
+        model(input_ids=ids, labels=ids)
+    assert model(input_ids=ids).logits.shape == (2, 8, 97)
+    unpatch_causal_lm_(model)
+    plain = _gpt2()
+    plain.load_state_dict(model.state_dict())
+    plain.loss_function = smoothed
+    torch.testing.assert_close(model(input_ids=ids, labels=ids).loss, plain(input_ids=ids, labels=ids).loss)
+
+
+def test_patch_causal_lm_refuses_a_loss_computed_inline():
+    """BART's, Marian's, Whisper's ``*ForCausalLM`` compute the cross-entropy themselves:
+    with the head returning hidden states their loss was silently wrong (or a shape error).
+    Refused when the forward never names ``self.loss_function``; a forward that names it but
+    computes the loss otherwise raises at the forward."""
+    bart = transformers.BartForCausalLM(transformers.BartConfig(
+        vocab_size=64, d_model=64, decoder_layers=1, decoder_attention_heads=2, decoder_ffn_dim=64,
+        encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=64, max_position_embeddings=32))
+    with pytest.raises(ValueError, match="does not compute its loss with self.loss_function"):
+        fewbit.convert_(bart, fewbit.Config(activation_bits=None, fused_cross_entropy=True))
+
+    class Inline(transformers.GPT2LMHeadModel):
+        def forward(self, input_ids=None, labels=None, **kwargs):
+            out = super().forward(input_ids=input_ids, **kwargs)
+            if labels is None:
+                return out
+            unused = self.loss_function if labels.ndim > 2 else None  # noqa: F841 (named, not called)
+            loss = F.cross_entropy(out.logits[:, :-1].reshape(-1, out.logits.shape[-1]), labels[:, 1:].reshape(-1))
+            return transformers.modeling_outputs.CausalLMOutput(loss=loss, logits=out.logits)
+
+    model = patch_causal_lm_(Inline(_gpt2().config))
+    ids = torch.randint(0, 32, (2, 8))
+    with pytest.raises(RuntimeError, match="did not compute its loss with self.loss_function"):
+        model(input_ids=ids, labels=ids)
+    assert model(input_ids=ids).logits.shape == (2, 8, 97)
 
 
 def test_patch_causal_lm_refuses_transformed_logits():
