@@ -82,8 +82,15 @@ def under_checkpoint() -> bool:
     (:class:`fewbit.quant.mode.CompressionMode`), so the forward and its recomputation save
     alike, whatever converted modules enclose the checkpoint.
     """
+    return checkpoint_hooks() is not None
+
+
+def checkpoint_hooks() -> tuple | None:
+    """The innermost saved-tensor hooks if they are ``torch.utils.checkpoint``'s (looked
+    through a :class:`fewbit.memory.SavedTensorRecorder`'s), else None: which checkpoint
+    runs (``fewbit.plan`` tells its own recomputation from a user's checkpoint by them)."""
     top = torch._C._autograd._top_saved_tensors_default_hooks(False)
     while top is not None and hasattr(top[0], "inner"):
         top = top[0].inner
-    return top is not None and getattr(top[0], "__module__", None) == "torch.utils.checkpoint"
+    return top if top is not None and getattr(top[0], "__module__", None) == "torch.utils.checkpoint" else None
 

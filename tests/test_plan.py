@@ -444,6 +444,61 @@ def test_recompute_gradients_exact(prof, batch):
         assert rep.saved_bytes < rep0.saved_bytes
 
 
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_plan_stands_aside_under_the_users_gradient_checkpointing(prof, batch, use_reentrant):
+    """Under Hugging Face's gradient checkpointing the checkpoint drops and recomputes what
+    its layers save: the plan's group hooks on top of it had kept it (a planned GPT-2 saved
+    more than the checkpointed vanilla model), and inside a reentrant recomputation in
+    backward they only added noise. A keep/recompute plan stays exact."""
+    kwargs = {"gradient_checkpointing_kwargs": {"use_reentrant": use_reentrant}}
+    ref = make_model(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    ref.gradient_checkpointing_enable(**kwargs)
+    rep0, g0 = measured(ref, batch)
+    for choice, default in (({"ln_2": "recompute", "mlp.c_fc": "recompute"}, "keep"), ({}, "quant2")):
+        p = choices_plan(prof, choice, default)
+        model = make_model(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        fewbit.convert_(model, p)
+        model.gradient_checkpointing_enable(**kwargs)
+        rep, g = measured(model, batch)
+        assert rep.saved_bytes <= rep0.saved_bytes, choice
+        assert rep.loss == pytest.approx(rep0.loss, rel=1e-6)
+        for n in g0:  # the checkpointed blocks are exact (quant2 applies outside them only)
+            if n.startswith("transformer.h.") or default == "keep":
+                torch.testing.assert_close(g[n], g0[n], rtol=1e-5, atol=1e-6, msg=n)
+
+
+def test_recomputed_block_uses_the_parameters_its_forward_used(prof, batch):
+    """torch.func.functional_call's fast weights (MAML) and a parameter reassigned between
+    forward and backward: the recomputation ran with the weights the block held at backward
+    (gradients 0.53 of their norm off); it now runs with those of its forward, as the
+    unplanned model's saved tensors are."""
+    p = choices_plan(prof, {}, "recompute")
+    ref = make_model(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    model = make_model(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    fewbit.convert_(model, p)
+
+    def fast_weight_grads(m):
+        params = {n: t.detach().requires_grad_() for n, t in m.named_parameters()}
+        fast = {n: t * 1.5 for n, t in params.items()}
+        loss = torch.func.functional_call(m, fast, (), batch).loss
+        return torch.autograd.grad(loss, list(params.values()))
+
+    for a, b in zip(fast_weight_grads(model), fast_weight_grads(ref)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+    def reassigned_grads(m):
+        loss = m(**batch).loss
+        old = m.transformer.h[0].mlp.c_fc.weight
+        m.transformer.h[0].mlp.c_fc.weight = torch.nn.Parameter(old.detach() * 3.0)
+        loss.backward()
+        grads = [old.grad] + [q.grad for n, q in m.named_parameters() if n != "transformer.h.0.mlp.c_fc.weight"]
+        m.zero_grad(set_to_none=True)
+        return grads
+
+    for a, b in zip(reassigned_grads(model), reassigned_grads(ref)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 def _recompute_everything(model, batch, loss_fn=None) -> fewbit.Plan:
     """A plan of ``model`` whose every group recomputes (its profile's own, not solved)."""
     prof = planner.profile(model, batch, loss_fn=loss_fn, options=("keep", "recompute"), repeats=1)
