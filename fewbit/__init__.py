@@ -31,6 +31,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "functional": ("fewbit.functional", None),
     **{name: ("fewbit.modules", name) for name in _MODULE_CLASSES},
     # Model conversion
+    "convert": ("fewbit.convert", None),
     "Config": ("fewbit.convert", "Config"),
     "convert_": ("fewbit.convert", "convert_"),
     "ConversionSummary": ("fewbit.convert", "ConversionSummary"),
@@ -40,6 +41,8 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "manual_seed": ("fewbit.quant", "manual_seed"),
     "get_rng_state": ("fewbit.quant", "get_rng_state"),
     "set_rng_state": ("fewbit.quant", "set_rng_state"),
+    # Kernels (fewbit.ops.load_cpu_kernels)
+    "ops": ("fewbit.ops", None),
     # Memory report
     "memory": ("fewbit.memory", None),
     # Fused linear + cross-entropy for language-model heads
@@ -58,11 +61,11 @@ __all__ = [
     # functional API and modules
     "functional", *_MODULE_CLASSES,
     # conversion
-    "Config", "convert_", "ConversionSummary",
+    "convert", "Config", "convert_", "ConversionSummary",
     # saved-tensor compression
     "quant", "compress_activations", "manual_seed", "get_rng_state", "set_rng_state",
-    # reporting
-    "memory",
+    # kernels, reporting
+    "ops", "memory",
     # losses
     "losses", "linear_cross_entropy",
     # planner

@@ -140,3 +140,20 @@ def test_cli_imports_user_function_from_current_directory(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "No module named" not in proc.stderr
     assert json.loads((tmp_path / "my_act.json").read_text())["name"] == "mypkg.acts:my_act"
+
+
+def test_documented_submodules_reachable_from_a_fresh_import():
+    """The README writes ``fewbit.convert.compressor_of(model)`` and
+    ``fewbit.ops.load_cpu_kernels()``: in a fresh process ``fewbit.convert`` raised
+    AttributeError until something else had imported it."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    names = sorted(set(re.findall(r"\bfewbit\.([a-z_]+)\.[A-Za-z_]+", readme)))
+    assert "convert" in names and "ops" in names
+    code = "import fewbit\n" + "".join(f"fewbit.{n}\n" for n in names)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
