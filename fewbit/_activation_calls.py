@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from fewbit.activations import checked_params
+from fewbit.ops._pointwise import _compiling_or_recording
 
 __all__ = ["ARGS", "STEPWISE_NAMES", "CALLS", "SIGNATURES", "Signature", "bind", "plain_input", "run", "ActivationMode"]
 
@@ -201,7 +202,7 @@ class ActivationMode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         hit = CALLS.get(func)
-        if hit is None or torch.compiler.is_compiling() or not torch.is_grad_enabled():
+        if hit is None or _compiling_or_recording() or not torch.is_grad_enabled():
             return func(*args, **kwargs)
         self.hits += 1
         bound = bind(func, args, kwargs)

@@ -107,7 +107,7 @@ from fewbit._checks import check_bits, check_bool, check_noise_norm, check_posit
 from fewbit._saved import under_checkpoint
 from fewbit.activations import ACTIVATIONS, get_activation
 from fewbit.losses import _PATCH_ATTR, fused_loss_refusal
-from fewbit.ops._pointwise import _transforms_active
+from fewbit.ops._pointwise import _compiling_or_recording, _transforms_active
 
 __all__ = ["Config", "ConversionSummary", "convert_", "LAYER_KINDS", "layer_kind"]
 
@@ -808,7 +808,7 @@ class _StepHook:
 
     def __call__(self, module: nn.Module, args: Any) -> None:
         self.shared.root_depth += 1
-        if not self.shared.compressor.active and not torch.compiler.is_compiling():
+        if not self.shared.compressor.active and not _compiling_or_recording():
             self.shared.compressor.step()
             self.shared.pass_fqns = None
         return None
@@ -838,7 +838,7 @@ class _EnterHook:
         self.kind = kind
 
     def __call__(self, module: nn.Module, args: Any) -> None:
-        if not torch.is_grad_enabled() or torch.compiler.is_compiling() or _checkpointed() or _transforms_active():
+        if not torch.is_grad_enabled() or _compiling_or_recording() or _checkpointed() or _transforms_active():
             # under torch.func (grad, vmap, jacrev: per-sample gradients) saved-tensor hooks
             # are refused by torch: what is saved stays exact there
             return None
@@ -920,7 +920,7 @@ class _ActivationModeHook:
         self.__init__(state["bits"])
 
     def __call__(self, module: nn.Module, args: Any) -> None:
-        if torch.compiler.is_compiling():
+        if _compiling_or_recording():
             return None
         if not hasattr(self._local, "modes"):
             self._local.modes = []
@@ -955,7 +955,7 @@ class _ActivationModeExit:
 
     def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
         modes = getattr(self.enter._local, "modes", None)
-        if modes and not torch.compiler.is_compiling():
+        if modes and not _compiling_or_recording():
             mode = modes.pop()
             if mode is not None:
                 mode.__exit__(None, None, None)

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from fewbit._checks import check_bits, check_float_tensor
-from fewbit.ops._pointwise import _apply, _apply_planned, _plan, _transforms_active
+from fewbit.ops._pointwise import _apply, _apply_planned, _plan, _recording_program, _transforms_active
 from fewbit.resolve import CALLS as _CALLS
 from fewbit.resolve import (  # noqa: F401  (re-exported: public names, and private ones tests use)
     FIT_OPTIONS,
@@ -131,8 +131,9 @@ def _registry(
     bits = check_bits(bits)
     f = _resolve_fn(name)
     full = f.full_params(params)
-    if sparse or not _needs_grad(input):
-        return torch_call()  # sparse: torch's function and gradient (no codes for them)
+    if sparse or not _needs_grad(input) or _recording_program():
+        # sparse: torch's function and gradient (no codes for them); torch.jit.trace, torch.export
+        return torch_call()
     table = table_for(f, bits, full, input.dtype)
     if key is not None and not torch.compiler.is_compiling() and not _transforms_active():
         plan = _plan(table, f.op_name, full, input.dtype, input.device, f.forward)

@@ -97,7 +97,7 @@ from fewbit._saved import checkpoint_hooks, keep, unpack
 from fewbit.convert import _is_causal_lm, layer_kind, normalization_size
 from fewbit.losses import _PATCH_ATTR, _TransformedLogits, fused_loss_refusal
 from fewbit.memory import resume_recording
-from fewbit.ops._pointwise import _transforms_active
+from fewbit.ops._pointwise import _compiling_or_recording, _recording_program, _transforms_active
 
 __all__ = [
     "Option",
@@ -397,7 +397,7 @@ class _GroupHook:
 
     def pre(self, module, args):
         o = self.option
-        if not torch.is_grad_enabled() or torch.compiler.is_compiling() or _transforms_active():
+        if not torch.is_grad_enabled() or _compiling_or_recording() or _transforms_active():
             # as convert_'s hooks: nothing is saved without grad, and a torch-function mode
             # would turn off torch's inference fast paths (nn.TransformerEncoderLayer's nested
             # tensors then fail outside them); a compiled graph saves its own tensors; torch.func
@@ -674,7 +674,8 @@ def _checkpointed_forward(state: _State, block: nn.Module, forward: Callable, ro
             buffers[0].forward_done()
         return out
 
-    if not torch.is_grad_enabled() or _transforms_active():  # torch.func refuses checkpoint's hooks
+    if not torch.is_grad_enabled() or _transforms_active() or _recording_program():
+        # torch.func refuses checkpoint's hooks; a recorded program runs the block as it is
         return forward(*args, **kwargs)
     if _users_checkpoint(state):  # under a user's checkpoint: it recomputes the block
         return forward(*args, **kwargs)

@@ -1406,3 +1406,39 @@ def test_two_threads_in_one_compressor_raise():
     assert len(errors) == 1 and "in use by another thread" in errors[0] and "DistributedDataParallel" in errors[0]
     model(torch.randn(4, 16)).sum().backward()  # alone again: fine
     assert not comp.active
+
+
+_RECORD = r"""
+import sys, torch
+from torch import nn
+import fewbit
+torch.manual_seed(0)
+vanilla = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.LayerNorm(32), nn.SiLU(), nn.Linear(32, 4))
+model = nn.Sequential(*[m for m in __import__("copy").deepcopy(vanilla)])
+fewbit.convert_(model, fewbit.Config(saved_bits=2, min_numel=0))
+assert type(model[1]).__module__.startswith("fewbit")
+x = torch.randn(8, 16)
+if sys.argv[1] == "trace":
+    program = torch.jit.trace(model, (x,))
+    ops = str(program.inlined_graph)
+    y = program(x)
+else:
+    program = torch.export.export(model, (x,))
+    ops = str(program.graph)
+    y = program.module()(x)
+assert "fewbit::" not in ops and "aten::gelu" in ops.replace("aten.gelu", "aten::gelu"), ops
+torch.testing.assert_close(y, vanilla(x), rtol=0, atol=0)
+print("OK")
+"""
+
+
+@pytest.mark.parametrize("how", ["trace", "export"])
+def test_a_converted_model_records_torchs_functions(how):
+    """``torch.jit.trace`` of a converted model crashed the process (SIGSEGV) and
+    ``torch.export.export`` failed in a fresh process (data-dependent probes of fewbit's
+    table set-up): a recorded program now holds torch's functions, outputs bit for bit."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", _RECORD, how], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("OK"), (r.returncode, r.stderr[-3000:])

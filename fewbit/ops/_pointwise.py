@@ -167,6 +167,20 @@ def _setting_for_trace(fn: str, params: tuple, table: Table, dtype: torch.dtype,
 _ARE_TRANSFORMS_ACTIVE = getattr(torch._C, "_are_functorch_transforms_active", None)
 
 
+def _recording_program() -> bool:
+    """Whether ``torch.jit.trace`` or ``torch.export`` records a program of the forward: then
+    fewbit's activations run torch's own function and its hooks stand aside (a program for
+    deployment; the few-bit backward saves memory in training, and tracing it crashed
+    ``torch.jit.trace`` and failed ``torch.export`` in a fresh process)."""
+    return torch.jit.is_tracing() or torch.compiler.is_exporting()
+
+
+def _compiling_or_recording() -> bool:
+    """``torch.compile`` (or ``torch.export``) traces, or ``torch.jit.trace`` records: hooks
+    that push saved-tensor hooks or torch-function modes stand aside."""
+    return torch.compiler.is_compiling() or torch.jit.is_tracing()
+
+
 def _transforms_active() -> bool:
     """Whether a torch.func transform (grad, vmap, ...) is running; True if unknown."""
     return True if _ARE_TRANSFORMS_ACTIVE is None else bool(_ARE_TRANSFORMS_ACTIVE())
@@ -418,7 +432,7 @@ def _apply(
     what ``fn`` names and ``full`` its parameters with defaults filled in, ``table``
     matches them. :mod:`fewbit.functional` calls this after its own checks, so that a
     call checks its input and resolves its function once."""
-    if not (torch.is_grad_enabled() and input.requires_grad):
+    if not (torch.is_grad_enabled() and input.requires_grad) or _recording_program():
         y = torch_fn(input, **full)
         if inplace:
             return input.copy_(y)
@@ -452,7 +466,7 @@ def _apply_planned(
     :class:`_Plan` the caller already has (:mod:`fewbit.functional` keeps it per setting,
     device included): the eager node at once, or :func:`_apply` under torch.compile or a
     torch.func transform."""
-    if torch.compiler.is_compiling() or _transforms_active():
+    if _compiling_or_recording() or _transforms_active():
         return _apply(input, table, fn, torch_fn, full, inplace)
     if inplace:
         _check_inplace(input)
