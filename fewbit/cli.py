@@ -178,6 +178,10 @@ def _check_domain(ctx: click.Context, param: click.Parameter, value: Any) -> tup
         raise click.BadParameter(f"ends must be finite, got {a} {b}", ctx, param)
     if not a < b:
         raise click.BadParameter(f"needs A < B, got A={a} B={b}", ctx, param)
+    if not math.isfinite(b - a):
+        raise click.BadParameter(f"the width B - A must be finite, got A={a} B={b}", ctx, param)
+    if b - a < 1e-9 * max(1.0, abs(a), abs(b)):  # a grid over it would repeat points
+        raise click.BadParameter(f"needs a width B - A >= 1e-9 of max(1, |A|, |B|), got A={a!r} B={b!r}", ctx, param)
     return float(a), float(b)
 
 
@@ -258,7 +262,10 @@ def _resolve(name: str, params: Mapping[str, float]) -> tuple[str, dict[str, flo
         click.ClickException: unknown name (with close matches) or bad parameters.
     """
     if _is_user_function(name):
-        return name, dict(params), None
+        from fewbit.resolve import resolve_fn
+
+        with _LibraryErrors():  # its number defaults left out, as its table file names them
+            return name, resolve_fn(name).table_params(params), None
     from fewbit.activations import non_default_params, table_activation
 
     with _LibraryErrors():
@@ -345,10 +352,15 @@ def _check_writable(path: Path, force: bool) -> None:
         click.ClickException: the path is a directory, exists without ``--force``, or its
             directory is missing or not writable.
     """
-    if path.is_dir():
-        raise click.ClickException(f"output path {path} is a directory")
-    if (path.exists() or path.is_symlink()) and not force:  # a dangling link is a file the user has
-        raise click.ClickException(f"output file {path} exists; pass --force to overwrite it")
+    try:
+        if path.is_dir():
+            raise click.ClickException(f"output path {path} is a directory")
+        if path.exists() and not path.is_file():  # a FIFO or a device (/dev/null) would be replaced by a file
+            raise click.ClickException(f"output path {path} is not a regular file")
+        if (path.exists() or path.is_symlink()) and not force:  # a dangling link is a file the user has
+            raise click.ClickException(f"output file {path} exists; pass --force to overwrite it")
+    except OSError as exc:  # a name too long for the file system
+        raise click.ClickException(f"cannot write {path}: {exc.strerror or exc}") from None
     path = Path(os.path.realpath(path))  # written through a symbolic link (fewbit.table.atomic_output)
     directory = path.parent if str(path.parent) else Path(".")
     if not directory.is_dir():
@@ -558,9 +570,15 @@ def fit_cmd(name, bits, domain, weight, grid, symmetric, params, output, force, 
     """
     from fewbit.table import table_filename, write_tables
 
+    cname, nd_params, act = _resolve(name, params)
+    if act is not None and act.stepwise and (domain is not None or weight != "uniform" or grid is not None):
+        # its table is exact (1 bit, borders at the steps): the fit takes none of them
+        given = [opt for opt, v in (("--domain", domain), ("--weight", weight != "uniform" or None),
+                                     ("--grid", grid)) if v is not None]
+        raise click.ClickException(f"{cname} is stepwise: its table is exact, with no fit over a domain, so "
+                                   f"{', '.join(given)} cannot apply")
     bits = bits or DEFAULT_BITS
     domain = domain or DEFAULT_DOMAIN
-    cname, nd_params, act = _resolve(name, params)
     path = output if output is not None else Path(table_filename(cname, nd_params))
     _check_writable(path, force)
     tables = _run_fit(cname, bits, domain=domain, weight=weight, grid=grid, symmetric=symmetric,
@@ -582,7 +600,10 @@ def fit_cmd(name, bits, domain, weight, grid, symmetric, params, output, force, 
         click.echo(f"{weighted} = integral of (f' - q)^2 w dx over {dom}, the objective the fit minimised")
         click.echo(f"error (w = 1) = integral of (f' - q)^2 dx over {dom}, as `fewbit error` reports it")
     try:
-        write_tables(path, tables.values())
+        write_tables(path, tables.values(), overwrite=force)
+    except FileExistsError:
+        raise click.ClickException(f"output file {path} was created while fitting; pass --force to overwrite "
+                                   "it") from None
     except OSError as exc:
         raise click.ClickException(f"cannot write {path}: {exc.strerror or exc}") from None
     click.echo(f"wrote {path}")
@@ -782,8 +803,12 @@ def plot_cmd(name, bits, params, table_path, xlim, output, force) -> None:
     path = output if output is not None else Path(f"{cname.replace(':', '--')}.png")
     fmt = _image_format(path)
     _check_writable(path, force)
-    with _LibraryErrors(f"cannot plot {cname}: "):
-        _plot(cname, act, nd_params, chosen, xlim, path, fmt)
+    try:
+        with _LibraryErrors(f"cannot plot {cname}: "):
+            _plot(cname, act, nd_params, chosen, xlim, path, fmt, overwrite=force)
+    except FileExistsError:
+        raise click.ClickException(f"output file {path} was created while plotting; pass --force to overwrite "
+                                   "it") from None
     click.echo(f"wrote {path}" + (f" ({note[2:]})" if note else ""))
 
 
@@ -801,7 +826,7 @@ def _image_format(path: Path) -> str:
 
 
 def _plot(name: str, act: Any, params: Mapping[str, float], tables: Mapping[int, Table],
-          xlim: tuple[float, float] | None, path: Path, fmt: str = "png") -> None:
+          xlim: tuple[float, float] | None, path: Path, fmt: str = "png", *, overwrite: bool = True) -> None:
     import numpy as np
 
     from fewbit.solver import registry
@@ -850,7 +875,7 @@ def _plot(name: str, act: Any, params: Mapping[str, float], tables: Mapping[int,
     ax_err.set_xlim(lo, hi)
     ax_err.legend(loc="best", fontsize=8, ncol=min(len(tables), 4), framealpha=0.9)
     try:
-        with atomic_output(path, suffix=f".{fmt}") as tmp:
+        with atomic_output(path, suffix=f".{fmt}", overwrite=overwrite) as tmp:
             fig.savefig(tmp, dpi=120, format=fmt)
     finally:
         plt.close(fig)

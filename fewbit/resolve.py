@@ -35,11 +35,13 @@ import dataclasses
 import importlib
 import math
 import os
+import re
 import threading
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Mapping, Union
 
+import filelock
 import torch
 
 from fewbit import _traced
@@ -328,11 +330,15 @@ def _set_aside(path: Path, exc: Exception) -> str:
             os.link(path, aside, follow_symlinks=False)
         except FileExistsError:
             continue
+        except FileNotFoundError:  # another process (a DDP rank starting alike) moved it aside first
+            return f"; the unreadable cache file was moved aside by another process ({exc})"
         except OSError as err:  # no hard links on this file system: check, then rename
             if os.path.lexists(aside):
                 continue
             try:
                 os.rename(path, aside)
+            except FileNotFoundError:
+                return f"; the unreadable cache file was moved aside by another process ({exc})"
             except OSError as err2:
                 raise TableFormatError(
                     f"{path}: unreadable cached table ({exc}) and it cannot be moved aside ({err2}); delete it"
@@ -340,6 +346,8 @@ def _set_aside(path: Path, exc: Exception) -> str:
             return f"; the unreadable cache file was moved to {aside} ({exc})"
         try:
             os.unlink(path)
+        except FileNotFoundError:  # another process removed it meanwhile
+            pass
         except OSError as err:
             raise TableFormatError(
                 f"{path}: unreadable cached table ({exc}); a copy is at {aside} but it cannot be "
@@ -413,8 +421,48 @@ def _check_asymptotes(f: ResolvedFn, params: dict[str, float],
 
 
 #: Points (float64, over :data:`FIT_OPTIONS`' domain) where a user function's derivative is
-#: sampled for its cache file's fingerprint (:func:`_cache_path`).
-_FINGERPRINT_POINTS = 129
+#: sampled for its cache file's fingerprint (:func:`_cache_path`): 0.005 apart on the
+#: default domain (at 129 points, 0.156 apart, a kink moved from 0 to 0.1 was not seen).
+_FINGERPRINT_POINTS = 4097
+
+
+def _code_digest(obj: Any, depth: int = 0) -> str:
+    """A digest of a user callable's Python code: its bytecode, constants (nested functions'
+    code too), names, defaults and closure values; ``""`` for what has none (a C function).
+    Any edit of the function's own source moves it, also one between the sampled points."""
+    import hashlib
+
+    fn = getattr(obj, "__func__", obj)
+    if not hasattr(fn, "__code__") and callable(obj) and not isinstance(obj, type):
+        fn = getattr(type(obj).__call__, "__func__", type(obj).__call__)  # a callable object
+    code = getattr(fn, "__code__", None)
+    if code is None or depth > 4:
+        return ""
+
+    def flat(c) -> list:
+        out = [c.co_code, c.co_names, c.co_varnames]
+        for const in c.co_consts:
+            out.append(flat(const) if hasattr(const, "co_code") else repr(const))
+        return out
+
+    def value(v) -> str:  # a closure's function by its code; no memory address (not stable across processes)
+        if hasattr(v, "__code__") or hasattr(getattr(v, "__func__", None), "__code__"):
+            return _code_digest(v, depth + 1)
+        try:
+            text = repr(v)
+        except Exception:  # noqa: BLE001 - a user object whose repr fails
+            text = type(v).__qualname__
+        return re.sub(r" at 0x[0-9a-fA-F]+", "", text)
+
+    cells = []
+    for c in getattr(fn, "__closure__", None) or ():
+        try:
+            cells.append(value(c.cell_contents))
+        except ValueError:  # an empty cell
+            cells.append("<empty>")
+    text = repr((flat(code), value(getattr(fn, "__defaults__", None)), value(getattr(fn, "__kwdefaults__", None)),
+                 cells))
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def _fingerprint(f: ResolvedFn, params: dict[str, float]) -> str:
@@ -425,8 +473,10 @@ def _fingerprint(f: ResolvedFn, params: dict[str, float]) -> str:
     ``module:callable`` name) gets another cache file. Relative to the largest value, so
     the last bits that differ between CPU kernels (a tail value of 5·10⁻¹⁵ against 0) do not
     move it, with that largest value itself to 7 significant digits (``3·tanh`` is not
-    ``tanh``). ``"unchecked"`` when the derivative cannot be taken here (an in-place function,
-    one without autograd): the fit then reports what is wrong with the function."""
+    ``tanh``). The digest of the function's code (:func:`_code_digest`) goes in too: an edit
+    that moves f' only between the sampled points is seen. ``"unchecked"`` when the derivative
+    cannot be taken here (an in-place function, one without autograd): the fit then reports
+    what is wrong with the function."""
     import hashlib
 
     lo, hi = FIT_OPTIONS["domain"]
@@ -449,6 +499,7 @@ def _fingerprint(f: ResolvedFn, params: dict[str, float]) -> str:
     steps = (values / scale * 1e6) if scale > 0 else values * 0
     # the scale too (to 7 digits): x and 3x have the same shape of derivative, not one table
     text = f"{scale:.7g};" + ",".join(str(round(v)) if math.isfinite(v) else str(v) for v in steps.tolist())
+    text += ";" + _code_digest(f.callable)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -501,10 +552,13 @@ def _fit_and_cache_grad(f: ResolvedFn, solver, symmetric: bool, bits: int, param
     where = f"cached at {path}"
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        existing = read_tables(path) if path.exists() else {}
-        existing = {b: t for b, t in existing.items() if b != bits}
-        write_tables(path, [*existing.values(), table])
-    except (OSError, ValueError) as exc:  # ValueError: TableFormatError, or a file of other fit options
+        # processes fitting other bit widths of this file at once: one read-modify-write at a
+        # time (without the lock one of three concurrent fits was dropped from the file)
+        with filelock.FileLock(f"{path}.lock", timeout=60):
+            existing = read_tables(path) if path.exists() else {}
+            existing = {b: t for b, t in existing.items() if b != bits}
+            write_tables(path, [*existing.values(), table])
+    except (OSError, ValueError, filelock.Timeout) as exc:  # ValueError: TableFormatError, or a file of other fit options
         where = f"not cached ({exc})"
     shown = ", ".join(f"{k}={v:g}" for k, v in params.items())
     warnings.warn(

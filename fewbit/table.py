@@ -47,6 +47,7 @@ evaluation methods only.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import math
 import numbers
@@ -320,11 +321,23 @@ def table_filename(name: str, params: Mapping[str, float] | None = None) -> str:
     """File name of the table for ``name`` with non-default ``params``.
 
     ``table_filename("gelu")`` is ``"gelu.json"``;
-    ``table_filename("elu", {"alpha": 0.5})`` is ``"elu@alpha=0.5.json"``.
+    ``table_filename("elu", {"alpha": 0.5})`` is ``"elu@alpha=0.5.json"``. A name longer
+    than :data:`MAX_FILENAME` bytes (file systems refuse more than 255) keeps its first 96
+    characters and a SHA-256 digest of the whole: ``"<start>~<16 hex>.json"``.
     """
     safe = name.replace(":", "--").replace("/", "_")
     key = _params_key(params)
-    return f"{safe}@{key}.json" if key else f"{safe}.json"
+    full = f"{safe}@{key}.json" if key else f"{safe}.json"
+    if len(full.encode()) <= MAX_FILENAME:
+        return full
+    import hashlib
+
+    return f"{full[:96]}~{hashlib.sha256(full.encode()).hexdigest()[:16]}.json"
+
+
+#: Longest table file name kept as it is (bytes): longer ones are shortened by
+#: :func:`table_filename` (a user function's 244-character name raised ENAMETOOLONG).
+MAX_FILENAME = 200
 
 
 def dumps_tables(tables: Iterable[Table]) -> str:
@@ -578,7 +591,7 @@ def _new_file_beside(path: Path, suffix: str) -> str:
 
 
 @contextlib.contextmanager
-def atomic_output(path: str | os.PathLike, suffix: str = ".tmp") -> Iterator[str]:
+def atomic_output(path: str | os.PathLike, suffix: str = ".tmp", *, overwrite: bool = True) -> Iterator[str]:
     """Yield a temporary file name beside ``path``; on success rename it onto ``path``.
 
     Nothing is left half-written: on any error the temporary file is removed and the
@@ -586,32 +599,52 @@ def atomic_output(path: str | os.PathLike, suffix: str = ".tmp") -> Iterator[str
     file it replaces, or those of any new file (``0o666`` minus the umask).
 
     A symbolic link is written through: its target gets the new file (the link stays).
+    ``overwrite=False``: a file that exists at the end (also one made meanwhile) is kept and
+    ``FileExistsError`` raised (a hard link puts the new file in place only if none is there).
 
     Raises:
-        OSError: if the directory is not writable.
+        OSError: if the directory is not writable, or ``path`` exists and is not a regular
+            file (a FIFO or a device such as ``/dev/null``: a rename would replace it by a
+            file); ``FileExistsError`` as above.
     """
     path = Path(os.path.realpath(path))  # through symbolic links: the rename would replace the link
+    if path.exists() and not path.is_file():
+        raise OSError(errno.EINVAL, f"{path} is not a regular file")
     tmp = _new_file_beside(path, suffix)
     try:
         yield tmp
-        os.replace(tmp, path)
+        if overwrite:
+            os.replace(tmp, path)
+        else:
+            try:
+                os.link(tmp, path)  # fails if anything is there now
+            except FileExistsError:
+                raise
+            except OSError:  # no hard links on this file system: check, then rename
+                if os.path.lexists(path):
+                    raise FileExistsError(errno.EEXIST, f"{path} exists") from None
+                os.replace(tmp, path)
+            else:
+                os.unlink(tmp)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
 
 
-def write_tables(path: str | os.PathLike, tables: Iterable[Table]) -> Path:
+def write_tables(path: str | os.PathLike, tables: Iterable[Table], *, overwrite: bool = True) -> Path:
     """Write tables to ``path`` atomically (a temporary file renamed into place).
 
     Nothing is left half-written: on any error the previous file, if any, is unchanged.
+    ``overwrite=False``: an existing file is kept (:func:`atomic_output`).
 
     Raises:
-        OSError: if the directory is not writable.
+        OSError: if the directory is not writable or ``path`` is not a regular file;
+            ``FileExistsError`` if it exists and ``overwrite`` is False.
     """
     path = Path(path)
     text = dumps_tables(tables)
-    with atomic_output(path) as tmp:
+    with atomic_output(path, overwrite=overwrite) as tmp:
         Path(tmp).write_text(text, encoding="utf-8")
     return path
 

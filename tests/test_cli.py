@@ -518,7 +518,7 @@ def test_plot_and_error_find_the_table_the_runtime_cached(tmp_path, user_cache):
     # what the runtime uses is what the CLI shows: shipped default, exact stepwise
     r = run("error", "elu", "relu", "--bits", "3", "--json")
     assert json.loads(r.stdout) == {"elu": {"3": load_shipped("elu")[3].error}, "relu": {"3": 0.0}}
-    assert sorted(p.name for p in user_cache.iterdir()) == ["elu@alpha=0.5.json"]  # nothing fitted
+    assert sorted(p.name for p in user_cache.glob("*.json")) == ["elu@alpha=0.5.json"]  # nothing fitted
 
 
 def _suggested(line: str) -> list[list[str]]:
@@ -657,3 +657,82 @@ def test_plot_table_file_refuses_other_params(tmp_path):
                           "alpha=0.5", "alpha=2")
     r = run("plot", "elu", "--table", tj, "--param", "alpha=0.5", "-o", tmp_path / "p.png")
     assert r.exit_code == 0, r.output
+
+
+# ---------------------------------------------------------------------------------------
+# Review of 2026-11-27: output files and odd inputs
+# ---------------------------------------------------------------------------------------
+
+
+def test_output_that_is_not_a_regular_file_is_refused(tmp_path):
+    """``-o FIFO --force`` (or ``-o /dev/null --force``) replaced the FIFO or device node by a
+    regular file."""
+    import os
+    import stat
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for cmd in (("fit", "gelu", "--bits", "1", "--grid", "50", "--no-progress"), ("plot", "gelu", "--bits", "1")):
+        assert_one_line_error(run(*cmd, "-o", fifo, "--force"), "is not a regular file")
+        assert stat.S_ISFIFO(os.stat(fifo).st_mode)
+    from fewbit.table import atomic_output
+
+    with pytest.raises(OSError, match="not a regular file"):
+        with atomic_output(fifo):
+            pass
+
+
+def test_a_file_made_while_fitting_is_kept_without_force(tmp_path, monkeypatch):
+    """The output was checked before the fit and replaced after it: a file the user made
+    meanwhile was overwritten without ``--force``."""
+    import fewbit.cli as fcli
+
+    out = tmp_path / "out.json"
+    real = fcli._run_fit
+
+    def slow_fit(*a, **k):
+        out.write_text("USER DATA")
+        return real(*a, **k)
+
+    monkeypatch.setattr(fcli, "_run_fit", slow_fit)
+    r = run("fit", "gelu", "--bits", "1", "--grid", "50", "--no-progress", "-o", out)
+    assert r.exit_code != 0 and "was created while fitting; pass --force" in r.stderr
+    assert out.read_text() == "USER DATA"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.json"]  # no temporary left
+    out.unlink()
+    r = run("fit", "gelu", "--bits", "1", "--grid", "50", "--no-progress", "-o", out, "--force")
+    assert r.exit_code == 0 and 1 in read_tables(out)
+
+
+def test_long_output_name_and_degenerate_ranges_are_one_line_errors(tmp_path):
+    assert_one_line_error(run("plot", "gelu", "--bits", "1", "-o", tmp_path / ("a" * 300 + ".png")), "cannot write")
+    assert_one_line_error(run("fit", "gelu", "--domain", "1", "1.0000000000000002", "--no-progress"),
+                          "--domain", "B - A")
+    assert_one_line_error(run("plot", "gelu", "--xlim", "-1e308", "1e308"), "--xlim", "must be finite")
+
+
+def test_stepwise_functions_refuse_fit_options_they_ignore(tmp_path):
+    """``fewbit fit relu --domain 1 5 --weight normal:2`` printed "on [1, 5]" for a table that
+    is exact (its file: domain [-10, 10], weight exact)."""
+    r = run("fit", "relu", "--domain", "1", "5", "--weight", "normal:2", "-o", tmp_path / "r.json")
+    assert_one_line_error(r, "relu is stepwise", "--domain, --weight")
+    assert not (tmp_path / "r.json").exists()
+    assert run("fit", "relu", "--bits", "1", "-o", tmp_path / "r.json", "--no-progress").exit_code == 0
+
+
+def test_a_user_functions_default_parameter_names_no_table(usermod, tmp_path, monkeypatch):
+    """``fewbit fit mod:f --param a=1.5`` with 1.5 its default wrote ``…@a=1.5.json`` holding
+    params {}, which ``fewbit plot --table that --param a=1.5`` then refused."""
+    mod = usermod("""
+        import torch
+        def withparam(x, a=1.5):
+            return x * torch.sigmoid(a * x)
+    """)
+    out = tmp_path / "t.json"
+    r = run("fit", f"{mod}:withparam", "--param", "a=1.5", "--bits", "1", "--grid", "50", "--no-progress", "-o", out)
+    assert r.exit_code == 0, r.output
+    r = run("plot", f"{mod}:withparam", "--table", out, "--param", "a=1.5", "-o", tmp_path / "p.png")
+    assert r.exit_code == 0, r.output
+    monkeypatch.chdir(tmp_path)
+    r = run("fit", f"{mod}:withparam", "--param", "a=1.5", "--bits", "1", "--grid", "50", "--no-progress")
+    assert r.exit_code == 0 and f"wrote {mod}--withparam.json" in r.stdout

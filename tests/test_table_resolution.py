@@ -195,7 +195,7 @@ def test_an_edited_user_function_is_refitted_not_served_its_old_table(cache, tmp
         x.grad = None
     true = 3.0 / torch.cosh(x.detach()).square()
     assert (grads["tanh"] - true).abs().max() < 0.5 < (grads["swish"] - true).abs().max()
-    assert len(list(cache.iterdir())) == 2
+    assert len(list(cache.glob("*.json"))) == 2  # beside them the fits' lock files
 
 
 def _user_package(tmp_path, monkeypatch, body: str) -> None:
@@ -260,3 +260,101 @@ def test_a_rescaled_function_is_not_served_the_old_table(cache, tmp_path, monkey
     pytest.importorskip("fewbit.solver")
     with pytest.warns(FF.TableFittedWarning), torch.inference_mode():
         FF.load_table("fp_pkg.acts:three", bits=2)
+
+
+def test_an_edit_between_the_fingerprints_points_is_refitted(cache, tmp_path, monkeypatch):
+    """A hinge whose kink moved from 0 to 0.1 had the same fingerprint (f' sampled 0.156
+    apart) and was served the old table: gradient 1.0 on (0, 0.1] where the function's is 0.1."""
+    import importlib
+
+    pytest.importorskip("fewbit.solver")
+    x = torch.tensor([0.05, 0.07], requires_grad=True)
+    for kink in ("0.0", "0.1"):
+        _user_package(tmp_path, monkeypatch, f"def hinge(x):\n    return torch.where(x > {kink}, x, 0.1 * x)\n")
+        importlib.invalidate_caches()
+        FF.clear_table_cache()  # a new process
+        with pytest.warns(FF.TableFittedWarning):  # fitted for each version, not served the first's
+            FF.activation(x, "fp_pkg.acts:hinge", bits=2).sum().backward()
+        x.grad = None
+    FF.activation(x, "fp_pkg.acts:hinge", bits=2).sum().backward()
+    torch.testing.assert_close(x.grad, torch.full((2,), 0.1), rtol=0, atol=1e-6)
+    assert len(list(cache.glob("*.json"))) == 2  # beside them the fits' lock files
+
+
+def test_the_code_digest_is_stable_and_sees_closures():
+    from fewbit.resolve import _code_digest
+
+    def make(c):
+        def f(x):
+            return x * c
+        return f
+
+    assert _code_digest(make(2.0)) == _code_digest(make(2.0)) != _code_digest(make(3.0))
+    inner = make(2.0)
+
+    def outer(x):
+        return inner(x)
+
+    other = make(2.0)
+
+    def outer2(x):
+        return other(x)
+
+    assert _code_digest(outer) != ""  # a closure over a function: its code, no memory address
+    assert _code_digest(torch.tanh) == ""
+
+
+def test_a_long_user_function_name_gets_a_short_cache_file(cache, tmp_path, monkeypatch):
+    """A 244-character function name: the cache file name passed the file system's limit and
+    ``FF.activation`` raised ``OSError`` (ENAMETOOLONG)."""
+    pytest.importorskip("fewbit.solver")
+    name = "act_" + "x" * 240
+    _user_package(tmp_path, monkeypatch, f"def {name}(x):\n    return x * torch.sigmoid(x)\n")
+    x = torch.linspace(-3, 3, 7, requires_grad=True)
+    with pytest.warns(FF.TableFittedWarning, match="cached at"):
+        FF.activation(x, f"fp_pkg.acts:{name}", bits=2).sum().backward()
+    (path,) = cache.glob("*.json")
+    assert len(path.name) <= 200 + len(".json") and path.name.startswith("fp_pkg.acts--act_x")
+    assert len(table_filename(f"fp_pkg.acts:{name}")) < 130 and table_filename("gelu") == "gelu.json"
+
+
+def test_a_cache_file_another_process_set_aside_first(tmp_path):
+    """Processes starting together (DDP ranks) on one unreadable cache file: the ones that
+    found it gone when moving it aside raised TableFormatError (3 runs in 8 with 4 processes)."""
+    from fewbit.resolve import _set_aside
+
+    path = tmp_path / "gelu.json"
+    note = _set_aside(path, TableFormatError("truncated"))  # gone already: another process moved it
+    assert "moved aside by another process" in note
+    path.write_text("{")
+    assert "moved to" in _set_aside(path, TableFormatError("truncated")) and not path.exists()
+
+
+def test_concurrent_fits_of_other_bit_widths_all_stay_in_the_cache_file(cache, monkeypatch):
+    """Three fits of one function at other bit widths at once: an unlocked read-modify-write
+    of the cache file dropped one of them."""
+    import threading
+    import time
+
+    import fewbit.solver
+    from fewbit import resolve, table as fewbit_table
+    from fewbit.table import load_shipped
+
+    shipped = load_shipped("gelu", {})
+    monkeypatch.setattr(fewbit.solver, "fit", lambda name, bits, **kw: shipped[bits])
+    real_write = fewbit_table.write_tables
+
+    def slow_write(*a, **k):  # widens the read-modify-write window
+        time.sleep(0.2)
+        return real_write(*a, **k)
+
+    monkeypatch.setattr(resolve, "write_tables", slow_write)
+    f = resolve.resolve_fn("gelu")
+    threads = [threading.Thread(target=resolve._fit_and_cache, args=(f, b, {})) for b in (1, 2, 3)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FF.TableFittedWarning)
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert sorted(read_tables(cache / "gelu.json")) == [1, 2, 3]
