@@ -9,8 +9,10 @@ fitting interval, and for a mirrored fit (docs/method.md §2) folds the problem 
 
 Integrals use a composite Gauss-Legendre rule whose cells never straddle a kink of
 ``f'``, a jump of ``w``, or a border, so they are accurate to rounding for the smooth
-pieces. For piecewise-constant weights ``int f' w`` over a cell is ``w * (f(b) - f(a))``,
-exactly (registry functions).
+pieces. A user function's kinks are the jumps of its ``f'`` found numerically on the
+interval (:func:`fewbit.solver.registry.find_jumps`). For piecewise-constant weights
+``int f' w`` over a cell is ``w * (f(b) - f(a))``, exactly (registry functions), or the
+function's own stable cell integral (softplus), or quadrature where ``f(b) - f(a)`` cancels.
 """
 
 from __future__ import annotations
@@ -33,6 +35,10 @@ GL_NODES = 8
 FINE_CELLS_PER_UNIT = 16
 #: Cells of the reported error's uniform mesh at most; a wider domain gets a graded mesh.
 MAX_ERROR_CELLS = 20000
+#: A cell's ``f(b) - f(a)`` stands for ``int_a^b f'`` unless its rounding error exceeds this
+#: fraction of ``(b - a) max |f'|`` (then quadrature: :meth:`Objective._f_integrals`).
+_CANCEL_TOL = 1e-10
+_EPS = float(np.finfo(np.float64).eps)
 
 
 def _graded(points: np.ndarray, h: float, ratio: float = 1.05) -> np.ndarray:
@@ -107,11 +113,16 @@ class Objective:
             self.a, self.b = 0.0, max(-A, B)
         else:
             self.a, self.b = A, B
-        kinks = set(sf.kinks_impl(self.params))
-        pts = kinks | set(weight.breakpoints()) | {A, B}
+        if sf.kink_finder is None:  # analytic kinks (folded for a mirrored fit)
+            kinks = set(sf.kinks_impl(self.params))
+            if symmetric:
+                kinks = {abs(p) for p in kinks}
+        else:  # a user function's: the jumps of its f' found on the fitted interval
+            kinks = set(sf.kinks_on(self.params, self.a, self.b))
+        pts = set(weight.breakpoints()) | {A, B}
         if symmetric:
             pts = {abs(p) for p in pts}
-            kinks = {abs(p) for p in kinks}
+        pts |= kinks
         #: points where f' jumps or kinks, inside (a, b)
         self.kinks = np.array(sorted(p for p in kinks if self.a < p < self.b), dtype=np.float64)
         #: kinks of f' and jumps of the (restricted, folded) weight, inside (a, b)
@@ -169,11 +180,37 @@ class Objective:
             raise ValueError(f"fn: the derivative of {self.sf.name} is not finite at x={float(bad)!r} on the domain")
         F2 = (g * g * wx).sum(axis=1)
         if self.use_f:
-            F = (self.sf.primitive_impl or self.sf.f_impl)(edges, self.params)
-            FW = d * np.diff(F)
+            FW = d * self._f_integrals(edges, g, gw)
         else:
             FW = (g * wx).sum(axis=1)
         return W, FW, F2
+
+    def _f_integrals(self, edges: np.ndarray, g: np.ndarray, gw: np.ndarray) -> np.ndarray:
+        """``int f'`` per cell as differences of the primitive (``f``), exact up to rounding.
+
+        Where a difference has lost its digits (primitive values far larger than their
+        change: softplus' ``~log(2) / beta`` for a tiny ``beta``, ``x + 1e300``), the
+        function's own cell integral instead (``integral_impl``), or Gauss-Legendre
+        quadrature of ``f'`` (``g`` at the nodes, ``gw`` the node weights).
+        """
+        sf = self.sf
+        lo, hi = edges[:-1], edges[1:]
+        if sf.primitive_impl is None and sf.integral_impl is not None:
+            return np.asarray(sf.integral_impl(lo, hi, self.params), dtype=np.float64)
+        with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+            F = np.asarray((sf.primitive_impl or sf.f_impl)(edges, self.params), dtype=np.float64)
+            out = np.diff(F)
+            # each difference's rounding error against 1e-10 of (b - a) * max |f'| (these cells)
+            err = _EPS * (np.abs(F[:-1]) + np.abs(F[1:]))
+            lost = ~(err <= _CANCEL_TOL * (hi - lo) * float(np.max(np.abs(g))))
+        if lost.any():
+            if sf.integral_impl is not None:
+                alt = np.asarray(sf.integral_impl(lo[lost], hi[lost], self.params), dtype=np.float64)
+            else:
+                alt = (g[lost] * gw[lost]).sum(axis=1)
+            out = out.copy()
+            out[lost] = alt
+        return out
 
     def grid(self, n: int) -> np.ndarray:
         """``n`` uniform cells on ``[a, b]`` with every interior kink / weight jump put in.
@@ -275,7 +312,7 @@ def table_error(sf: SolverFunction, params: Mapping[str, float], table: Table,
     """
     A, B = float(domain[0]), float(domain[1])
     b = np.asarray(table.borders, dtype=np.float64)
-    kinks = [k for k in sf.kinks_impl(dict(params)) if A < k < B]
+    kinks = list(sf.kinks_on(dict(params), A, B))
     pts = np.r_[A, kinks, b[(b > A) & (b < B)], B]
     h = min(1.0 / FINE_CELLS_PER_UNIT, (B - A) / 64)
     if (B - A) / h <= MAX_ERROR_CELLS:

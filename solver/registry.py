@@ -13,7 +13,9 @@ scale * alpha``), so that a table fitted here and torch's gradient agree everywh
 
 A user function is given as ``"package.module:callable"``: a torch elementwise function
 that is loaded with :mod:`importlib`; ``f`` is evaluated with torch in float64 and ``f'``
-with torch autograd.
+with torch autograd. Its kinks are not known in advance: the jumps of its ``f'`` on a fit's
+interval are found numerically (:func:`find_jumps`) and then treated as a registry
+function's kinks are.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from scipy import special
 from fewbit import activations as _acts
 from fewbit.activations import callable_params, forward_callable, import_callable, merge_params
 
-__all__ = ["SolverFunction", "get", "names"]
+__all__ = ["SolverFunction", "get", "names", "find_jumps"]
 
 _SQRT_2_PI = math.sqrt(2.0 / math.pi)
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
@@ -57,6 +59,13 @@ class SolverFunction:
             ``df``, where it is not ``f`` itself (``None``): torch's ``f`` may jump where
             its ``f'`` has no delta (softplus at its ``threshold``), and the solver's
             integrals of ``f'`` are differences of the primitive.
+        integral_impl: ``integral_impl(lo, hi, params)``, ``int_lo^hi f'`` per cell (no
+            kink inside a cell) computed without a difference of primitive values: used
+            where those differences lose their digits (primitive values huge next to their
+            changes: softplus' ``~log(2) / beta`` for a tiny ``beta``); ``None``:
+            Gauss-Legendre quadrature of ``f'`` there.
+        kink_finder: ``kink_finder(params, a, b)``, the kinks of ``f'`` inside ``(a, b)``
+            found numerically (user functions: :func:`find_jumps`); ``None``: ``kinks_impl``.
     """
 
     name: str
@@ -69,6 +78,8 @@ class SolverFunction:
     stepwise: bool = False
     user: bool = False
     primitive_impl: Callable[[np.ndarray, Mapping[str, float]], np.ndarray] | None = None
+    integral_impl: Callable[[np.ndarray, np.ndarray, Mapping[str, float]], np.ndarray] | None = None
+    kink_finder: Callable[[Mapping[str, float], float, float], tuple] | None = None
 
     def params(self, params: Mapping[str, float] | None = None) -> dict[str, float]:
         """The full parameter dict: ``params`` merged over the defaults.
@@ -87,8 +98,23 @@ class SolverFunction:
         return self.df_impl(np.asarray(x, dtype=np.float64), self.params(params))
 
     def kinks(self, **params) -> tuple[float, ...]:
-        """Points where ``f'`` is not smooth (jumps or kinks), sorted."""
+        """Points where ``f'`` is not smooth (jumps or kinks), sorted: the analytic ones
+        (empty for a user function, whose jumps depend on the interval: :meth:`kinks_on`)."""
         return tuple(sorted(float(k) for k in self.kinks_impl(self.params(params))))
+
+    def kinks_on(self, params: Mapping[str, float], a: float, b: float) -> tuple[float, ...]:
+        """Points inside ``(a, b)`` where ``f'`` is not smooth, sorted: the analytic kinks,
+        or for a user function the jumps of its ``f'`` there (:func:`find_jumps`).
+
+        Args:
+            params: the full parameter dict (defaults filled in).
+            a, b: the interval, ``a < b``.
+        """
+        if self.kink_finder is not None:
+            ks = self.kink_finder(params, float(a), float(b))
+        else:
+            ks = self.kinks_impl(params)
+        return tuple(sorted({float(k) for k in ks if a < k < b}))
 
 
 # --- analytic functions -------------------------------------------------------------------
@@ -192,10 +218,47 @@ def _softplus_primitive(x, p):
     # torch's softplus switches to ``x`` where beta * x > threshold, which jumps by
     # (threshold - log1p(exp(threshold))) / beta there (-2e-9 at the default 20, -0.69 at
     # threshold 0); its derivative has no delta, so the primitive of f' is shifted there
-    # to stay continuous.
+    # to stay continuous. Its differences cancel where its values are huge next to their
+    # changes (a tiny |beta|, a hugely negative threshold): _softplus_integral there.
     beta, thr = p["beta"], p["threshold"]
     bx = beta * x
     return np.where(bx > thr, x + (_softplus1(thr) - thr) / beta, _softplus1(np.minimum(bx, thr)) / beta)
+
+
+def _log_expm1(d):
+    # log(expm1(d)) for d >= 1e-5 (no overflow for a large d: d + log1p(-e^-d))
+    big = d > 1.0
+    return np.where(big, d + np.log1p(-np.exp(-np.maximum(d, 1.0))), np.log(np.expm1(np.where(big, 1.0, d))))
+
+
+def _softplus_integral(lo, hi, p):
+    # int_lo^hi f' per cell (no cell straddles the threshold kink), where differences of
+    # _softplus_primitive lose their digits: its values are ~log(2) / beta for a tiny |beta|
+    # (every digit gone at beta = 1e-16, all levels 0 at 1e-300) and x + 1e300 on the linear
+    # branch of threshold -1e300. Each cell's integral is taken alone: hi - lo on the linear
+    # branch; on the other, with m <= M the ends of beta * x,
+    #   softplus(M) - softplus(m) = log1p(sigmoid(m) * expm1(M - m))  (>= 0),
+    # in logarithms, free of overflow and underflow: L = log_sigmoid(m) + log_expm1(M - m),
+    # M - m = |beta| (hi - lo); the integral is log1p(e^L) / |beta|, or e^(L - log|beta|)
+    # where e^L is below rounding of 1 (no subnormal quotient for a tiny beta).
+    beta, thr = p["beta"], p["threshold"]
+    lo = np.asarray(lo, dtype=np.float64)
+    hi = np.asarray(hi, dtype=np.float64)
+    ab = abs(beta)
+    width = hi - lo
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        linear = beta * (0.5 * (lo + hi)) > thr
+        m = np.minimum(beta * lo, beta * hi)
+        log_sig = -np.logaddexp(0.0, -m)
+        d = ab * width
+        small = d < 1e-5
+        # log(expm1(d)) - log|beta|, d tiny: log(hi - lo) + log1p(d/2 + ...) (exact for a subnormal d)
+        le_tiny = np.log(np.where(width > 0, width, 1.0)) + np.log1p(d * (0.5 + d * (1.0 / 6.0 + d / 24.0)))
+        log_ab = math.log(ab)
+        L = log_sig + np.where(small, le_tiny + log_ab, _log_expm1(d))
+        D = np.logaddexp(0.0, L)
+        sig = np.where(L < -40.0, np.exp(np.where(small, log_sig + le_tiny, L - log_ab)), D / ab)
+    return np.where(linear, width, np.where(width > 0, sig, 0.0))
 
 
 def _softplus_kinks(p):
@@ -353,6 +416,8 @@ _ANALYTIC: dict[str, tuple] = {
 
 #: name -> continuous primitive of ``df`` where ``f`` is not one (:class:`SolverFunction`)
 _PRIMITIVE: dict[str, Callable] = {"softplus": _softplus_primitive}
+#: name -> ``int_lo^hi df`` per cell, where differences of the primitive cancel (:class:`SolverFunction`)
+_INTEGRAL: dict[str, Callable] = {"softplus": _softplus_integral}
 
 _CACHE: dict[str, SolverFunction] = {}
 
@@ -376,7 +441,156 @@ def _from_registry(name: str) -> SolverFunction:
         torch_fn=act.torch_fn,
         stepwise=act.stepwise,
         primitive_impl=_PRIMITIVE.get(act.name),
+        integral_impl=_INTEGRAL.get(act.name),
     )
+
+
+# --- jumps of a user function's derivative ------------------------------------------------
+
+#: Cells of the scan of ``f'`` for jumps (per piece of the interval, see :func:`find_jumps`).
+JUMP_SCAN_CELLS = 1 << 17
+#: On a wider interval, ``[-JUMP_SCAN_CORE, JUMP_SCAN_CORE]`` gets a scan of its own, so that
+#: the region where activations bend is scanned as finely as on the default domain.
+JUMP_SCAN_CORE = 32.0
+#: A scan cell is a candidate when its change of ``f'`` exceeds this many times its
+#: neighbours' (on the calmer side) ...
+_JUMP_RATIO = 4.0
+#: ... and this fraction of ``max |f'|`` on the interval; a jump is confirmed when, between
+#: two adjacent float64 numbers, ``f'`` still changes by this much and by a quarter of the
+#: candidate cell's change. (A smooth steep ``f'`` changes by about ``f'' * ulp`` there.)
+_JUMP_FLOOR = 1e-9
+#: Rounds of :func:`find_jumps` over what is left of a cell once a jump in it is found.
+_JUMP_ROUNDS = 4
+
+
+def _float_key(x: np.ndarray) -> np.ndarray:
+    """int64 keys of float64 numbers in the same order (adjacent floats: adjacent keys)."""
+    b = np.ascontiguousarray(x, dtype=np.float64).view(np.int64)
+    return b ^ ((b >> 63) & np.int64(0x7FFFFFFFFFFFFFFF))
+
+
+def _key_float(k: np.ndarray) -> np.ndarray:
+    """Inverse of :func:`_float_key`."""
+    k = np.ascontiguousarray(k, dtype=np.int64)
+    return (k ^ ((k >> 63) & np.int64(0x7FFFFFFFFFFFFFFF))).view(np.float64)
+
+
+def _scan_points(a: float, b: float, cells: int) -> np.ndarray:
+    c = JUMP_SCAN_CORE
+    if b - a <= 4.0 * c or b <= -c or a >= c:
+        return np.linspace(a, b, cells + 1)
+    lo, hi = max(a, -c), min(b, c)
+    parts = [np.linspace(lo, hi, cells + 1)]
+    if a < lo:
+        parts.insert(0, np.linspace(a, lo, cells + 1)[:-1])
+    if hi < b:
+        parts.append(np.linspace(hi, b, cells + 1)[1:])
+    return np.concatenate(parts)
+
+
+def find_jumps(df: Callable[[np.ndarray], np.ndarray], a: float, b: float, *,
+               cells: int = JUMP_SCAN_CELLS) -> tuple[float, ...]:
+    """Jump discontinuities of ``df`` (``f'``) inside ``(a, b)``, located to float64 precision.
+
+    ``df`` is sampled on ``cells`` uniform cells (and as many on ``[-32, 32]`` when
+    ``(a, b)`` is much wider); a cell whose change of ``df`` is far larger than its
+    neighbours' on one side is a candidate. Each candidate is bisected on ``df`` itself down
+    to two adjacent float64 numbers ``lo < hi`` (keeping the half that changes more); it is
+    a jump when ``df`` still changes there by a quarter of the cell's change (and by
+    ``1e-9 * max |df|``): a smooth steep ``df`` changes by ``f'' * ulp`` there, and is no
+    jump. Jumps closer together than a scan cell whose changes cancel are not seen.
+
+    Args:
+        df: ``df(x)`` float64 for a float64 array ``x`` (any length); non-finite values are
+            ignored (they are reported where ``f'`` is integrated).
+        a, b: the interval, ``a < b``, finite.
+        cells: scan cells.
+
+    Returns:
+        The jumps, sorted: each is ``lo``, the last float64 number at which ``df`` has its
+        value from the left (a table border there gives ``x <= lo`` the left piece, as at
+        runtime), strictly inside ``(a, b)``.
+    """
+    x = _scan_points(float(a), float(b), int(cells))
+    g = np.asarray(df(x), dtype=np.float64)
+    finite = np.isfinite(g)
+    if not finite.any():
+        return ()
+    floor = _JUMP_FLOOR * float(np.max(np.abs(g[finite])))
+    if not floor > 0:
+        return ()
+    d = np.abs(np.diff(g))
+    ok = np.isfinite(d)
+    dp = np.r_[np.inf, np.inf, np.where(ok, d, np.inf), np.inf, np.inf]
+    left = np.maximum(dp[1:-3], dp[:-4])
+    right = np.maximum(dp[3:-1], dp[4:])
+    ref = np.minimum(left, right)  # the change of f' a cell would have without a jump
+    i = np.flatnonzero(ok & (d > floor) & (d > _JUMP_RATIO * ref))
+    lo, hi, glo, ghi, rf = x[i], x[i + 1], g[i], g[i + 1], ref[i]
+    found: list[np.ndarray] = []
+    sizes: list[np.ndarray] = []
+    for _ in range(_JUMP_ROUNDS):
+        if lo.size == 0:
+            break
+        need = np.maximum(floor, 0.25 * np.abs(ghi - glo))
+        klo, khi = _float_key(lo), _float_key(hi)
+        blo, bhi, gl, gh = klo.copy(), khi.copy(), glo.copy(), ghi.copy()
+        while True:
+            act = np.flatnonzero(bhi > blo + 1)
+            if act.size == 0:
+                break
+            kl, kh = blo[act], bhi[act]
+            km = (kl >> 1) + (kh >> 1) + (kl & kh & 1)  # floor((kl + kh) / 2) without overflow
+            gm = np.asarray(df(_key_float(km)), dtype=np.float64)
+            to_left = np.abs(gm - gl[act]) >= np.abs(gh[act] - gm)
+            nl, nr = act[to_left], act[~to_left]
+            bhi[nl], gh[nl] = km[to_left], gm[to_left]
+            blo[nr], gl[nr] = km[~to_left], gm[~to_left]
+        jump = np.abs(gh - gl)
+        real = np.isfinite(jump) & (jump >= need)
+        found.append(_key_float(blo[real]))
+        sizes.append(jump[real])
+        # what is left of a cell beside its jump may hold another
+        xl, xh = _key_float(blo[real]), _key_float(bhi[real])
+        sides = [(lo[real], xl, glo[real], gl[real]), (xh, hi[real], gh[real], ghi[real])]
+        nxt = [np.concatenate(v) for v in zip(*sides)]
+        r2 = np.r_[rf[real], rf[real]]
+        ch = np.abs(nxt[3] - nxt[2])
+        more = (nxt[1] > nxt[0]) & np.isfinite(ch) & (ch > floor) & (ch > _JUMP_RATIO * r2)
+        lo, hi, glo, ghi, rf = nxt[0][more], nxt[1][more], nxt[2][more], nxt[3][more], r2[more]
+    if not found:
+        return ()
+    ks, js = np.concatenate(found), np.concatenate(sizes)
+    inside = (ks > a) & (ks < b)
+    ks, js = ks[inside], js[inside]
+    order = np.argsort(ks, kind="stable")
+    ks, js = ks[order], js[order]
+    # a transition over a few float64 numbers (a sigmoid of slope 1e16) is one jump: of
+    # points within 64 ulps of each other, the largest jump stands for them all
+    out: list[float] = []
+    best = -1.0
+    for k, j in zip(ks.tolist(), js.tolist()):
+        if out and k - out[-1] <= 64.0 * np.spacing(abs(k)) + 64.0 * np.spacing(0.0):
+            if j > best:
+                out[-1], best = k, j
+            continue
+        out.append(k)
+        best = j
+    return tuple(out)
+
+
+def _jump_finder(df_impl: Callable[[np.ndarray, Mapping[str, float]], np.ndarray]):
+    """``kink_finder`` of a user function: :func:`find_jumps` of its ``f'``, once per
+    (params, interval)."""
+    cache: dict[tuple, tuple] = {}
+
+    def finder(params: Mapping[str, float], a: float, b: float) -> tuple[float, ...]:
+        key = (tuple(sorted(params.items())), float(a), float(b))
+        if key not in cache:
+            cache[key] = find_jumps(lambda x: df_impl(x, params), a, b)
+        return cache[key]
+
+    return finder
 
 
 def _load_user(spec: str) -> SolverFunction:
@@ -445,6 +659,7 @@ def _load_user(spec: str) -> SolverFunction:
         torch_fn=fn,
         stepwise=False,
         user=True,
+        kink_finder=_jump_finder(df_impl),
     )
 
 
