@@ -83,6 +83,13 @@ FnLike = Union[str, Callable[..., torch.Tensor]]
 #: ``grid`` is the number of DP grid cells (docs/method.md §4); smaller is faster and coarser.
 FIT_OPTIONS: dict[str, Any] = {"domain": (-10.0, 10.0), "weight": "uniform", "grid": 4096}
 
+#: Revision of what a fit returns, written into the provenance of every table the user cache
+#: gets (``"cache_revision"``); a cached table of another revision is fitted again instead of
+#: served. Bumped when a solver fix changes some function's table: 2, user functions' jumps
+#: of f' and softplus at extreme parameters (their earlier tables had misplaced borders or
+#: levels of 0).
+CACHE_REVISION = 2
+
 
 class TableFittedWarning(UserWarning):
     """A table was not shipped nor cached, so it was fitted (once) and cached."""
@@ -548,6 +555,7 @@ def _fit_and_cache_grad(f: ResolvedFn, solver, symmetric: bool, bits: int, param
     check_table_matches(table, f.name, params, "fewbit.solver.fit")
     if table.bits != bits:
         raise RuntimeError(f"fewbit.solver.fit returned a {table.bits}-bit table for bits={bits}")
+    table = dataclasses.replace(table, provenance={**table.provenance, "cache_revision": CACHE_REVISION})
     path = _cache_path(f, params)
     where = f"cached at {path}"
     try:
@@ -605,6 +613,8 @@ def _lookup(f: ResolvedFn, bits: int, full: dict[str, float], nd: dict[str, floa
         return None, "", ""
     table = _pick_bits(cached, bits, str(path))
     check_table_matches(table, f.name, nd, str(path))
+    if table.provenance.get("cache_revision") != CACHE_REVISION:
+        return None, "", ""  # fitted by an earlier solver (CACHE_REVISION): fitted again
     return table, str(path), ""
 
 

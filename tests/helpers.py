@@ -17,6 +17,7 @@ from torch import nn
 
 from fewbit.activations import canonical_params, get_activation
 from fewbit.table import Table
+from fewbit.resolve import CACHE_REVISION
 
 __all__ = ["reference_codes", "reference_grad", "toy_table"]
 
@@ -49,7 +50,7 @@ def toy_table(name: str, bits: int, params=None, lo: float = -6.0, hi: float = 6
         values.append(float(t.grad.mean()))
     nd = {k: v for k, v in full.items() if v != act.defaults[k]}
     return Table(name=act.name, bits=bits, borders=borders.tolist(), codes=list(range(m)),
-                 values=values, params=nd, weight="uniform", provenance={"test": "toy"})
+                 values=values, params=nd, weight="uniform", provenance={"test": "toy", "cache_revision": CACHE_REVISION})
 
 
 class PyRMSNorm(nn.Module):

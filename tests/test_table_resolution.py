@@ -358,3 +358,34 @@ def test_concurrent_fits_of_other_bit_widths_all_stay_in_the_cache_file(cache, m
         for t in threads:
             t.join()
     assert sorted(read_tables(cache / "gelu.json")) == [1, 2, 3]
+
+
+def test_a_table_cached_by_an_earlier_solver_is_fitted_again(cache):
+    """Tables the user cache holds from before a solver fix (a user hinge's misplaced border,
+    softplus' levels of 0 at a tiny beta) were served for ever: a cached table of another
+    ``CACHE_REVISION`` is fitted again, and the new one is written with the revision."""
+    from dataclasses import replace
+
+    from fewbit.resolve import CACHE_REVISION
+    from fewbit.table import write_tables
+
+    params = {"beta": 1e-300}
+    path = cache / table_filename("softplus", params)
+    path.parent.mkdir(parents=True)
+    stale = replace(load_toy_softplus(params), values=[0.0, 0.0, 0.0, 0.0], provenance={})
+    write_tables(path, [stale])
+    x = torch.tensor([-1.0, 0.0, 2.0], requires_grad=True)
+    with pytest.warns(FF.TableFittedWarning):
+        FF.softplus(x, beta=1e-300, bits=2).sum().backward()
+    torch.testing.assert_close(x.grad, torch.full((3,), 0.5))  # torch's derivative there
+    assert read_tables(path)[2].provenance["cache_revision"] == CACHE_REVISION
+    FF.clear_table_cache()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # now served from the cache
+        FF.softplus(x, beta=1e-300, bits=2)
+
+
+def load_toy_softplus(params):
+    from helpers import toy_table
+
+    return toy_table("softplus", 2, params)
