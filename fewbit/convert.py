@@ -176,7 +176,8 @@ class Config:
             a 2-bit run off the long early loss plateau that a GPT-2 seed in twelve stayed on
             (4 bits for 100 steps: README "Training"); the run's peak memory is the
             warm-up's. Steps are counted by :class:`fewbit.quant.policies.WarmupPolicy`
-            (``step()`` of any ``torch.optim`` optimizer after a compressed forward).
+            (``step()`` of a ``torch.optim`` optimizer holding the model's parameters, after
+            a compressed forward); a new conversion starts a new warm-up.
         warmup_bits: bits per element during the warm-up, more than ``saved_bits`` (with
             ``saved_bits="auto"``: more than ``average_bits``), one of 1, 2, 4, 8 (Adacc: 2,
             4, 8); default 4.
@@ -343,6 +344,8 @@ class ConversionSummary:
             shown = ", ".join(f"{k}={n}" for k, n in kinds.items()) or "none"
             how = (f"GACT auto bits, average {c.average_bits:g}" if c.saved_bits == "auto"
                    else f"{c.saved_bits} bits, compressor={c.compressor}")
+            if c.warmup_steps:
+                how += f" ({c.warmup_bits} bits for the first {c.warmup_steps} training steps)"
             lines.append(
                 f"  compressing saved tensors of {len(self.compressed)} module(s) ({shown}) at "
                 f"{how}, group_size={c.group_size}"
@@ -809,6 +812,9 @@ class _StepHook:
     def __call__(self, module: nn.Module, args: Any) -> None:
         self.shared.root_depth += 1
         if not self.shared.compressor.active and not _compiling_or_recording():
+            owned_by = getattr(self.shared.compressor.policy, "owned_by", None)
+            if owned_by is not None:  # a warm-up counts the steps of this model's optimizers
+                owned_by(module)
             self.shared.compressor.step()
             self.shared.pass_fqns = None
         return None

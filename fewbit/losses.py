@@ -27,7 +27,7 @@ from torch import nn
 
 from fewbit._checks import check_float_tensor, check_positive_int, is_int
 from fewbit.ops._nonfinite import _same
-from fewbit.ops._pointwise import _transforms_active
+from fewbit.ops._pointwise import _recording_program, _transforms_active
 
 __all__ = [
     "linear_cross_entropy",
@@ -276,7 +276,7 @@ def _check_args(input, weight, target, bias, ignore_index, reduction, label_smoo
         raise ValueError("grad_in_forward=True needs reduction 'mean' or 'sum' (the per-token incoming "
                          "gradient of reduction='none' is known only in backward), got reduction='none'")
     v = weight.shape[0]
-    if _transforms_active():  # data-dependent: torch.func's vmap refuses it (cross_entropy checks)
+    if _transforms_active() or _recording_program():  # data-dependent: vmap and torch.export refuse it
         return
     bad = (target != ignore_index) & ((target < 0) | (target >= v))
     if bad.any():
@@ -388,9 +388,10 @@ def linear_cross_entropy(
     x = input.reshape(-1, h)
     t = target.reshape(-1)
     with torch.autocast(device_type, enabled=False):
-        if _transforms_active():
-            # torch.func (grad, vmap, jacrev) runs torch's ops, not a custom Function: the
-            # unfused computation, logits materialised, in the dtypes the fused one uses
+        if _transforms_active() or _recording_program():
+            # torch.func (grad, vmap, jacrev) runs torch's ops, not a custom Function, and
+            # torch.jit.trace / torch.export record them: the unfused computation, logits
+            # materialised, in the dtypes the fused one uses
             logits = F.linear(x, weight, bias)
             if logits.dtype in (torch.float16, torch.bfloat16):
                 logits = logits.float()
@@ -607,6 +608,9 @@ def logit_transform(model: nn.Module) -> str | None:
     return None
 
 
+_NO_CODE = (lambda: None).__code__  # co_names ()
+
+
 def fused_loss_refusal(model: nn.Module) -> str | None:
     """Why :func:`patch_causal_lm_` cannot compute ``model``'s loss exactly, or None if it can.
 
@@ -631,8 +635,10 @@ def fused_loss_refusal(model: nn.Module) -> str | None:
     signature = _forward_signature(type(model))
     if signature is None or "labels" not in signature.parameters:
         return f"model ({name}).forward takes no 'labels' argument"
-    code = getattr(inspect.unwrap(type(model).forward), "__code__", None)
-    if code is None or "loss_function" not in code.co_names:
+    if not any("loss_function" in getattr(inspect.unwrap(vars(cls)["forward"]), "__code__", _NO_CODE).co_names
+               for cls in type(model).__mro__ if callable(vars(cls).get("forward"))):
+        # no forward of its classes names it (a subclass may call super().forward: the base's
+        # does); one that names it but does not call it is caught at the forward (_PostHook)
         return (f"model ({name}).forward does not compute its loss with self.loss_function (it computes the "
                 "cross-entropy itself), so the fused loss cannot take its place")
     patch = getattr(model, _PATCH_ATTR, None)

@@ -716,7 +716,8 @@ def _checkpointed_forward(state: _State, block: nn.Module, forward: Callable, ro
         if isinstance(a, torch.Tensor) and a.is_floating_point():
             args[i] = _HoldInput.apply(a)
             break
-    versions = [(n, p, p._version) for n, p in block.named_parameters()]  # read by run's recomputation
+    # every name of a parameter (a weight tied inside the block has two): read by run's recomputation
+    versions = [(n, p, p._version) for n, p in block.named_parameters(remove_duplicate=False)]
     from torch.utils.checkpoint import checkpoint
 
     return checkpoint(run, *args, use_reentrant=False, **kwargs)

@@ -449,12 +449,18 @@ def _code_digest(obj: Any, depth: int = 0) -> str:
     def flat(c) -> list:
         out = [c.co_code, c.co_names, c.co_varnames]
         for const in c.co_consts:
-            out.append(flat(const) if hasattr(const, "co_code") else repr(const))
+            out.append(flat(const) if hasattr(const, "co_code") else value(const))
         return out
 
     def value(v) -> str:  # a closure's function by its code; no memory address (not stable across processes)
         if hasattr(v, "__code__") or hasattr(getattr(v, "__func__", None), "__code__"):
             return _code_digest(v, depth + 1)
+        if isinstance(v, (set, frozenset)):  # their order follows the process's string hash seed
+            return "{" + ",".join(sorted(value(e) for e in v)) + "}"
+        if isinstance(v, (list, tuple)):
+            return type(v).__name__ + "(" + ",".join(value(e) for e in v) + ")"
+        if isinstance(v, dict):
+            return "dict(" + ",".join(sorted(f"{value(k)}:{value(e)}" for k, e in v.items())) + ")"
         try:
             text = repr(v)
         except Exception:  # noqa: BLE001 - a user object whose repr fails

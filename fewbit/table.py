@@ -323,7 +323,7 @@ def table_filename(name: str, params: Mapping[str, float] | None = None) -> str:
     ``table_filename("gelu")`` is ``"gelu.json"``;
     ``table_filename("elu", {"alpha": 0.5})`` is ``"elu@alpha=0.5.json"``. A name longer
     than :data:`MAX_FILENAME` bytes (file systems refuse more than 255) keeps its first 96
-    characters and a SHA-256 digest of the whole: ``"<start>~<16 hex>.json"``.
+    bytes (UTF-8, whole characters) and a SHA-256 digest of the whole: ``"<start>~<16 hex>.json"``.
     """
     safe = name.replace(":", "--").replace("/", "_")
     key = _params_key(params)
@@ -332,7 +332,8 @@ def table_filename(name: str, params: Mapping[str, float] | None = None) -> str:
         return full
     import hashlib
 
-    return f"{full[:96]}~{hashlib.sha256(full.encode()).hexdigest()[:16]}.json"
+    start = full.encode()[:96].decode(errors="ignore")  # bytes are what the limit counts (a CJK name)
+    return f"{start}~{hashlib.sha256(full.encode()).hexdigest()[:16]}.json"
 
 
 #: Longest table file name kept as it is (bytes): longer ones are shortened by

@@ -584,6 +584,38 @@ def test_patch_causal_lm_refuses_a_loss_other_than_causal_lm():
     torch.testing.assert_close(model(input_ids=ids, labels=ids).loss, plain(input_ids=ids, labels=ids).loss)
 
 
+def test_a_subclass_whose_forward_calls_the_base_forward_is_accepted():
+    """A causal LM subclass whose forward delegates to ``super().forward`` names no
+    ``loss_function`` itself: it was refused although the base's forward computes the loss
+    with it (review, a regression of the inline-loss refusal)."""
+    class Mine(transformers.GPT2LMHeadModel):
+        def forward(self, input_ids=None, labels=None, **kwargs):
+            return super().forward(input_ids=input_ids, labels=labels, **kwargs)
+
+    torch.manual_seed(0)
+    model, ref = Mine(_gpt2().config), _gpt2()
+    ref.load_state_dict(model.state_dict())
+    assert fewbit.losses.fused_loss_refusal(model) is None
+    patch_causal_lm_(model)
+    ids = torch.randint(0, 97, (2, 8))
+    out = model(input_ids=ids, labels=ids)
+    assert out.logits is None
+    torch.testing.assert_close(out.loss, ref(input_ids=ids, labels=ids).loss)
+
+
+def test_a_patched_model_exports_with_the_unfused_loss():
+    """torch.export of a model converted with the fused loss failed on its data-dependent
+    target check: a recorded program takes the unfused loss (same value)."""
+    torch.manual_seed(0)
+    model, ref = _gpt2().eval(), _gpt2().eval()
+    ref.load_state_dict(model.state_dict())
+    patch_causal_lm_(model)
+    ids = torch.randint(0, 97, (2, 8))
+    kwargs = {"input_ids": ids, "labels": ids, "use_cache": False}
+    program = torch.export.export(model, (), kwargs)
+    torch.testing.assert_close(program.module()(**kwargs).loss, ref(**kwargs).loss)
+
+
 def test_patch_causal_lm_refuses_a_loss_computed_inline():
     """BART's, Marian's, Whisper's ``*ForCausalLM`` compute the cross-entropy themselves:
     with the head returning hidden states their loss was silently wrong (or a shape error).

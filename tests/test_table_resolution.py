@@ -389,3 +389,30 @@ def load_toy_softplus(params):
     from helpers import toy_table
 
     return toy_table("softplus", 2, params)
+
+
+def test_the_fingerprint_of_a_set_constant_is_the_same_in_every_process(tmp_path, monkeypatch):
+    """A function with ``mode in {"soft", "hard"}`` (a frozenset constant, printed in the
+    order of the process's string hash seed) got another fingerprint per process: a refit
+    and a new cache file every run."""
+    import subprocess
+
+    _user_package(tmp_path, monkeypatch, "def act(x, mode_soft=1.0):\n"
+                                         "    if 'soft' in {'soft', 'smooth', 'hard', 'x', 'y'}:\n"
+                                         "        return x * torch.sigmoid(x)\n    return x\n")
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); from fewbit.resolve import _fingerprint, resolve_fn; "
+            "print(_fingerprint(resolve_fn('fp_pkg.acts:act'), {}))")
+    names = set()
+    for seed in ("1", "2", "3", "4"):
+        env = dict(__import__("os").environ, PYTHONHASHSEED=seed)
+        proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True,
+                              env=env, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        names.add(proc.stdout.strip())
+    assert len(names) == 1
+
+
+def test_a_long_non_ascii_name_is_shortened_by_bytes():
+    name = "pkg.mod:" + "\u51fd" * 100  # 3 bytes a character in UTF-8
+    short = table_filename(name)
+    assert len(short.encode()) <= 200 and short.endswith(".json")

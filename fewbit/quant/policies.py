@@ -258,14 +258,16 @@ class WarmupPolicy(Policy):
     one. The run's peak memory is then that of the warm-up's bits.
 
     A training step is counted when an optimizer steps after this policy's compressor took
-    a saved tensor (since the step counted before): ``step()`` of any
-    ``torch.optim.Optimizer``, seen through torch's global step hooks
+    a saved tensor (since the step counted before): ``step()`` of a ``torch.optim.Optimizer``
+    that holds a parameter of the model (:meth:`owned_by`; ``fewbit.convert_`` sets it at the
+    model's forward), seen through torch's global step hooks
     (``torch.optim.optimizer.register_optimizer_step_post_hook``). So gradient accumulation
     counts one step per optimizer step, several optimizers stepping after one backward count
-    once, a step ``torch.amp.GradScaler`` skips (it does not call ``step()``) and forwards
-    without grad count none. Weights updated without a ``torch.optim`` optimizer never end
-    the warm-up. The switch takes effect at the next forward; the policy in use is
-    :attr:`current`.
+    once, another model's optimizer (a GAN's other network) none, a step
+    ``torch.amp.GradScaler`` skips (it does not call ``step()``) and forwards without grad
+    none. Weights updated without a ``torch.optim`` optimizer never end the warm-up. The
+    switch takes effect at the next forward; the policy in use is :attr:`current`. A new
+    ``fewbit.convert_`` of the model starts a new warm-up.
 
     Args:
         warm: the policy of the warm-up (e.g. ``FixedPolicy`` of the group quantizer at 4 bits).
@@ -291,7 +293,21 @@ class WarmupPolicy(Policy):
         self.steps_done = 0
         self._saved = False  # a tensor taken since the step counted before
         self._handle = None
+        self._model = None  # weak reference to the model whose optimizers count (owned_by)
         self._watch()
+
+    def owned_by(self, model: torch.nn.Module) -> None:
+        """Count only the steps of optimizers that hold a parameter of ``model`` (weakly
+        referenced; without it, every optimizer's)."""
+        if self._model is None or self._model() is not model:
+            self._model = weakref.ref(model)
+
+    def _owns(self, optimizer) -> bool:
+        model = self._model() if self._model is not None else None
+        if model is None:
+            return True
+        mine = {id(p) for p in model.parameters()}
+        return any(id(p) in mine for group in getattr(optimizer, "param_groups", ()) for p in group["params"])
 
     @property
     def current(self) -> Policy:
@@ -308,15 +324,15 @@ class WarmupPolicy(Policy):
                 me = ref()
                 if me is None:  # the policy was freed: a hook left behind does nothing
                     return
-                me._count()
+                me._count(optimizer)
 
             from torch.optim.optimizer import register_optimizer_step_post_hook
 
             self._handle = register_optimizer_step_post_hook(counted)
             weakref.finalize(self, self._handle.remove)
 
-    def _count(self) -> None:
-        if not self._saved:
+    def _count(self, optimizer=None) -> None:
+        if not self._saved or (optimizer is not None and not self._owns(optimizer)):
             return
         self._saved = False
         self.steps_done += 1
@@ -385,6 +401,7 @@ class WarmupPolicy(Policy):
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
         state["_handle"] = None  # a hook is per process; __setstate__ registers the copy's own
+        state["_model"] = None  # a weak reference: the copy's model sets its own (owned_by)
         return state
 
     def __setstate__(self, state: dict) -> None:

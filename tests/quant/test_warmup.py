@@ -205,3 +205,27 @@ def test_warmup_policy_arguments():
         WarmupPolicy(C.GroupQuantizer(4), fixed, 3)
     with pytest.raises(ValueError, match="steps must be an integer >= 1, got 0"):
         WarmupPolicy(fixed, fixed, 0)
+
+
+def test_another_models_optimizer_does_not_count():
+    """A GAN: the discriminator compresses tensors during the generator's step too, and the
+    generator's optimizer step had counted for it (its warm-up ended after half its steps)."""
+    gen, disc = _model(), _model()
+    for m in (gen, disc):
+        fewbit.convert_(m, Config(saved_bits=2, warmup_steps=10, min_numel=0))
+    opt_g, opt_d = (torch.optim.SGD(m.parameters(), lr=1e-3) for m in (gen, disc))
+    for i in range(4):
+        opt_d.zero_grad()
+        disc(gen(_batch(i)).detach()).square().mean().backward()
+        opt_d.step()
+        opt_g.zero_grad()
+        disc(gen(_batch(i))).square().mean().backward()  # disc saves tensors here too
+        opt_g.step()
+    assert compressor_of(disc).policy.steps_done == 4 == compressor_of(gen).policy.steps_done
+    twin = copy.deepcopy(disc)  # the copy's own model, set at its first forward
+    opt_t = torch.optim.SGD(twin.parameters(), lr=1e-3)
+    twin(_batch(0)).sum().backward()
+    opt_d.step()  # the original's optimizer
+    assert compressor_of(twin).policy.steps_done == 4
+    opt_t.step()
+    assert compressor_of(twin).policy.steps_done == 5
