@@ -104,7 +104,7 @@ from torch import nn
 from fewbit import _norm_rows
 from fewbit import modules as fm
 from fewbit._checks import check_bits, check_bool, check_noise_norm, check_positive_int
-from fewbit._saved import under_checkpoint
+from fewbit._saved import under_users_checkpoint
 from fewbit.activations import ACTIVATIONS, get_activation
 from fewbit.losses import _PATCH_ATTR, fused_loss_refusal
 from fewbit.ops._pointwise import _compiling_or_recording, _transforms_active
@@ -844,7 +844,7 @@ class _EnterHook:
         self.kind = kind
 
     def __call__(self, module: nn.Module, args: Any) -> None:
-        if not torch.is_grad_enabled() or _compiling_or_recording() or _checkpointed() or _transforms_active():
+        if not torch.is_grad_enabled() or _compiling_or_recording() or under_users_checkpoint() or _transforms_active():
             # under torch.func (grad, vmap, jacrev: per-sample gradients) saved-tensor hooks
             # are refused by torch: what is saved stays exact there
             return None
@@ -865,16 +865,6 @@ class _EnterHook:
         key = id(module)
         self.shared.entered[key] = self.shared.entered.get(key, 0) + 1
         return None
-
-
-def _checkpointed() -> bool:
-    """Whether this forward runs under ``torch.utils.checkpoint``
-    (:func:`fewbit._saved.under_checkpoint`: the non-reentrant forward or recomputation) or
-    inside a backward (a reentrant checkpoint's recomputation). The checkpoint drops what
-    the forward saves, or backward uses the recomputed tensors at once: compressing them
-    would only add a copy and noise (under a user's gradient checkpointing, a converted
-    GPT-2 block held 994 KiB against checkpointing's 512)."""
-    return under_checkpoint() or torch._C._current_graph_task_id() != -1
 
 
 class _ExitHook:

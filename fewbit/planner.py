@@ -93,7 +93,7 @@ from torch import nn
 from fewbit import _optimizers
 from fewbit._checks import check_positive_int, is_int
 from fewbit._blocks import find_blocks
-from fewbit._saved import checkpoint_hooks, keep, unpack
+from fewbit._saved import keep, under_users_checkpoint, unpack
 from fewbit.convert import _is_causal_lm, layer_kind, normalization_size
 from fewbit.losses import _PATCH_ATTR, _TransformedLogits, fused_loss_refusal
 from fewbit.memory import resume_recording
@@ -404,7 +404,7 @@ class _GroupHook:
             # transforms refuse saved-tensor hooks
             self.stack.append(None)
             return
-        if _users_checkpoint(self.state):
+        if under_users_checkpoint(_own_checkpoint(self.state)):
             # a user's torch.utils.checkpoint (Hugging Face's gradient checkpointing) drops and
             # recomputes what is saved here: the plan's hooks on top of its hooks kept it (a
             # planned LLaMA held 2912 KiB against checkpointing's 852)
@@ -596,17 +596,12 @@ def _check_unchanged(block: nn.Module, versions: list) -> None:
             )
 
 
-def _users_checkpoint(state: _State) -> bool:
-    """Whether this runs under a ``torch.utils.checkpoint`` other than the plan's own
-    recomputation (a user's, Hugging Face's gradient checkpointing, which transformers 5 puts
-    inside the layer's class ``forward``, so within the plan's) or inside a backward outside
-    it (a reentrant checkpoint's recomputation): the plan's hooks then stand aside, as
-    ``convert_``'s do."""
-    top = checkpoint_hooks()
-    ours = state.checkpoint_hooks[-1] if state.checkpoint_hooks else None
-    if top is not None:
-        return ours is None or top[0] is not ours[0]
-    return ours is None and torch._C._current_graph_task_id() != -1
+def _own_checkpoint(state: _State) -> tuple | None:
+    """The hooks of the plan's own recomputation running (its checkpoint's), or None: a
+    checkpoint with other hooks is a user's (Hugging Face's gradient checkpointing, which
+    transformers 5 puts inside the layer's class ``forward``, so within the plan's;
+    :func:`fewbit._saved.under_users_checkpoint`)."""
+    return state.checkpoint_hooks[-1] if state.checkpoint_hooks else None
 
 
 @contextlib.contextmanager
@@ -677,7 +672,7 @@ def _checkpointed_forward(state: _State, block: nn.Module, forward: Callable, ro
     if not torch.is_grad_enabled() or _transforms_active() or _recording_program():
         # torch.func refuses checkpoint's hooks; a recorded program runs the block as it is
         return forward(*args, **kwargs)
-    if _users_checkpoint(state):  # under a user's checkpoint: it recomputes the block
+    if under_users_checkpoint(_own_checkpoint(state)):  # a user's checkpoint recomputes the block
         return forward(*args, **kwargs)
     bound = None
     if (signature is not None and _is_transformers_layer(block)
