@@ -608,6 +608,22 @@ def logit_transform(model: nn.Module) -> str | None:
     return None
 
 
+def _computes_loss_with_loss_function(cls: type) -> bool:
+    """Whether ``cls.forward`` names ``self.loss_function``, or delegates (``super().forward``)
+    to a base class's forward that does. A forward that names it without calling it is
+    caught at the forward (``_PostHook``)."""
+    for klass in cls.__mro__:
+        forward = vars(klass).get("forward")
+        if not callable(forward):
+            continue
+        names = getattr(inspect.unwrap(forward), "__code__", _NO_CODE).co_names
+        if "loss_function" in names:
+            return True
+        if not ("super" in names and "forward" in names):  # computes its loss itself (BART's)
+            return False
+    return False
+
+
 _NO_CODE = (lambda: None).__code__  # co_names ()
 
 
@@ -635,10 +651,7 @@ def fused_loss_refusal(model: nn.Module) -> str | None:
     signature = _forward_signature(type(model))
     if signature is None or "labels" not in signature.parameters:
         return f"model ({name}).forward takes no 'labels' argument"
-    if not any("loss_function" in getattr(inspect.unwrap(vars(cls)["forward"]), "__code__", _NO_CODE).co_names
-               for cls in type(model).__mro__ if callable(vars(cls).get("forward"))):
-        # no forward of its classes names it (a subclass may call super().forward: the base's
-        # does); one that names it but does not call it is caught at the forward (_PostHook)
+    if not _computes_loss_with_loss_function(type(model)):
         return (f"model ({name}).forward does not compute its loss with self.loss_function (it computes the "
                 "cross-entropy itself), so the fused loss cannot take its place")
     patch = getattr(model, _PATCH_ATTR, None)

@@ -435,8 +435,10 @@ _FINGERPRINT_POINTS = 4097
 
 def _code_digest(obj: Any, depth: int = 0) -> str:
     """A digest of a user callable's Python code: its bytecode, constants (nested functions'
-    code too), names, defaults and closure values; ``""`` for what has none (a C function).
-    Any edit of the function's own source moves it, also one between the sampled points."""
+    code too), names, defaults and closure values, and the code of the functions of its own
+    module it calls; ``""`` for what has none (a C function). Any edit of that source moves
+    it, also one between the sampled points. Values by their contents, not ``repr`` (sets
+    print in the order of the process's hash seed; default reprs print addresses)."""
     import hashlib
 
     fn = getattr(obj, "__func__", obj)
@@ -452,15 +454,19 @@ def _code_digest(obj: Any, depth: int = 0) -> str:
             out.append(flat(const) if hasattr(const, "co_code") else value(const))
         return out
 
-    def value(v) -> str:  # a closure's function by its code; no memory address (not stable across processes)
+    def value(v, d: int = 0) -> str:  # a closure's function by its code; no memory address
+        if d > 6:
+            return type(v).__qualname__
         if hasattr(v, "__code__") or hasattr(getattr(v, "__func__", None), "__code__"):
             return _code_digest(v, depth + 1)
         if isinstance(v, (set, frozenset)):  # their order follows the process's string hash seed
-            return "{" + ",".join(sorted(value(e) for e in v)) + "}"
+            return "{" + ",".join(sorted(value(e, d + 1) for e in v)) + "}"
         if isinstance(v, (list, tuple)):
-            return type(v).__name__ + "(" + ",".join(value(e) for e in v) + ")"
+            return type(v).__name__ + "(" + ",".join(value(e, d + 1) for e in v) + ")"
         if isinstance(v, dict):
-            return "dict(" + ",".join(sorted(f"{value(k)}:{value(e)}" for k, e in v.items())) + ")"
+            return "dict(" + ",".join(sorted(f"{value(k, d + 1)}:{value(e, d + 1)}" for k, e in v.items())) + ")"
+        if not isinstance(v, (type, torch.Tensor, torch.nn.Module)) and isinstance(getattr(v, "__dict__", None), dict):
+            return type(v).__qualname__ + value(vars(v), d + 1)  # an object: its attributes
         try:
             text = repr(v)
         except Exception:  # noqa: BLE001 - a user object whose repr fails
@@ -473,8 +479,13 @@ def _code_digest(obj: Any, depth: int = 0) -> str:
             cells.append(value(c.cell_contents))
         except ValueError:  # an empty cell
             cells.append("<empty>")
+    # functions of its own module that it calls (a helper edited since)
+    module_globals = getattr(fn, "__globals__", {})
+    helpers = [_code_digest(module_globals[n], depth + 1) for n in sorted(set(code.co_names))
+               if callable(module_globals.get(n)) and getattr(module_globals[n], "__module__", None) == fn.__module__
+               and module_globals[n] is not fn]
     text = repr((flat(code), value(getattr(fn, "__defaults__", None)), value(getattr(fn, "__kwdefaults__", None)),
-                 cells))
+                 cells, helpers))
     return hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -590,6 +601,8 @@ def _lookup(f: ResolvedFn, bits: int, full: dict[str, float], nd: dict[str, floa
     Returns ``(table or None, source, note)``: ``source`` says where the table came from
     (``"exact"``, ``"fewbit.tables/<file>"`` or the cache file's path); ``note`` is set when
     an unreadable cache file was moved aside (``set_aside``; otherwise TableFormatError).
+    With ``set_aside`` (the runtime, which may fit) a cached table of an earlier
+    :data:`CACHE_REVISION` counts as absent when the solver is installed.
     """
     if f.act is not None and f.act.stepwise:
         # Exact at 1 bit: more bits could not make the gradient more exact.
@@ -619,9 +632,19 @@ def _lookup(f: ResolvedFn, bits: int, full: dict[str, float], nd: dict[str, floa
         return None, "", ""
     table = _pick_bits(cached, bits, str(path))
     check_table_matches(table, f.name, nd, str(path))
-    if table.provenance.get("cache_revision") != CACHE_REVISION:
+    if table.provenance.get("cache_revision") != CACHE_REVISION and set_aside and _solver_available():
         return None, "", ""  # fitted by an earlier solver (CACHE_REVISION): fitted again
     return table, str(path), ""
+
+
+def _solver_available() -> bool:
+    """Whether ``fewbit.solver`` imports (scipy and numba installed): without it a cached
+    table of an earlier :data:`CACHE_REVISION` is served rather than refused."""
+    try:
+        importlib.import_module("fewbit.solver")
+    except ImportError:
+        return False
+    return True
 
 
 def table_for(f: ResolvedFn, bits: int | None, full: dict[str, float], dtype: torch.dtype | None) -> Table:

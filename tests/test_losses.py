@@ -603,6 +603,20 @@ def test_a_subclass_whose_forward_calls_the_base_forward_is_accepted():
     torch.testing.assert_close(out.loss, ref(input_ids=ids, labels=ids).loss)
 
 
+def test_a_subclass_computing_its_loss_itself_is_refused():
+    """A subclass whose own forward computes the cross-entropy (no super().forward) passed
+    the first version of the delegation rule because its base's forward names
+    ``loss_function``, and then failed with an IndexError on the hidden states."""
+    class Inline(transformers.GPT2LMHeadModel):
+        def forward(self, input_ids=None, labels=None, **kwargs):
+            logits = self.lm_head(self.transformer(input_ids).last_hidden_state)
+            loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
+            return transformers.modeling_outputs.CausalLMOutput(loss=loss, logits=logits)
+
+    with pytest.raises(ValueError, match="does not compute its loss with self.loss_function"):
+        patch_causal_lm_(Inline(_gpt2().config))
+
+
 def test_a_patched_model_exports_with_the_unfused_loss():
     """torch.export of a model converted with the fused loss failed on its data-dependent
     target check: a recorded program takes the unfused loss (same value)."""

@@ -416,3 +416,60 @@ def test_a_long_non_ascii_name_is_shortened_by_bytes():
     name = "pkg.mod:" + "\u51fd" * 100  # 3 bytes a character in UTF-8
     short = table_filename(name)
     assert len(short.encode()) <= 200 and short.endswith(".json")
+
+
+def test_an_edited_helper_of_a_user_function_is_refitted(cache, tmp_path, monkeypatch):
+    """``act`` calls ``_hinge`` of its own module: an edit of ``_hinge`` between the sampled
+    points was served the old table (the digest held ``act``'s code only)."""
+    import importlib
+
+    pytest.importorskip("fewbit.solver")
+    x = torch.tensor([0.0995], requires_grad=True)
+    for kink in ("0.099", "0.1"):
+        _user_package(tmp_path, monkeypatch, f"def _hinge(x):\n    return torch.where(x > {kink}, x, 0.1 * x)\n\n\n"
+                                             "def act(x):\n    return _hinge(x)\n")
+        importlib.invalidate_caches()
+        FF.clear_table_cache()
+        with pytest.warns(FF.TableFittedWarning):
+            FF.activation(x, "fp_pkg.acts:act", bits=2).sum().backward()
+        x.grad = None
+    FF.activation(x, "fp_pkg.acts:act", bits=2).sum().backward()
+    torch.testing.assert_close(x.grad, torch.tensor([0.1]), rtol=0, atol=1e-6)
+
+
+def test_the_digest_of_a_closure_over_an_object_with_a_set_is_the_same_in_every_process(tmp_path, monkeypatch):
+    import subprocess
+
+    _user_package(tmp_path, monkeypatch, "import types\n_CFG = types.SimpleNamespace(tags={'a', 'b', 'c', 'd', 'e'})\n"
+                                         "def make(cfg):\n    def act(x):\n        return x * torch.sigmoid(x) if cfg.tags"
+                                         " else x\n    return act\nact = make(_CFG)\n")
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); from fewbit.resolve import _fingerprint, resolve_fn; "
+            "print(_fingerprint(resolve_fn('fp_pkg.acts:act'), {}))")
+    names = set()
+    for seed in ("1", "2", "3"):
+        env = dict(__import__("os").environ, PYTHONHASHSEED=seed)
+        proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True,
+                              env=env, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        names.add(proc.stdout.strip())
+    assert len(names) == 1
+
+
+def test_a_stale_table_is_served_without_the_solver(cache, monkeypatch):
+    """Without scipy/numba a cached table of an earlier revision raised ImportError (fitting
+    needs them) where it had been served."""
+    from dataclasses import replace
+
+    from fewbit import resolve
+    from fewbit.table import write_tables
+    from helpers import toy_table
+
+    params = {"alpha": 0.5}
+    path = cache / table_filename("elu", params)
+    path.parent.mkdir(parents=True)
+    write_tables(path, [replace(toy_table("elu", 2, params), provenance={})])
+    monkeypatch.setattr(resolve, "_solver_available", lambda: False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # served, not fitted
+        table = FF.load_table("elu", 2, params)
+    assert table.provenance == {}

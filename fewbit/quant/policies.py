@@ -258,12 +258,14 @@ class WarmupPolicy(Policy):
     one. The run's peak memory is then that of the warm-up's bits.
 
     A training step is counted when an optimizer steps after this policy's compressor took
-    a saved tensor (since the step counted before): ``step()`` of a ``torch.optim.Optimizer``
-    that holds a parameter of the model (:meth:`owned_by`; ``fewbit.convert_`` sets it at the
-    model's forward), seen through torch's global step hooks
-    (``torch.optim.optimizer.register_optimizer_step_post_hook``). So gradient accumulation
-    counts one step per optimizer step, several optimizers stepping after one backward count
-    once, another model's optimizer (a GAN's other network) none, a step
+    a saved tensor (since the step counted before): ``step()`` of a ``torch.optim.Optimizer``,
+    seen through torch's global step hooks
+    (``torch.optim.optimizer.register_optimizer_step_post_hook``); once an optimizer holding
+    a parameter of the model (:meth:`owned_by`; ``fewbit.convert_`` sets it at the model's
+    forward) has stepped, only those count (a GAN's other network's steps do not), and until
+    then any optimizer (one over float32 master copies of the weights, over a prompt outside
+    a frozen model, over FSDP's flat parameters). So gradient accumulation counts one step
+    per optimizer step, several optimizers stepping after one backward count once, a step
     ``torch.amp.GradScaler`` skips (it does not call ``step()``) and forwards without grad
     none. Weights updated without a ``torch.optim`` optimizer never end the warm-up. The
     switch takes effect at the next forward; the policy in use is :attr:`current`. A new
@@ -294,11 +296,12 @@ class WarmupPolicy(Policy):
         self._saved = False  # a tensor taken since the step counted before
         self._handle = None
         self._model = None  # weak reference to the model whose optimizers count (owned_by)
+        self._owner_seen = False  # an optimizer holding the model's parameters has stepped
         self._watch()
 
     def owned_by(self, model: torch.nn.Module) -> None:
         """Count only the steps of optimizers that hold a parameter of ``model`` (weakly
-        referenced; without it, every optimizer's)."""
+        referenced), once one has stepped; before, and without a model, every optimizer's."""
         if self._model is None or self._model() is not model:
             self._model = weakref.ref(model)
 
@@ -332,8 +335,13 @@ class WarmupPolicy(Policy):
             weakref.finalize(self, self._handle.remove)
 
     def _count(self, optimizer=None) -> None:
-        if not self._saved or (optimizer is not None and not self._owns(optimizer)):
+        if not self._saved:
             return
+        if optimizer is not None:
+            if self._owns(optimizer):
+                self._owner_seen = True
+            elif self._owner_seen:  # another model's optimizer
+                return
         self._saved = False
         self.steps_done += 1
         if self.steps_done >= self.steps and self._handle is not None:

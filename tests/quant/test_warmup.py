@@ -221,11 +221,34 @@ def test_another_models_optimizer_does_not_count():
         opt_g.zero_grad()
         disc(gen(_batch(i))).square().mean().backward()  # disc saves tensors here too
         opt_g.step()
-    assert compressor_of(disc).policy.steps_done == 4 == compressor_of(gen).policy.steps_done
+    assert compressor_of(disc).policy.steps_done == 4
+    # the generator's first: the discriminator's step came before any of its own optimizer's
+    assert compressor_of(gen).policy.steps_done == 5
     twin = copy.deepcopy(disc)  # the copy's own model, set at its first forward
     opt_t = torch.optim.SGD(twin.parameters(), lr=1e-3)
     twin(_batch(0)).sum().backward()
-    opt_d.step()  # the original's optimizer
-    assert compressor_of(twin).policy.steps_done == 4
     opt_t.step()
     assert compressor_of(twin).policy.steps_done == 5
+    twin(_batch(1)).sum().backward()
+    opt_d.step()  # the original's optimizer: not the copy's step
+    assert compressor_of(twin).policy.steps_done == 5
+
+
+@pytest.mark.parametrize("over", ["master copies", "a prompt outside the model"])
+def test_an_optimizer_over_other_tensors_ends_the_warm_up(over):
+    """Mixed precision's float32 master copies, or a soft prompt before a frozen model: no
+    optimizer holds the model's parameters, and the first version of the ownership rule
+    never ended the warm-up (the run stayed at the warm-up's bits)."""
+    model = _model()
+    fewbit.convert_(model, Config(saved_bits=2, warmup_steps=2, min_numel=0))
+    if over == "master copies":
+        tensors = [p.detach().clone().requires_grad_() for p in model.parameters()]
+    else:
+        model.requires_grad_(False)
+        tensors = [torch.zeros(32, requires_grad=True)]
+    opt = torch.optim.SGD(tensors, lr=1e-3)
+    for i in range(3):
+        x = _batch(i) + tensors[0].sum() * 0 if over == "master copies" else _batch(i) + tensors[0]
+        model(x).square().mean().backward()
+        opt.step()
+    assert compressor_of(model).policy.steps_done == 2
