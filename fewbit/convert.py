@@ -176,8 +176,9 @@ class Config:
             a 2-bit run off the long early loss plateau that a GPT-2 seed in twelve stayed on
             (4 bits for 100 steps: README "Training"); the run's peak memory is the
             warm-up's. Steps are counted by :class:`fewbit.quant.policies.WarmupPolicy`
-            (``step()`` of a ``torch.optim`` optimizer holding the model's parameters, after
-            a compressed forward); a new conversion starts a new warm-up.
+            (``step()`` of a ``torch.optim`` optimizer holding the model's parameters, or of
+            any where none does, after a compressed forward); a new conversion starts a new
+            warm-up.
         warmup_bits: bits per element during the warm-up, more than ``saved_bits`` (with
             ``saved_bits="auto"``: more than ``average_bits``), one of 1, 2, 4, 8 (Adacc: 2,
             4, 8); default 4.

@@ -425,7 +425,7 @@ class _Patch:
     had_loss_function: bool
     previous_loss_function: Any
     handles: list = field(default_factory=list)
-    active: list = field(default_factory=list)  # per running forward: [labels given?, fused loss computed?]
+    active: list = field(default_factory=list)  # per running forward: [labels given?, the fused loss or None]
     hidden: torch.Tensor | None = None  # what lm_head returned instead of the logits
     hidden_version: int | None = 0  # its version counter then (an in-place change moves it)
     hidden_copy: torch.Tensor | None = None  # an inference tensor's copy (it has no version counter)
@@ -506,7 +506,6 @@ class _LossFunction:
                  shift_labels=None, **kwargs):
         patch = self.patch
         if patch.active and patch.active[-1][0]:
-            patch.active[-1][1] = True
             if logits is None or logits is not patch.hidden or _changed(logits, patch):
                 # a transform between the head and the loss, also one in place (Chameleon's
                 # masked image tokens, xLSTM's soft cap in eval mode): it acted on the hidden
@@ -516,8 +515,10 @@ class _LossFunction:
                     "model transforms its logits, perhaps in place), so the fused cross-entropy cannot "
                     "compute it; convert without it (fewbit.Config(fused_cross_entropy=False), "
                     "fewbit.plan(..., fused_cross_entropy=False)) or call fewbit.losses.unpatch_causal_lm_(model)")
-            return _causal_lm_fused_loss(patch, logits, labels, vocab_size, num_items_in_batch,
+            loss = _causal_lm_fused_loss(patch, logits, labels, vocab_size, num_items_in_batch,
                                          ignore_index, shift_labels)
+            patch.active[-1][1] = loss  # the forward's loss must come from it (_PostHook)
+            return loss
         return patch.fallback(logits, labels, vocab_size, num_items_in_batch=num_items_in_batch,
                               ignore_index=ignore_index, shift_labels=shift_labels, **kwargs)
 
@@ -547,7 +548,45 @@ class _PreHook:
                 f"{type(module).__name__}'s loss_function was replaced after fewbit.losses.patch_causal_lm_; "
                 "call fewbit.losses.unpatch_causal_lm_(model) (fewbit.Config(fused_cross_entropy=False)) to "
                 "use your own loss: the fused loss computes transformers' ForCausalLMLoss only")
-        patch.active.append([labels is not None, False])
+        patch.active.append([labels is not None, None])
+
+
+def _computed_from(returned: torch.Tensor, loss: torch.Tensor, limit: int = 512) -> bool:
+    """Whether ``returned`` is ``loss`` or computed from it (its autograd graph reaches
+    ``loss``'s node within ``limit`` nodes: an auxiliary loss added, a scale); True when
+    either has no graph (no grad: nothing to tell by)."""
+    if returned is loss or returned.grad_fn is None or loss.grad_fn is None:
+        return True
+    target, todo, seen = loss.grad_fn, [returned.grad_fn], set()
+    while todo and len(seen) < limit:
+        node = todo.pop()
+        if node is target:
+            return True
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        todo.extend(next_node for next_node, _ in node.next_functions)
+    return False
+
+
+def _check_returned_loss(module: nn.Module, output: Any, computed: torch.Tensor | None) -> None:
+    """Raise if a forward with labels returned a loss other than (or not computed from) the
+    fused loss its ``self.loss_function`` gave: the lm_head gave it the hidden states, so a
+    loss it computed otherwise is wrong."""
+    how = "fewbit.losses.unpatch_causal_lm_(model) (fewbit.Config(fused_cross_entropy=False))"
+    if computed is None:  # the head's output went to a cross-entropy of the model's own
+        raise RuntimeError(
+            f"{type(module).__name__}'s forward ran its lm_head with labels but did not compute its loss with "
+            "self.loss_function, so the fused cross-entropy could not compute it and the loss it returned "
+            f"was computed from the hidden states; call {how}")
+    returned = output[0] if isinstance(output, tuple) and output else getattr(output, "loss", None)
+    if torch.is_tensor(returned) and not _computed_from(returned, computed):
+        # a subclass that calls super().forward, then computes a loss of its own from the
+        # output's logits (the hidden states here)
+        raise RuntimeError(
+            f"{type(module).__name__}'s forward returned a loss not computed from what its self.loss_function "
+            f"returned (a loss of its own from the logits, which the fused cross-entropy leaves as hidden "
+            f"states); call {how}")
 
 
 class _PostHook:
@@ -564,14 +603,8 @@ class _PostHook:
         patch.hidden, patch.hidden_copy = None, None  # the copy also when the loss raised
         if not active or hidden is None:
             return None
-        if not computed and sys.exc_info()[0] is None:
-            # the head gave the hidden states, and the forward computed its loss from them
-            # otherwise than through self.loss_function: whatever it returned is wrong
-            raise RuntimeError(
-                f"{type(module).__name__}'s forward ran its lm_head with labels but did not compute its loss "
-                "with self.loss_function, so the fused cross-entropy could not compute it and the loss it "
-                "returned was computed from the hidden states; call fewbit.losses.unpatch_causal_lm_(model) "
-                "(fewbit.Config(fused_cross_entropy=False))")
+        if sys.exc_info()[0] is None:  # a forward that raised: its error stands
+            _check_returned_loss(module, output, computed)
         if isinstance(output, tuple):
             return tuple(o for o in output if o is not hidden)
         if getattr(output, "logits", None) is hidden:
@@ -653,7 +686,8 @@ def fused_loss_refusal(model: nn.Module) -> str | None:
         return f"model ({name}).forward takes no 'labels' argument"
     if not _computes_loss_with_loss_function(type(model)):
         return (f"model ({name}).forward does not compute its loss with self.loss_function (it computes the "
-                "cross-entropy itself), so the fused loss cannot take its place")
+                "cross-entropy itself, or reaches the base class's forward otherwise than by super().forward), "
+                "so the fused loss cannot take its place")
     patch = getattr(model, _PATCH_ATTR, None)
     loss_function = patch.fallback if patch is not None else model.loss_function
     try:

@@ -37,6 +37,7 @@ import math
 import os
 import re
 import threading
+import types
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Mapping, Union
@@ -433,39 +434,63 @@ def _check_asymptotes(f: ResolvedFn, params: dict[str, float],
 _FINGERPRINT_POINTS = 4097
 
 
-def _code_digest(obj: Any, depth: int = 0) -> str:
+def _python_function(obj: Any) -> types.FunctionType | None:
+    """The Python function behind ``obj`` (a function, a bound method, a callable object's
+    ``__call__``), or None (a C function, a module, a type, an object whose attributes raise)."""
+    try:
+        fn = getattr(obj, "__func__", obj)
+        if isinstance(fn, types.FunctionType):
+            return fn
+        if callable(obj) and not isinstance(obj, (type, types.ModuleType)):
+            call = getattr(type(obj), "__call__", None)
+            call = getattr(call, "__func__", call)
+            if isinstance(call, types.FunctionType):
+                return call
+    except Exception:  # noqa: BLE001 - an attribute lookup that raises (torch.classes)
+        return None
+    return None
+
+
+def _code_digest(obj: Any, _seen: set | None = None) -> str:
     """A digest of a user callable's Python code: its bytecode, constants (nested functions'
     code too), names, defaults and closure values, and the code of the functions of its own
     module it calls; ``""`` for what has none (a C function). Any edit of that source moves
     it, also one between the sampled points. Values by their contents, not ``repr`` (sets
-    print in the order of the process's hash seed; default reprs print addresses)."""
+    print in the order of the process's hash seed; default reprs print addresses); modules
+    and classes by name; each function once (recursion, helpers calling each other)."""
     import hashlib
 
-    fn = getattr(obj, "__func__", obj)
-    if not hasattr(fn, "__code__") and callable(obj) and not isinstance(obj, type):
-        fn = getattr(type(obj).__call__, "__func__", type(obj).__call__)  # a callable object
-    code = getattr(fn, "__code__", None)
-    if code is None or depth > 4:
+    fn = _python_function(obj)
+    seen = set() if _seen is None else _seen
+    if fn is None:
         return ""
+    if id(fn) in seen:
+        return f"<{fn.__module__}.{fn.__qualname__}>"
+    seen.add(id(fn))
+    code = fn.__code__
 
     def flat(c) -> list:
         out = [c.co_code, c.co_names, c.co_varnames]
         for const in c.co_consts:
-            out.append(flat(const) if hasattr(const, "co_code") else value(const))
+            out.append(flat(const) if isinstance(const, types.CodeType) else value(const))
         return out
 
-    def value(v, d: int = 0) -> str:  # a closure's function by its code; no memory address
+    def value(v, d: int = 0) -> str:  # no memory address, no hash-seed order
+        if isinstance(v, types.ModuleType):
+            return f"module {v.__name__}"
+        if isinstance(v, type):
+            return f"class {v.__module__}.{v.__qualname__}"
+        if _python_function(v) is not None:
+            return _code_digest(v, seen)
         if d > 6:
             return type(v).__qualname__
-        if hasattr(v, "__code__") or hasattr(getattr(v, "__func__", None), "__code__"):
-            return _code_digest(v, depth + 1)
-        if isinstance(v, (set, frozenset)):  # their order follows the process's string hash seed
+        if isinstance(v, (set, frozenset)):
             return "{" + ",".join(sorted(value(e, d + 1) for e in v)) + "}"
         if isinstance(v, (list, tuple)):
             return type(v).__name__ + "(" + ",".join(value(e, d + 1) for e in v) + ")"
         if isinstance(v, dict):
             return "dict(" + ",".join(sorted(f"{value(k, d + 1)}:{value(e, d + 1)}" for k, e in v.items())) + ")"
-        if not isinstance(v, (type, torch.Tensor, torch.nn.Module)) and isinstance(getattr(v, "__dict__", None), dict):
+        if not isinstance(v, (torch.Tensor, torch.nn.Module)) and isinstance(getattr(v, "__dict__", None), dict):
             return type(v).__qualname__ + value(vars(v), d + 1)  # an object: its attributes
         try:
             text = repr(v)
@@ -474,18 +499,17 @@ def _code_digest(obj: Any, depth: int = 0) -> str:
         return re.sub(r" at 0x[0-9a-fA-F]+", "", text)
 
     cells = []
-    for c in getattr(fn, "__closure__", None) or ():
+    for c in fn.__closure__ or ():
         try:
             cells.append(value(c.cell_contents))
         except ValueError:  # an empty cell
             cells.append("<empty>")
     # functions of its own module that it calls (a helper edited since)
-    module_globals = getattr(fn, "__globals__", {})
-    helpers = [_code_digest(module_globals[n], depth + 1) for n in sorted(set(code.co_names))
-               if callable(module_globals.get(n)) and getattr(module_globals[n], "__module__", None) == fn.__module__
-               and module_globals[n] is not fn]
-    text = repr((flat(code), value(getattr(fn, "__defaults__", None)), value(getattr(fn, "__kwdefaults__", None)),
-                 cells, helpers))
+    module_globals = fn.__globals__
+    helpers = [value(module_globals[n]) for n in sorted(set(code.co_names))
+               if isinstance(module_globals.get(n), types.FunctionType)
+               and module_globals[n].__module__ == fn.__module__]
+    text = repr((flat(code), value(fn.__defaults__), value(fn.__kwdefaults__), cells, helpers))
     return hashlib.sha256(text.encode()).hexdigest()
 
 

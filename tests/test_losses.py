@@ -617,6 +617,37 @@ def test_a_subclass_computing_its_loss_itself_is_refused():
         patch_causal_lm_(Inline(_gpt2().config))
 
 
+def test_a_subclass_replacing_the_loss_after_super_forward_raises():
+    """A subclass calling ``super().forward(labels=...)`` and then computing a loss of its
+    own from ``out.logits`` (the hidden states under the fused loss) returned it silently
+    (3.45 against 2.77); the forward's loss must be computed from the fused one."""
+    class Smoothed(transformers.GPT2LMHeadModel):
+        def forward(self, input_ids=None, labels=None, **kwargs):
+            out = super().forward(input_ids=input_ids, labels=labels, **kwargs)
+            logits = out.logits[:, :-1]
+            out.loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1) % 32,
+                                       label_smoothing=0.1)
+            return out
+
+    class WithAux(transformers.GPT2LMHeadModel):  # a loss computed from the fused one (an MoE's aux loss)
+        def forward(self, input_ids=None, labels=None, **kwargs):
+            out = super().forward(input_ids=input_ids, labels=labels, **kwargs)
+            out.loss = out.loss + 0.01 * self.lm_head.weight.square().mean()
+            return out
+
+    ids = torch.randint(0, 97, (2, 8))
+    model = patch_causal_lm_(Smoothed(_gpt2().config))
+    with pytest.raises(RuntimeError, match="returned a loss not computed from what its self.loss_function"):
+        model(input_ids=ids, labels=ids)
+    with torch.no_grad():  # no graph to tell by: not checked
+        model(input_ids=ids, labels=ids)
+    torch.manual_seed(0)
+    model, ref = WithAux(_gpt2().config), WithAux(_gpt2().config)
+    ref.load_state_dict(model.state_dict())
+    patch_causal_lm_(model)
+    torch.testing.assert_close(model(input_ids=ids, labels=ids).loss, ref(input_ids=ids, labels=ids).loss)
+
+
 def test_a_patched_model_exports_with_the_unfused_loss():
     """torch.export of a model converted with the fused loss failed on its data-dependent
     target check: a recorded program takes the unfused loss (same value)."""

@@ -473,3 +473,36 @@ def test_a_stale_table_is_served_without_the_solver(cache, monkeypatch):
         warnings.simplefilter("error")  # served, not fitted
         table = FF.load_table("elu", 2, params)
     assert table.provenance == {}
+
+
+def test_the_digest_of_modules_classes_and_mutual_helpers():
+    """A default or closure holding a module (``lib=torch``, ``torch.nn.functional``, numpy)
+    made the digest walk the module: torch.classes raised from ``hasattr``, numpy's digest
+    changed with the hash seed; helpers calling each other made it exponential."""
+    import time
+
+    import numpy as np
+
+    from fewbit.resolve import _code_digest
+
+    def act(x, lib=torch):
+        return lib.tanh(x)
+
+    def act_np(x, lib=np):
+        return x
+
+    F_ = torch.nn.functional
+
+    def act_closure(x):
+        return F_.silu(x)
+
+    for fn in (act, act_np, act_closure):
+        assert len(_code_digest(fn)) == 64
+    namespace: dict = {"__name__": "fan"}
+    names = [f"h{i}" for i in range(20)]
+    src = "".join(f"def {n}(x, k=0):\n    return x if k <= 0 else " + " + ".join(f"{m}(x, k - 1)" for m in names
+                                                                              if m != n) + "\n" for n in names)
+    exec(compile(src, "fan", "exec"), namespace)
+    start = time.perf_counter()
+    _code_digest(namespace["h0"])
+    assert time.perf_counter() - start < 1.0

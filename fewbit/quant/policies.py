@@ -260,11 +260,12 @@ class WarmupPolicy(Policy):
     A training step is counted when an optimizer steps after this policy's compressor took
     a saved tensor (since the step counted before): ``step()`` of a ``torch.optim.Optimizer``,
     seen through torch's global step hooks
-    (``torch.optim.optimizer.register_optimizer_step_post_hook``); once an optimizer holding
-    a parameter of the model (:meth:`owned_by`; ``fewbit.convert_`` sets it at the model's
-    forward) has stepped, only those count (a GAN's other network's steps do not), and until
-    then any optimizer (one over float32 master copies of the weights, over a prompt outside
-    a frozen model, over FSDP's flat parameters). So gradient accumulation counts one step
+    (``torch.optim.optimizer.register_optimizer_step_post_hook``): the steps of optimizers
+    holding a parameter of the model (:meth:`owned_by`; ``fewbit.convert_`` sets it at the
+    model's forward; a GAN's other network's steps do not count, also those before its own
+    optimizer's first), or, as long as none of those has stepped, of any optimizer (one over
+    float32 master copies of the weights, over a prompt outside a frozen model, over FSDP1's
+    flat parameters). So gradient accumulation counts one step
     per optimizer step, several optimizers stepping after one backward count once, a step
     ``torch.amp.GradScaler`` skips (it does not call ``step()``) and forwards without grad
     none. Weights updated without a ``torch.optim`` optimizer never end the warm-up. The
@@ -291,9 +292,9 @@ class WarmupPolicy(Policy):
         self.warm = warm
         self.policy = policy
         self.steps = check_positive_int(steps, "steps")
-        #: training steps counted so far (:meth:`load_state_dict` restores it)
-        self.steps_done = 0
-        self._saved = False  # a tensor taken since the step counted before
+        self._own_steps = self._any_steps = 0  # steps of the model's optimizers, of any optimizer
+        # a tensor taken since the step counted before: by the model's optimizers, by any
+        self._saved_own = self._saved_any = False
         self._handle = None
         self._model = None  # weak reference to the model whose optimizers count (owned_by)
         self._owner_seen = False  # an optimizer holding the model's parameters has stepped
@@ -311,6 +312,12 @@ class WarmupPolicy(Policy):
             return True
         mine = {id(p) for p in model.parameters()}
         return any(id(p) in mine for group in getattr(optimizer, "param_groups", ()) for p in group["params"])
+
+    @property
+    def steps_done(self) -> int:
+        """Training steps counted so far: those of the model's optimizers, or of any optimizer
+        while none of the model's has stepped (:meth:`load_state_dict` restores it)."""
+        return self._own_steps if self._owner_seen else self._any_steps
 
     @property
     def current(self) -> Policy:
@@ -335,15 +342,15 @@ class WarmupPolicy(Policy):
             weakref.finalize(self, self._handle.remove)
 
     def _count(self, optimizer=None) -> None:
-        if not self._saved:
-            return
-        if optimizer is not None:
-            if self._owns(optimizer):
-                self._owner_seen = True
-            elif self._owner_seen:  # another model's optimizer
-                return
-        self._saved = False
-        self.steps_done += 1
+        own = optimizer is None or self._owns(optimizer)
+        if own:
+            self._owner_seen = True
+            if self._saved_own:
+                self._saved_own = False
+                self._own_steps += 1
+        if self._saved_any:
+            self._saved_any = False
+            self._any_steps += 1
         if self.steps_done >= self.steps and self._handle is not None:
             self._handle.remove()
             self._handle = None
@@ -357,7 +364,7 @@ class WarmupPolicy(Policy):
         return self.current.decides_qk
 
     def observe(self, info: SavedTensorInfo) -> None:
-        self._saved = True
+        self._saved_own = self._saved_any = True
         self.current.observe(info)
 
     def choose(self, x, info):
@@ -376,11 +383,12 @@ class WarmupPolicy(Policy):
         self.current.set_schedule(state)
 
     def state_dict(self) -> dict:
-        """``{"steps_done": int, "policy": the policy's state_dict() or None}``: save it
+        """``{"steps_done": int, "owner_seen": bool, "policy": the policy's state_dict() or
+        None}``: save it
         beside the model's to resume a run with a warm-up exactly (a converted model's
         pickle and ``copy.deepcopy`` carry it)."""
         inner = self.policy.state_dict() if hasattr(self.policy, "state_dict") else None
-        return {"steps_done": self.steps_done, "policy": inner}
+        return {"steps_done": self.steps_done, "owner_seen": self._owner_seen, "policy": inner}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict`.
@@ -399,8 +407,9 @@ class WarmupPolicy(Policy):
             if not hasattr(self.policy, "load_state_dict"):
                 raise ValueError(f"state holds a policy state, but {type(self.policy).__name__} has none")
             self.policy.load_state_dict(state["policy"])
-        self.steps_done = int(state["steps_done"])
-        self._saved = False
+        self._own_steps = self._any_steps = int(state["steps_done"])
+        self._owner_seen = bool(state.get("owner_seen", False))
+        self._saved_own = self._saved_any = False
         if self.steps_done >= self.steps and self._handle is not None:
             self._handle.remove()
             self._handle = None

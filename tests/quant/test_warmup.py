@@ -123,7 +123,7 @@ def test_state_dict_deepcopy_and_resume():
     fewbit.convert_(model, Config(saved_bits=2, warmup_steps=3, min_numel=0))
     _train(model, torch.optim.SGD(model.parameters(), lr=0.01), 2)
     policy = compressor_of(model).policy
-    assert policy.state_dict() == {"steps_done": 2, "policy": None}
+    assert policy.state_dict() == {"steps_done": 2, "owner_seen": True, "policy": None}
     twin = copy.deepcopy(model)
     tp = compressor_of(twin).policy
     assert tp is not policy and tp.steps_done == 2
@@ -207,31 +207,33 @@ def test_warmup_policy_arguments():
         WarmupPolicy(fixed, fixed, 0)
 
 
-def test_another_models_optimizer_does_not_count():
+@pytest.mark.parametrize("critic_steps", [1, 5])
+def test_another_models_optimizer_does_not_count(critic_steps):
     """A GAN: the discriminator compresses tensors during the generator's step too, and the
     generator's optimizer step had counted for it (its warm-up ended after half its steps)."""
     gen, disc = _model(), _model()
     for m in (gen, disc):
-        fewbit.convert_(m, Config(saved_bits=2, warmup_steps=10, min_numel=0))
+        fewbit.convert_(m, Config(saved_bits=2, warmup_steps=100, min_numel=0))
     opt_g, opt_d = (torch.optim.SGD(m.parameters(), lr=1e-3) for m in (gen, disc))
     for i in range(4):
-        opt_d.zero_grad()
-        disc(gen(_batch(i)).detach()).square().mean().backward()
-        opt_d.step()
+        for _ in range(critic_steps):  # WGAN: several critic steps, the generator's forward with grad
+            opt_d.zero_grad()
+            disc(gen(_batch(i)).detach()).square().mean().backward()
+            opt_d.step()
         opt_g.zero_grad()
         disc(gen(_batch(i))).square().mean().backward()  # disc saves tensors here too
         opt_g.step()
-    assert compressor_of(disc).policy.steps_done == 4
-    # the generator's first: the discriminator's step came before any of its own optimizer's
-    assert compressor_of(gen).policy.steps_done == 5
+    assert compressor_of(disc).policy.steps_done == 4 * critic_steps
+    assert compressor_of(gen).policy.steps_done == 4  # its own steps, also before its optimizer's first
     twin = copy.deepcopy(disc)  # the copy's own model, set at its first forward
     opt_t = torch.optim.SGD(twin.parameters(), lr=1e-3)
+    done = compressor_of(twin).policy.steps_done
     twin(_batch(0)).sum().backward()
     opt_t.step()
-    assert compressor_of(twin).policy.steps_done == 5
+    assert compressor_of(twin).policy.steps_done == done + 1
     twin(_batch(1)).sum().backward()
     opt_d.step()  # the original's optimizer: not the copy's step
-    assert compressor_of(twin).policy.steps_done == 5
+    assert compressor_of(twin).policy.steps_done == done + 1
 
 
 @pytest.mark.parametrize("over", ["master copies", "a prompt outside the model"])
