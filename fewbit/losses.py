@@ -354,9 +354,10 @@ def linear_cross_entropy(
         RuntimeError: in a double backward (``create_graph=True``).
 
     Under ``torch.autocast``, ``input``, ``weight`` and ``bias`` are cast to the autocast
-    dtype first, as ``F.linear`` would be (float64 tensors are not cast, as there). Under ``torch.func`` transforms (``grad``,
-    ``vmap``, ``jacrev``: per-sample gradients) the unfused computation runs, in the same
-    dtypes (the logits are materialised there).
+    dtype first, as ``F.linear`` would be (float64 tensors are not cast, as there). Under
+    ``torch.func`` transforms (``grad``, ``vmap``, ``jacrev``: per-sample gradients) and
+    while ``torch.jit.trace``/``torch.export`` record a program, the unfused computation
+    runs, in the same dtypes (the logits are materialised there).
 
     Example:
         >>> import torch, fewbit
@@ -551,21 +552,21 @@ class _PreHook:
         patch.active.append([labels is not None, None])
 
 
-def _computed_from(returned: torch.Tensor, loss: torch.Tensor, limit: int = 512) -> bool:
-    """Whether ``returned`` is ``loss`` or computed from it (its autograd graph reaches
-    ``loss``'s node within ``limit`` nodes: an auxiliary loss added, a scale); True when
-    either has no graph (no grad: nothing to tell by)."""
+def _computed_from(returned: torch.Tensor, loss: torch.Tensor, depth: int = 16) -> bool:
+    """Whether ``returned`` is ``loss`` or computed from it within ``depth`` autograd nodes
+    (an auxiliary loss added, a scale: breadth first, so a deep auxiliary branch, an MoE's
+    router loss through the whole model, is not searched before the loss's own node); True
+    when either has no graph (no grad: nothing to tell by)."""
     if returned is loss or returned.grad_fn is None or loss.grad_fn is None:
         return True
-    target, todo, seen = loss.grad_fn, [returned.grad_fn], set()
-    while todo and len(seen) < limit:
-        node = todo.pop()
-        if node is target:
+    target, level, seen = loss.grad_fn, [returned.grad_fn], set()
+    for _ in range(depth):
+        if any(node is target for node in level):
             return True
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        todo.extend(next_node for next_node, _ in node.next_functions)
+        seen.update(level)
+        level = [n for node in level for n, _ in node.next_functions if n is not None and n not in seen]
+        if not level:
+            break
     return False
 
 

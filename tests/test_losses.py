@@ -632,7 +632,10 @@ def test_a_subclass_replacing_the_loss_after_super_forward_raises():
     class WithAux(transformers.GPT2LMHeadModel):  # a loss computed from the fused one (an MoE's aux loss)
         def forward(self, input_ids=None, labels=None, **kwargs):
             out = super().forward(input_ids=input_ids, labels=labels, **kwargs)
-            out.loss = out.loss + 0.01 * self.lm_head.weight.square().mean()
+            aux = self.lm_head.weight.square().mean()
+            for _ in range(600):  # a long graph beside the loss's (a depth-first search got lost in it)
+                aux = aux * 1.0
+            out.loss = out.loss + 0.01 * aux
             return out
 
     ids = torch.randint(0, 97, (2, 8))
@@ -645,6 +648,21 @@ def test_a_subclass_replacing_the_loss_after_super_forward_raises():
     model, ref = WithAux(_gpt2().config), WithAux(_gpt2().config)
     ref.load_state_dict(model.state_dict())
     patch_causal_lm_(model)
+    torch.testing.assert_close(model(input_ids=ids, labels=ids).loss, ref(input_ids=ids, labels=ids).loss)
+
+
+def test_an_moe_auxiliary_loss_added_to_the_fused_one_passes_the_check():
+    """Mixtral adds its router's auxiliary loss, computed through the whole model, to the
+    loss: the check that the returned loss comes from the fused one searches the graph
+    breadth first, so that branch does not hide the fused loss's node."""
+    cfg = transformers.MixtralConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                     num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.02)
+    torch.manual_seed(0)
+    model, ref = transformers.MixtralForCausalLM(cfg), transformers.MixtralForCausalLM(cfg)
+    ref.load_state_dict(model.state_dict())
+    patch_causal_lm_(model)
+    ids = torch.randint(0, 97, (2, 16))
     torch.testing.assert_close(model(input_ids=ids, labels=ids).loss, ref(input_ids=ids, labels=ids).loss)
 
 

@@ -301,8 +301,9 @@ class WarmupPolicy(Policy):
         self._watch()
 
     def owned_by(self, model: torch.nn.Module) -> None:
-        """Count only the steps of optimizers that hold a parameter of ``model`` (weakly
-        referenced), once one has stepped; before, and without a model, every optimizer's."""
+        """Count the steps of optimizers that hold a parameter of ``model`` (weakly
+        referenced) apart from any optimizer's (:attr:`steps_done`); without a model,
+        every optimizer's steps are the model's."""
         if self._model is None or self._model() is not model:
             self._model = weakref.ref(model)
 
@@ -384,9 +385,8 @@ class WarmupPolicy(Policy):
 
     def state_dict(self) -> dict:
         """``{"steps_done": int, "owner_seen": bool, "policy": the policy's state_dict() or
-        None}``: save it
-        beside the model's to resume a run with a warm-up exactly (a converted model's
-        pickle and ``copy.deepcopy`` carry it)."""
+        None}``: save it beside the model's to resume a run with a warm-up exactly (a
+        converted model's pickle and ``copy.deepcopy`` carry it)."""
         inner = self.policy.state_dict() if hasattr(self.policy, "state_dict") else None
         return {"steps_done": self.steps_done, "owner_seen": self._owner_seen, "policy": inner}
 
