@@ -331,6 +331,7 @@ def _set_aside(path: Path, exc: Exception) -> str:
     """Move an unreadable cache file to ``<name>.corrupt`` (``<name>.corrupt.1``, ... if
     that exists: a file set aside earlier is never overwritten); return a note for the
     warning."""
+    gone = f"; the unreadable cache file was moved aside by another process ({exc})"  # a DDP rank starting alike
     for i in range(1000):
         aside = path.with_name(path.name + (".corrupt" if i == 0 else f".corrupt.{i}"))
         try:
@@ -338,15 +339,15 @@ def _set_aside(path: Path, exc: Exception) -> str:
             os.link(path, aside, follow_symlinks=False)
         except FileExistsError:
             continue
-        except FileNotFoundError:  # another process (a DDP rank starting alike) moved it aside first
-            return f"; the unreadable cache file was moved aside by another process ({exc})"
+        except FileNotFoundError:  # another process moved it aside first
+            return gone
         except OSError as err:  # no hard links on this file system: check, then rename
             if os.path.lexists(aside):
                 continue
             try:
                 os.rename(path, aside)
             except FileNotFoundError:
-                return f"; the unreadable cache file was moved aside by another process ({exc})"
+                return gone
             except OSError as err2:
                 raise TableFormatError(
                     f"{path}: unreadable cached table ({exc}) and it cannot be moved aside ({err2}); delete it"
@@ -607,7 +608,7 @@ def _fit_and_cache_grad(f: ResolvedFn, solver, symmetric: bool, bits: int, param
             existing = read_tables(path) if path.exists() else {}
             existing = {b: t for b, t in existing.items() if b != bits}
             write_tables(path, [*existing.values(), table])
-    except (OSError, ValueError, filelock.Timeout) as exc:  # ValueError: TableFormatError, or a file of other fit options
+    except (OSError, ValueError) as exc:  # OSError: filelock.Timeout too; ValueError: TableFormatError, other fit options
         where = f"not cached ({exc})"
     shown = ", ".join(f"{k}={v:g}" for k, v in params.items())
     warnings.warn(
