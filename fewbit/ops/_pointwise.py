@@ -171,8 +171,21 @@ def _recording_program() -> bool:
     """Whether ``torch.jit.trace`` or ``torch.export`` records a program of the forward: then
     fewbit's activations run torch's own function and its hooks stand aside (a program for
     deployment; the few-bit backward saves memory in training, and tracing it crashed
-    ``torch.jit.trace`` and failed ``torch.export`` in a fresh process)."""
-    return torch.jit.is_tracing() or torch.compiler.is_exporting()
+    ``torch.jit.trace`` and failed ``torch.export`` in a fresh process).
+
+    Export is read from torch's flag, not from ``torch.compiler.is_exporting()``: the
+    Dynamo of torch 2.11 (fixed by 2.13) evaluates that call as True whenever it traces, so
+    under ``torch.compile`` fewbit stood aside, saved what torch saves and gave torch's
+    gradient (seen on an H100: a compiled model's peak memory equal to the vanilla one's)."""
+    return torch.jit.is_tracing() or _exporting()
+
+
+def _exporting() -> bool:
+    """Whether ``torch.export`` runs: ``torch.compiler._is_exporting_flag``, which export
+    sets and Dynamo reads as the module attribute it is (``torch.compiler.is_exporting()``
+    where a torch has no such flag)."""
+    flag = getattr(torch.compiler, "_is_exporting_flag", None)
+    return torch.compiler.is_exporting() if flag is None else bool(flag)
 
 
 def _compiling_or_recording() -> bool:
@@ -636,9 +649,9 @@ def _direct_forward(x, plan: _Plan, inplace, perm=None):
 
 
 def _triton_forward(tr, x, plan: _Plan, torch_fn, full, inplace):
-    """The Triton eager forward: one fused kernel where ``tr`` has one for this function
-    (``tr.FUSED_FORWARD``), else the encoder and then torch's function."""
-    if plan.fn in getattr(tr, "FUSED_FORWARD", ()):
+    """The Triton eager forward: one fused kernel where ``tr`` offers one whose ``y`` is
+    torch's bit for bit (``tr.FUSED_EAGER``), else the encoder and then torch's function."""
+    if plan.fn in getattr(tr, "FUSED_EAGER", ()):
         return tr.forward_encode_triton(x, plan.kb, plan.kc, plan.bits, plan.classes, CAPACITY, plan.fn,
                                         plan.params, x if inplace else None)
     record = None

@@ -281,3 +281,64 @@ def test_compile_inductor_fullgraph(device):
     ref.sum().backward()
     torch.testing.assert_close(out, ref)
     torch.testing.assert_close(g, model.a.weight.grad)
+
+
+def test_compile_saves_the_codes_not_the_input(device):
+    """Under torch.compile (inductor, fullgraph) what the graph saves for backward is the
+    packed codes, as in eager mode, and the gradient is eager's (on an H100 with torch 2.11
+    the compiled graph saved the float32 input, 2**26 elements: 256 MiB against 24 MiB eager,
+    with torch's gradient: test_compile_is_not_taken_for_export)."""
+    torch._dynamo.reset()
+    table = _table_for("gelu")
+
+    def f(x):
+        return ops.pointwise(x * 2.0, table, "gelu")
+
+    x = torch.randn(1 << 14, device=device, requires_grad=True)
+    saved = {}
+
+    def pack(t):
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    compiled = torch.compile(f, fullgraph=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = compiled(x)
+    y.backward(torch.ones_like(y))
+    g = x.grad.clone()
+    x.grad = None
+    f(x).backward(torch.ones_like(y))
+    assert torch.equal(g, x.grad)
+    codes = packed_nbytes(x.numel(), 3)
+    # the codes, the table's values and patch, and the compiled path's fixed-capacity
+    # non-finite record ((1 + 1024) int64: 8200 bytes); x would be 65536 bytes more
+    assert codes <= sum(saved.values()) <= codes + 8200 + 1024, saved
+
+
+def test_compile_is_not_taken_for_export(monkeypatch):
+    """torch 2.11's Dynamo evaluates ``torch.compiler.is_exporting()`` as True while
+    torch.compile traces (torch 2.13 reads the flag): fewbit took every compiled call for
+    torch.export and ran torch's function, no codes saved, torch's gradient (an H100 run:
+    compiled gradients off eager's everywhere, the compiled model's peak memory vanilla's).
+    Simulated here by an ``is_exporting`` that returns True while Dynamo traces (and False
+    outside, where torch.compile itself asks it)."""
+    torch._dynamo.reset()
+    table = _table_for("gelu")
+
+    def f(x):
+        return ops.pointwise(x * 2.0, table, "gelu")
+
+    x = torch.randn(4096, requires_grad=True)
+    saved = []
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    monkeypatch.setattr(torch.compiler, "is_exporting", lambda: torch._dynamo.is_compiling())
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = compiled(x)
+    y.sum().backward()
+    g = x.grad.clone()
+    monkeypatch.undo()
+    x.grad = None
+    f(x).sum().backward()
+    assert torch.equal(g, x.grad)  # the few-bit gradient, not torch's
+    assert any(t.dtype == torch.uint8 for t in saved) and not any(t.numel() == x.numel() for t in saved)
+    torch._dynamo.reset()
