@@ -24,7 +24,8 @@ import os
 from typing import Optional
 
 import torch
-from torch.library import triton_op, wrap_triton
+from torch.library import triton_op
+from torch.library import wrap_triton as _torch_wrap_triton
 
 from fewbit._checks import packed_nbytes
 
@@ -44,8 +45,24 @@ except ImportError:  # pragma: no cover - depends on the triton version
 
 __all__ = [
     "encode_triton", "encode_nonfinite_triton", "decode_mul_triton", "forward_encode_triton", "FUSED_FORWARD",
+    "FUSED_EAGER",
     "default_block",
 ]
+
+
+def wrap_triton(kernel):
+    """``torch.library.wrap_triton(kernel)`` (torch.compile sees the launch), or ``kernel``
+    itself when it is the interpreter's (``TRITON_INTERPRET=1``), which torch 2.11 refuses
+    with a RuntimeError and later versions pass through unchanged."""
+    if _InterpretedFunction is not None and isinstance(kernel, _InterpretedFunction):
+        return kernel
+    return _torch_wrap_triton(kernel)
+
+
+try:
+    from triton.runtime.interpreter import InterpretedFunction as _InterpretedFunction
+except ImportError:  # pragma: no cover - depends on the triton version
+    _InterpretedFunction = None
 
 
 @triton.jit
@@ -235,6 +252,14 @@ def _decode_mul_kernel(
 
 #: Registry names (:mod:`fewbit.activations`) whose forward :func:`forward_encode_triton` computes.
 FUSED_FORWARD: frozenset[str] = frozenset({"gelu", "gelu_tanh", "silu"})
+#: Those of :data:`FUSED_FORWARD` whose fused ``y`` the eager forward uses: the ones whose ``y``
+#: equalled torch's CUDA kernel bit for bit on a GPU (an H100, torch 2.11 + CUDA 13.0, triton
+#: 3.6: float32, float16, bfloat16, float64). gelu is not among them: Triton's libdevice
+#: ``erf`` and the ``erff`` torch was built with differ in the last bit for some inputs, and
+#: ``1 + erf(x / sqrt(2))`` cancels for x < -3, so y differed by up to a few per cent of a
+#: value below 1e-5 (x = -4.79: -4.1360e-06 against torch's -3.9934e-06); its eager forward is
+#: torch's ``gelu`` and then the encoder.
+FUSED_EAGER: frozenset[str] = frozenset({"gelu_tanh", "silu"})
 _FN_ID = {"gelu": 0, "gelu_tanh": 1, "silu": 2}
 
 # torch's constants, as doubles; rounded to the compute dtype in the kernel as torch's

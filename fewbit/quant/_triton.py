@@ -23,10 +23,11 @@ On a machine without a GPU the kernels run under ``TRITON_INTERPRET=1`` on CPU t
 # No ``from __future__ import annotations``: the interpreter of triton 3.0/3.1 recognises
 # ``tl.constexpr`` parameters only from evaluated annotations, not from strings.
 import torch
-from torch.library import triton_op, wrap_triton
+from torch.library import triton_op
 
 from fewbit._checks import packed_nbytes
 from fewbit.ops._triton import _groups, _load_unpack, _pack_store  # the one Triton packer; imports triton
+from fewbit.ops._triton import wrap_triton
 
 import triton  # noqa: E402  (fewbit.ops._triton above raises NotImplementedError without it)
 import triton.language as tl  # noqa: E402

@@ -67,7 +67,7 @@ def test_plan_made_once_per_setting_and_dropped_with_the_table():
 
 def _fake_triton(calls):
     """A stand-in for fewbit.ops._triton on CPU tensors: the reference kernels, with
-    the names and signatures of the contract (forward_encode_triton for FUSED_FORWARD)."""
+    the names and signatures of the contract (forward_encode_triton for FUSED_EAGER)."""
 
     def encode_triton(x, borders, codes, bits):
         calls.append("encode")
@@ -89,7 +89,7 @@ def _fake_triton(calls):
         calls.append("decode")
         return torch.ops.fewbit.decode_mul(grad, packed, values, bits, nonfinite, patch, select_zero)
 
-    return types.SimpleNamespace(FUSED_FORWARD=frozenset({"gelu"}), encode_triton=encode_triton,
+    return types.SimpleNamespace(FUSED_EAGER=frozenset({"gelu"}), encode_triton=encode_triton,
                                  encode_nonfinite_triton=encode_nonfinite_triton,
                                  forward_encode_triton=forward_encode_triton, decode_mul_triton=decode_mul_triton)
 
