@@ -60,6 +60,9 @@ def test_scripts_refuse_bad_arguments_in_one_line():
         (["scripts/bench_adapt.py", "--device", "CPU"], "--device"),
         (["scripts/bench_adapt.py", "--average-bits", "0.5"], "--average-bits"),
         (["scripts/bench_adapt.py", "--width", "10", "--heads", "4"], "--width"),
+        (["scripts/bench_model.py", "--device", "CPU"], "--device"),
+        (["scripts/bench_model.py", "--layers", "0"], "--layers"),
+        (["scripts/bench_model.py", "--threads", "-1"], "--threads"),
     ]
     for args, needle in cases:
         proc = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
