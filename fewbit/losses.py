@@ -158,6 +158,47 @@ def _run_chunks(
     )
 
 
+# The chunk loop as one custom op: torch.compile calls it opaquely. Traced, the backward's
+# recomputed logits were the forward's to Inductor (common subexpressions of the joint graph),
+# and a matrix product is not recomputed, so the compiled graph saved every chunk's logits: a
+# patched GPT-2 kept 14.5 MB under torch.compile against 8.7 eager (unpatched: 14.5 / 17.1).
+@torch.library.custom_op(
+    "fewbit::linear_cross_entropy_chunks", mutates_args=(),
+    schema="(Tensor x, Tensor weight, Tensor? bias, Tensor target, int ignore_index, float label_smoothing, "
+           "int chunk_size, Tensor? row_scale, bool[] need) -> (Tensor, Tensor, Tensor, Tensor)",
+)
+def _chunks_op(x, weight, bias, target, ignore_index, label_smoothing, chunk_size, row_scale, need):
+    _check_target(target, ignore_index, weight.shape[0])
+    out = _run_chunks(x, weight, bias, target, ignore_index=ignore_index, label_smoothing=label_smoothing,
+                      chunk_size=chunk_size, row_scale=row_scale, need=tuple(need))
+    return tuple(x.new_empty(0) if t is None else t for t in out)
+
+
+@_chunks_op.register_fake
+def _(x, weight, bias, target, ignore_index, label_smoothing, chunk_size, row_scale, need):
+    acc = torch.float32 if x.dtype in _HALF else x.dtype
+    wanted = _wanted_grads(bias, row_scale, need)
+    return (x.new_empty(x.shape[0], dtype=acc),
+            torch.empty_like(x) if wanted[0] else x.new_empty(0),
+            torch.empty_like(weight) if wanted[1] else x.new_empty(0),
+            torch.empty_like(bias) if wanted[2] else x.new_empty(0))
+
+
+def _wanted_grads(bias, row_scale, need) -> tuple[bool, bool, bool]:
+    """Which gradients :func:`_run_chunks` returns (the others are None)."""
+    want = row_scale is not None
+    return want and need[0], want and need[1], want and need[2] and bias is not None
+
+
+def _chunked(x, weight, bias, target, *, ignore_index, label_smoothing, chunk_size, row_scale, need):
+    """:func:`_run_chunks` through ``fewbit::linear_cross_entropy_chunks``: the same
+    ``(loss, grad_input, grad_weight, grad_bias)``, None for a gradient not asked for."""
+    out = torch.ops.fewbit.linear_cross_entropy_chunks(x, weight, bias, target, ignore_index, label_smoothing,
+                                                       chunk_size, row_scale, list(need))
+    wanted = _wanted_grads(bias, row_scale, need)
+    return (out[0], *(g if w else None for g, w in zip(out[1:], wanted)))
+
+
 def _reduce(loss: torch.Tensor, count: torch.Tensor, reduction: str) -> torch.Tensor:
     if reduction == "none":
         return loss
@@ -187,13 +228,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
         if ctx.grad_in_forward:
             # Liger-Kernel's way: the gradients for an incoming gradient of 1, scaled in backward.
             scale = _row_scale(torch.ones((), dtype=acc, device=x.device), count, reduction, x.shape[0])
-            loss, gi, gw, gb = _run_chunks(x, weight, bias, target, ignore_index=ignore_index,
+            loss, gi, gw, gb = _chunked(x, weight, bias, target, ignore_index=ignore_index,
                                            label_smoothing=label_smoothing, chunk_size=chunk_size,
                                            row_scale=scale, need=need)
             ctx.save_for_backward(gi, gw, gb)
         else:
             # Cut Cross-Entropy's way: keep the inputs, recompute each chunk's logits in backward.
-            loss, *_ = _run_chunks(x, weight, bias, target, ignore_index=ignore_index,
+            loss, *_ = _chunked(x, weight, bias, target, ignore_index=ignore_index,
                                    label_smoothing=label_smoothing, chunk_size=chunk_size, row_scale=None,
                                    need=need)
             ctx.save_for_backward(x, weight, bias, target, count)
@@ -212,7 +253,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         else:
             x, weight, bias, target, count = ctx.saved_tensors
             scale = _row_scale(grad_output.to(count.dtype), count, ctx.reduction, x.shape[0])
-            _, gi, gw, gb = _run_chunks(x, weight, bias, target, ignore_index=ctx.ignore_index,
+            _, gi, gw, gb = _chunked(x, weight, bias, target, ignore_index=ctx.ignore_index,
                                         label_smoothing=ctx.label_smoothing, chunk_size=ctx.chunk_size,
                                         row_scale=scale, need=need)
             out = [gi, gw, gb]
@@ -275,9 +316,11 @@ def _check_args(input, weight, target, bias, ignore_index, reduction, label_smoo
     if grad_in_forward and reduction == "none":
         raise ValueError("grad_in_forward=True needs reduction 'mean' or 'sum' (the per-token incoming "
                          "gradient of reduction='none' is known only in backward), got reduction='none'")
-    v = weight.shape[0]
-    if _transforms_active() or _recording_program():  # data-dependent: vmap and torch.export refuse it
-        return
+    # the target's range is checked by fewbit::linear_cross_entropy_chunks (_check_target), when
+    # it runs: data-dependent, so that torch.compile, vmap and torch.export need not trace it
+
+
+def _check_target(target: torch.Tensor, ignore_index: int, v: int) -> None:
     bad = (target != ignore_index) & ((target < 0) | (target >= v))
     if bad.any():
         raise ValueError(f"target must be in [0, {v - 1}] or ignore_index ({ignore_index}), "
@@ -402,7 +445,7 @@ def linear_cross_entropy(
             loss = _LinearCrossEntropy.apply(x, weight, bias, t, int(ignore_index), reduction,
                                              float(label_smoothing), int(chunk_size), grad_in_forward)
         else:  # evaluation: the loss only (autograd would still ask the Function for gradients)
-            rows, *_ = _run_chunks(x, weight, bias, t, ignore_index=int(ignore_index),
+            rows, *_ = _chunked(x, weight, bias, t, ignore_index=int(ignore_index),
                                    label_smoothing=float(label_smoothing), chunk_size=int(chunk_size),
                                    row_scale=None, need=(False, False, False))
             count = (t != ignore_index).sum().to(rows.dtype)
