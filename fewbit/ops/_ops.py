@@ -253,7 +253,7 @@ def _decode_mul_cuda(grad, packed, values, bits, nonfinite=None, patch=None, sel
 # --------------------------------------------------------------------------- compile
 #: Device types whose kernels torch.compile traces into (their Triton launches) instead of
 #: calling the op as an opaque custom op. Empty: the traced graph has not run on a GPU yet
-#: (the one H100 run never reached it: fewbit stood aside under torch.compile there, see
+#: (the H100 runs never reached it: fewbit stood aside under torch.compile there, see
 #: fewbit.ops._pointwise._recording_program), while the opaque op calls the kernels that the
 #: eager GPU tests checked. Tests set it to check the decomposition on CPU
 #: (tests/ops/test_ops_triton.py); a GPU run of the compile tests can turn it on.

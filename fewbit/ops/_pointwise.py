@@ -173,10 +173,11 @@ def _recording_program() -> bool:
     deployment; the few-bit backward saves memory in training, and tracing it crashed
     ``torch.jit.trace`` and failed ``torch.export`` in a fresh process).
 
-    Export is read from torch's flag, not from ``torch.compiler.is_exporting()``: the
-    Dynamo of torch 2.11 (fixed by 2.13) evaluates that call as True whenever it traces, so
-    under ``torch.compile`` fewbit stood aside, saved what torch saves and gave torch's
-    gradient (seen on an H100: a compiled model's peak memory equal to the vanilla one's)."""
+    Export is read from torch's flag, not from ``torch.compiler.is_exporting()``, which
+    Dynamo evaluates from a table where it is always True (torch 2.13 reads the flag
+    there; on an H100 with torch 2.11 fewbit stood aside under every ``torch.compile``,
+    saved what torch saves and gave torch's gradient: a compiled model's peak memory equal
+    to the vanilla one's)."""
     return torch.jit.is_tracing() or _exporting()
 
 

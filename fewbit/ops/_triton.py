@@ -256,8 +256,8 @@ FUSED_FORWARD: frozenset[str] = frozenset({"gelu", "gelu_tanh", "silu"})
 #: equalled torch's CUDA kernel bit for bit on a GPU (an H100, torch 2.11 + CUDA 13.0, triton
 #: 3.6: float32, float16, bfloat16, float64). gelu is not among them: Triton's libdevice
 #: ``erf`` and the ``erff`` torch was built with differ in the last bit for some inputs, and
-#: ``1 + erf(x / sqrt(2))`` cancels for x < -3, so y differed by up to a few per cent of a
-#: value below 1e-5 (x = -4.79: -4.1360e-06 against torch's -3.9934e-06); its eager forward is
+#: ``1 + erf(x / sqrt(2))`` cancels as x falls, so y differed by more than the erf's unit
+#: (e.g. x = -4.79: -4.1360e-06 against torch's -3.9934e-06, 3.6 %); its eager forward is
 #: torch's ``gelu`` and then the encoder.
 FUSED_EAGER: frozenset[str] = frozenset({"gelu_tanh", "silu"})
 _FN_ID = {"gelu": 0, "gelu_tanh": 1, "silu": 2}

@@ -118,7 +118,8 @@ def test_cuda_y_bitwise_torch_and_codes_bitwise_reference(fn):
 
 def test_gelu_not_fused_in_eager_forward():
     """gelu's fused y is not torch's bit for bit on a GPU (Triton's libdevice erf against the
-    erff torch was built with; on an H100 y differed in the tail, x < -3): the eager forward
+    erff torch was built with; on an H100 y differed at 11 % of 2**24 float32 points in
+    [-6, 6], e.g. by 3.6 % at x = -4.79): the eager forward
     takes torch's gelu and the encoder (fewbit.ops._pointwise._triton_forward)."""
     pytest.importorskip("triton")
     from fewbit.ops import _triton
