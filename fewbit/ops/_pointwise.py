@@ -183,10 +183,12 @@ def _recording_program() -> bool:
 
 def _exporting() -> bool:
     """Whether ``torch.export`` runs: ``torch.compiler._is_exporting_flag``, which export
-    sets and Dynamo reads as the module attribute it is (``torch.compiler.is_exporting()``
-    where a torch has no such flag)."""
-    flag = getattr(torch.compiler, "_is_exporting_flag", None)
-    return torch.compiler.is_exporting() if flag is None else bool(flag)
+    sets and Dynamo reads as the module attribute it is. torch 2.4 and 2.5 have neither the
+    flag nor ``torch.compiler.is_exporting``: there export is not told apart (False). A
+    strict export (``strict=True``, Dynamo) sets the flag in torch 2.13 but not in some
+    earlier versions (2.7.1 is reported), where it records fewbit's ops; the non-strict
+    default sets it."""
+    return bool(getattr(torch.compiler, "_is_exporting_flag", False))
 
 
 def _compiling_or_recording() -> bool:

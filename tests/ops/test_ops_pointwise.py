@@ -342,3 +342,16 @@ def test_compile_is_not_taken_for_export(monkeypatch):
     assert torch.equal(g, x.grad)  # the few-bit gradient, not torch's
     assert any(t.dtype == torch.uint8 for t in saved) and not any(t.numel() == x.numel() for t in saved)
     torch._dynamo.reset()
+
+
+def test_a_torch_without_the_export_flag(monkeypatch):
+    """torch 2.4 and 2.5 have neither ``torch.compiler._is_exporting_flag`` nor
+    ``torch.compiler.is_exporting``: every call that needs a gradient raised AttributeError;
+    there export is not told apart and the call compresses."""
+    monkeypatch.delattr(torch.compiler, "_is_exporting_flag", raising=False)
+    monkeypatch.delattr(torch.compiler, "is_exporting", raising=False)
+    x = torch.randn(100, requires_grad=True)
+    y = ops.pointwise(x, _table_for("gelu"), "gelu")
+    assert torch.equal(y, F.gelu(x))
+    y.sum().backward()
+    assert x.grad is not None

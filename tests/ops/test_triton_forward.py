@@ -106,10 +106,10 @@ def test_cuda_y_bitwise_torch_and_codes_bitwise_reference(fn):
     import torch
     from ops_testutils import bits_equal
 
-    from fewbit.ops import _triton
-
     if not torch.cuda.is_available():
         pytest.skip("CUDA is not available on this machine")
+    from fewbit.ops import _triton
+
     assert fn in _triton.FUSED_EAGER
     for dtype, x, y, expect, packed, codes in _cuda_cases(fn):
         assert bits_equal(y, expect), dtype
