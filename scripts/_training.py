@@ -333,6 +333,26 @@ def train_variant(
 # Command line
 # ---------------------------------------------------------------------------------------
 
+def saved_bytes(make_y: Callable[[], Any], exclude: nn.Module | None = None) -> int:
+    """Bytes saved for backward while ``make_y()`` runs (its result dropped at once), every
+    storage counted once; the storages of ``exclude``'s parameters are left out. Works for a
+    ``torch.compile``d ``make_y`` too (what the compiled graph saves)."""
+    params = {p.untyped_storage().data_ptr() for p in exclude.parameters()} if exclude is not None else set()
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        if isinstance(t, torch.Tensor):
+            st = t.untyped_storage()
+            if st.data_ptr() not in params:
+                seen[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = make_y()
+    del y
+    return sum(seen.values())
+
+
 def _at_least(kind, low: float, strict: bool):
     def parse(s):
         v = kind(s)

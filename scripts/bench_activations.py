@@ -33,6 +33,7 @@ import sys
 import time
 
 import torch
+from _training import saved_bytes
 
 
 def _machine() -> str:
@@ -104,21 +105,6 @@ def _time_once(mode: str, fn, x0: torch.Tensor, g: torch.Tensor, device: torch.d
     dt = time.perf_counter() - t0
     del x, y
     return dt
-
-
-def _saved_bytes(make_y, x) -> int:
-    """Bytes of distinct storages saved for backward while computing ``make_y(x)``."""
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        st = t.untyped_storage()
-        seen[st.data_ptr()] = st.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        y = make_y(x)
-    del y
-    return sum(seen.values())
 
 
 def _table(name: str, bits: int):
@@ -300,8 +286,8 @@ def run(args) -> dict:
                                       "gbs": gbs, "pct_copy": 100 * gbs / copy_gbs}
                             cr = f"{cratio:>6.2f}" if cratio is not None else f"{'-':>6}"
                             cells.append(f"{t * 1e3:>10.3f} {ratio:>6.2f} {cr} {gbs:>7.1f} {100 * gbs / copy_gbs:>6.0f}")
-                        saved = _saved_bytes(fn, x0.detach().requires_grad_())
-                        base_saved = _saved_bytes(cands[0][1], x0.detach().requires_grad_())
+                        saved = saved_bytes(lambda: fn(x0.detach().requires_grad_()))
+                        base_saved = saved_bytes(lambda: cands[0][1](x0.detach().requires_grad_()))
                         row["saved_bytes"], row["saved_ratio"] = saved, saved / max(base_saved, 1)
                         print(f"{name:<10} {dt_name:<9} {'2^' + str(p):>5} {bits:>4} {label:<30} " + " ".join(cells)
                               + f" {saved:>12d} {row['saved_ratio']:>7.3f}", flush=True)

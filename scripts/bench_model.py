@@ -35,6 +35,7 @@ import sys
 import time
 
 import torch
+from _training import positive_int, saved_bytes
 from torch import nn
 
 import fewbit
@@ -60,25 +61,6 @@ def _model(args, device, dtype) -> nn.Module:
     torch.manual_seed(0)
     act = ACTIVATIONS[args.activation]
     return nn.Sequential(*[Block(args.width, args.expand, act) for _ in range(args.layers)]).to(device, dtype)
-
-
-def _saved_bytes(model: nn.Module, runner, x: torch.Tensor) -> int:
-    """Bytes saved for backward by ``runner(x)`` (``model`` or its compiled form), every
-    storage once, the model's parameters excluded."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        if isinstance(t, torch.Tensor):
-            st = t.untyped_storage()
-            if st.data_ptr() not in params:
-                seen[st.data_ptr()] = st.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        y = runner(x)
-    del y
-    return sum(seen.values())
 
 
 def _timer(device):
@@ -147,7 +129,8 @@ def run(args) -> dict:
     rows = []
     for label, model, runner in variants:
         row = measure(label, model, runner, x, args, device)
-        row["saved_bytes"] = _saved_bytes(model, runner, x.detach().requires_grad_())  # the compiled graph's own
+        xs = x.detach().requires_grad_()
+        row["saved_bytes"] = saved_bytes(lambda: runner(xs), exclude=model)  # a compiled graph's own
         rows.append(row)
     ref = rows[0]
     eager = {r["variant"]: r for r in rows}
@@ -173,21 +156,16 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--activation", default="gelu", choices=sorted(ACTIVATIONS))
     ap.add_argument("--bits", type=int, default=3, choices=[1, 2, 3, 4], help="bits per element of the activations")
-    ap.add_argument("--width", type=int, default=1024)
-    ap.add_argument("--expand", type=int, default=4)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--tokens", type=int, default=8192, help="rows of the input")
-    ap.add_argument("--warmup", type=int, default=3, help="untimed steps, the first (compiling) one included")
-    ap.add_argument("--repeat", type=int, default=20, help="timed steps")
+    ap.add_argument("--width", type=positive_int, default=1024)
+    ap.add_argument("--expand", type=positive_int, default=4)
+    ap.add_argument("--layers", type=positive_int, default=4)
+    ap.add_argument("--tokens", type=positive_int, default=8192, help="rows of the input")
+    ap.add_argument("--warmup", type=positive_int, default=3, help="untimed steps, the first (compiling) one included")
+    ap.add_argument("--repeat", type=positive_int, default=20, help="timed steps")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     ap.add_argument("--no-compile", action="store_true", help="eager variants only")
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     args = ap.parse_args(argv)
-    for name in ("width", "expand", "layers", "tokens", "repeat"):
-        if getattr(args, name) < 1:
-            ap.error(f"--{name} must be >= 1, got {getattr(args, name)}")
-    if args.warmup < 1:
-        ap.error(f"--warmup must be >= 1, got {args.warmup}")
     if not 0 <= args.threads <= (os.cpu_count() or 1):
         ap.error(f"--threads must be in [0, {os.cpu_count() or 1}] (0: torch's default), got {args.threads}")
     if args.json:
