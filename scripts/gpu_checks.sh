@@ -42,6 +42,7 @@ step tests "${LIMIT_TESTS:-600}" python3 -m pytest -q -p no:cacheprovider -n 12 
 step bench_eager "${LIMIT_EAGER:-110}" python3 scripts/bench_activations.py --device cuda \
     --activations gelu silu --dtypes float32 bfloat16 float16 --sizes 16 20 24 26 28 --mode all \
     --repeat 10 --no-compile --json "$OUT/bench_eager.json"
+step profile_host 60 python3 scripts/profile_host.py --device cuda --activation gelu --mode full --calls 300
 step bench_model "${LIMIT_MODEL:-70}" python3 scripts/bench_model.py --device cuda --dtype bfloat16 \
     --width 2048 --layers 8 --tokens 16384 --json "$OUT/bench_model.json"
 step train_lm "${LIMIT_TRAIN:-60}" python3 scripts/train_lm.py --device cuda \

@@ -65,6 +65,8 @@ def test_scripts_refuse_bad_arguments_in_one_line():
         (["scripts/bench_model.py", "--threads", "-1"], "--threads"),
         (["scripts/bench_model.py", "--threads", "100000"], "--threads"),  # torch segfaulted
         (["scripts/bench_model.py", "--json", "/nonexistent/dir/out.json"], "--json"),  # after the whole run
+        (["scripts/profile_host.py", "--calls", "0"], "--calls"),
+        (["scripts/profile_host.py", "--device", "CPU"], "--device"),
     ]
     for args, needle in cases:
         proc = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=300)

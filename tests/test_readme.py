@@ -312,6 +312,7 @@ def test_benchmark_scripts_run_at_tiny_sizes(tmp_path):
          "--models", "mlp", "--mlp-dim", "128", "--mlp-layers", "2", "--mlp-batch", "64", "--step-repeats", "1"],
         ["scripts/bench_model.py", "--device", "cpu", "--width", "32", "--layers", "2", "--tokens", "64",
          "--warmup", "1", "--repeat", "1", "--threads", "1"],
+        ["scripts/profile_host.py", "--device", "cpu", "--calls", "5", "--top", "3"],
     ]
     for args in runs:
         proc = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,

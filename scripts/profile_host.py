@@ -1,0 +1,109 @@
+#!/usr/bin/env python
+"""Where the host time of an eager fewbit activation call goes: a cProfile of many calls.
+
+Runs ``--calls`` eager forward (or forward+backward) calls of ``fewbit.GELU(bits=B)`` /
+``fewbit.SiLU(bits=B)`` on ``--numel`` elements, where the kernels take almost no time, so
+that what the profile shows is Python, dispatch and launch overhead, and prints the
+functions with the most time of their own (``--top``), then the CPU time per call of the
+same loop without the profiler beside torch's own module. On a GPU the launches are not
+synchronised inside the loop (as in training), only after it.
+
+Example (the host time issue 9 measured on an H100: 206-543 µs per forward call there):
+    python scripts/profile_host.py --device cuda --activation gelu --mode full --calls 300
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import os
+import pstats
+import sys
+import time
+
+import torch
+from _training import positive_int
+
+import fewbit
+import fewbit.ops
+from fewbit._checks import check_device
+
+MODULES = {"gelu": ("GELU", torch.nn.GELU), "silu": ("SiLU", torch.nn.SiLU)}
+
+
+def _loop(module, x, g, mode: str, calls: int) -> None:
+    for _ in range(calls):
+        y = module(x)
+        if mode == "full":
+            y.backward(g)
+
+
+def _per_call_us(module, x, g, mode: str, calls: int, device: torch.device) -> float:
+    """CPU time of this thread per call, µs (median of 5 loops)."""
+    times = []
+    for _ in range(5):
+        t0 = time.thread_time()
+        _loop(module, x, g, mode, calls)
+        times.append((time.thread_time() - t0) / calls * 1e6)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    return sorted(times)[2]
+
+
+def run(args) -> str:
+    device = torch.device(args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if device.type == "cpu":
+        fewbit.ops.load_cpu_kernels()
+    name, torch_cls = MODULES[args.activation]
+    ours = getattr(fewbit, name)(bits=args.bits)
+    theirs = torch_cls()
+    x = torch.randn(args.numel, device=device, dtype=getattr(torch, args.dtype), requires_grad=True)
+    g = torch.ones_like(x)
+    for module in (ours, theirs):  # warm-up: tables, kernels compiled and loaded
+        _loop(module, x, g, args.mode, 20)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    prof = cProfile.Profile()
+    prof.enable()
+    _loop(ours, x, g, args.mode, args.calls)
+    prof.disable()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(args.top)
+    lines = [f"# fewbit.{name}(bits={args.bits}) on {args.numel} {args.dtype} elements, {args.device}, "
+             f"mode {args.mode}, {args.calls} calls, torch {torch.__version__}", out.getvalue().rstrip()]
+    ours_us = _per_call_us(ours, x, g, args.mode, args.calls, device)
+    theirs_us = _per_call_us(theirs, x, g, args.mode, args.calls, device)
+    lines.append(f"# CPU time per call without the profiler: fewbit.{name} {ours_us:.1f} µs, "
+                 f"nn.{name} {theirs_us:.1f} µs ({ours_us - theirs_us:+.1f} µs)")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--activation", default="gelu", choices=sorted(MODULES))
+    ap.add_argument("--bits", type=int, default=3, choices=[1, 2, 3, 4], help="bits per element")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--numel", type=positive_int, default=1024, help="elements of the input")
+    ap.add_argument("--mode", default="full", choices=["forward", "full"], help="forward, or forward+backward")
+    ap.add_argument("--calls", type=positive_int, default=300, help="calls profiled (and per timing loop)")
+    ap.add_argument("--top", type=positive_int, default=25, help="functions printed")
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: torch's default)")
+    args = ap.parse_args(argv)
+    if not 0 <= args.threads <= (os.cpu_count() or 1):
+        ap.error(f"--threads must be in [0, {os.cpu_count() or 1}] (0: torch's default), got {args.threads}")
+    try:
+        check_device(args.device)
+    except ValueError as e:
+        ap.error(str(e))
+    print(run(args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
