@@ -174,10 +174,10 @@ def _recording_program() -> bool:
     ``torch.jit.trace`` and failed ``torch.export`` in a fresh process).
 
     Export is read from torch's flag, not from ``torch.compiler.is_exporting()``, which
-    Dynamo evaluates from a table where it is always True (torch 2.13 reads the flag
-    there; on an H100 with torch 2.11 fewbit stood aside under every ``torch.compile``,
-    saved what torch saves and gave torch's gradient: a compiled model's peak memory equal
-    to the vanilla one's)."""
+    Dynamo evaluated from a table where it is always True (pytorch/pytorch#176347, fixed by
+    #176499; torch 2.13 reads the flag there; on an H100 with torch 2.11 fewbit stood aside
+    under every ``torch.compile``, saved what torch saves and gave torch's gradient: a
+    compiled model's peak memory equal to the vanilla one's)."""
     return torch.jit.is_tracing() or _exporting()
 
 
