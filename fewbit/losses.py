@@ -165,23 +165,26 @@ def _run_chunks(
 @torch.library.custom_op(
     "fewbit::linear_cross_entropy_chunks", mutates_args=(),
     schema="(Tensor x, Tensor weight, Tensor? bias, Tensor target, int ignore_index, float label_smoothing, "
-           "int chunk_size, Tensor? row_scale, bool[] need) -> (Tensor, Tensor, Tensor, Tensor)",
+           "int chunk_size, Tensor? row_scale, bool[] need, bool check_target) -> (Tensor, Tensor, Tensor, Tensor)",
 )
-def _chunks_op(x, weight, bias, target, ignore_index, label_smoothing, chunk_size, row_scale, need):
-    _check_target(target, ignore_index, weight.shape[0])
+def _chunks_op(x, weight, bias, target, ignore_index, label_smoothing, chunk_size, row_scale, need, check_target):
+    if check_target:  # the forward's call (the backward's target is the same tensor)
+        _check_target(target, ignore_index, weight.shape[0])
     out = _run_chunks(x, weight, bias, target, ignore_index=ignore_index, label_smoothing=label_smoothing,
                       chunk_size=chunk_size, row_scale=row_scale, need=tuple(need))
     return tuple(x.new_empty(0) if t is None else t for t in out)
 
 
 @_chunks_op.register_fake
-def _(x, weight, bias, target, ignore_index, label_smoothing, chunk_size, row_scale, need):
+def _(x, weight, bias, target, ignore_index, label_smoothing, chunk_size, row_scale, need, check_target):
+    # the strides _run_chunks gives: grad_input like x, the others contiguous (a transposed
+    # weight's empty_like had made Inductor fail, or with its size asserts off be wrong)
     acc = torch.float32 if x.dtype in _HALF else x.dtype
     wanted = _wanted_grads(bias, row_scale, need)
     return (x.new_empty(x.shape[0], dtype=acc),
             torch.empty_like(x) if wanted[0] else x.new_empty(0),
-            torch.empty_like(weight) if wanted[1] else x.new_empty(0),
-            torch.empty_like(bias) if wanted[2] else x.new_empty(0))
+            weight.new_empty(weight.shape) if wanted[1] else x.new_empty(0),
+            bias.new_empty(bias.shape) if wanted[2] else x.new_empty(0))
 
 
 def _wanted_grads(bias, row_scale, need) -> tuple[bool, bool, bool]:
@@ -190,11 +193,12 @@ def _wanted_grads(bias, row_scale, need) -> tuple[bool, bool, bool]:
     return want and need[0], want and need[1], want and need[2] and bias is not None
 
 
-def _chunked(x, weight, bias, target, *, ignore_index, label_smoothing, chunk_size, row_scale, need):
+def _chunked(x, weight, bias, target, *, ignore_index, label_smoothing, chunk_size, row_scale, need,
+             check_target=True):
     """:func:`_run_chunks` through ``fewbit::linear_cross_entropy_chunks``: the same
     ``(loss, grad_input, grad_weight, grad_bias)``, None for a gradient not asked for."""
     out = torch.ops.fewbit.linear_cross_entropy_chunks(x, weight, bias, target, ignore_index, label_smoothing,
-                                                       chunk_size, row_scale, list(need))
+                                                       chunk_size, row_scale, list(need), check_target)
     wanted = _wanted_grads(bias, row_scale, need)
     return (out[0], *(g if w else None for g, w in zip(out[1:], wanted)))
 
@@ -254,8 +258,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
             x, weight, bias, target, count = ctx.saved_tensors
             scale = _row_scale(grad_output.to(count.dtype), count, ctx.reduction, x.shape[0])
             _, gi, gw, gb = _chunked(x, weight, bias, target, ignore_index=ctx.ignore_index,
-                                        label_smoothing=ctx.label_smoothing, chunk_size=ctx.chunk_size,
-                                        row_scale=scale, need=need)
+                                     label_smoothing=ctx.label_smoothing, chunk_size=ctx.chunk_size,
+                                     row_scale=scale, need=need, check_target=False)
             out = [gi, gw, gb]
         return (*out, None, None, None, None, None, None)
 
@@ -318,6 +322,15 @@ def _check_args(input, weight, target, bias, ignore_index, reduction, label_smoo
                          "gradient of reduction='none' is known only in backward), got reduction='none'")
     # the target's range is checked by fewbit::linear_cross_entropy_chunks (_check_target), when
     # it runs: data-dependent, so that torch.compile, vmap and torch.export need not trace it
+
+
+def _has_tangent(*tensors) -> bool:
+    """Whether a forward-mode AD level is on and one of ``tensors`` is a dual tensor
+    (``torch.autograd.forward_ad.make_dual``): the chunk op has no forward-AD rule, so such a
+    call runs unfused, as under ``torch.func`` (the fused loss had given no tangent)."""
+    if torch.autograd.forward_ad._current_level < 0:
+        return False
+    return any(t is not None and torch.autograd.forward_ad.unpack_dual(t).tangent is not None for t in tensors)
 
 
 def _check_target(target: torch.Tensor, ignore_index: int, v: int) -> None:
@@ -432,7 +445,7 @@ def linear_cross_entropy(
     x = input.reshape(-1, h)
     t = target.reshape(-1)
     with torch.autocast(device_type, enabled=False):
-        if _transforms_active() or _recording_program():
+        if _transforms_active() or _recording_program() or _has_tangent(x, weight, bias):
             # torch.func (grad, vmap, jacrev) runs torch's ops, not a custom Function, and
             # torch.jit.trace / torch.export record them: the unfused computation, logits
             # materialised, in the dtypes the fused one uses

@@ -327,10 +327,45 @@ def test_chunk_op_opcheck():
     x, w, b, t = _data(torch.float32)
     x, w, b = x.float(), w.float(), b.float()
     scale = torch.rand(x.shape[0])
-    for bias, row_scale, need in ((b, scale, [True, True, True]), (None, scale, [True, False, False]),
-                                  (b, None, [False, False, False])):
+    wt = w.t().contiguous().t()  # a transposed view's strides: the fake gradient had copied them
+    for weight, bias, row_scale, need in ((w, b, scale, [True, True, True]), (w, None, scale, [True, False, False]),
+                                          (w, b, None, [False, False, False]), (wt, b, scale, [True, True, True])):
         torch.library.opcheck(torch.ops.fewbit.linear_cross_entropy_chunks,
-                              (x, w, bias, t, -100, 0.1, 7, row_scale, need))
+                              (x, weight, bias, t, -100, 0.1, 7, row_scale, need, True))
+
+
+def test_torch_compile_with_a_transposed_weight():
+    """A weight that is a transposed view (``F.linear(h, P.t())``): Inductor failed its size
+    asserts in backward (the fake kernel gave grad_weight the weight's strides), and with
+    them off gave P a gradient 0.34 off."""
+    x, w, b, t = _data(torch.float64)
+    p = w.t().contiguous().requires_grad_()  # (H, V)
+    x = x.requires_grad_()
+
+    def f(x, p, t, b):
+        return linear_cross_entropy(x, p.t(), t, b, chunk_size=10)
+
+    torch._dynamo.reset()
+    grads = torch.autograd.grad(torch.compile(f, fullgraph=True)(x, p, t, b), (x, p))
+    ref = torch.autograd.grad(linear_cross_entropy_reference(x, p.t(), t, b), (x, p))
+    for a, r in zip(grads, ref):
+        torch.testing.assert_close(a, r, rtol=1e-10, atol=1e-10)
+    torch._dynamo.reset()
+
+
+def test_forward_mode_dual_tensors_get_their_tangent():
+    """``torch.autograd.forward_ad`` dual inputs: the chunk op has no forward-AD rule, and
+    the fused loss gave no tangent (None, i.e. 0); they now run unfused, as torch.func does."""
+    import torch.autograd.forward_ad as fwAD
+
+    x, w, b, t = _data()
+    tangent = torch.randn_like(x)
+    for grad_mode in (torch.enable_grad, torch.no_grad):
+        with grad_mode(), fwAD.dual_level():
+            got = fwAD.unpack_dual(linear_cross_entropy(fwAD.make_dual(x, tangent), w, t, b)).tangent
+            want = fwAD.unpack_dual(linear_cross_entropy_reference(fwAD.make_dual(x, tangent), w, t, b)).tangent
+        assert got is not None
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
 
 
 def test_default_chunk_size(monkeypatch):
