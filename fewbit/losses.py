@@ -123,9 +123,10 @@ def _run_chunks(
     acc = torch.float32 if x.dtype in _HALF else x.dtype
     loss = torch.empty(n, dtype=acc, device=x.device)
     want = row_scale is not None
-    grad_input = torch.empty_like(x) if want and need[0] else None
-    grad_weight = torch.zeros(weight.shape, dtype=acc, device=x.device) if want and need[1] else None
-    grad_bias = torch.zeros(v, dtype=acc, device=x.device) if want and need[2] and bias is not None else None
+    wanted = _wanted_grads(bias, row_scale, need)
+    grad_input = torch.empty_like(x) if wanted[0] else None
+    grad_weight = torch.zeros(weight.shape, dtype=acc, device=x.device) if wanted[1] else None
+    grad_bias = torch.zeros(v, dtype=acc, device=x.device) if wanted[2] else None
     for start, stop in _chunks(n, chunk_size):
         xc, tc = x[start:stop], target[start:stop]
         valid = tc != ignore_index
@@ -188,7 +189,8 @@ def _(x, weight, bias, target, ignore_index, label_smoothing, chunk_size, row_sc
 
 
 def _wanted_grads(bias, row_scale, need) -> tuple[bool, bool, bool]:
-    """Which gradients :func:`_run_chunks` returns (the others are None)."""
+    """Which gradients :func:`_run_chunks` returns (the others are None): the one rule for it,
+    the op's fake kernel and :func:`_chunked`."""
     want = row_scale is not None
     return want and need[0], want and need[1], want and need[2] and bias is not None
 
