@@ -366,6 +366,15 @@ def _at_least(kind, low: float, strict: bool):
 positive_int, positive_float, nonneg_int = _at_least(int, 0, True), _at_least(float, 0, True), _at_least(int, 0, False)
 
 
+def thread_count(s: str) -> int:
+    """An argparse type for ``--threads``: 0 (torch's default) to the machine's CPU count
+    (``torch.set_num_threads`` of a much larger count crashes the process)."""
+    v, top = int(s), os.cpu_count() or 1
+    if not 0 <= v <= top:
+        raise argparse.ArgumentTypeError(f"must be in [0, {top}] (0: torch's default), got {s}")
+    return v
+
+
 def check_device(p: argparse.ArgumentParser, device: str) -> None:
     """``p.error`` unless ``device`` is cpu or an available cuda device
     (:func:`fewbit._checks.check_device`)."""

@@ -35,7 +35,7 @@ import sys
 import time
 
 import torch
-from _training import positive_int, saved_bytes
+from _training import positive_int, saved_bytes, thread_count
 from torch import nn
 
 import fewbit
@@ -162,12 +162,10 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=positive_int, default=8192, help="rows of the input")
     ap.add_argument("--warmup", type=positive_int, default=3, help="untimed steps, the first (compiling) one included")
     ap.add_argument("--repeat", type=positive_int, default=20, help="timed steps")
-    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    ap.add_argument("--threads", type=thread_count, default=0, help="torch CPU threads (0: torch's default)")
     ap.add_argument("--no-compile", action="store_true", help="eager variants only")
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     args = ap.parse_args(argv)
-    if not 0 <= args.threads <= (os.cpu_count() or 1):
-        ap.error(f"--threads must be in [0, {os.cpu_count() or 1}] (0: torch's default), got {args.threads}")
     if args.json:
         parent = os.path.dirname(os.path.abspath(args.json))
         if os.path.isdir(args.json) or not os.path.isdir(parent):

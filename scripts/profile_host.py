@@ -17,13 +17,12 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
-import os
 import pstats
 import sys
 import time
 
 import torch
-from _training import positive_int
+from _training import positive_int, thread_count
 
 import fewbit
 import fewbit.ops
@@ -93,10 +92,8 @@ def main(argv=None) -> int:
     ap.add_argument("--mode", default="full", choices=["forward", "full"], help="forward, or forward+backward")
     ap.add_argument("--calls", type=positive_int, default=300, help="calls profiled (and per timing loop)")
     ap.add_argument("--top", type=positive_int, default=25, help="functions printed")
-    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: torch's default)")
+    ap.add_argument("--threads", type=thread_count, default=1, help="torch CPU threads (0: torch's default)")
     args = ap.parse_args(argv)
-    if not 0 <= args.threads <= (os.cpu_count() or 1):
-        ap.error(f"--threads must be in [0, {os.cpu_count() or 1}] (0: torch's default), got {args.threads}")
     try:
         check_device(args.device)
     except ValueError as e:
