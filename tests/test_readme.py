@@ -22,6 +22,7 @@ fails here, under the README line number of its fence.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import shlex
@@ -314,6 +315,8 @@ def test_benchmark_scripts_run_at_tiny_sizes(tmp_path):
          "--warmup", "1", "--repeat", "1", "--threads", "1"],
         ["scripts/profile_host.py", "--device", "cpu", "--calls", "5", "--top", "3"],
     ]
+    if importlib.util.find_spec("triton") is not None:
+        runs.append(["scripts/profile_host.py", "--device", "cpu", "--stub-triton", "--calls", "5", "--top", "3"])
     for args in runs:
         proc = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
                               timeout=_TIMEOUT)

@@ -656,12 +656,13 @@ def _triton_forward(tr, x, plan: _Plan, torch_fn, full, inplace):
     torch's bit for bit (``tr.FUSED_EAGER``), else the encoder and then torch's function."""
     if plan.fn in getattr(tr, "FUSED_EAGER", ()):
         return tr.forward_encode_triton(x, plan.kb, plan.kc, plan.bits, plan.classes, CAPACITY, plan.fn,
-                                        plan.params, x if inplace else None)
+                                        plan.params, x if inplace else None, traceable=False)
     record = None
     if plan.classes:
-        packed, record = tr.encode_nonfinite_triton(x, plan.kb, plan.kc, plan.bits, plan.classes, CAPACITY)
+        packed, record = tr.encode_nonfinite_triton(x, plan.kb, plan.kc, plan.bits, plan.classes, CAPACITY,
+                                                    traceable=False)
     else:
-        packed = tr.encode_triton(x, plan.kb, plan.kc, plan.bits)
+        packed = tr.encode_triton(x, plan.kb, plan.kc, plan.bits, traceable=False)
     y = torch_fn(x, **full)
     if inplace:
         return x.copy_(y), packed, record
@@ -680,7 +681,7 @@ def _direct_backward(plan: _Plan, grad, packed, record):
     if plan.backend == "triton":
         return _triton().decode_mul_triton(grad, packed, plan.kv, plan.bits, nonfinite=record,
                                            patch=None if record is None else plan.patch,
-                                           select_zero=plan.select_zero)
+                                           select_zero=plan.select_zero, traceable=False)
     return torch.ops.fewbit.decode_mul(grad, packed, plan.values, plan.bits, record,
                                        None if record is None else plan.patch, plan.select_zero)
 

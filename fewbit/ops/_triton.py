@@ -59,6 +59,17 @@ def wrap_triton(kernel):
     return _torch_wrap_triton(kernel)
 
 
+def _launcher(kernel, traceable: bool):
+    """What launches ``kernel``: :func:`wrap_triton` of it where a trace may be recording
+    (the ``triton_op`` bodies: torch turns the wrapper off for their eager calls itself),
+    the kernel itself for the eager node's calls (``traceable=False``, real tensors only).
+    Outside a ``triton_op`` torch's wrapper is on in eager code too, and each launch
+    through it goes through the ``triton_kernel_wrapper_mutation`` operator (about 50 µs of
+    Python on the CI VM, most of an eager call's host time) and adds an entry to torch's
+    kernel side table that is never freed (host memory growing with every step)."""
+    return wrap_triton(kernel) if traceable else kernel
+
+
 try:
     from triton.runtime.interpreter import InterpretedFunction as _InterpretedFunction
 except ImportError:  # pragma: no cover - depends on the triton version
@@ -399,6 +410,17 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+# Fixed for the process: triton decides at ``@triton.jit`` time whether the kernels are
+# interpreted (tests run the interpreter in subprocesses); read once, not per launch.
+_INTERPRET = _interpreting()
+
+
+def cdiv(a, b):
+    """``ceil(a / b)`` for launch grids: an int, or a SymInt while a trace records (host
+    code; ``triton.cdiv`` is a ``constexpr_function`` in recent triton, several µs a call)."""
+    return -(-a // b)
+
+
 def _nvcc_like_options() -> dict:
     """Launch options under which Triton compiles the fused forward as nvcc compiles torch's
     kernels by default: multiply-adds contracted (``-fmad=true``; inside the inlined
@@ -421,33 +443,36 @@ _NVCC_LIKE = _nvcc_like_options()
 
 def default_block() -> int:
     """Groups of 8 elements per program: 256 on a GPU, 4096 under the interpreter."""
-    return 4096 if os.environ.get("TRITON_INTERPRET") == "1" else 256
+    return 4096 if _INTERPRET else 256
 
 
 def encode_triton(
-    x: torch.Tensor, borders: torch.Tensor, codes: torch.Tensor, bits: int, *, block: int | None = None
+    x: torch.Tensor, borders: torch.Tensor, codes: torch.Tensor, bits: int, *, block: int | None = None,
+    traceable: bool = True,
 ) -> torch.Tensor:
     """Launch the encoder. ``borders`` in compare dtype (float64 for float64 ``x``, else
-    float32 rounded down); returns ``(ceil(numel * bits / 8),)`` uint8 on ``x.device``."""
-    return _encode(x, borders, codes, bits, 0, 0, block)[0]
+    float32 rounded down); returns ``(ceil(numel * bits / 8),)`` uint8 on ``x.device``.
+    ``traceable=False``: an eager call on real tensors (:func:`_launcher`)."""
+    return _encode(x, borders, codes, bits, 0, 0, block, traceable=traceable)[0]
 
 
 def encode_nonfinite_triton(
     x: torch.Tensor, borders: torch.Tensor, codes: torch.Tensor, bits: int, classes: int, capacity: int,
-    *, block: int | None = None,
+    *, block: int | None = None, traceable: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The encoder that also records the non-finite elements of the classes in the mask
     ``classes`` (fewbit.ops._nonfinite): returns ``(packed, record)``, record
     ``(1 + capacity,)`` int64, entries in an unspecified order. No host sync."""
-    packed, record = _encode(x, borders, codes, bits, classes, capacity, block)
+    packed, record = _encode(x, borders, codes, bits, classes, capacity, block, traceable=traceable)
     if record is None:  # classes == 0: nothing to record
         record = torch.zeros((1 + capacity,), dtype=torch.int64, device=x.device)
     return packed, record
 
 
-def _encode(x, borders, codes, bits, classes, capacity, block, fn_id=-1, y=None):
+def _encode(x, borders, codes, bits, classes, capacity, block, fn_id=-1, y=None, traceable=True):
     """Launch :func:`_forward_encode_kernel`: ``(packed, record)`` (record ``None`` when
-    ``classes == 0``), and ``y = f(x)`` into the contiguous ``y`` when ``fn_id >= 0``."""
+    ``classes == 0``), and ``y = f(x)`` into the contiguous ``y`` when ``fn_id >= 0``;
+    ``traceable``: see :func:`_launcher`."""
     n = x.numel()
     out = torch.empty((packed_nbytes(n, bits),), dtype=torch.uint8, device=x.device)
     record = torch.zeros((1 + capacity,), dtype=torch.int64, device=x.device) if classes else None
@@ -460,11 +485,11 @@ def _encode(x, borders, codes, bits, classes, capacity, block, fn_id=-1, y=None)
     if nb == 0:  # one interval: pass a dummy (never read) instead of a null pointer
         b = torch.full((1,), float("inf"), dtype=b.dtype, device=x.device)
     c = codes.detach().to(device=x.device, dtype=torch.int32).contiguous()
-    grid = (triton.cdiv(triton.cdiv(n, 8), block),)
-    wrap_triton(_forward_encode_kernel)[grid](
+    grid = (cdiv(cdiv(n, 8), block),)
+    _launcher(_forward_encode_kernel, traceable)[grid](
         x, x if y is None else y.detach().view(-1), b, c, out, record if record is not None else c, n, capacity,
         FN=fn_id, NB=nb, BITS=bits, BLOCK=block, IS_F64=x.dtype == torch.float64,
-        OUT_BF16=x.dtype == torch.bfloat16, CLASSES=classes, INTERPRET=_interpreting(), **_NVCC_LIKE,
+        OUT_BF16=x.dtype == torch.bfloat16, CLASSES=classes, INTERPRET=_INTERPRET, **_NVCC_LIKE,
     )  # x as y_ptr when FN < 0: never written; c as rec_ptr when CLASSES == 0: never written
     return out, record
 
@@ -472,13 +497,14 @@ def _encode(x, borders, codes, bits, classes, capacity, block, fn_id=-1, y=None)
 def decode_mul_triton(
     grad: torch.Tensor, packed: torch.Tensor, values: torch.Tensor, bits: int, *,
     nonfinite: torch.Tensor | None = None, patch: torch.Tensor | None = None, select_zero: bool = False,
-    block: int | None = None,
+    block: int | None = None, traceable: bool = True,
 ) -> torch.Tensor:
     """Launch the decode-multiply; ``values`` (and ``patch``) already in compute dtype
     (float64 for float64 grads, else float32). With a ``nonfinite`` record every program
     reads its count (normally 0) and patches the recorded elements in its own range; past
     the record's capacity the whole result is NaN (decided on the device). Returns a
-    contiguous tensor of ``grad``'s shape and dtype."""
+    contiguous tensor of ``grad``'s shape and dtype. ``traceable=False``: an eager call on
+    real tensors (:func:`_launcher`)."""
     n = grad.numel()
     out = torch.empty(grad.shape, dtype=grad.dtype, device=grad.device)
     if n == 0:
@@ -491,18 +517,18 @@ def decode_mul_triton(
     rec = nonfinite.detach().to(grad.device).contiguous() if has_rec else p
     pt = patch.detach().to(device=grad.device, dtype=v.dtype).contiguous() if has_rec else v
     cap = rec.numel() - 1 if has_rec else 0
-    grid = (triton.cdiv(triton.cdiv(n, 8), block),)
-    wrap_triton(_decode_mul_kernel)[grid](
+    grid = (cdiv(cdiv(n, 8), block),)
+    _launcher(_decode_mul_kernel, traceable)[grid](
         g, p, v, out, rec, pt, n, cap, BITS=bits, BLOCK=block,
         IS_F64=grad.dtype == torch.float64, OUT_BF16=grad.dtype == torch.bfloat16,
-        HAS_REC=has_rec, SELECT_ZERO=bool(select_zero), PB=256, N_PB=triton.cdiv(cap, 256),
+        HAS_REC=has_rec, SELECT_ZERO=bool(select_zero), PB=256, N_PB=cdiv(cap, 256),
     )
     return out
 
 
 def forward_encode_triton(
     x: torch.Tensor, borders: torch.Tensor, codes: torch.Tensor, bits: int, classes: int, capacity: int,
-    fn: str, params, out: Optional[torch.Tensor] = None, *, block: Optional[int] = None,
+    fn: str, params, out: Optional[torch.Tensor] = None, *, block: Optional[int] = None, traceable: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """``y = fn(x)`` and the packed codes of ``x`` in one pass over ``x`` (reads ``x`` once).
 
@@ -520,6 +546,8 @@ def forward_encode_triton(
         params: ``fn``'s parameters (a mapping; none of the fused functions has any).
         out: where ``y`` goes: ``None`` for a new tensor, or a contiguous tensor of ``x``'s
             shape and dtype; ``x`` itself for in-place (the codes are computed first).
+        traceable: False for an eager call on real tensors: the kernel is launched itself,
+            not through ``torch.library.wrap_triton`` (:func:`_launcher`).
 
     Returns:
         ``(y, packed, record)``: ``y`` of ``x``'s shape and dtype (``out`` when given),
@@ -541,7 +569,7 @@ def forward_encode_triton(
             f"{x.device}, got {tuple(out.shape)} {out.dtype} {out.device} contiguous={out.is_contiguous()}"
         )
     y = out if out is not None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    packed, record = _encode(x, borders, codes, bits, classes, capacity, block, _FN_ID[fn], y)
+    packed, record = _encode(x, borders, codes, bits, classes, capacity, block, _FN_ID[fn], y, traceable)
     return y, packed, record
 
 

@@ -69,15 +69,18 @@ def _fake_triton(calls):
     """A stand-in for fewbit.ops._triton on CPU tensors: the reference kernels, with
     the names and signatures of the contract (forward_encode_triton for FUSED_EAGER)."""
 
-    def encode_triton(x, borders, codes, bits):
+    def encode_triton(x, borders, codes, bits, *, traceable=True):
+        assert not traceable  # the eager node launches the kernels themselves (no HOP)
         calls.append("encode")
         return ops.encode_reference(x, borders, codes, bits)
 
-    def encode_nonfinite_triton(x, borders, codes, bits, classes, capacity):
+    def encode_nonfinite_triton(x, borders, codes, bits, classes, capacity, *, traceable=True):
+        assert not traceable
         calls.append("encode_nonfinite")
         return ops.encode_reference(x, borders, codes, bits), ops.nonfinite_record_reference(x, classes, capacity)
 
-    def forward_encode_triton(x, borders, codes, bits, classes, capacity, fn, params, out):
+    def forward_encode_triton(x, borders, codes, bits, classes, capacity, fn, params, out, *, traceable=True):
+        assert not traceable
         calls.append(("fused", fn, params, out is x))
         assert codes.dtype == torch.int32
         packed = ops.encode_reference(x, borders, codes, bits)
@@ -85,7 +88,9 @@ def _fake_triton(calls):
         y = torch.nn.functional.gelu(x, approximate=dict(params).get("approximate", "none"))
         return (x.copy_(y) if out is not None else y), packed, record
 
-    def decode_mul_triton(grad, packed, values, bits, *, nonfinite=None, patch=None, select_zero=False):
+    def decode_mul_triton(grad, packed, values, bits, *, nonfinite=None, patch=None, select_zero=False,
+                          traceable=True):
+        assert not traceable
         calls.append("decode")
         return torch.ops.fewbit.decode_mul(grad, packed, values, bits, nonfinite, patch, select_zero)
 
@@ -140,3 +145,35 @@ def test_eager_node_has_one_edge_and_double_backward_still_raises(fn):
             torch.autograd.grad(gh.square().sum(), w)
     else:
         assert not gh.requires_grad  # relu: f'' = 0, the exact gradient has no graph to w
+
+
+@pytest.mark.parametrize("fn", ["gelu", "silu"])
+def test_eager_triton_launches_skip_torchs_wrapper(monkeypatch, fn):
+    """The eager node launches its Triton kernels itself. Through ``torch.library.wrap_triton``
+    (on in eager code outside a ``triton_op``) each launch went through torch's
+    ``triton_kernel_wrapper_mutation`` operator: about 110 of an eager GELU forward's 160 µs
+    of host time with the launch itself stubbed out (CI VM), and one entry in torch's
+    kernel side table per launch, never freed (host memory growing every training step).
+    Checked with Triton's launch stubbed (no GPU here): CPU tensors through the Triton
+    backend's real (compiled-mode) kernel objects."""
+    pytest.importorskip("triton")
+    from triton.runtime.jit import JITFunction
+    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+
+    from fewbit.ops import _triton
+
+    if not isinstance(_triton._decode_mul_kernel, JITFunction):
+        pytest.skip("the kernels are interpreted (TRITON_INTERPRET=1): torch passes those through")
+    launched = []
+    monkeypatch.setattr(JITFunction, "run", lambda self, *a, grid, warmup, **k: launched.append(self.fn.__name__))
+    f = resolve_fn(fn)
+    full = f.full_params({})
+    table = table_for(f, 3, full, torch.float32)
+    plan = _pointwise._Plan(table, f.op_name, full, torch.float32, torch.device("cpu"), "triton")
+    before = (len(kernel_side_table.constant_args), len(kernel_side_table.id_to_kernel))
+    for _ in range(3):
+        x = torch.randn(100, requires_grad=True)
+        y = _pointwise._direct(x, plan, False)  # the stubbed kernels write nothing: values unchecked
+        y.backward(torch.ones_like(y))
+    assert launched == ["_forward_encode_kernel", "_decode_mul_kernel"] * 3
+    assert (len(kernel_side_table.constant_args), len(kernel_side_table.id_to_kernel)) == before
