@@ -245,13 +245,13 @@ class _ViewHandle:
 
 
 def _two_valued_scale(t: torch.Tensor) -> torch.Tensor | None:
-    """``c`` if every element of ``t`` is +0 or one finite ``c`` (a dropout mask), else None."""
+    """``c`` if every element of ``t`` is +0 or one finite ``c`` (a dropout mask), else None.
+
+    The answer is read from the device once (one host sync on CUDA): the conditions are
+    combined there, not read one by one (three syncs per save before)."""
     c = t.amax()
-    if not torch.isfinite(c) or c == 0:
-        return None
-    if not ((t == c) | ((t == 0) & ~torch.signbit(t))).all():
-        return None
-    return c
+    ok = torch.isfinite(c) & (c != 0) & ((t == c) | ((t == 0) & ~torch.signbit(t))).all()
+    return c if bool(ok) else None
 
 
 #: Floating dtypes the compressors take; other floating tensors (float8) are kept exact.
@@ -712,9 +712,18 @@ class ActivationCompressor:
             # softmax as exp(s - lse), so a quantization error in them is exponentiated
             # into a biased gradient. They are kept exact, except {0, c} masks (CPU
             # dropout saves 0 or 1/(1-p) as floats), which are packed losslessly at 1 bit.
+            # The check reads the device (a host sync on CUDA), so a storage already held
+            # exact is not checked again: a LLaMA's rotary cos and sin, saved four times in
+            # every layer, had cost 12 syncs per layer and step.
+            storage = _storage_key(t)
+            kept = self._kept.get(storage)
+            if kept is not None and kept() is not None:
+                self.stats.deduplicated += 1
+                return keep(t)
             with torch.no_grad():
                 mask_value = _two_valued_scale(t)
             if mask_value is None:
+                self._mark_kept(t, storage)
                 return self._skip(t, "no_grad")
         elif not is_bool and (_result_of(t) in _EXACT_RESULTS or _per_row_statistic(t) or _norm_statistic(t)):
             return self._skip(t, "statistic")

@@ -11,7 +11,7 @@ from torch import nn
 
 import fewbit
 from fewbit.quant import ActivationCompressor, compress_activations
-from fewbit.quant.compressor import _Handle, _pack_bool, _unpack_bool
+from fewbit.quant.compressor import _Handle, _pack_bool, _two_valued_scale, _unpack_bool
 from fewbit._saved import Kept
 
 
@@ -313,6 +313,51 @@ def test_attention_logsumexp_and_norm_stats_stay_exact():
     for (cls, name, a), (_, _, b) in zip(got, ref):
         assert torch.equal(a, b), (cls, name)
     assert comp.stats.skipped["no_grad"] == len(ref)
+
+
+class _DeviceReads(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts reads of a tensor's value by the host (``item``, ``bool``, ``float``): each a
+    device-to-host sync on CUDA."""
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("t", [(torch.rand(5000) > 0.1).float() / 0.9, torch.randn(5000), torch.zeros(5000),
+                               torch.full((5000,), float("inf"))])
+def test_mask_check_reads_the_device_once(t):
+    with _DeviceReads() as reads:
+        _two_valued_scale(t)
+    assert reads.n == 1
+
+
+def test_saved_no_grad_floats_checked_once_per_storage():
+    """A LLaMA saves its rotary cos and sin (no grad, kept exact) four times in every layer;
+    each check of a no-grad save for a {0, c} mask reads the device (a sync on CUDA). A
+    storage already held exact is not checked again: two reads per step whatever the depth
+    (before: 12 per layer)."""
+    transformers = pytest.importorskip("transformers")
+
+    def reads(layers):
+        torch.manual_seed(0)
+        cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=256, intermediate_size=256,
+                                       num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4,
+                                       max_position_embeddings=128)
+        model = transformers.LlamaForCausalLM(cfg)
+        fewbit.convert_(model, fewbit.Config(saved_bits=2))
+        x = torch.randint(0, 128, (2, 128))
+        model(input_ids=x, labels=x).loss.backward()
+        with _DeviceReads() as counted:
+            model(input_ids=x, labels=x).loss.backward()
+        return counted.n
+
+    assert reads(2) == reads(3) <= 2
 
 
 def test_float_dropout_mask_packed_losslessly():
