@@ -462,7 +462,7 @@ def _apply(
         # tangent f'(x) t, which torch's function gives exactly; there is no memory to save
         y = torch_fn(input, **full)
         return input.copy_(y) if inplace else y
-    if not compiling and not transforms:
+    if not compiling and not transforms and _plain(input):
         return _direct(input, _plan(table, fn, full, input.dtype, input.device, torch_fn), inplace)
     name = _setting_for_trace(fn, tuple(full.items()), table, input.dtype, input.device)
     select_zero, classes, what, borders, codes, values, patch = getattr(_traced.HOLDER, name)
@@ -482,11 +482,26 @@ def _apply_planned(
     :class:`_Plan` the caller already has (:mod:`fewbit.functional` keeps it per setting,
     device included): the eager node at once, or :func:`_apply` under torch.compile or a
     torch.func transform."""
-    if _compiling_or_recording() or _transforms_active():
+    if _compiling_or_recording() or _transforms_active() or not _plain(input):
         return _apply(input, table, fn, torch_fn, full, inplace)
     if inplace:
         _check_inplace(input)
     return _direct(input, plan, inplace)
+
+
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+
+
+def _plain(input: torch.Tensor) -> bool:
+    """Whether the eager node may run on ``input``: a plain tensor (or Parameter) and no
+    ``TorchDispatchMode`` active. The node calls the kernels with the tensors' memory
+    (numba arrays, Triton pointers), which a FakeTensor or a wrapper subclass (DTensor)
+    does not have, and which ``make_fx`` and other dispatch modes (FakeTensorMode,
+    FlopCounterMode, a user's logging mode) would not see; those take the ``torch.ops``
+    path. A wrapper subclass had reached the raw Triton launch with a null data pointer,
+    and a ``make_fx`` graph recorded without the codes' kernel gave another gradient."""
+    return type(input) in _PLAIN_TYPES and not _dispatch_modes()
 
 
 def _check_inplace(input: torch.Tensor) -> None:
@@ -655,8 +670,12 @@ def _triton_forward(tr, x, plan: _Plan, torch_fn, full, inplace):
     """The Triton eager forward: one fused kernel where ``tr`` offers one whose ``y`` is
     torch's bit for bit (``tr.FUSED_EAGER``), else the encoder and then torch's function."""
     if plan.fn in getattr(tr, "FUSED_EAGER", ()):
-        return tr.forward_encode_triton(x, plan.kb, plan.kc, plan.bits, plan.classes, CAPACITY, plan.fn,
-                                        plan.params, x if inplace else None, traceable=False)
+        into = inplace and x.is_contiguous()  # the kernel writes y only into a contiguous tensor
+        y, packed, record = tr.forward_encode_triton(x, plan.kb, plan.kc, plan.bits, plan.classes, CAPACITY,
+                                                     plan.fn, plan.params, x if into else None, traceable=False)
+        if inplace and not into:  # a view with gaps: codes from the exact x, then y written back
+            y = x.copy_(y)
+        return y, packed, record
     record = None
     if plan.classes:
         packed, record = tr.encode_nonfinite_triton(x, plan.kb, plan.kc, plan.bits, plan.classes, CAPACITY,

@@ -81,6 +81,8 @@ def _fake_triton(calls):
 
     def forward_encode_triton(x, borders, codes, bits, classes, capacity, fn, params, out, *, traceable=True):
         assert not traceable
+        if out is not None and not out.is_contiguous():  # the real launcher's contract
+            raise ValueError("out must be a contiguous tensor")
         calls.append(("fused", fn, params, out is x))
         assert codes.dtype == torch.int32
         packed = ops.encode_reference(x, borders, codes, bits)
@@ -177,3 +179,64 @@ def test_eager_triton_launches_skip_torchs_wrapper(monkeypatch, fn):
         y.backward(torch.ones_like(y))
     assert launched == ["_forward_encode_kernel", "_decode_mul_kernel"] * 3
     assert (len(kernel_side_table.constant_args), len(kernel_side_table.id_to_kernel)) == before
+
+
+def test_inplace_fused_forward_on_a_view_with_gaps(monkeypatch):
+    """The fused kernel writes y only into a contiguous tensor: an in-place call on a view
+    with gaps (``h[:, ::2]``) gets y written back after the codes (it raised ValueError)."""
+    calls = []
+    monkeypatch.setattr(_pointwise, "_triton", lambda: _fake_triton(calls))
+    f = resolve_fn("gelu")
+    full = f.full_params({})
+    table = table_for(f, 3, full, torch.float32)
+    plan = _pointwise._Plan(table, f.op_name, full, torch.float32, torch.device("cpu"), "triton")
+    h = torch.randn(16, 12)
+    a = h.clone().requires_grad_()
+    src = a.clone()[:, ::2]
+    y = _pointwise._direct(src, plan, True)
+    assert y is src
+    y.backward(torch.ones_like(y))
+    b = h.clone().requires_grad_()
+    want = ops.pointwise(b.clone()[:, ::2], table, "gelu")
+    want.backward(torch.ones_like(want))
+    assert torch.equal(y.detach(), want.detach()) and torch.equal(a.grad, b.grad)
+    assert calls[0] == ("fused", "gelu", tuple(full.items()), False)
+
+
+def test_make_fx_records_the_ops():
+    """Under a dispatch mode (make_fx, FakeTensorMode, a user's mode) the eager node, which
+    hands the tensors' memory to the kernels, is not taken: the ``torch.ops`` path is. A
+    make_fx graph had recorded no encode (the codes came from the trace's own call), and
+    fake tensors reached the kernels."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    import fewbit
+
+    m = fewbit.GELU(bits=3)
+
+    def f(x):
+        return torch.autograd.grad(m(x).sum(), x)[0]
+
+    x = torch.randn(64, requires_grad=True)
+    want = f(x)
+    gm = make_fx(f)(x)
+    targets = {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
+    assert any(t.startswith("fewbit.encode") for t in targets), targets
+    assert "fewbit.decode_mul.default" in targets
+    assert torch.equal(gm(x), want)
+    other = torch.randn(64, requires_grad=True)
+    assert torch.equal(gm(other), f(other))
+
+
+def test_fake_tensors_take_the_ops_path():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import fewbit
+
+    m = fewbit.GELU(bits=3)
+    m(torch.randn(8, requires_grad=True)).sum().backward()  # the setting prepared eagerly
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        x = torch.randn(16, 8, requires_grad=True)
+        y = m(x)
+        (g,) = torch.autograd.grad(y.sum(), x)
+    assert y.shape == g.shape == (16, 8)
