@@ -32,7 +32,7 @@ class Kept:
     would otherwise hold it through output -> grad_fn -> saved output, a reference cycle in
     C++ that Python's gc cannot see, and every graph dropped without backward leaked it."""
 
-    __slots__ = ("tensor", "version")
+    __slots__ = ("tensor", "version", "__weakref__")  # weakly referenced: ActivationCompressor._kept
 
     def __init__(self, t: torch.Tensor) -> None:
         self.tensor = t.detach()

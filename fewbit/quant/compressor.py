@@ -60,12 +60,15 @@ class CompressionStats:
     Attributes:
         bytes_before: bytes (numel * itemsize) of the tensors that were compressed.
         bytes_after: bytes held for them (packed codes + stats, or packed bool bits).
-        bytes_skipped: bytes of the saved tensors left uncompressed, counted at every save.
+        bytes_skipped: bytes of the saved tensors left uncompressed, counted at every save
+            that holds a storage not already held exact (later saves of one are
+            :attr:`deduplicated`).
         skipped_bytes: reason -> bytes of :attr:`bytes_skipped` (``parameter`` bytes are
             held by the model anyway).
         compressed: floating tensors quantized.
         packed_bool: bool tensors and float {0, c} masks packed at 1 bit (lossless).
-        deduplicated: saves answered with an existing compressed copy (no new bytes).
+        deduplicated: saves answered with an existing compressed copy, or of a storage
+            another save of this pass already holds exact (no new bytes).
         skipped: reason -> count: ``parameter`` (nn.Parameter, leaf requiring grad, a
             view of one, or a dtype cast of one: autocast's weight copies), ``dtype``
             (integer/uint8 codes/complex), ``small`` (< min_numel), ``layout`` (sparse,
@@ -466,6 +469,8 @@ class ActivationCompressor:
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
         del state["_local"]  # per thread, and only set while a call runs
+        # what live graphs hold (weak references, which cannot be pickled): not state
+        state["_kept"], state["_cache"] = {}, {}
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -723,13 +728,11 @@ class ActivationCompressor:
             with torch.no_grad():
                 mask_value = _two_valued_scale(t)
             if mask_value is None:
-                self._mark_kept(t, storage)
-                return self._skip(t, "no_grad")
+                return self._mark_kept(self._skip(t, "no_grad"), storage)
         elif not is_bool and (_result_of(t) in _EXACT_RESULTS or _per_row_statistic(t) or _norm_statistic(t)):
             return self._skip(t, "statistic")
         elif not is_bool and _nonlinear_result(t):
-            self._mark_kept(t, _storage_key(t))  # later saves reuse it
-            return self._skip(t, "nonlinear")
+            return self._mark_kept(self._skip(t, "nonlinear"), _storage_key(t))  # later saves reuse it
         elif (not is_bool and self._stack and getattr(self._local, "call", None) is None
               and not getattr(_CUSTOM_SAVES, "compressible", False)):
             # saved outside every torch call the mode sees: a custom autograd.Function's
@@ -737,9 +740,8 @@ class ActivationCompressor:
             # tanh of what it saves; fused attention and SwiGLU kernels), so the save is
             # kept exact: quantized, BLOOM's GELU input biased the weight gradient by 6 %
             # of its norm (6000 draws, 8.5 standard errors)
-            self._mark_kept(t, _storage_key(t))  # later saves reuse it
             self._warn_unseen()
-            return self._skip(t, "unseen")
+            return self._mark_kept(self._skip(t, "unseen"), _storage_key(t))  # later saves reuse it
         # A contiguous tensor is keyed by the elements it covers, not its shape: a reshaped
         # view of a tensor already packed (eager attention's matmul saves the probabilities
         # as a (B*H, T, T) view of the (B, H, T, T) softmax result) reuses that copy.
@@ -754,8 +756,7 @@ class ActivationCompressor:
             kept = kept() if kept is not None else None
             if self._keep_depth:  # inside a call whose backward is not linear in it
                 if kept is None:
-                    self._mark_kept(t, storage)
-                    return self._skip(t, "nonlinear")
+                    return self._mark_kept(self._skip(t, "nonlinear"), storage)
             if kept is not None:  # its storage is kept exact: a quantized copy would only add bytes
                 self.stats.deduplicated += 1
                 return keep(t)
@@ -796,8 +797,7 @@ class ActivationCompressor:
             if handle is None:
                 # held exact: later saves of its storage keep it too (a compressed copy by
                 # another module would only add bytes)
-                self._mark_kept(t, _storage_key(t))
-                kept = self._skip(t, "kept")
+                kept = self._mark_kept(self._skip(t, "kept"), _storage_key(t))
                 if earlier is not None:  # and an earlier save's copy is not needed any more
                     self._share(earlier, kept, None, t)
                 return kept
@@ -880,11 +880,14 @@ class ActivationCompressor:
             "compressor). For code whose backward is linear in what it saves (a custom matmul), run it inside "
             "fewbit.quant.compress_custom_saves()", RuntimeWarning, stacklevel=2)
 
-    def _mark_kept(self, t: torch.Tensor, storage: tuple) -> None:
-        """Register ``storage`` (data pointer, device, version) as held exact while ``t``
-        (or the tensor it views) lives: later saves of any view of it are kept too."""
-        self._kept[storage] = weakref.ref(t._base if t._base is not None else t,
-                                          functools.partial(_drop_kept, self._kept, storage))
+    def _mark_kept(self, held: Kept, storage: tuple) -> Kept:
+        """Register ``storage`` (data pointer, device, version) as held exact while ``held``
+        (the pack hook's result, which the graph holds) lives: later saves of any view of it
+        are kept too; returns ``held``. Tied to the graph's hold, not to the caller's tensor:
+        a tensor the user kept alive (a GAN's ``fake.detach()``) had registered its storage
+        past its graph's end, and a later graph kept ``fake`` exact instead of compressing it."""
+        self._kept[storage] = weakref.ref(held, functools.partial(_drop_kept, self._kept, storage))
+        return held
 
     def _compress(self, t: torch.Tensor, norm_size, ordinal: int, norm_input: bool = False):
         """The policy's (or attention's forced) compressor on floating ``t``; None if kept.

@@ -515,3 +515,48 @@ def test_a_graph_of_the_backward_through_compressed_tensors_raises():
     # an unpack outside any backward (the planner times pack + unpack so) is no graph of a backward
     with torch.enable_grad():
         assert comp._unpack(comp._pack(torch.randn(64, 64, requires_grad=True) * 1.0)).shape == (64, 64)
+
+
+def test_kept_storage_registered_only_while_its_graph_holds_it():
+    """A storage held exact is registered (later saves of it are kept, not copied) for as
+    long as the graph holds it, not as long as the caller's tensor lives: a GAN's
+    ``fake.detach()``, kept by the discriminator step's graph and still held by the user,
+    had made the generator step keep ``fake`` exact instead of compressing it."""
+    from fewbit.memory import SavedTensorRecorder
+
+    torch.manual_seed(0)
+    G = nn.Linear(64, 256)
+    D = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 1))
+    z = torch.randn(128, 64)
+
+    def g_step_bytes(d_step_first):
+        comp = ActivationCompressor(2)
+        with comp:
+            fake = G(z) * 1.0
+            fake_d = fake.detach()
+            if d_step_first:
+                D(fake_d).mean().backward()  # saves fake_d (no grad); this graph is freed here
+            with SavedTensorRecorder() as rec:
+                g_loss = -D(fake).mean()
+            g_loss.backward()
+        return rec.saved_bytes
+
+    assert g_step_bytes(True) == g_step_bytes(False)
+
+
+def test_pickled_after_a_step_with_kept_tensors_alive():
+    """The registry of storages held exact refers weakly to what live graphs hold: not
+    state, and not picklable; a compressor pickled while the user still held such a tensor
+    raised TypeError."""
+    import pickle
+
+    lin = nn.Linear(64, 64)
+    x = torch.randn(256, 64, requires_grad=True)
+    comp = ActivationCompressor(2)
+    with comp:
+        h = lin(x * 1.0)
+        F.gelu(h).sum().backward()  # gelu's input kept exact ("nonlinear"); h still held
+        held = comp._pack(torch.randn(5000))  # a no-grad float, kept exact, its handle alive
+    copy = pickle.loads(pickle.dumps(comp))
+    assert copy._kept == {} and copy.min_numel == comp.min_numel
+    assert held is not None and h is not None

@@ -319,14 +319,20 @@ def test_a_tensor_subclass_keeps_its_override_of_a_composite():
 
 
 def test_a_kept_unseen_save_serves_later_saves():
-    """What a custom Function keeps exact is held anyway: a later save of the same tensor
-    reuses it instead of adding a quantized copy."""
+    """What a custom Function keeps exact is held anyway while its graph lives: a later
+    save of the same tensor reuses it instead of adding a quantized copy; once that graph
+    is gone (its output dropped) nothing holds it, and the later save is compressed."""
     h = torch.randn(64, 256, requires_grad=True) * 1
     w = torch.randn(32, 256, requires_grad=True)
     with fq.compress_activations(4, min_numel=1) as comp:
-        _TanhGelu.apply(h)
+        y = _TanhGelu.apply(h)
         F.linear(h, w)
     assert comp.stats.skipped.get("unseen") == 1 and comp.stats.deduplicated == 1 and comp.stats.compressed == 0
+    assert y is not None
+    with fq.compress_activations(4, min_numel=1) as comp:
+        _TanhGelu.apply(h)  # output dropped: its graph, and the exact copy, are gone
+        F.linear(h, w)
+    assert comp.stats.skipped.get("unseen") == 1 and comp.stats.deduplicated == 0 and comp.stats.compressed == 1
 
 
 def test_two_threads_entering_at_once_never_both_get_in():
