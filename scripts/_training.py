@@ -16,6 +16,8 @@ Each script keeps its model, its data and its defaults; everything else lives he
   - ``fewbit3+quant2+warm4``: the same at 4 bits for the first :data:`WARM_STEPS` training
     steps, then at 2 bits (``Config(warmup_steps=WARM_STEPS, warmup_bits=4)``; the README's
     remedy for 2-bit runs that stay on the early plateau; the run's peak is the 4-bit one);
+  - ``fewbit3+quant2+block4``: 2 bits, but the blocks' own saves (a gated MLP's product
+    ``act(gate(x)) * up(x)``) at 4 bits (``Config(layer_bits={"block": 4})``);
 
 - seeding and building a model for a (variant, seed) (:func:`prepare_model`);
 - the AdamW loop with warm-up + cosine learning rate, exact saved-bytes counting, the
@@ -41,7 +43,7 @@ import torch
 from torch import nn
 
 VARIANTS = ("vanilla", "fewbit1", "fewbit2", "fewbit3", "fewbit4", "actnn2", "fewbit3+quant4",
-            "fewbit3+quant2", "fewbit3+quant2+warm4", "gact2", "gact4", "division", "adacc")
+            "fewbit3+quant2", "fewbit3+quant2+warm4", "fewbit3+quant2+block4", "gact2", "gact4", "division", "adacc")
 
 #: Training steps at 4 bits of ``fewbit3+quant2+warm4`` before it goes to 2 bits.
 WARM_STEPS = 100
@@ -57,6 +59,7 @@ _POLICY_VARIANTS = {
     "gact2": {"saved_bits": "auto", "average_bits": 2},
     "gact4": {"saved_bits": "auto", "average_bits": 4},
     "fewbit3+quant2+warm4": {"saved_bits": 2, "warmup_steps": WARM_STEPS, "warmup_bits": 4},
+    "fewbit3+quant2+block4": {"saved_bits": 2, "layer_bits": {"block": 4}},
     "division": {"saved_bits": 2, "compressor": "division"},
     "adacc": {"saved_bits": 4, "compressor": "adacc"},
 }
@@ -159,7 +162,8 @@ def apply_variant(model: nn.Module, variant: str, *, group_size: int = 256) -> N
     average_bits=2/4)`` (:func:`train_loop` calls ``adapt`` before each step); ``division``:
     ``saved_bits=2, compressor="division"``; ``adacc``: ``saved_bits=4, compressor="adacc"``; ``actnn2``: activation modules wrapped in
     :class:`QuantizedSavedActivation` (inputs kept at 2 bits); ``fewbit3+quant2+warm4``: ``saved_bits=2,
-    warmup_steps=WARM_STEPS, warmup_bits=4``.
+    warmup_steps=WARM_STEPS, warmup_bits=4``; ``fewbit3+quant2+block4``: ``saved_bits=2,
+    layer_bits={"block": 4}`` (a block's own saves, e.g. a gated MLP's product, at 4 bits).
 
     ``group_size`` goes to ``Config(group_size=...)`` (and to the actnn2 wrappers): the
     group quantizer's elements per (min, scale) pair; variants without one ignore it.

@@ -7,16 +7,18 @@ index in the pass's save order, the innermost converted module (fqn and kind, se
 ``fewbit.convert_``'s hooks) and the tensor's role. ``fewbit.Config(compressor=...)`` and
 ``Config(saved_bits="auto")`` pick one:
 
-=====================  ============================================================
-policy                 compressor of each saved tensor
-=====================  ============================================================
-:class:`FixedPolicy`   one compressor for all (``"group"``: ActNN; ``"division"``)
-:class:`AdaccPolicy`   by layer kind (Adacc, Zhang et al. 2024; docs/compression.md §4)
-``GACTPolicy``         group quantizer at per-tensor bits from gradient sensitivity
-                       (:mod:`fewbit.quant.gact`; GACT, Liu et al., ICML 2022)
-:class:`WarmupPolicy`  another policy at more bits for the first training steps, then
-                       the policy asked for (``Config(warmup_steps=...)``)
-=====================  ============================================================
+========================  =================================================================
+policy                    compressor of each saved tensor
+========================  =================================================================
+:class:`FixedPolicy`      one compressor for all (``"group"``: ActNN; ``"division"``)
+:class:`LayerBitsPolicy`  another policy, with other bits for some layer kinds
+                          (``Config(layer_bits={"block": 4})``; ActNN's per-layer settings)
+:class:`AdaccPolicy`      by layer kind (Adacc, Zhang et al. 2024; docs/compression.md §4)
+``GACTPolicy``            group quantizer at per-tensor bits from gradient sensitivity
+                          (:mod:`fewbit.quant.gact`; GACT, Liu et al., ICML 2022)
+:class:`WarmupPolicy`     another policy at more bits for the first training steps, then
+                          the policy asked for (``Config(warmup_steps=...)``)
+========================  =================================================================
 
 Write your own by subclassing :class:`Policy` (``choose``, and ``default`` for the
 compressor reported as ``ActivationCompressor.compressor``).
@@ -33,8 +35,8 @@ import torch
 
 from fewbit.quant.compressors import Compressor, get_compressor
 
-__all__ = ["SavedTensorInfo", "Policy", "FixedPolicy", "AdaccPolicy", "WarmupPolicy", "compressor_bits",
-           "fallback_compressor"]
+__all__ = ["SavedTensorInfo", "Policy", "FixedPolicy", "LayerBitsPolicy", "AdaccPolicy", "WarmupPolicy",
+           "compressor_bits", "fallback_compressor"]
 
 
 @dataclass(frozen=True)
@@ -191,6 +193,59 @@ class FixedPolicy(Policy):
 
     def __repr__(self) -> str:
         return f"FixedPolicy({self.compressor!r}, fallback={self.fallback!r})"
+
+
+class LayerBitsPolicy(Policy):
+    """``policy``, except that the tensors saved inside layers of a kind in ``by_kind`` get
+    that kind's compressor (``fewbit.Config(layer_bits=...)``; ActNN's per-layer settings).
+
+    The kind is :attr:`SavedTensorInfo.kind`, the innermost converted module's
+    (``fewbit.convert.layer_kind``: ``linear``, ``conv``, ``norm``, ``attention``,
+    ``block``); a tensor that kind's compressor does not support goes to ``policy``. Roles
+    the compressor decides itself (attention's q/k, norm inputs, softmax results: 8 bits)
+    stay as they are.
+
+    Args:
+        policy: the policy of every other tensor.
+        by_kind: ``{kind: compressor}``.
+
+    Raises:
+        TypeError: ``policy`` is not a :class:`Policy` or a value of ``by_kind`` not a
+            :class:`~fewbit.quant.compressors.Compressor`.
+    """
+
+    def __init__(self, policy: Policy, by_kind: dict[str, Compressor]) -> None:
+        if not isinstance(policy, Policy):
+            raise TypeError(f"policy must be a fewbit.quant.policies.Policy, got {type(policy).__name__}")
+        for kind, compressor in by_kind.items():
+            if not isinstance(compressor, Compressor):
+                raise TypeError(f"by_kind[{kind!r}] must be a fewbit.quant.compressors.Compressor, got "
+                                f"{type(compressor).__name__}")
+        self.policy = policy
+        self.by_kind = dict(by_kind)
+
+    @property
+    def default(self) -> Compressor:
+        return self.policy.default
+
+    @property
+    def decides_qk(self) -> bool:
+        return self.policy.decides_qk
+
+    def observe(self, info: SavedTensorInfo) -> None:
+        self.policy.observe(info)
+
+    def choose(self, x, info):
+        compressor = self.by_kind.get(info.kind)
+        if compressor is not None and compressor.supports(x):
+            return compressor
+        return self.policy.choose(x, info)
+
+    def generator(self, info):
+        return self.policy.generator(info)
+
+    def __repr__(self) -> str:
+        return f"LayerBitsPolicy({self.policy!r}, by_kind={self.by_kind!r})"
 
 
 class AdaccPolicy(Policy):
