@@ -203,7 +203,8 @@ class LayerBitsPolicy(Policy):
     (``fewbit.convert.layer_kind``: ``linear``, ``conv``, ``norm``, ``attention``,
     ``block``); a tensor that kind's compressor does not support goes to ``policy``. Roles
     the compressor decides itself (attention's q/k, norm inputs, softmax results: 8 bits)
-    stay as they are.
+    stay as they are. A tensor saved by several modules is compressed once, when it is
+    first saved (the later saves share that copy), so its first saver's kind decides.
 
     Args:
         policy: the policy of every other tensor.
@@ -388,7 +389,7 @@ class WarmupPolicy(Policy):
 
             def counted(optimizer, args, kwargs):
                 me = ref()
-                if me is None:  # the policy was freed: a hook left behind does nothing
+                if me is None or me.steps_done >= me.steps:  # freed, or warmed up: nothing to count
                     return
                 me._count(optimizer)
 
@@ -407,7 +408,14 @@ class WarmupPolicy(Policy):
         if self._saved_any:
             self._saved_any = False
             self._any_steps += 1
-        if self.steps_done >= self.steps and self._handle is not None:
+        # The hook is not removed here: torch calls the step hooks while iterating over its
+        # dict of them, and removing one there raised "OrderedDict mutated during iteration"
+        # as soon as another warm-up's hook followed (two converted models, a GAN's G and D).
+        # It does nothing from now on and is removed at the next save (:meth:`_unwatch`).
+
+    def _unwatch(self) -> None:
+        """Remove the step hook once the warm-up is over (outside torch's hook loop)."""
+        if self._handle is not None and self.steps_done >= self.steps:
             self._handle.remove()
             self._handle = None
 
@@ -420,6 +428,8 @@ class WarmupPolicy(Policy):
         return self.current.decides_qk
 
     def observe(self, info: SavedTensorInfo) -> None:
+        if self._handle is not None and self.steps_done >= self.steps:
+            self._unwatch()
         self._saved_own = self._saved_any = True
         self.current.observe(info)
 
@@ -465,9 +475,7 @@ class WarmupPolicy(Policy):
         self._own_steps = self._any_steps = int(state["steps_done"])
         self._owner_seen = bool(state.get("owner_seen", False))
         self._saved_own = self._saved_any = False
-        if self.steps_done >= self.steps and self._handle is not None:
-            self._handle.remove()
-            self._handle = None
+        self._unwatch()
         self._watch()
 
     def __getstate__(self) -> dict:

@@ -148,7 +148,8 @@ def test_hook_goes_with_the_policy():
     model = _model()
     fewbit.convert_(model, Config(saved_bits=2, warmup_steps=1, min_numel=0))
     assert len(_global_optimizer_post_hooks) == before + 1
-    _train(model, torch.optim.SGD(model.parameters(), lr=0.01), 1)  # warm-up over: hook removed
+    _train(model, torch.optim.SGD(model.parameters(), lr=0.01), 1)  # warm-up over: the hook idles
+    model(_batch(1)).sum()  # and goes at the next save (not inside torch's loop over the hooks)
     assert len(_global_optimizer_post_hooks) == before
     model = _model()
     fewbit.convert_(model, Config(saved_bits=2, warmup_steps=5, min_numel=0))
@@ -254,3 +255,23 @@ def test_an_optimizer_over_other_tensors_ends_the_warm_up(over):
         model(x).square().mean().backward()
         opt.step()
     assert compressor_of(model).policy.steps_done == 2
+
+
+def test_two_warm_ups_in_one_process():
+    """torch calls the optimizer step hooks while iterating over its dict of them: a
+    warm-up's hook removed itself there, and with a second warm-up's hook behind it (a
+    GAN's two networks, a model and its loaded copy) the step raised RuntimeError
+    ("OrderedDict mutated during iteration")."""
+    models = []
+    for _ in range(2):
+        model = _model()
+        fewbit.convert_(model, Config(saved_bits=2, min_numel=0, warmup_steps=1, warmup_bits=4))
+        models.append((model, torch.optim.SGD(model.parameters(), lr=0.01)))
+    for i in range(3):
+        for model, opt in models:
+            opt.zero_grad()
+            model(_batch(i)).square().mean().backward()
+            opt.step()
+    for model, _ in models:
+        policy = compressor_of(model).policy
+        assert policy.steps_done == 1 and policy.current is policy.policy and policy._handle is None
