@@ -467,6 +467,9 @@ class ActivationCompressor:
         return f"ActivationCompressor(policy={self.policy!r}, min_numel={self.min_numel})"
 
     def __getstate__(self) -> dict:
+        if self._stack:
+            raise RuntimeError("an ActivationCompressor cannot be copied or pickled inside its own `with` block "
+                               "(a forward is running): copy or save it between training steps")
         state = self.__dict__.copy()
         del state["_local"]  # per thread, and only set while a call runs
         # what live graphs hold (weak references, which cannot be pickled): not state
@@ -721,10 +724,9 @@ class ActivationCompressor:
             # exact is not checked again: a LLaMA's rotary cos and sin, saved four times in
             # every layer, had cost 12 syncs per layer and step.
             storage = _storage_key(t)
-            kept = self._kept.get(storage)
-            if kept is not None and kept() is not None:
+            if self._held_exact(storage):
                 self.stats.deduplicated += 1
-                return keep(t)
+                return self._mark_kept(keep(t), storage)  # this graph's hold counts too
             with torch.no_grad():
                 mask_value = _two_valued_scale(t)
             if mask_value is None:
@@ -752,14 +754,13 @@ class ActivationCompressor:
             # Kept exact is keyed by storage: any view of a storage kept exact (the other half
             # of a fused projection split with chunk) is held anyway.
             storage = _storage_key(t)
-            kept = self._kept.get(storage)
-            kept = kept() if kept is not None else None
+            held = self._held_exact(storage)
             if self._keep_depth:  # inside a call whose backward is not linear in it
-                if kept is None:
+                if not held:
                     return self._mark_kept(self._skip(t, "nonlinear"), storage)
-            if kept is not None:  # its storage is kept exact: a quantized copy would only add bytes
+            if held:  # its storage is kept exact: a quantized copy would only add bytes
                 self.stats.deduplicated += 1
-                return keep(t)
+                return self._mark_kept(keep(t), storage)  # this graph's hold counts too
         # A norm layer needs groups inside its rows or channels (Compressor.within): a copy
         # another module made first, with groups across them, does not serve it.
         fn = self._where[-1][2] if self._where else None
@@ -882,12 +883,18 @@ class ActivationCompressor:
 
     def _mark_kept(self, held: Kept, storage: tuple) -> Kept:
         """Register ``storage`` (data pointer, device, version) as held exact while ``held``
-        (the pack hook's result, which the graph holds) lives: later saves of any view of it
-        are kept too; returns ``held``. Tied to the graph's hold, not to the caller's tensor:
-        a tensor the user kept alive (a GAN's ``fake.detach()``) had registered its storage
-        past its graph's end, and a later graph kept ``fake`` exact instead of compressing it."""
-        self._kept[storage] = weakref.ref(held, functools.partial(_drop_kept, self._kept, storage))
+        (the pack hook's result, which a graph holds) or another registered hold of it lives:
+        later saves of any view of it are kept too; returns ``held``. Tied to the graphs'
+        holds, not to the caller's tensor: a tensor the user kept alive (a GAN's
+        ``fake.detach()``) had registered its storage past its graph's end, and a later
+        graph kept ``fake`` exact instead of compressing it."""
+        refs = self._kept.setdefault(storage, [])
+        refs.append(weakref.ref(held, functools.partial(_drop_kept, self._kept, storage)))
         return held
+
+    def _held_exact(self, storage: tuple) -> bool:
+        """Whether a live graph holds ``storage`` exact (:meth:`_mark_kept`)."""
+        return any(ref() is not None for ref in self._kept.get(storage, ()))
 
     def _compress(self, t: torch.Tensor, norm_size, ordinal: int, norm_input: bool = False):
         """The policy's (or attention's forced) compressor on floating ``t``; None if kept.
@@ -1192,8 +1199,11 @@ def _depends_on(node, targets: set, leaf: torch.Tensor) -> bool:
 
 
 def _drop_kept(kept: dict, key, ref) -> None:
-    if kept.get(key) is ref:
-        del kept[key]
+    refs = kept.get(key)
+    if refs is not None:
+        refs[:] = [r for r in refs if r is not ref]
+        if not refs:
+            del kept[key]
 
 
 def _result_of(t: torch.Tensor) -> str | None:

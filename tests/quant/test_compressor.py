@@ -560,3 +560,35 @@ def test_pickled_after_a_step_with_kept_tensors_alive():
     copy = pickle.loads(pickle.dumps(comp))
     assert copy._kept == {} and copy.min_numel == comp.min_numel
     assert held is not None and h is not None
+
+
+def test_every_exact_hold_of_a_storage_counts():
+    """A storage is held exact while any graph holds it: a second save deduplicated onto the
+    first keeps it registered after the first graph is gone (a third save had added a
+    quantized copy of values held exact anyway)."""
+    torch.manual_seed(0)
+    W = torch.randn(64, 64, requires_grad=True)
+    x = torch.randn(512, 64, requires_grad=True)
+    comp = ActivationCompressor(bits=2, min_numel=0)
+    with comp:
+        h = x * 1.5
+        p, q = W * 1.0, W * 2.0
+        d = h.detach()
+        dead = (d[:, :1] * p[:1]).sum()  # save 1 of h's storage (no grad): kept exact
+        alive = (d[:, :1] * q[:1]).sum()  # save 2: deduplicated onto it, held by this graph
+        del dead  # the first graph, and its hold, are gone
+        before = comp.stats.bytes_after
+        out = (h @ W).sum()  # save 3 of the same storage
+        added = comp.stats.bytes_after - before
+    (out + alive).backward()
+    assert added == 0 and comp.stats.deduplicated == 2
+
+
+def test_copy_inside_a_forward_is_a_clear_error():
+    import copy
+
+    comp = ActivationCompressor(bits=2, min_numel=0)
+    with comp:
+        with pytest.raises(RuntimeError, match="cannot be copied or pickled inside its own `with` block"):
+            copy.deepcopy(comp)
+    assert copy.deepcopy(comp).min_numel == 0

@@ -103,3 +103,10 @@ def test_warmup_keeps_the_more_bits():
     assert {k: c.bits for k, c in policy.warm.by_kind.items()} == {"block": 8, "linear": 4}
     assert {k: c.bits for k, c in policy.policy.by_kind.items()} == {"block": 8, "linear": 1}
     assert "block: 8 bits" in str(summary)
+
+
+def test_empty_layer_bits_is_none_and_a_kind_twice_is_refused():
+    assert Config(saved_bits=2, layer_bits={}).layer_bits is None
+    assert Config(saved_bits=2, layer_bits={}) == Config(saved_bits=2)
+    with pytest.raises(ValueError, match="layer_bits names kind 'block' twice"):
+        Config(saved_bits=2, layer_bits=(("block", 4), ("block", 8)))
