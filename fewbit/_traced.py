@@ -13,10 +13,13 @@ made it).
 
 from __future__ import annotations
 
+import functools
 import threading
 from typing import Any, Callable
 
-__all__ = ["HOLDER", "hold", "constant"]
+import torch
+
+__all__ = ["HOLDER", "hold", "constant", "host_side"]
 
 
 class _Holder:
@@ -34,6 +37,27 @@ def constant(fn: Callable) -> Callable:
     and uses its result as a constant. Returns ``fn``."""
     fn._dynamo_marked_constant = True  # type: ignore[attr-defined]
     return fn
+
+
+def host_side(fn: Callable) -> Callable:
+    """Run ``fn`` with torch's dispatch modes set aside: a one-time preparation (a table's
+    tensors, the probes of torch's gradient rules, a fit) computes real values for the
+    caches, whatever mode the call that needed them runs under. Under ``FakeTensorMode``
+    or ``make_fx`` the probes had become fake (a cold first call failed on a
+    data-dependent shape; a table cached then would have been fake for every later call),
+    and a ``FlopCounterMode`` or a user's logging mode would have seen them as the user's
+    operations. Returns the wrapped ``fn``."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if not torch._C._len_torch_dispatch_stack():
+            return fn(*args, **kwargs)
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        with _disable_current_modes():
+            return fn(*args, **kwargs)
+
+    return wrapper
 
 
 def hold(key: tuple, value: Any) -> str:

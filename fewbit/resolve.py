@@ -690,6 +690,7 @@ def table_for(f: ResolvedFn, bits: int | None, full: dict[str, float], dtype: to
     return _table(f, bits, full, dtype)
 
 
+@_traced.host_side
 def _table(f: ResolvedFn, bits: int | None, full: dict[str, float], dtype: torch.dtype | None) -> Table:
     """:func:`table_for` outside a trace."""
     bits = bits if bits is not None else f.default_bits

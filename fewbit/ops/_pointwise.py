@@ -30,6 +30,7 @@ _table_cache: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 _fn_cache: dict[str, tuple[Callable[..., torch.Tensor], object]] = {}
 
 
+@_traced.host_side
 def table_tensors(
     table: Table, device: torch.device | str, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -107,6 +108,7 @@ _patch_cache: dict[tuple, torch.Tensor] = {}
 _prepared: dict[tuple, tuple[bool, int, int]] = {}
 
 
+@_traced.host_side
 def _patch_tensor(patch_id: int, device: torch.device, cdt: torch.dtype) -> torch.Tensor:
     """The shared device tensor of a patch (fewbit.ops._nonfinite), cached like the values."""
     key = (patch_id, device, cdt)
@@ -120,6 +122,7 @@ def _patch_tensor(patch_id: int, device: torch.device, cdt: torch.dtype) -> torc
     return hit
 
 
+@_traced.host_side
 def _prepare(fn: str, params: tuple, table: Table, dtype: torch.dtype, device: torch.device) -> tuple:
     """``(select_zero, classes, patch_id, what)`` of torch's backward rules for this
     setting (:func:`fewbit.ops._nonfinite.derive_grad_rules`), cached; ``what`` names a
@@ -549,6 +552,7 @@ class _Plan:
     __slots__ = ("fn", "params", "bits", "values", "patch", "select_zero", "classes", "what", "backend", "kb", "kc",
                  "kv", "tb", "tc", "tv", "torch_fn", "full")
 
+    @_traced.host_side
     def __init__(self, table: Table, fn: str, full: Mapping[str, float], dtype: torch.dtype, device: torch.device,
                  backend: str, torch_fn: Callable[..., torch.Tensor] | None = None):
         select_zero, classes, patch_id, what = _prepare(fn, tuple(full.items()), table, dtype, device)

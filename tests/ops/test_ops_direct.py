@@ -240,3 +240,70 @@ def test_fake_tensors_take_the_ops_path():
         y = m(x)
         (g,) = torch.autograd.grad(y.sum(), x)
     assert y.shape == g.shape == (16, 8)
+
+
+_COLD_UNDER_MODES = r"""
+import json, sys, torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils._python_dispatch import TorchDispatchMode
+import fewbit
+from fewbit.ops import _pointwise
+
+out = {}
+gelu = fewbit.GELU(bits=3)
+with FakeTensorMode(allow_non_fake_inputs=True):  # the first call of this process
+    x = torch.randn(16, 8, requires_grad=True)
+    (g,) = torch.autograd.grad(gelu(x).sum(), x)
+out["fake_shape"] = list(g.shape)
+out["cached_fake"] = any(isinstance(t, FakeTensor) for v in _pointwise._table_cache.values() for t in v)
+
+silu = fewbit.SiLU(bits=2)
+def f(x):
+    return torch.autograd.grad(silu(x).sum(), x)[0]
+gm = make_fx(f, tracing_mode="fake", _allow_non_fake_inputs=True)(torch.randn(64, requires_grad=True))
+out["targets"] = sorted({str(n.target) for n in gm.graph.nodes if n.op == "call_function"})
+x = torch.randn(64, requires_grad=True)
+out["replay_equal"] = bool(torch.equal(gm(x), f(x)))
+
+class Count(TorchDispatchMode):  # a user's logging mode
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += 1
+        return func(*args, **(kwargs or {}))
+
+elu = fewbit.ELU(bits=3)
+counts = []
+for _ in range(2):
+    with Count() as c:
+        elu(torch.randn(32, 32, requires_grad=True)).sum().backward()
+    counts.append(c.n)
+out["ops_seen"] = counts
+print(json.dumps(out))
+"""
+
+
+def test_first_call_under_a_dispatch_mode_prepares_real_tensors():
+    """A setting's first call under ``FakeTensorMode``, ``make_fx(tracing_mode="fake")``
+    or a user's logging mode (a fresh process: nothing prepared) prepares the setting with
+    real tensors, outside the mode. Its gradient-rule probes had run as fake tensors (the
+    first call failed on a data-dependent shape), and a table cached then would have been
+    fake for the process; a logging mode counted the probes as the user's operations."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, FEWBIT_CPU_KERNELS="sync")
+    proc = subprocess.run([sys.executable, "-c", _COLD_UNDER_MODES], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["fake_shape"] == [16, 8]
+    assert out["cached_fake"] is False
+    assert any(t.startswith("fewbit.encode") for t in out["targets"]), out["targets"]
+    assert "fewbit.decode_mul.default" in out["targets"]
+    assert out["replay_equal"] is True
+    assert out["ops_seen"][0] == out["ops_seen"][1]
