@@ -524,6 +524,7 @@ def compare(
     average_bits: float | None = None,
     compressor: str = "group",
     fused_cross_entropy: bool = False,
+    layer_bits: Mapping[str, int] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Saved-for-backward memory of one step for the vanilla and fewbit variants.
 
@@ -539,7 +540,9 @@ def compare(
       ``summary.compressor.adapt`` call before the counted step; docs/compression.md §2);
       ``compressor`` picks DIVISION or Adacc's compressors instead of the group quantizer;
       ``fused_cross_entropy`` also computes a Hugging Face causal LM's loss with the exact
-      chunked linear + cross-entropy (no saved logits; docs/compression.md §5).
+      chunked linear + cross-entropy (no saved logits; docs/compression.md §5);
+      ``layer_bits`` gives some layer kinds other bits (``{"block": 4}``: ActNN's per-layer
+      settings, ``fewbit.Config(layer_bits=...)``).
 
     Each variant gets a fresh model from ``model_factory`` (seeded with 0 before each call).
 
@@ -554,6 +557,8 @@ def compare(
         average_bits: GACT's budget with ``saved_bits="auto"`` (``fewbit.Config``).
         compressor: ``"group"``, ``"division"`` or ``"adacc"`` (``fewbit.Config``).
         fused_cross_entropy: ``fewbit.Config(fused_cross_entropy=...)`` of "fewbit+quant".
+        layer_bits: ``fewbit.Config(layer_bits=...)`` of "fewbit+quant": layer kind -> bits
+            (1, 2, 4, 8), with an integer ``saved_bits`` and the group quantizer.
 
     Returns:
         ``{variant: {"saved_bytes", "activation_bytes", "compressed_bytes", "other_bytes",
@@ -565,7 +570,7 @@ def compare(
 
     Raises:
         ValueError: for bits outside 1..8, saved_bits outside {1, 2, 4, 8, "auto"},
-            average_bits or compressor refused by ``fewbit.Config``, group_size < 1 or an
+            average_bits, compressor or layer_bits refused by ``fewbit.Config``, group_size < 1 or an
             unknown variant; and when ``model_factory`` returns a model fewbit already
             converted (the same object as an earlier variant's).
         TypeError: ``model_factory`` is a model, not a callable that builds one, or what it
@@ -577,7 +582,7 @@ def compare(
     group_size = check_positive_int(group_size, "group_size")
     quant_config = fewbit.Config(  # validates saved_bits, average_bits, compressor
         activation_bits=bits, saved_bits=saved_bits, group_size=group_size, average_bits=average_bits,
-        compressor=compressor, fused_cross_entropy=fused_cross_entropy,
+        compressor=compressor, fused_cross_entropy=fused_cross_entropy, layer_bits=layer_bits,
     )
     variants = (variants,) if isinstance(variants, str) else tuple(variants)  # "vanilla": one variant
     for v in variants:

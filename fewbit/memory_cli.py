@@ -309,6 +309,24 @@ def _positive(ctx, param, value):
     return value
 
 
+def _layer_bits(ctx, param, values):
+    """``("block=4", ...)`` -> ``{"block": 4}`` (None when not given); kinds and bits are
+    checked by ``fewbit.Config``."""
+    out: dict[str, int | str] = {}
+    for v in values:
+        kind, sep, bits = v.partition("=")
+        if not sep or not kind or not bits:
+            _fail(f"Invalid value for '--layer-bits': must be KIND=BITS, e.g. block=4, got {v!r}")
+        kind = kind.strip()
+        if kind in out:
+            _fail(f"Invalid value for '--layer-bits': names kind {kind!r} twice, got {' '.join(values)}")
+        try:
+            out[kind] = int(bits)
+        except ValueError:
+            _fail(f"Invalid value for '--layer-bits': BITS must be an integer (1, 2, 4 or 8), got {v!r}")
+    return out or None
+
+
 @click.command("memory")
 @click.option("--model", "model_name", required=True, metavar="NAME",
               help=f"Hugging Face architecture: {', '.join(MODELS)}.")
@@ -325,6 +343,10 @@ def _positive(ctx, param, value):
               callback=lambda ctx, param, value: _choice("--compressor", value, ("group", "division", "adacc")),
               help="group (ActNN), division (DIVISION) or adacc (Adacc's per-layer compressors).")
 @click.option("--group-size", default=256, show_default=True, type=int, callback=_positive)
+@click.option("--layer-bits", "layer_bits", multiple=True, metavar="KIND=BITS", callback=_layer_bits,
+              help="Other bits for the tensors saved by one layer kind (repeatable), e.g. "
+                   "--layer-bits block=4: ActNN's per-layer settings; with a --saved-bits of 1, 2, 4 "
+                   "or 8 and the group compressor.")
 @click.option("--fused-cross-entropy", is_flag=True,
               help="Causal LMs: fewbit+quant computes the loss with the exact chunked linear + "
                    "cross-entropy, so the logits are not saved.")
@@ -336,8 +358,8 @@ def _positive(ctx, param, value):
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 @click.option("--progress/--no-progress", default=True, show_default=True,
               help="Show a progress bar on stderr.")
-def memory(model_name, seq_len, batch, bits, saved_bits, average_bits, compressor, group_size, fused_cross_entropy,
-           layers, hidden, device, as_json, progress):
+def memory(model_name, seq_len, batch, bits, saved_bits, average_bits, compressor, group_size, layer_bits,
+           fused_cross_entropy, layers, hidden, device, as_json, progress):
     """Memory saved for backward by one training step of a Hugging Face model.
 
     The model is built from the default config of its transformers class with random
@@ -345,8 +367,8 @@ def memory(model_name, seq_len, batch, bits, saved_bits, average_bits, compresso
     codes, Novikov et al. ICML 2023); fewbit+quant (and every other saved tensor is
     group-quantized to SAVED_BITS bits, ActNN-style; or compressed by --compressor; or, with
     --saved-bits auto, at GACT's per-tensor bits averaging --average-bits; with
-    --fused-cross-entropy, a causal LM's logits are not saved either). The per-tensor
-    bits of fewbit+quant follow the table.
+    --fused-cross-entropy, a causal LM's logits are not saved either; --layer-bits gives
+    some layer kinds other bits). The per-tensor bits of fewbit+quant follow the table.
     """
     key = model_name.lower()
     if key not in MODELS:
@@ -380,9 +402,10 @@ def memory(model_name, seq_len, batch, bits, saved_bits, average_bits, compresso
 
     try:  # the combination, before any progress bar (e.g. compressor adacc refuses 1 bit)
         fewbit.Config(activation_bits=bits, saved_bits=saved_bits, average_bits=average_bits,
-                      compressor=compressor, group_size=group_size, fused_cross_entropy=fused_cross_entropy)
+                      compressor=compressor, group_size=group_size, fused_cross_entropy=fused_cross_entropy,
+                      layer_bits=layer_bits)
     except ValueError as exc:
-        _fail(f"{exc} (--saved-bits, --average-bits, --compressor, --group-size)")
+        _fail(f"{exc} (--saved-bits, --average-bits, --compressor, --group-size, --layer-bits)")
     dev, spec, cfg, seq, model_cls = _model_setup(key, layers, hidden, seq_len, device)
 
     from fewbit import memory as fm
@@ -399,7 +422,8 @@ def memory(model_name, seq_len, batch, bits, saved_bits, average_bits, compresso
         bar.set_postfix_str(stages[0])
         res = fm.compare(_CopyFactory(lambda: model_cls(cfg), dev, bar, stages), inputs, bits=bits,
                          saved_bits=saved_bits, group_size=group_size, average_bits=average_bits,
-                         compressor=compressor, fused_cross_entropy=fused_cross_entropy)
+                         compressor=compressor, fused_cross_entropy=fused_cross_entropy,
+                         layer_bits=layer_bits)
         bar.update(1)
         bar.refresh()  # update() redraws only after tqdm's mininterval: show the last step
     except (MemoryError, torch.OutOfMemoryError) as exc:
@@ -424,7 +448,8 @@ def memory(model_name, seq_len, batch, bits, saved_bits, average_bits, compresso
     else:
         title = (f"{key}: {n_params / 1e6:.1f}M parameters, {cfg.num_hidden_layers} layers, "
                  f"batch {batch}, {seq} tokens, bits {bits}, saved-bits {saved_bits}"
-                 f"{f' (average {average_bits:g})' if saved_bits == 'auto' else ''}, compressor {compressor}, "
+                 f"{f' (average {average_bits:g})' if saved_bits == 'auto' else ''}"
+                 f"{''.join(f', {k} {b}' for k, b in (layer_bits or {}).items())}, compressor {compressor}, "
                  f"group {group_size}{', fused cross-entropy' if fused_cross_entropy else ''}, device {device}")
         click.echo(_format_table(title, res))
         click.echo(_format_bits(res["fewbit+quant"]))

@@ -215,6 +215,24 @@ def test_cli_fused_cross_entropy_drops_the_logits():
     assert abs(a["fewbit+quant"]["loss"] - b["fewbit+quant"]["loss"]) < 0.5  # same step, other noise
 
 
+def test_cli_layer_bits_are_measured():
+    """--layer-bits block=8 on a LLaMA at 2 bits: the blocks' own saves (the gated MLP's
+    product) are counted at 8 bits, the rest at 2, and fewbit+quant saves more than at a
+    uniform 2 bits; the other variants do not change."""
+    args = ["--model", "llama", "--layers", "1", "--hidden", "64", "--seq-len", "32", "--saved-bits", "2",
+            "--json", "--no-progress"]
+    plain, mixed = _run(args), _run(args + ["--layer-bits", "block=8"])
+    assert plain.exit_code == 0 and mixed.exit_code == 0, plain.output + mixed.output
+    a, b = json.loads(plain.stdout), json.loads(mixed.stdout)
+    assert a["fewbit"]["saved_bytes"] == b["fewbit"]["saved_bytes"]
+    assert b["fewbit+quant"]["compressed_bytes"] > a["fewbit+quant"]["compressed_bytes"]
+    bits = {t["bits"] for t in b["fewbit+quant"]["saved_tensors"] if t.get("compressor") == "group"}
+    assert {2, 8} <= bits, bits
+    assert {t["bits"] for t in a["fewbit+quant"]["saved_tensors"] if t.get("compressor") == "group"} == {2}
+    table = _run(args[:-2] + ["--no-progress", "--layer-bits", "block=8"])
+    assert "saved-bits 2, block 8," in table.stdout
+
+
 def test_cli_table_vit():
     r = _run(["--model", "vit", "--layers", "1", "--hidden", "64"])
     assert r.exit_code == 0, r.output
@@ -241,6 +259,13 @@ def test_cli_table_vit():
     (["--model", "gpt2", "--layers", "100000000", "--hidden", "64", "--seq-len", "8"], "GiB available"),
     (["--model", "gpt2", "--layers", "1", "--hidden", "32", "--seq-len", "8", "--compressor", "adacc",
       "--saved-bits", "1"], "saved_bits must be one of (2, 4, 8) with compressor='adacc'"),
+    (["--model", "gpt2", "--layer-bits", "block"], "must be KIND=BITS, e.g. block=4, got 'block'"),
+    (["--model", "gpt2", "--layer-bits", "block=four"], "BITS must be an integer (1, 2, 4 or 8)"),
+    (["--model", "gpt2", "--layer-bits", "block=4", "--layer-bits", "block=8"], "names kind 'block' twice"),
+    (["--model", "gpt2", "--layer-bits", "blok=4"], "layer_bits keys must be layer kinds"),
+    (["--model", "gpt2", "--layer-bits", "block=3"], "layer_bits['block'] must be one of (1, 2, 4, 8), got 3"),
+    (["--model", "gpt2", "--saved-bits", "auto", "--average-bits", "2", "--layer-bits", "block=4"],
+     "layer_bits is only used with saved_bits 1, 2, 4 or 8 and compressor='group'"),
 ])
 def test_cli_errors_are_one_line(args, match):
     r = _run(args)
