@@ -93,6 +93,10 @@ _KEEP_NAMES = (
     "std", "std_mean", "norm", "vector_norm", "matrix_norm", "nuclear_norm", "renorm", "dist", "cdist",
     "pdist", "logsumexp", "logcumsumexp", "cumprod", "prod", "normalize", "cosine_similarity",
     "pairwise_distance",
+    # a mask of the saved input equal to the saved result (``x == median``), or a division by
+    # the saved input: on rounded copies the mask is empty (a zero gradient, or 0/0 = NaN for
+    # scatter_reduce's amax/amin); their "sum" and "mean" reductions are linear (_linear_reduce)
+    "median", "nanmedian", "scatter_reduce", "index_reduce", "segment_reduce",
     # a mask of the saved input's NaNs (a group holding a NaN decodes to NaN as a whole)
     "nansum", "nanmean", "nan_to_num",
     # losses
@@ -157,6 +161,22 @@ def aten_kept(func: Any) -> bool:
         known = ns == "aten" and name in _ATEN_KEEP
         _aten_kept[func] = known
     return known
+
+
+#: Reductions whose backward is linear in what they save for these ``reduce`` arguments
+#: (name -> position of ``reduce``, the same in the torch function, the tensor method and the
+#: aten op).
+_REDUCE_ARG = {"scatter_reduce": 4, "index_reduce": 4, "segment_reduce": 1}
+
+
+def _linear_reduce(name: str, args: tuple, kwargs: dict) -> bool:
+    """``scatter_reduce`` / ``index_reduce`` / ``segment_reduce`` with ``reduce`` "sum" or
+    "mean": backward scatters or averages ``g``, linear in what it saves."""
+    at = _REDUCE_ARG.get(name)
+    if at is None:
+        return False
+    reduce = args[at] if len(args) > at else kwargs.get("reduce")
+    return reduce in ("sum", "mean")
 
 
 def _linear_power(name: str, args: tuple, kwargs: dict) -> bool:
@@ -267,7 +287,7 @@ def reroute(comp, func: Callable, args: tuple, kwargs: dict) -> Any:
         return comp._keeping(func, args, kwargs) if _any_grad_float(args, kwargs) else NOT_HANDLED
     name = KEEP.get(func)
     if name is not None:
-        if _linear_power(name, args, kwargs) or not _any_grad_float(args, kwargs):
+        if _linear_power(name, args, kwargs) or _linear_reduce(name, args, kwargs) or not _any_grad_float(args, kwargs):
             return NOT_HANDLED
         return comp._keeping(func, args, kwargs)
     norm = NORMS.get(func)
@@ -281,5 +301,7 @@ def reroute_aten(comp, func: Callable, args: tuple, kwargs: dict) -> Any:
     """A direct call of an aten op (``torch.ops.aten.gelu(x)``): kept exact if
     :func:`aten_kept`, else :data:`NOT_HANDLED`."""
     if aten_kept(func) and _any_grad_float(args, kwargs):
-        return comp._keeping(func, args, kwargs)
+        name = getattr(getattr(func, "overloadpacket", func), "_qualified_op_name", "").partition("::")[2].strip("_")
+        if not _linear_reduce(name, args, kwargs):
+            return comp._keeping(func, args, kwargs)
     return NOT_HANDLED
