@@ -261,20 +261,39 @@ def _two_valued_scale(t: torch.Tensor) -> torch.Tensor | None:
 _COMPRESSIBLE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
+#: autograd nodes of views, layout copies and dtype casts: a chain of them from a saved
+#: tensor back to a parameter's ``AccumulateGrad`` makes the tensor a copy of the parameter.
+_VIEW_OR_CAST_NODES = frozenset({
+    "ToCopyBackward0", "CloneBackward0", "TBackward0", "TransposeBackward0", "PermuteBackward0",
+    "ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0", "AliasBackward0", "SplitBackward0",
+    "SplitWithSizesBackward0", "UnsafeSplitBackward0", "UnsafeSplitWithSizesBackward0", "SliceBackward0",
+    "SelectBackward0", "UnbindBackward0", "NarrowBackward0", "UnsqueezeBackward0", "SqueezeBackward0",
+    "SqueezeBackward1", "SqueezeBackward2", "ExpandBackward0", "AsStridedBackward0", "DiagonalBackward0",
+    "ViewAsRealBackward0", "ViewAsComplexBackward0",
+})
+
+
 def _is_parameter(t: torch.Tensor) -> bool:
-    """nn.Parameter, a leaf that requires grad, a view of one (e.g. ``weight.t()``), or a
-    dtype cast of one (autocast's bf16/fp16 weight copies, which it caches for the whole
-    autocast region): a weight quantized for backward gave each weight gradient its own
-    relative error (0.85 at 2 bits on a 512 x 512 Linear)."""
+    """nn.Parameter, a leaf that requires grad, or a copy of one through views, layout
+    copies and dtype casts (``weight.t()``, ``in_proj_weight.chunk(3)``, and autocast's
+    bf16/fp16 weight copies, which it caches for the whole autocast region, of those
+    views too): a weight quantized for backward gave each weight gradient its own relative
+    error (0.85 at 2 bits on a 512 x 512 Linear; under CPU bf16 autocast ``x @ W.t()`` and
+    cross-attention's in-projection weights were quantized until the chain was followed)."""
     for u in (t, t._base):
         if u is None:
             continue
         if isinstance(u, torch.nn.Parameter) or (u.is_leaf and u.requires_grad):
             return True
         fn = u.grad_fn
-        if fn is not None and type(fn).__name__ == "ToCopyBackward0":
-            source = fn.next_functions[0][0] if fn.next_functions else None
-            if source is not None and type(source).__name__ == "AccumulateGrad":
+        for _ in range(8):  # chains are short; an activation stops at its first node
+            if fn is None or type(fn).__name__ not in _VIEW_OR_CAST_NODES:
+                break
+            inputs = [f for f, _ in fn.next_functions if f is not None]
+            if len(inputs) != 1:
+                break
+            fn = inputs[0]
+            if type(fn).__name__ == "AccumulateGrad":
                 return True
     return False
 

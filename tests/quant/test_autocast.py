@@ -63,3 +63,37 @@ def test_autocast_weight_copies_are_kept_exact():
         model(x).float().sum().backward()
     assert comp.stats.compressed == 1  # the second Linear's input only
     assert comp.stats.skipped_bytes["parameter"] == 512 * 512 * 2  # the second weight's bf16 copy
+
+
+class _TransposedWeight(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(256, 256) / 16)
+
+    def forward(self, x):
+        return x @ self.weight.t()  # autocast casts the view: ToCopy <- T <- AccumulateGrad
+
+
+def test_autocast_copies_of_parameter_views_are_kept_exact():
+    """Autocast's bf16 copy of a view of a parameter (``x @ W.t()``, cross-attention's
+    in-projection weights, split into q/k/v and cast) is a copy of a parameter: kept exact.
+    They were quantized at 2 bits (the chain ToCopy <- T <- AccumulateGrad was not followed):
+    the bias gradient of the Linear before, which needs only that copy, was 0.56 off."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 256), _TransposedWeight())
+    x = torch.randn(64, 256)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = torch.autograd.grad(model(x).float().sum(), model[0].bias)[0]
+        comp = ActivationCompressor(bits=2)
+        with comp:
+            got = torch.autograd.grad(model(x).float().sum(), model[0].bias)[0]
+    assert torch.equal(got, ref)  # x @ W^T's input gradient needs only the exact weight copy
+    assert comp.stats.skipped_bytes["parameter"] == 256 * 256 * 2  # the bf16 copy of W.t()
+
+    mha = nn.MultiheadAttention(96, 4, batch_first=True)
+    q, kv = torch.randn(3, 40, 96, requires_grad=True), torch.randn(3, 56, 96, requires_grad=True)
+    comp = ActivationCompressor(bits=2, min_numel=0)
+    with torch.autocast("cpu", dtype=torch.bfloat16), comp:
+        mha(q * 1, kv * 1, kv * 1, need_weights=False)[0].float().sum().backward()
+    assert not [r for r in comp.records.values() if tuple(r.shape) in ((96, 96), (192, 96), (96, 192))]
+    assert comp.stats.skipped_bytes["parameter"] == 4 * 96 * 96 * 2  # q, k, v and output projections
