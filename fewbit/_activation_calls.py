@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from fewbit._saved import under_checkpoint
 from fewbit.activations import checked_params
 from fewbit.ops._pointwise import _compiling_or_recording
 
@@ -187,7 +188,11 @@ class ActivationMode(TorchFunctionMode):
 
     :func:`fewbit.convert_` pushes it for the whole forward of a converted model
     (``Config.activation_bits``). Calls without grad, on inputs that do not require grad,
-    tensor subclasses, and every call while ``torch.compile`` traces, go to torch unchanged.
+    tensor subclasses, every call while ``torch.compile`` traces, and calls inside a
+    non-reentrant ``torch.utils.checkpoint`` (its recomputation in backward runs outside
+    this mode, so it would save torch's tensors where the forward saved codes: torch's
+    "different number of tensors" error; the checkpoint drops what they save anyway) go to
+    torch unchanged.
 
     Args:
         bits: bits per element for the smooth activations, 1..8.
@@ -202,7 +207,7 @@ class ActivationMode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         hit = CALLS.get(func)
-        if hit is None or _compiling_or_recording() or not torch.is_grad_enabled():
+        if hit is None or _compiling_or_recording() or not torch.is_grad_enabled() or under_checkpoint():
             return func(*args, **kwargs)
         self.hits += 1
         bound = bind(func, args, kwargs)

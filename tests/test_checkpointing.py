@@ -79,3 +79,35 @@ def test_a_checkpoint_inside_a_converted_module():
     ids = torch.randint(0, 500, (2, 32), generator=torch.Generator().manual_seed(1))
     model(input_ids=ids, labels=ids).loss.backward()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+@pytest.mark.parametrize("act", ["gelu", "relu"])
+def test_functional_activations_inside_a_checkpoint_of_a_converted_model(act):
+    """``F.gelu`` / ``F.relu`` called inside a non-reentrant checkpoint of a model converted
+    with ``activation_bits``: the forward ran them as fewbit's (codes saved) and the
+    recomputation, outside the model's activation mode, as torch's, and torch's checkpoint
+    refused the different saves. Inside a checkpoint they are torch's in both: the
+    checkpointed block's gradient is the unconverted model's."""
+    import torch.nn.functional as F
+    from torch.utils.checkpoint import checkpoint
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = torch.nn.Linear(16, 64), torch.nn.Linear(64, 16)
+
+        def inner(self, x):
+            return x + self.fc2(getattr(F, act)(self.fc1(x)))
+
+        def forward(self, x):
+            return checkpoint(self.inner, x, use_reentrant=False)
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(Block(), Block())
+    plain = copy.deepcopy(model)
+    fewbit.convert_(model, bits=3)
+    x = torch.randn(8, 16)
+    model(x).sum().backward()
+    plain(x).sum().backward()
+    for p, q in zip(model.parameters(), plain.parameters()):
+        assert torch.equal(p.grad, q.grad)
