@@ -94,6 +94,7 @@ import math
 import sys
 import threading
 import types
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
@@ -811,6 +812,9 @@ class _SharedCompressor:
         self.compressor._auto_step = False  # _StepHook starts a pass per forward of the model
         self.entered: dict[int, int] = {}  # id(module) -> number of open enters
         self.root_depth = 0  # forwards of the model running (_StepHook, _StepExit)
+        #: weak reference to the converted model (set at conversion, or by its first forward
+        #: after a copy; :func:`_check_not_shared`)
+        self.root: weakref.ref | None = None
         #: fqns of the converted modules entered outside the model's forward in this pass
         #: (None: the next one starts a pass; the model's forward ran, or none yet)
         self.pass_fqns: set[str] | None = None
@@ -864,6 +868,8 @@ class _StepHook:
 
     def __call__(self, module: nn.Module, args: Any) -> None:
         self.shared.root_depth += 1
+        if self.shared.root is None:  # a copy's first forward
+            self.shared.root = weakref.ref(module)
         if not self.shared.compressor.active and not _compiling_or_recording():
             owned_by = getattr(self.shared.compressor.policy, "owned_by", None)
             if owned_by is not None:  # a warm-up counts the steps of this model's optimizers
@@ -1037,6 +1043,30 @@ def _has_plan_hooks(module: nn.Module) -> bool:
     return any(type(getattr(h, "__self__", None)).__name__ == "_GroupHook" for h in module._forward_pre_hooks.values())
 
 
+def _check_not_shared(model: nn.Module) -> None:
+    """Refuse a model holding a module whose compression hooks serve the compressor of a
+    converted model that does not hold ``model`` (a module shared between two models, e.g.
+    a backbone with two heads): the conversion would take the module over (the other
+    model's forward then compressed it with this model's compressor and bits, unseen by its
+    own, or left it uncompressed with ``saved_bits=None``). Hooks of a conversion of
+    ``model``, of a module inside it, or of a model holding it (a submodule converted again
+    on its own) are this conversion's to replace."""
+    roots = {id(h.shared) for m in model.modules() for h in m._forward_pre_hooks.values() if isinstance(h, _StepHook)}
+    for fqn, m in model.named_modules():
+        for h in m._forward_pre_hooks.values():
+            if not isinstance(h, _EnterHook) or id(h.shared) in roots or h.shared.root is None:
+                continue
+            other = h.shared.root()
+            if other is None or any(x is model for x in other.modules()):
+                continue
+            raise ValueError(
+                f"module {fqn or '(root)'!r} ({type(m).__name__}) is compressed by another model that "
+                f"fewbit.convert_ converted ({type(other).__name__}, which does not hold this model: a module "
+                "shared between models); its hooks serve one compressor. Convert only one of the models, or "
+                "convert the other one with saved_bits=None first"
+            )
+
+
 def _install_compression_hooks(
     model: nn.Module, config: Config, selected: _Selected, summary: ConversionSummary
 ) -> None:
@@ -1050,6 +1080,7 @@ def _install_compression_hooks(
     if config.saved_bits is None:
         return
     shared = _SharedCompressor(config)
+    shared.root = weakref.ref(model)
     summary.compressor = shared.compressor
     model.register_forward_pre_hook(_StepHook(shared))
     model.register_forward_hook(_StepExit(shared), always_call=True)
@@ -1208,7 +1239,9 @@ def convert_(
             ``config.fused_cross_entropy`` for a model that is not a Hugging Face causal LM;
             a :class:`Config` for a model that has a plan applied, or a plan for a model
             that compresses saved tensors by an earlier ``Config`` (the two would both
-            compress the same tensors; :func:`fewbit.planner.remove_plan` undoes a plan).
+            compress the same tensors; :func:`fewbit.planner.remove_plan` undoes a plan);
+            a model holding a module that another converted model compresses (a module
+            shared between two models: its hooks serve one compressor).
 
     Example:
         >>> summary = fewbit.convert_(model, fewbit.Config(activation_bits=3, saved_bits=4))
@@ -1227,6 +1260,7 @@ def convert_(
                          "saved tensor's compression); fewbit.planner.remove_plan on the planned model removes it "
                          "before a convert_(model, Config)")
 
+    _check_not_shared(model)
     if config.saved_bits is not None and config.layers == ("block",):  # before anything changes
         from fewbit._blocks import find_blocks
 

@@ -1442,3 +1442,32 @@ def test_a_converted_model_records_torchs_functions(how):
 
     r = subprocess.run([sys.executable, "-c", _RECORD, how], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and r.stdout.strip().endswith("OK"), (r.returncode, r.stderr[-3000:])
+
+
+def test_a_module_shared_with_another_converted_model_is_refused():
+    """Two models sharing a backbone, converted with different Configs: the second
+    conversion took the backbone's hooks over (the first model's forward compressed it at
+    the second's 2 bits, unseen by its own compressor; or not at all after a conversion
+    with saved_bits=None). It is refused before anything changes; a submodule of a
+    converted model converted again on its own, and copies, are still converted."""
+    import copy
+
+    backbone = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32))
+    a, b = nn.Sequential(backbone, nn.Linear(32, 4)), nn.Sequential(backbone, nn.Linear(32, 3))
+    fewbit.convert_(a, fewbit.Config(activation_bits=None, saved_bits=8, min_numel=0))
+    hooks = {k: dict(m._forward_pre_hooks) for k, m in b.named_modules()}
+    for config in (fewbit.Config(activation_bits=3, saved_bits=2, min_numel=0), fewbit.Config(activation_bits=None)):
+        with pytest.raises(ValueError, match=r"module '0.0' \(Linear\) is compressed by another model"):
+            fewbit.convert_(b, config)
+        assert {k: dict(m._forward_pre_hooks) for k, m in b.named_modules()} == hooks
+        assert isinstance(b[0][1], nn.GELU)  # nothing replaced
+    fewbit.convert_(a, fewbit.Config(activation_bits=None))  # the other one without saved_bits first
+    fewbit.convert_(b, fewbit.Config(activation_bits=None, saved_bits=2, min_numel=0))
+
+    m = nn.Sequential(nn.Sequential(nn.Linear(8, 8), nn.GELU()), nn.Linear(8, 8))
+    fewbit.convert_(m, fewbit.Config(saved_bits=4, min_numel=0))
+    fewbit.convert_(m[0], fewbit.Config(saved_bits=8, min_numel=0))  # a submodule again: allowed
+    fewbit.convert_(m, fewbit.Config(saved_bits=2, min_numel=0))
+    c = copy.deepcopy(m)
+    c(torch.randn(2, 8)).sum().backward()
+    fewbit.convert_(c, fewbit.Config(saved_bits=8, min_numel=0))
