@@ -273,8 +273,37 @@ _VIEW_OR_CAST_NODES = frozenset({
 })
 
 
+#: ``id(grad_fn)`` -> weak reference to a tensor a parametrization computed from
+#: parameters alone (``torch.nn.utils.parametrize``: ``weight_norm``, ``spectral_norm``,
+#: ``orthogonal``), registered by :func:`mark_parametrized`; an entry goes with its tensor.
+_PARAMETRIZED: dict[int, weakref.ref] = {}
+
+
+def mark_parametrized(t: torch.Tensor) -> None:
+    """Register ``t``, a weight computed by a parametrization from parameters, as one:
+    the compressor keeps it (and its views and casts) exact like a parameter. ``fewbit.convert_``
+    calls it from a forward hook on each ``ParametrizationList`` of the model."""
+    fn = t.grad_fn
+    if fn is None:
+        return
+    key = id(fn)
+
+    def drop(ref: weakref.ref, key: int = key) -> None:
+        if _PARAMETRIZED.get(key) is ref:
+            del _PARAMETRIZED[key]
+
+    _PARAMETRIZED[key] = weakref.ref(t, drop)
+
+
+def _parametrized(fn) -> bool:
+    ref = _PARAMETRIZED.get(id(fn))
+    t = ref() if ref is not None else None
+    return t is not None and t.grad_fn is fn
+
+
 def _is_parameter(t: torch.Tensor) -> bool:
-    """nn.Parameter, a leaf that requires grad, or a copy of one through views, layout
+    """nn.Parameter, a leaf that requires grad, a parametrization's weight
+    (:func:`mark_parametrized`), or a copy of one through views, layout
     copies and dtype casts (``weight.t()``, ``in_proj_weight.chunk(3)``, and autocast's
     bf16/fp16 weight copies, which it caches for the whole autocast region, of those
     views too): a weight quantized for backward gave each weight gradient its own relative
@@ -287,6 +316,8 @@ def _is_parameter(t: torch.Tensor) -> bool:
             return True
         fn = u.grad_fn
         for _ in range(8):  # chains are short; an activation stops at its first node
+            if fn is not None and _PARAMETRIZED and _parametrized(fn):
+                return True
             if fn is None or type(fn).__name__ not in _VIEW_OR_CAST_NODES:
                 break
             inputs = [f for f, _ in fn.next_functions if f is not None]
