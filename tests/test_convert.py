@@ -1497,3 +1497,51 @@ def test_a_parametrized_weight_is_kept_exact(parametrization):
     comp = fewbit.convert.compressor_of(model)
     assert sorted({r.fqn for r in comp.records.values()}) == ["2", "4"]  # the ReLUs' outputs
     assert all(r.shape == (64, 256) for r in comp.records.values())
+
+
+def test_filter_fn_leaves_a_submodules_functional_activations_to_torch():
+    """``filter_fn`` leaving a submodule out leaves its ``F.gelu`` calls to torch too (the
+    root's mode had run every call of the forward few-bit): the left-out module's weight
+    gradient, after which nothing is approximated, is the unconverted model's bit for bit;
+    a module taken in below it and the module taken in beside it run few-bit."""
+    import copy
+
+    class Sub(nn.Module):
+        def __init__(self, inner=None):
+            super().__init__()
+            self.l = nn.Linear(32, 32)
+            self.inner = inner
+
+        def forward(self, x):
+            x = F.gelu(self.l(x))
+            return x if self.inner is None else self.inner(x)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fewbit = Sub()
+            self.exact = Sub(inner=Sub())  # exact.inner taken in again
+
+        def forward(self, x):
+            return self.exact(self.fewbit(x))
+
+    torch.manual_seed(0)
+    model = Net()
+    ref = copy.deepcopy(model)
+    summary = fewbit.convert_(model, bits=2,
+                              filter_fn=lambda m, fqn: not (fqn == "exact" or fqn.startswith("exact.l")))
+    assert summary.functional_bits == 2
+    x = torch.randn(16, 32)
+    grads = []
+    for m in (ref, model):
+        m(x).pow(2).sum().backward()
+        grads.append({n: p.grad for n, p in m.named_parameters()})
+    assert not torch.equal(grads[1]["exact.inner.l.weight"], grads[0]["exact.inner.l.weight"])  # few-bit
+    assert not torch.equal(grads[1]["fewbit.l.weight"], grads[0]["fewbit.l.weight"])
+    # exact.l's gradient passes through exact.inner's few-bit gelu and exact's own, torch's:
+    # the same as a model where only exact.inner is converted
+    only_inner = copy.deepcopy(ref)
+    fewbit.convert_(only_inner.exact.inner, bits=2)
+    only_inner(x).pow(2).sum().backward()
+    assert torch.equal(only_inner.exact.inner.l.weight.grad, grads[1]["exact.inner.l.weight"])
+    assert torch.equal(only_inner.exact.l.weight.grad, grads[1]["exact.l.weight"])
