@@ -42,6 +42,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+import fewbit
+
 VARIANTS = ("vanilla", "fewbit1", "fewbit2", "fewbit3", "fewbit4", "actnn2", "fewbit3+quant4",
             "fewbit3+quant2", "fewbit3+quant2+warm4", "fewbit3+quant2+block4", "gact2", "gact4", "division", "adacc")
 
@@ -201,7 +203,11 @@ def prepare_model(
     fewbit's noise stream for ``seed``, so the run compresses with other rounding noise and
     the same initialisation, data order and dropout masks (0: the stream as it is)."""
     check_variant(variant)
-    torch.manual_seed(seed)
+    # fewbit.manual_seed, not torch's alone: it restarts fewbit's noise streams too, so a run's
+    # rounding noise depends on its seed only. With torch.manual_seed a second compressed run of
+    # a seed in one process (another variant before it, --variants a b) went on with the
+    # stream the first had drawn from, and got other noise than the same run alone.
+    fewbit.manual_seed(seed)
     model = build_model().to(torch.device(device))
     apply_variant(model, variant, group_size=group_size)
     if noise_draw:

@@ -183,6 +183,20 @@ def test_train_lm_same_seed_same_curve_and_bad_args(tmp_path, capsys):
         assert exc.value.code != 0 and msg in capsys.readouterr().err
 
 
+def test_a_compressed_run_does_not_depend_on_the_runs_before_it():
+    """A compressed run's noise depends on its seed only: the same variant and seed give
+    the same curve after another compressed run of that seed in the process (``--variants
+    a b`` runs them so). The second run had gone on with the noise stream the first drew from."""
+    data = _data.load_text(60_000, 20_000)
+    kw = dict(data=data, steps=3, batch_size=4, seq_len=32, n_layer=1, n_embd=64, n_head=2, eval_every=3,
+              val_batches=1, warmup=1)
+    first = train_lm.run_lm("fewbit3+quant2", 1, **kw)
+    train_lm.run_lm("fewbit3+quant4", 1, **kw)
+    again = train_lm.run_lm("fewbit3+quant2", 1, **kw)
+    assert [r["train_loss"] for r in again] == [r["train_loss"] for r in first]
+    assert again[-1]["val_loss"] == first[-1]["val_loss"]
+
+
 def test_train_lm_group_size_reaches_the_quantizer(tmp_path, capsys):
     """``--group-size``: the group quantizer's (``Config(group_size=...)``): smaller groups
     hold more (min, scale) pairs; a CSV of a size other than 256 is named ``_g<size>`` so
