@@ -1059,7 +1059,9 @@ class _ParametrizedHook:
     like an activation (the gradient of the layer before, exact with a plain weight, 0.45 off)."""
 
     def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
-        if isinstance(output, torch.Tensor) and output.requires_grad:
+        # not while torch.compile traces (a compiled graph's saves are kept exact anyway; the
+        # grad_fn read broke fullgraph=True)
+        if isinstance(output, torch.Tensor) and output.requires_grad and not _compiling_or_recording():
             from fewbit.quant.compressor import mark_parametrized
 
             mark_parametrized(output)
@@ -1104,6 +1106,8 @@ def _check_not_shared(model: nn.Module) -> None:
                 continue
             other = h.shared.root()
             if other is None or any(x is model for x in other.modules()):
+                continue
+            if not any(x is m for x in other.modules()):  # hooks left from a model that let it go
                 continue
             raise ValueError(
                 f"module {fqn or '(root)'!r} ({type(m).__name__}) is compressed by another model that "

@@ -1464,6 +1464,14 @@ def test_a_module_shared_with_another_converted_model_is_refused():
     fewbit.convert_(a, fewbit.Config(activation_bits=None))  # the other one without saved_bits first
     fewbit.convert_(b, fewbit.Config(activation_bits=None, saved_bits=2, min_numel=0))
 
+    # a module the other model has let go of (swapped out) is this model's to convert
+    part = nn.Sequential(nn.Linear(16, 32), nn.GELU())
+    c = nn.Sequential(part, nn.Linear(32, 4))
+    fewbit.convert_(c, fewbit.Config(activation_bits=None, saved_bits=8, min_numel=0))
+    c[0] = nn.Sequential(nn.Linear(16, 32), nn.GELU())
+    d = nn.Sequential(part, nn.Linear(32, 3))
+    fewbit.convert_(d, fewbit.Config(activation_bits=None, saved_bits=2, min_numel=0))
+
     m = nn.Sequential(nn.Sequential(nn.Linear(8, 8), nn.GELU()), nn.Linear(8, 8))
     fewbit.convert_(m, fewbit.Config(saved_bits=4, min_numel=0))
     fewbit.convert_(m[0], fewbit.Config(saved_bits=8, min_numel=0))  # a submodule again: allowed
@@ -1497,6 +1505,21 @@ def test_a_parametrized_weight_is_kept_exact(parametrization):
     comp = fewbit.convert.compressor_of(model)
     assert sorted({r.fqn for r in comp.records.values()}) == ["2", "4"]  # the ReLUs' outputs
     assert all(r.shape == (64, 256) for r in comp.records.values())
+
+
+def test_a_converted_parametrized_model_compiles_with_fullgraph():
+    """The hook marking a parametrization's weight stands aside while torch.compile traces
+    (it read ``grad_fn`` inside the trace: "Tensor with grad_fn()", fullgraph=True failed)."""
+    from torch.nn.utils import parametrizations
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), parametrizations.weight_norm(nn.Linear(32, 32)), nn.ReLU(),
+                          nn.Linear(32, 4))
+    fewbit.convert_(model, fewbit.Config(activation_bits=None, saved_bits=2, min_numel=0))
+    x = torch.randn(8, 16)
+    torch._dynamo.reset()
+    torch.compile(model, fullgraph=True, backend="eager")(x).sum().backward()
+    assert all(p.grad is not None for p in model.parameters())
 
 
 def test_filter_fn_leaves_a_submodules_functional_activations_to_torch():

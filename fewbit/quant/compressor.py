@@ -295,15 +295,16 @@ def mark_parametrized(t: torch.Tensor) -> None:
     _PARAMETRIZED[key] = weakref.ref(t, drop)
 
 
-def _parametrized(fn) -> bool:
+def _parametrized(fn):
+    """The parametrization's weight whose ``grad_fn`` is ``fn``, or None."""
     ref = _PARAMETRIZED.get(id(fn))
     t = ref() if ref is not None else None
-    return t is not None and t.grad_fn is fn
+    return t if t is not None and t.grad_fn is fn else None
 
 
 def _is_parameter(t: torch.Tensor) -> bool:
     """nn.Parameter, a leaf that requires grad, a parametrization's weight
-    (:func:`mark_parametrized`), or a copy of one through views, layout
+    (:func:`mark_parametrized`), or a copy of one, no larger than it, through views, layout
     copies and dtype casts (``weight.t()``, ``in_proj_weight.chunk(3)``, and autocast's
     bf16/fp16 weight copies, which it caches for the whole autocast region, of those
     views too): a weight quantized for backward gave each weight gradient its own relative
@@ -316,8 +317,9 @@ def _is_parameter(t: torch.Tensor) -> bool:
             return True
         fn = u.grad_fn
         for _ in range(8):  # chains are short; an activation stops at its first node
-            if fn is not None and _PARAMETRIZED and _parametrized(fn):
-                return True
+            source = _parametrized(fn) if fn is not None and _PARAMETRIZED else None
+            if source is not None:
+                return u.numel() <= source.numel()
             if fn is None or type(fn).__name__ not in _VIEW_OR_CAST_NODES:
                 break
             inputs = [f for f, _ in fn.next_functions if f is not None]
@@ -325,7 +327,10 @@ def _is_parameter(t: torch.Tensor) -> bool:
                 break
             fn = inputs[0]
             if type(fn).__name__ == "AccumulateGrad":
-                return True
+                # a copy no larger than the parameter; a batch-sized copy of one (learned
+                # queries expanded over the batch and reshaped) is a per-sample activation
+                variable = getattr(fn, "variable", None)
+                return variable is None or u.numel() <= variable.numel()
     return False
 
 

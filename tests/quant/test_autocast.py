@@ -97,3 +97,26 @@ def test_autocast_copies_of_parameter_views_are_kept_exact():
         mha(q * 1, kv * 1, kv * 1, need_weights=False)[0].float().sum().backward()
     assert not [r for r in comp.records.values() if tuple(r.shape) in ((96, 96), (192, 96), (96, 192))]
     assert comp.stats.skipped_bytes["parameter"] == 4 * 96 * 96 * 2  # q, k, v and output projections
+
+
+def test_a_batch_sized_copy_of_a_parameter_is_compressed():
+    """Learned queries expanded over the batch and reshaped (Perceiver, attention pooling):
+    the Linear's input is a per-sample copy, larger than the parameter, and is compressed
+    like an activation; only copies no larger than their parameter count as parameters."""
+
+    class Pool(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.query = nn.Parameter(torch.randn(64, 128))
+            self.proj = nn.Linear(128, 128)
+
+        def forward(self, x):
+            q = self.query.expand(x.shape[0], -1, -1)  # a view (shares the parameter's memory)
+            return self.proj(q.reshape(-1, 128)) + x.reshape(-1, 128)  # reshape: a (B*64, 128) copy
+
+    model = Pool()
+    comp = ActivationCompressor(bits=2)
+    with comp:
+        model(torch.randn(32, 64, 128)).sum().backward()
+    assert comp.stats.compressed == 1 and comp.stats.bytes_before == 32 * 64 * 128 * 4
+    assert comp.stats.skipped_bytes["parameter"] == 128 * 128 * 4  # proj's weight only
