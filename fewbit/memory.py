@@ -566,7 +566,8 @@ def compare(
         "activation_ratio", "saved_tensors", "average_bits"}}``; the ratios are vanilla /
         variant (``None`` when vanilla was not run or the variant's bytes are 0).
         ``converted`` is the number of activation modules replaced; ``saved_tensors`` and
-        ``average_bits`` as :class:`Report` (fewbit+quant only).
+        ``average_bits`` as :class:`Report` (fewbit+quant only); with ``layer_bits``,
+        fewbit+quant's ``layer_bits_tensors``: ``{kind: tensors given that kind's bits}``.
 
     Raises:
         ValueError: for bits outside 1..8, saved_bits outside {1, 2, 4, 8, "auto"},
@@ -625,6 +626,8 @@ def compare(
         d.pop("by_module")
         d["average_bits"] = rep.average_bits()
         d["converted"] = converted
+        if variant == "fewbit+quant" and quant_config.layer_bits:
+            d["layer_bits_tensors"] = _layer_bits_tensors(model)
         out[variant] = d
         del model
     base = out.get("vanilla")
@@ -632,6 +635,19 @@ def compare(
         for key, ratio in (("saved_bytes", "saved_ratio"), ("activation_bytes", "activation_ratio")):
             d[ratio] = (base[key] / d[key]) if base is not None and base[key] and d[key] else None
     return out
+
+
+def _layer_bits_tensors(model: nn.Module) -> dict[str, int]:
+    """``{kind: tensors}`` that ``Config(layer_bits=...)`` gave each kind's bits in the
+    counted step(s) (:attr:`fewbit.quant.policies.LayerBitsPolicy.chosen`)."""
+    from fewbit.convert import compressor_of
+    from fewbit.quant.policies import LayerBitsPolicy, WarmupPolicy
+
+    comp = compressor_of(model)
+    policy = comp.policy if comp is not None else None
+    if isinstance(policy, WarmupPolicy):
+        policy = policy.policy
+    return dict(policy.chosen) if isinstance(policy, LayerBitsPolicy) else {}
 
 
 def _fewbit_converted(model: nn.Module) -> bool:

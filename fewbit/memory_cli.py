@@ -344,9 +344,9 @@ def _layer_bits(ctx, param, values):
               help="group (ActNN), division (DIVISION) or adacc (Adacc's per-layer compressors).")
 @click.option("--group-size", default=256, show_default=True, type=int, callback=_positive)
 @click.option("--layer-bits", "layer_bits", multiple=True, metavar="KIND=BITS", callback=_layer_bits,
-              help="Other bits for the tensors saved by one layer kind (repeatable), e.g. "
-                   "--layer-bits block=4: ActNN's per-layer settings; with a --saved-bits of 1, 2, 4 "
-                   "or 8 and the group compressor.")
+              help="Other bits for the tensors saved by one layer kind itself (repeatable), e.g. "
+                   "--layer-bits block=4 for a LLaMA's gated-MLP product: ActNN's per-layer settings; with "
+                   "a --saved-bits of 1, 2, 4 or 8 and the group compressor.")
 @click.option("--fused-cross-entropy", is_flag=True,
               help="Causal LMs: fewbit+quant computes the loss with the exact chunked linear + "
                    "cross-entropy, so the logits are not saved.")
@@ -443,6 +443,11 @@ def memory(model_name, seq_len, batch, bits, saved_bits, average_bits, compresso
     if res["vanilla"]["activation_bytes"] == 0 or res["fewbit"]["converted"] == 0:
         click.echo(f"warning: {key} has no activation module that fewbit supports; "
                    "the fewbit variants only differ by the group quantizer", err=True)
+    for kind, n in res.get("fewbit+quant", {}).get("layer_bits_tensors", {}).items():
+        if n == 0:
+            click.echo(f"warning: --layer-bits {kind}={layer_bits[kind]} changed nothing: no tensor of {key} is "
+                       f"saved by a {kind!r} layer itself (the innermost converted module's kind decides; "
+                       "e.g. a LLaMA block's gated-MLP product is the block's own)", err=True)
     if as_json:
         click.echo(json.dumps(res, indent=1))
     else:

@@ -231,6 +231,17 @@ def test_cli_layer_bits_are_measured():
     assert {t["bits"] for t in a["fewbit+quant"]["saved_tensors"] if t.get("compressor") == "group"} == {2}
     table = _run(args[:-2] + ["--no-progress", "--layer-bits", "block=8"])
     assert "saved-bits 2, block 8," in table.stdout
+    assert b["fewbit+quant"]["layer_bits_tensors"] == {"block": 2}  # silu(gate(x)) and up(x)
+
+
+def test_cli_layer_bits_warns_when_a_kind_saves_nothing():
+    """GPT-2's blocks save nothing of their own (their submodules do): --layer-bits block=8
+    changed no byte and said nothing; it now warns on stderr."""
+    r = _run(["--model", "gpt2", "--layers", "1", "--hidden", "64", "--seq-len", "32", "--saved-bits", "2",
+              "--layer-bits", "block=8", "--json", "--no-progress"])
+    assert r.exit_code == 0, r.output
+    assert "warning: --layer-bits block=8 changed nothing: no tensor of gpt2 is saved by a 'block' layer" in r.stderr
+    assert json.loads(r.stdout)["fewbit+quant"]["layer_bits_tensors"] == {"block": 0}
 
 
 def test_cli_table_vit():

@@ -224,6 +224,9 @@ class LayerBitsPolicy(Policy):
                                 f"{type(compressor).__name__}")
         self.policy = policy
         self.by_kind = dict(by_kind)
+        #: tensors given each kind's compressor so far (a kind whose layers save nothing of
+        #: their own stays at 0: GPT-2's blocks, whose saves are their submodules')
+        self.chosen: dict[str, int] = dict.fromkeys(self.by_kind, 0)
 
     @property
     def default(self) -> Compressor:
@@ -239,6 +242,7 @@ class LayerBitsPolicy(Policy):
     def choose(self, x, info):
         compressor = self.by_kind.get(info.kind)
         if compressor is not None and compressor.supports(x):
+            self.chosen[info.kind] = self.chosen.get(info.kind, 0) + 1
             return compressor
         return self.policy.choose(x, info)
 
