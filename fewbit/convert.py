@@ -95,6 +95,7 @@ import math
 import sys
 import threading
 import types
+import warnings
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
@@ -816,9 +817,35 @@ class _SharedCompressor:
         #: weak reference to the converted model (set at conversion, or by its first forward
         #: after a copy; :func:`_check_not_shared`)
         self.root: weakref.ref | None = None
+        #: whether layer_bits has been checked for kinds that got no tensor (:meth:`check_layer_bits`)
+        self.layer_bits_checked = not c.layer_bits
         #: fqns of the converted modules entered outside the model's forward in this pass
         #: (None: the next one starts a pass; the model's forward ran, or none yet)
         self.pass_fqns: set[str] | None = None
+
+    def check_layer_bits(self, model: nn.Module) -> None:
+        """After the first forward that compressed something: warn once if a kind of
+        ``layer_bits`` got no tensor (a GPT-2's blocks save nothing of their own, so
+        ``layer_bits={"block": 4}`` changes nothing there)."""
+        if self.compressor.stats.compressed == 0:
+            return  # nothing compressed yet (evaluation, no grad): look again next time
+        self.layer_bits_checked = True
+        from fewbit.quant.policies import LayerBitsPolicy
+
+        policies, todo = [], [self.compressor.policy]
+        while todo:
+            p = todo.pop()
+            if isinstance(p, LayerBitsPolicy):
+                policies.append(p)
+            todo += [q for q in (getattr(p, "warm", None), getattr(p, "policy", None)) if q is not None]
+        unused = [k for k, _ in self.config.layer_bits if not any(p.chosen.get(k) for p in policies)]
+        if unused:
+            warnings.warn(
+                f"layer_bits for {', '.join(map(repr, unused))} changed nothing in {type(model).__name__}: no "
+                "tensor was saved by a layer of that kind itself (the innermost converted module's kind decides; "
+                "e.g. a LLaMA block's gated-MLP product is the block's own, a GPT-2 block saves nothing of its own)",
+                stacklevel=3,
+            )
 
     def __getstate__(self) -> dict:
         policy = self.compressor.policy
@@ -889,6 +916,8 @@ class _StepExit:
 
     def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
         self.shared.root_depth = max(self.shared.root_depth - 1, 0)
+        if not self.shared.layer_bits_checked and self.shared.root_depth == 0:
+            self.shared.check_layer_bits(module)
         return None
 
 

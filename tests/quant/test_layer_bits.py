@@ -110,3 +110,28 @@ def test_empty_layer_bits_is_none_and_a_kind_twice_is_refused():
     assert Config(saved_bits=2, layer_bits={}) == Config(saved_bits=2)
     with pytest.raises(ValueError, match="layer_bits names kind 'block' twice"):
         Config(saved_bits=2, layer_bits=(("block", 4), ("block", 8)))
+
+
+@pytest.mark.parametrize("warmup", [0, 3])
+def test_a_kind_that_gets_no_tensor_warns_once(warmup):
+    """GPT-2's blocks save nothing of their own (their submodules do): layer_bits={"block": 4}
+    changed nothing and said nothing. The first forward that compresses something now
+    warns once (not an evaluation forward before it); a LLaMA's blocks save the gated-MLP
+    product and do not warn."""
+    import warnings
+
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=100, n_positions=64))
+    extra = {"warmup_steps": warmup} if warmup else {}
+    for model, expected in ((gpt2, 1), (_llama(), 0)):
+        fewbit.convert_(model, Config(saved_bits=2, layer_bits={"block": 4}, **extra))
+        ids = torch.randint(0, 100, (2, 32))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with torch.no_grad():
+                model(input_ids=ids)
+            for _ in range(2):
+                model(input_ids=ids, labels=ids).loss.backward()
+        ours = [w for w in caught if "layer_bits for 'block' changed nothing" in str(w.message)]
+        assert len(ours) == expected, [str(w.message) for w in caught]
