@@ -11,7 +11,6 @@ arguments bind. :mod:`fewbit.quant.nonlinear` uses its stepwise part.
 from __future__ import annotations
 
 import inspect
-import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -182,32 +181,6 @@ def run(name: str, bound: dict, bits: int) -> torch.Tensor:
     return getattr(FF, name)(**bound, bits=1 if name in STEPWISE_NAMES else bits)
 
 
-_scope = threading.local()
-
-
-def push_scope(owner: object, on: bool) -> None:
-    """Enter a module whose functional activation calls run as fewbit's (``on``) or as
-    torch's: ``fewbit.convert_``'s ``filter_fn`` left it out, or took it in inside a module
-    left out. The innermost module's word holds (:class:`ActivationMode`); ``owner`` pairs
-    the push with its :func:`pop_scope`."""
-    stack = getattr(_scope, "stack", None)
-    if stack is None:
-        stack = _scope.stack = []
-    stack.append((owner, on))
-
-
-def pop_scope(owner: object) -> None:
-    """Leave ``owner``'s scope (nothing if its push did not happen, e.g. under torch.compile)."""
-    stack = getattr(_scope, "stack", None)
-    if stack and stack[-1][0] is owner:
-        stack.pop()
-
-
-def _scope_off() -> bool:
-    stack = getattr(_scope, "stack", None)
-    return bool(stack) and not stack[-1][1]
-
-
 class ActivationMode(TorchFunctionMode):
     """Runs the functional activations of :data:`CALLS` as :mod:`fewbit.functional`'s
     few-bit functions: the same output bit for bit, ``bits`` bits per element kept for
@@ -218,9 +191,8 @@ class ActivationMode(TorchFunctionMode):
     tensor subclasses, every call while ``torch.compile`` traces, and calls inside a
     non-reentrant ``torch.utils.checkpoint`` (its recomputation in backward runs outside
     this mode, so it would save torch's tensors where the forward saved codes: torch's
-    "different number of tensors" error; the checkpoint drops what they save anyway), and
-    calls inside a module that ``fewbit.convert_``'s ``filter_fn`` left out
-    (:func:`push_scope`) go to torch unchanged.
+    "different number of tensors" error; the checkpoint drops what they save anyway) go to
+    torch unchanged.
 
     Args:
         bits: bits per element for the smooth activations, 1..8.
@@ -235,8 +207,7 @@ class ActivationMode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         hit = CALLS.get(func)
-        if (hit is None or _compiling_or_recording() or not torch.is_grad_enabled() or under_checkpoint()
-                or _scope_off()):
+        if hit is None or _compiling_or_recording() or not torch.is_grad_enabled() or under_checkpoint():
             return func(*args, **kwargs)
         self.hits += 1
         bound = bind(func, args, kwargs)

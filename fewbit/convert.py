@@ -24,9 +24,8 @@
    ``F.silu``, ``F.mish``, ``F.elu``/``celu``/``selu``, ``F.hardswish`` and the stepwise
    functions, called anywhere in the model's forward, run as :mod:`fewbit.functional`'s:
    the same output bit for bit, ``activation_bits`` bits per element kept (stepwise: exact
-   from 1 bit), except inside the modules ``filter_fn`` leaves out (there they are torch's;
-   a module it takes in below one left out runs them few-bit again). A torch function mode
-   pushed for the forward (:class:`fewbit._activation_calls.ActivationMode`) does it; ``sigmoid``, ``tanh``,
+   from 1 bit). A torch function mode pushed for the forward
+   (:class:`fewbit._activation_calls.ActivationMode`) does it; ``sigmoid``, ``tanh``,
    ``softplus`` and ``logsigmoid`` are left to torch (gates, soft-capping and losses use
    them). The mode costs about 3 µs of Python per torch call in the forward, so a forward
    that calls no such function turns it off, and it looks again at forwards 2, 4, 8, ...
@@ -1049,37 +1048,6 @@ class _ActivationModeExit:
         return None
 
 
-class _ActivationScopeHook:
-    """Forward pre-hook of a module that ``filter_fn`` left out (``on=False``), or took in
-    inside one left out (``on=True``): activations its forward calls as functions run as
-    torch's, or as the model's mode has them (:func:`fewbit._activation_calls.push_scope`;
-    the innermost module's word holds). The root's mode had covered every call of the
-    forward, so a left-out submodule's ``F.gelu`` ran few-bit."""
-
-    def __init__(self, on: bool) -> None:
-        self.on = on
-
-    def __call__(self, module: nn.Module, args: Any) -> None:
-        if not _compiling_or_recording():
-            from fewbit._activation_calls import push_scope
-
-            push_scope(self, self.on)
-        return None
-
-
-class _ActivationScopeExit:
-    """Forward hook (always called): leave the scope its :class:`_ActivationScopeHook` entered."""
-
-    def __init__(self, enter: _ActivationScopeHook) -> None:
-        self.enter = enter
-
-    def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
-        from fewbit._activation_calls import pop_scope
-
-        pop_scope(self.enter)
-        return None
-
-
 class _ParametrizedHook:
     """Forward hook of a ``torch.nn.utils.parametrize.ParametrizationList`` in a model
     that compresses saved tensors: the weight it computes from parameters
@@ -1098,11 +1066,11 @@ class _ParametrizedHook:
 
 def _remove_compression_hooks(module: nn.Module) -> None:
     for k, hook in list(module._forward_pre_hooks.items()):
-        if isinstance(hook, (_EnterHook, _StepHook, _ActivationModeHook, _ActivationScopeHook)):
+        if isinstance(hook, (_EnterHook, _StepHook, _ActivationModeHook)):
             del module._forward_pre_hooks[k]
             module._forward_pre_hooks_with_kwargs.pop(k, None)
     for k, hook in list(module._forward_hooks.items()):
-        if isinstance(hook, (_ExitHook, _StepExit, _ActivationModeExit, _ParametrizedHook, _ActivationScopeExit)):
+        if isinstance(hook, (_ExitHook, _StepExit, _ActivationModeExit, _ParametrizedHook)):
             del module._forward_hooks[k]
             module._forward_hooks_with_kwargs.pop(k, None)
             module._forward_hooks_always_called.pop(k, None)
@@ -1205,30 +1173,6 @@ def _install_activation_mode(model: nn.Module, config: Config, selected: _Select
         module.register_forward_pre_hook(enter)
         module.register_forward_hook(_ActivationModeExit(enter), always_call=True)
     summary.functional_bits = next((bits for module, bits in modes if module is model), None)
-    if summary.functional_bits is not None:
-        _install_activation_scopes(model, selected, {id(m) for m, _ in modes})
-
-
-def _install_activation_scopes(model: nn.Module, selected: _Selected, moded: set[int]) -> None:
-    """Under the root's mode: a module ``filter_fn`` leaves out runs its functional
-    activations as torch's, a module it takes in below one left out as the mode has them
-    (:class:`_ActivationScopeHook`; the innermost module's word holds, as it does for
-    modules). Modules with a mode of their own (``moded``, earlier conversions') keep it."""
-
-    hooked: set[int] = set()  # a module held twice in the tree gets one pair of hooks
-
-    def walk(module: nn.Module, prefix: str, excluded_above: bool) -> None:
-        for name, child in module.named_children():
-            fqn = f"{prefix}.{name}" if prefix else name
-            on = selected(child, fqn)
-            if id(child) not in moded and id(child) not in hooked and (not on or excluded_above):
-                hooked.add(id(child))
-                enter = _ActivationScopeHook(on)
-                child.register_forward_pre_hook(enter)
-                child.register_forward_hook(_ActivationScopeExit(enter), always_call=True)
-            walk(child, fqn, excluded_above or not on)
-
-    walk(model, "", False)
 
 
 def compressor_of(model: nn.Module):
@@ -1330,9 +1274,8 @@ def convert_(
             instead (:func:`fewbit.planner.apply_plan`; ``bits`` and ``filter_fn`` must be None).
         bits: shortcut for ``Config(activation_bits=bits)``; not together with ``config``.
         filter_fn: ``filter_fn(module, fqn) -> bool``; only modules for which it returns
-            True are replaced or hooked (default: all), and activations called as functions
-            directly in the forward of a module it leaves out stay torch's. ``fqn`` is the
-            dotted name from ``model.named_modules()`` (``""`` for the root).
+            True are replaced or hooked (default: all). ``fqn`` is the dotted name from
+            ``model.named_modules()`` (``""`` for the root).
 
     Returns:
         A :class:`ConversionSummary` (``.model`` is ``model`` itself, converted in place;
