@@ -1275,7 +1275,10 @@ def convert_(
         bits: shortcut for ``Config(activation_bits=bits)``; not together with ``config``.
         filter_fn: ``filter_fn(module, fqn) -> bool``; only modules for which it returns
             True are replaced or hooked (default: all). ``fqn`` is the dotted name from
-            ``model.named_modules()`` (``""`` for the root).
+            ``model.named_modules()`` (``""`` for the root). Activations called as
+            functions follow the root's answer for the whole forward, submodules left out
+            included (item 3 above); to keep a submodule's ``F.gelu`` exact, leave the root
+            out, or make that activation a module.
 
     Returns:
         A :class:`ConversionSummary` (``.model`` is ``model`` itself, converted in place;
