@@ -319,7 +319,9 @@ def _is_parameter(t: torch.Tensor) -> bool:
         for _ in range(8):  # chains are short; an activation stops at its first node
             source = _parametrized(fn) if fn is not None and _PARAMETRIZED else None
             if source is not None:
-                return u.numel() <= source.numel()
+                if u.numel() <= source.numel():
+                    return True
+                break
             if fn is None or type(fn).__name__ not in _VIEW_OR_CAST_NODES:
                 break
             inputs = [f for f, _ in fn.next_functions if f is not None]
@@ -327,10 +329,14 @@ def _is_parameter(t: torch.Tensor) -> bool:
                 break
             fn = inputs[0]
             if type(fn).__name__ == "AccumulateGrad":
-                # a copy no larger than the parameter; a batch-sized copy of one (learned
-                # queries expanded over the batch and reshaped) is a per-sample activation
+                # a copy no larger than the parameter. A batch-sized copy (learned queries
+                # expanded over the batch and reshaped, or a weight so expanded and cast by
+                # autocast) is compressed like an activation: unbiased, each element with
+                # its own noise, and B times the parameter's memory if it were kept
                 variable = getattr(fn, "variable", None)
-                return variable is None or u.numel() <= variable.numel()
+                if variable is None or u.numel() <= variable.numel():
+                    return True
+                break  # t._base (a view of a parameter shares its memory) is looked at next
     return False
 
 

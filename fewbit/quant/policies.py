@@ -242,7 +242,8 @@ class LayerBitsPolicy(Policy):
     def choose(self, x, info):
         compressor = self.by_kind.get(info.kind)
         if compressor is not None and compressor.supports(x):
-            self.chosen[info.kind] = self.chosen.get(info.kind, 0) + 1
+            if info.role not in ("result", "norm_input"):  # those the compressor sets to 8 bits
+                self.chosen[info.kind] = self.chosen.get(info.kind, 0) + 1
             return compressor
         return self.policy.choose(x, info)
 

@@ -120,3 +120,14 @@ def test_a_batch_sized_copy_of_a_parameter_is_compressed():
         model(torch.randn(32, 64, 128)).sum().backward()
     assert comp.stats.compressed == 1 and comp.stats.bytes_before == 32 * 64 * 128 * 4
     assert comp.stats.skipped_bytes["parameter"] == 128 * 128 * 4  # proj's weight only
+
+
+def test_an_expanded_view_of_a_parameter_is_a_parameter():
+    """``W.t().expand(B, ...)`` fed to bmm is a view sharing W's memory: counted as the
+    parameter it is (the size rule for copies had stopped the check before ``t._base``)."""
+    weight = nn.Parameter(torch.randn(64, 64))
+    x = torch.randn(16, 32, 64, requires_grad=True)
+    comp = ActivationCompressor(bits=2, min_numel=0)
+    with comp:
+        torch.bmm(x * 1, weight.t().expand(16, 64, 64)).sum().backward()
+    assert comp.stats.skipped.get("parameter") == 1, comp.stats.skipped

@@ -75,6 +75,12 @@ def test_policy_picks_the_kinds_compressor():
     for kind in ("linear", "attention", None):
         assert policy.choose(x, SavedTensorInfo(0, (64, 64), torch.float32, "layers.0.x", kind)) is two
     assert policy.default is two and not policy.decides_qk
+    # counted only where the kind's bits hold: a norm's input or a softmax result gets 8 bits
+    # from the compressor whatever the policy chose (a review: {"norm": 1} changed nothing
+    # and was counted, so fewbit memory did not warn)
+    for role in ("norm_input", "result"):
+        policy.choose(x, SavedTensorInfo(0, (64, 64), torch.float32, "layers.0", "block", role))
+    assert policy.chosen == {"block": 1}
     with pytest.raises(TypeError, match="policy must be"):
         LayerBitsPolicy(two, {"block": four})
     with pytest.raises(TypeError, match=r"by_kind\['block'\] must be"):
