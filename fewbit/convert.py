@@ -985,7 +985,15 @@ class _ActivationModeHook:
     while grad is disabled (nothing is saved then). A forward with grad that calls no
     functional activation (every activation is a module, as in Hugging Face models) turns
     it off; it looks again at forwards 2, 4, 8, ... after that one (the gap doubling up to
-    :data:`PROBE_GAP`), so a branch that calls one is found later."""
+    :data:`PROBE_GAP`), so a branch that calls one is found later.
+
+    A forward interrupted by a ``BaseException`` that is not an ``Exception``
+    (``KeyboardInterrupt``: Ctrl-C in a notebook) skips torch's always-called forward
+    hooks, so the mode stayed pushed in that thread for good: every later forward, of any
+    model, never converted ones included, ran its functional activations few-bit. The next
+    forward of the module drops such a leftover first (:meth:`_drop_leftovers`); a forward of
+    the module called inside its own forward (recursion) drops the outer call's mode too,
+    which then runs torch's calls (exact) for the rest of its forward."""
 
     #: The longest gap, in forwards, between two looks while the mode is off.
     PROBE_GAP = 1024
@@ -1003,11 +1011,32 @@ class _ActivationModeHook:
     def __setstate__(self, state: dict) -> None:
         self.__init__(state["bits"])
 
+    def _drop_leftovers(self) -> None:
+        """Pop the modes an interrupted forward left (see the class docstring) off torch's
+        function-mode stack, wherever they sit in it."""
+        from torch.overrides import _get_current_function_mode_stack
+
+        stale = [m for m in self._local.modes if m is not None]
+        self._local.modes.clear()
+        for mode in reversed(stale):
+            if not any(m is mode for m in _get_current_function_mode_stack()):
+                continue
+            above = []
+            while True:
+                top = torch._C._pop_torch_function_stack()
+                if top is mode:
+                    break
+                above.append(top)
+            for m in reversed(above):
+                torch._C._push_on_torch_function_stack(m)
+
     def __call__(self, module: nn.Module, args: Any) -> None:
         if _compiling_or_recording():
             return None
         if not hasattr(self._local, "modes"):
             self._local.modes = []
+        elif self._local.modes:  # a forward of this module is still open in this thread
+            self._drop_leftovers()
         if not torch.is_grad_enabled():  # nothing is saved for backward: torch's calls
             self._local.modes.append(None)
             return None

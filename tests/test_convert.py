@@ -1521,3 +1521,37 @@ def test_a_converted_parametrized_model_compiles_with_fullgraph():
     torch.compile(model, fullgraph=True, backend="eager")(x).sum().backward()
     assert all(p.grad is not None for p in model.parameters())
 
+
+
+def test_a_forward_interrupted_by_keyboardinterrupt_leaves_no_mode_behind():
+    """Ctrl-C inside a converted model's forward skips torch's always-called forward hooks
+    (they run for ``Exception`` only), so the activation mode stayed pushed in the thread
+    for good: a never-converted model's ``F.gelu`` then ran few-bit. The model's next
+    forward drops the leftover."""
+    from torch.overrides import _get_current_function_mode_stack
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(16, 16)
+            self.interrupt = False
+
+        def forward(self, x):
+            h = F.gelu(self.fc(x))
+            if self.interrupt:
+                self.interrupt = False
+                raise KeyboardInterrupt
+            return h
+
+    model = Net()
+    fewbit.convert_(model, bits=2)
+    x = torch.randn(4, 16, requires_grad=True)
+    model(x).sum().backward()
+    model.interrupt = True
+    with pytest.raises(KeyboardInterrupt):
+        model(x)
+    model(x).sum().backward()
+    assert not [m for m in _get_current_function_mode_stack() if type(m).__name__ == "ActivationMode"]
+    plain = nn.Linear(16, 16)
+    y = F.gelu(plain(x))
+    assert "fewbit" not in type(y.grad_fn).__name__.lower(), type(y.grad_fn).__name__
