@@ -106,6 +106,7 @@ from torch import nn
 from fewbit import _norm_rows
 from fewbit import modules as fm
 from fewbit._checks import check_bits, check_bool, check_noise_norm, check_positive_int
+from fewbit._interrupted import caller_frame, finished, remove_function_mode
 from fewbit._saved import under_users_checkpoint
 from fewbit.activations import ACTIVATIONS, get_activation
 from fewbit.losses import _PATCH_ATTR, fused_loss_refusal
@@ -813,6 +814,7 @@ class _SharedCompressor:
         self.compressor._auto_step = False  # _StepHook starts a pass per forward of the model
         self.entered: dict[int, int] = {}  # id(module) -> number of open enters
         self.root_depth = 0  # forwards of the model running (_StepHook, _StepExit)
+        self.root_frames: list = []  # their module calls' frames (fewbit._interrupted)
         #: weak reference to the converted model (set at conversion, or by its first forward
         #: after a copy; :func:`_check_not_shared`)
         self.root: weakref.ref | None = None
@@ -821,6 +823,14 @@ class _SharedCompressor:
         #: fqns of the converted modules entered outside the model's forward in this pass
         #: (None: the next one starts a pass; the model's forward ran, or none yet)
         self.pass_fqns: set[str] | None = None
+
+    def sync_root(self) -> None:
+        """Forget the forwards of the model that a ``KeyboardInterrupt`` stopped without
+        their exit hook (their frames have finished; fewbit._interrupted)."""
+        live = [f for f in self.root_frames if not finished(f)]
+        if len(live) != len(self.root_frames):
+            self.root_frames = live
+            self.root_depth = len(live)
 
     def check_layer_bits(self, model: nn.Module) -> None:
         """After the first forward that compressed something: warn once if a kind of
@@ -894,7 +904,18 @@ class _StepHook:
         self.shared = shared
 
     def __call__(self, module: nn.Module, args: Any) -> None:
+        if _compiling_or_recording():  # traced: no frames, no leftovers to look for
+            self.shared.root_depth += 1
+            return None
+        if self.shared.root_frames:
+            self.shared.sync_root()
+        self.shared.compressor.check_interrupted()
+        from fewbit.quant import compressor as qc
+
+        if qc._ABANDONED_MODES:
+            qc.sweep_abandoned_modes()
         self.shared.root_depth += 1
+        self.shared.root_frames.append(caller_frame())
         if self.shared.root is None:  # a copy's first forward
             self.shared.root = weakref.ref(module)
         if not self.shared.compressor.active and not _compiling_or_recording():
@@ -915,6 +936,8 @@ class _StepExit:
 
     def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
         self.shared.root_depth = max(self.shared.root_depth - 1, 0)
+        if self.shared.root_frames and not _compiling_or_recording():
+            self.shared.root_frames.pop()
         if not self.shared.layer_bits_checked and self.shared.root_depth == 0:
             self.shared.check_layer_bits(module)
         return None
@@ -937,6 +960,10 @@ class _EnterHook:
             # are refused by torch: what is saved stays exact there
             return None
         shared = self.shared
+        if shared.compressor.check_interrupted() or (shared.entered and not shared.compressor.active):
+            shared.entered.clear()  # the enters a KeyboardInterrupt left (fewbit._interrupted)
+        if shared.root_frames:
+            shared.sync_root()
         if shared.root_depth == 0 and not shared.compressor.active:
             # a converted module entered outside the model's forward (the loop calls
             # model.backbone(x)): a pass starts when a module of the current one enters
@@ -947,7 +974,7 @@ class _EnterHook:
                 shared.compressor.step()
                 shared.pass_fqns = set()
             shared.pass_fqns.add(self.fqn)
-        shared.compressor.__enter__()
+        shared.compressor.enter_from(caller_frame())
         norm_size = functools.partial(normalization_size, module) if self.kind == "norm" else None
         self.shared.compressor._push_module(self.fqn, self.kind, norm_size)
         key = id(module)
@@ -973,6 +1000,33 @@ class _ExitHook:
             self.shared.compressor._pop_module()
             self.shared.compressor.__exit__(None, None, None)
         return None
+
+
+#: ActivationModes pushed by :class:`_ActivationModeHook`s and not popped yet, of every
+#: thread (weak: a mode goes with its last reference).
+_PUSHED_MODES: weakref.WeakSet = weakref.WeakSet()
+
+
+def _leave_mode(mode) -> None:
+    """Take a left-over ActivationMode off this thread's stack; it passes calls through if
+    torch has it stashed (fewbit._interrupted)."""
+    mode.dead = True
+    mode.frame = None
+    _PUSHED_MODES.discard(mode)
+    remove_function_mode(mode)
+
+
+def _sweep_modes() -> None:
+    """Leave this thread's ActivationModes whose forward stopped without its exit hook
+    (a ``KeyboardInterrupt``), whichever hook pushed them."""
+    me = threading.get_ident()
+    for mode in list(_PUSHED_MODES):
+        if mode.thread == me and finished(mode.frame):
+            _leave_mode(mode)
+    from fewbit.quant import compressor as qc
+
+    if qc._ABANDONED_MODES:
+        qc.sweep_abandoned_modes()
 
 
 class _ActivationModeHook:
@@ -1012,43 +1066,41 @@ class _ActivationModeHook:
         self.__init__(state["bits"])
 
     def _drop_leftovers(self) -> None:
-        """Pop the modes an interrupted forward left (see the class docstring) off torch's
-        function-mode stack, wherever they sit in it."""
-        from torch.overrides import _get_current_function_mode_stack
-
-        stale = [m for m in self._local.modes if m is not None]
-        self._local.modes.clear()
-        for mode in reversed(stale):
-            if not any(m is mode for m in _get_current_function_mode_stack()):
-                continue
-            above = []
-            while True:
-                top = torch._C._pop_torch_function_stack()
-                if top is mode:
-                    break
-                above.append(top)
-            for m in reversed(above):
-                torch._C._push_on_torch_function_stack(m)
+        """Leave what forwards of this module that stopped without their exit hook (see
+        the class docstring) left in this thread: their modes off torch's function-mode
+        stack, wherever they sit in it. Open forwards of the module (recursion) keep theirs."""
+        entries = self._local.modes
+        live = [e for e in entries if not finished(e[1])]
+        if len(live) == len(entries):
+            return
+        for mode, frame in entries:
+            if mode is not None and (mode, frame) not in live:
+                _leave_mode(mode)
+        entries[:] = live
 
     def __call__(self, module: nn.Module, args: Any) -> None:
         if _compiling_or_recording():
             return None
+        frame = caller_frame()
         if not hasattr(self._local, "modes"):
             self._local.modes = []
-        elif self._local.modes:  # a forward of this module is still open in this thread
+        elif self._local.modes:  # a forward of this module is open, or was interrupted
             self._drop_leftovers()
+        _sweep_modes()  # other hooks' leftovers (a model converted again, or a new one)
         if not torch.is_grad_enabled():  # nothing is saved for backward: torch's calls
-            self._local.modes.append(None)
+            self._local.modes.append((None, frame))
             return None
         self.forwards += 1
         if self.forwards < self.off_until:
-            self._local.modes.append(None)  # off for this forward
+            self._local.modes.append((None, frame))  # off for this forward
             return None
         from fewbit._activation_calls import ActivationMode
 
         mode = ActivationMode(self.bits)
+        mode.frame, mode.thread = frame, threading.get_ident()
         mode.__enter__()
-        self._local.modes.append(mode)
+        _PUSHED_MODES.add(mode)
+        self._local.modes.append((mode, frame))
         return None
 
     def _popped(self, mode) -> None:
@@ -1069,8 +1121,10 @@ class _ActivationModeExit:
     def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
         modes = getattr(self.enter._local, "modes", None)
         if modes and not _compiling_or_recording():
-            mode = modes.pop()
+            mode = modes.pop()[0]
             if mode is not None:
+                mode.frame = None
+                _PUSHED_MODES.discard(mode)
                 mode.__exit__(None, None, None)
                 if sys.exc_info()[0] is None:  # a forward that raised proves nothing about its calls
                     self.enter._popped(mode)

@@ -92,6 +92,7 @@ from torch import nn
 
 from fewbit import _optimizers
 from fewbit._checks import check_positive_int, is_int
+from fewbit._interrupted import caller_frame
 from fewbit._blocks import find_blocks
 from fewbit._saved import keep, under_users_checkpoint, unpack
 from fewbit.convert import _is_causal_lm, layer_kind, normalization_size
@@ -412,7 +413,7 @@ class _GroupHook:
             return
         if o.kind == "quant":
             ctx = self.state.compressors[o.name]
-            ctx.__enter__()
+            ctx.enter_from(caller_frame())
             # as convert_: the module's kind, and a norm's rows for its saved tensors (Compressor.within)
             kind = layer_kind(module)
             ctx._push_module(self.fqn, kind, functools.partial(normalization_size, module) if kind == "norm" else None)

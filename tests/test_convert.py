@@ -1523,35 +1523,95 @@ def test_a_converted_parametrized_model_compiles_with_fullgraph():
 
 
 
-def test_a_forward_interrupted_by_keyboardinterrupt_leaves_no_mode_behind():
+class _Interruptible(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 64)
+        self.fc2 = nn.Linear(64, 16)
+        self.interrupt = False
+
+    def forward(self, x):
+        h = self.fc2(F.gelu(self.fc(x)))
+        if self.interrupt:
+            self.interrupt = False
+            raise KeyboardInterrupt
+        return h
+
+
+class _Outer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = _Interruptible()  # a converted "linear"-holding block: the compressor is
+        self.head = nn.Linear(16, 16)  # entered by fc and fc2 inside it
+
+    def forward(self, x):
+        return self.head(self.inner(x))
+
+
+def test_a_forward_interrupted_by_keyboardinterrupt_leaves_nothing_behind():
     """Ctrl-C inside a converted model's forward skips torch's always-called forward hooks
-    (they run for ``Exception`` only), so the activation mode stayed pushed in the thread
-    for good: a never-converted model's ``F.gelu`` then ran few-bit. The model's next
-    forward drops the leftover."""
+    (they run for ``Exception`` only): the activation mode, and the compressor's saved-tensor
+    hooks and mode when it came inside a compressed layer, stayed on in the thread for good.
+    A never-converted model then ran ``F.gelu`` few-bit and had its saves quantized (a weight
+    gradient 0.43 off at 2 bits), and the converted model never started a new pass. Now the
+    first fewbit hook, pack hook or activation call that sees the leftover leaves it."""
     from torch.overrides import _get_current_function_mode_stack
 
-    class Net(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.fc = nn.Linear(16, 16)
-            self.interrupt = False
-
-        def forward(self, x):
-            h = F.gelu(self.fc(x))
-            if self.interrupt:
-                self.interrupt = False
-                raise KeyboardInterrupt
-            return h
-
-    model = Net()
-    fewbit.convert_(model, bits=2)
+    model = _Outer()
+    fewbit.convert_(model, fewbit.Config(activation_bits=2, saved_bits=2, min_numel=0, layers=("linear",)))
+    comp = fewbit.convert.compressor_of(model)
     x = torch.randn(4, 16, requires_grad=True)
     model(x).sum().backward()
-    model.interrupt = True
+    def interrupt(module, args):  # inside fc2's call, after the compressor's enter hook
+        if model.inner.interrupt:
+            raise KeyboardInterrupt
+
+    model.inner.fc2.register_forward_pre_hook(interrupt)
+    model.inner.interrupt = True
     with pytest.raises(KeyboardInterrupt):
         model(x)
-    model(x).sum().backward()
-    assert not [m for m in _get_current_function_mode_stack() if type(m).__name__ == "ActivationMode"]
-    plain = nn.Linear(16, 16)
-    y = F.gelu(plain(x))
-    assert "fewbit" not in type(y.grad_fn).__name__.lower(), type(y.grad_fn).__name__
+    model.inner.interrupt = False
+    assert comp.active  # left over until something of fewbit's sees it
+
+    plain = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16))
+    ref = copy.deepcopy(plain)
+    h = F.gelu(plain[0](x))
+    assert "fewbit" not in type(h.grad_fn).__name__.lower(), type(h.grad_fn).__name__
+    y = plain[2](h)
+    y.sum().backward()
+    ref[2](F.gelu(ref[0](x))).sum().backward()
+    assert torch.equal(plain[0].weight.grad, ref[0].weight.grad)  # nothing quantized
+    assert not comp.active
+    before = comp.stats.compressed
+    for _ in range(2):
+        model(x).sum().backward()
+    assert comp.stats.compressed > before and not comp.active
+    assert len(comp.records) == 2  # a pass per step again (fc's and fc2's inputs)
+    assert not [m for m in _get_current_function_mode_stack() if type(m).__name__ in ("ActivationMode", "CompressionMode")]
+
+
+def test_a_recursive_forward_keeps_its_activation_mode():
+    """A module calling itself inside its forward keeps the outer call's mode (only modes of
+    forwards that stopped without their exit hook are left)."""
+
+    class Recursive(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x, depth=3):
+            if depth:
+                x = self(x, depth - 1)
+            return F.gelu(self.fc(x))
+
+    model = Recursive()
+    fewbit.convert_(model, bits=2)
+    y = model(torch.randn(2, 8, requires_grad=True))
+    names, fn = [], y.grad_fn
+    while fn is not None:
+        names.append(type(fn).__name__)
+        nxt = [f for f, _ in fn.next_functions if f is not None and "AccumulateGrad" not in type(f).__name__]
+        fn = nxt[0] if nxt else None
+    assert sum("FewBit" in n for n in names) == 4, names
+
+

@@ -25,6 +25,7 @@ from torch.utils._pytree import tree_leaves
 
 from fewbit import _norm_rows
 from fewbit._checks import check_optimizer, check_positive_int, float64_out_of_range
+from fewbit._interrupted import finished, remove_function_mode
 from fewbit._saved import Kept, keep
 
 __all__ = ["ActivationCompressor", "CompressionStats", "SavedTensorRecord", "compress_activations"]
@@ -501,6 +502,8 @@ class ActivationCompressor:
         self.stats = CompressionStats()
         self._stack: list = []
         self._owner: int | None = None  # the thread inside the blocks (threading.get_ident)
+        #: the module call whose pre-hook entered first (:meth:`enter_from`), while inside
+        self._frame = None
         self._where: list = []  # (fqn, kind, norm_size) of the converted modules running, innermost last
         self._index = 0
         self._ordinals: dict = {}  # fqn -> saves of that module in this pass
@@ -528,11 +531,13 @@ class ActivationCompressor:
         return f"ActivationCompressor(policy={self.policy!r}, min_numel={self.min_numel})"
 
     def __getstate__(self) -> dict:
+        self.check_interrupted()
         if self._stack:
             raise RuntimeError("an ActivationCompressor cannot be copied or pickled inside its own `with` block "
                                "(a forward is running): copy or save it between training steps")
         state = self.__dict__.copy()
         del state["_local"]  # per thread, and only set while a call runs
+        state["_frame"] = None
         # what live graphs hold (weak references, which cannot be pickled): not state
         state["_kept"], state["_cache"] = {}, {}
         return state
@@ -540,6 +545,7 @@ class ActivationCompressor:
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self.__dict__.setdefault("_norm_inputs", [])  # pickled by an earlier build
+        self.__dict__.setdefault("_frame", None)
         self._local = threading.local()
 
     # passes and policies -------------------------------------------------------------
@@ -684,6 +690,47 @@ class ActivationCompressor:
         return scope if t.data_ptr() == x.data_ptr() or _copy_of(t, x) else None
 
     # context manager -------------------------------------------------------------------
+    def enter_from(self, frame) -> "ActivationCompressor":
+        """:meth:`__enter__` from a module's forward pre-hook (``fewbit.convert_``'s), whose
+        exit is a forward hook that a ``KeyboardInterrupt`` skips: ``frame`` is that module
+        call's (:func:`fewbit._interrupted.caller_frame`); once it has stopped executing
+        with the block still open, the block is left over and is left
+        (:meth:`check_interrupted`)."""
+        self.check_interrupted()
+        if _ABANDONED_MODES:
+            sweep_abandoned_modes()
+        self.__enter__()
+        if len(self._stack) == 1:
+            self._frame = frame
+        return self
+
+    def check_interrupted(self) -> bool:
+        """Leave every block that a forward interrupted by a ``BaseException`` other than
+        an ``Exception`` (``KeyboardInterrupt``) left open (fewbit._interrupted): its
+        saved-tensor hooks and :class:`~fewbit.quant.mode.CompressionMode` had stayed on
+        in the thread, and quantized what every later model saved. Returns whether it did."""
+        if not self._stack or self._frame is None or not finished(self._frame):
+            return False
+        self._abandon()
+        return True
+
+    def _abandon(self) -> None:
+        n = len(self._stack)
+        mode, self._mode = self._mode, None
+        self._stack.clear()
+        self._frame = None
+        self._where.clear()
+        for _ in range(n):  # torch's saved-tensor hooks: ours, while they are on top
+            top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+            if top is None or top[0] != self._pack:
+                break
+            torch._C._autograd._pop_saved_tensors_default_hooks()
+        if mode is not None:
+            mode.abandoned = True  # passes calls through while it is still on the stack
+            if not remove_function_mode(mode):  # stashed by torch: its own call is running
+                _ABANDONED_MODES.add(mode)
+        self._owner = None
+
     def __enter__(self) -> "ActivationCompressor":
         """Install the saved-tensor hooks; the outermost entry also pushes
         :class:`fewbit.quant.mode.CompressionMode`, which reroutes
@@ -735,6 +782,7 @@ class ActivationCompressor:
         finally:
             ctx.__exit__(*exc)
             if not self._stack:
+                self._frame = None
                 self._owner = None  # released last: another thread may enter now
 
     @property
@@ -751,6 +799,8 @@ class ActivationCompressor:
         return keep(t)  # checked for in-place changes on unpack, as torch does (fewbit._saved)
 
     def _pack(self, t: torch.Tensor):
+        if self._frame is not None and self.check_interrupted():
+            return keep(t)  # the save of a forward after an interrupted one: not ours
         # this save's place among its module's saves in the pass, every save counted (a
         # tensor skipped on one batch, under min_numel, must not move the others)
         self._saves += 1
@@ -1286,6 +1336,18 @@ def _softmax_rows(t: torch.Tensor) -> int | None:
 
 
 _CUSTOM_SAVES = threading.local()
+#: CompressionModes of blocks left by :meth:`ActivationCompressor.check_interrupted` while
+#: torch had them stashed (their own call was running): off the stack at the next sweep.
+_ABANDONED_MODES: weakref.WeakSet = weakref.WeakSet()
+
+
+def sweep_abandoned_modes() -> None:
+    """Take this thread's abandoned CompressionModes off its torch-function-mode stack."""
+    for mode in list(_ABANDONED_MODES):
+        if remove_function_mode(mode):
+            _ABANDONED_MODES.discard(mode)
+
+
 #: Guards :attr:`ActivationCompressor._owner`'s check and claim (one lock for all instances:
 #: an instance stays picklable).
 _OWNER_LOCK = threading.Lock()

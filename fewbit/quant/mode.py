@@ -79,10 +79,13 @@ class CompressionMode(TorchFunctionMode):
         super().__init__()
         self.compressor = compressor
         self._local = compressor._local
+        self.abandoned = False  # its compressor left an interrupted forward's block
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if torch.compiler.is_compiling():  # a compiled graph keeps torch's calls (and no serial to guard on)
+        if torch.compiler.is_compiling() or self.abandoned:
+            # a compiled graph keeps torch's calls (and no serial to guard on); a mode whose
+            # compressor left the block an interrupted forward had left open (fewbit._interrupted)
             return func(*args, **kwargs)
         # the call's arguments and serial, for the compressor's pack hook: a copy of a tensor
         # is shared with this call's save only if its other arguments do not depend on that

@@ -1,0 +1,60 @@
+"""State that a forward interrupted by a ``BaseException`` leaves behind.
+
+fewbit enters its modes and compressors in a module's forward pre-hook and leaves them in
+an always-called forward hook. torch runs those hooks when the forward raises an
+``Exception``, not a ``KeyboardInterrupt`` (Ctrl-C in a notebook) or another
+``BaseException``: what the pre-hook entered stayed entered in that thread for good, and
+every later forward, of any model, never-converted ones included, ran under it (its
+functional activations few-bit, its saved tensors quantized: a plain model's weight
+gradient 0.43 off at 2 bits).
+
+The pre-hooks keep the frame of the module call that entered (``Module._call_impl``); a
+frame that has stopped executing marks what it entered as left over, and the next fewbit
+hook, pack hook or activation call that sees it leaves it (:func:`finished`).
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import torch
+
+__all__ = ["caller_frame", "finished", "remove_function_mode"]
+
+
+def caller_frame() -> types.FrameType:
+    """The frame of the module call running the forward pre-hook that calls this."""
+    return sys._getframe(2)
+
+
+def finished(frame: types.FrameType | None) -> bool:
+    """Whether ``frame`` has stopped executing (its call returned or raised). A frame on
+    the call stack cannot be cleared (``RuntimeError``, Python's data model); clearing a
+    finished one also frees its locals."""
+    if frame is None:
+        return False
+    try:
+        frame.clear()
+    except RuntimeError:
+        return False
+    return True
+
+
+def remove_function_mode(mode: torch.overrides.TorchFunctionMode) -> bool:
+    """Take ``mode`` off this thread's torch-function-mode stack wherever it sits, the
+    modes above it put back in order; False if it is not there (e.g. stashed by torch while
+    its own ``__torch_function__`` runs)."""
+    from torch.overrides import _get_current_function_mode_stack
+
+    if not any(m is mode for m in _get_current_function_mode_stack()):
+        return False
+    above = []
+    while True:
+        top = torch._C._pop_torch_function_stack()
+        if top is mode:
+            break
+        above.append(top)
+    for m in reversed(above):
+        torch._C._push_on_torch_function_stack(m)
+    return True
