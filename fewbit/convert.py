@@ -850,9 +850,11 @@ class _SharedCompressor:
         unused = [k for k, _ in self.config.layer_bits if not any(p.chosen.get(k) for p in policies)]
         if unused:
             warnings.warn(
-                f"layer_bits for {', '.join(map(repr, unused))} changed nothing in {type(model).__name__}: no "
-                "tensor was saved by a layer of that kind itself (the innermost converted module's kind decides; "
-                "e.g. a LLaMA block's gated-MLP product is the block's own, a GPT-2 block saves nothing of its own)",
+                f"layer_bits for {', '.join(map(repr, unused))} changed nothing in the first compressed forward "
+                f"of {type(model).__name__}: no tensor saved by a layer of that kind itself took those bits (the "
+                "innermost converted module's kind decides: a LLaMA block's gated-MLP product is the block's own, "
+                "a GPT-2 block saves nothing of its own; norm inputs and softmax results get 8 bits whatever the "
+                "kind; tensors under min_numel stay exact)",
                 stacklevel=3,
             )
 

@@ -445,9 +445,10 @@ def memory(model_name, seq_len, batch, bits, saved_bits, average_bits, compresso
                    "the fewbit variants only differ by the group quantizer", err=True)
     for kind, n in res.get("fewbit+quant", {}).get("layer_bits_tensors", {}).items():
         if n == 0:
-            click.echo(f"warning: --layer-bits {kind}={layer_bits[kind]} changed nothing: no tensor of {key} is "
-                       f"saved by a {kind!r} layer itself (the innermost converted module's kind decides; "
-                       "e.g. a LLaMA block's gated-MLP product is the block's own)", err=True)
+            click.echo(f"warning: --layer-bits {kind}={layer_bits[kind]} changed nothing: no tensor of {key} "
+                       f"saved by a {kind!r} layer itself took those bits (the innermost converted module's kind "
+                       "decides: a LLaMA block's gated-MLP product is the block's own; norm inputs and softmax "
+                       "results get 8 bits whatever the kind)", err=True)
     if as_json:
         click.echo(json.dumps(res, indent=1))
     else:

@@ -240,7 +240,7 @@ def test_cli_layer_bits_warns_when_a_kind_saves_nothing():
     r = _run(["--model", "gpt2", "--layers", "1", "--hidden", "64", "--seq-len", "32", "--saved-bits", "2",
               "--layer-bits", "block=8", "--json", "--no-progress"])
     assert r.exit_code == 0, r.output
-    assert "warning: --layer-bits block=8 changed nothing: no tensor of gpt2 is saved by a 'block' layer" in r.stderr
+    assert "warning: --layer-bits block=8 changed nothing: no tensor of gpt2 saved by a 'block' layer" in r.stderr
     assert json.loads(r.stdout)["fewbit+quant"]["layer_bits_tensors"] == {"block": 0}
 
 
