@@ -814,7 +814,7 @@ class _SharedCompressor:
         self.compressor._auto_step = False  # _StepHook starts a pass per forward of the model
         self.entered: dict[int, int] = {}  # id(module) -> number of open enters
         self.root_depth = 0  # forwards of the model running (_StepHook, _StepExit)
-        self.root_frames: list = []  # their module calls' frames (fewbit._interrupted)
+        self._root_local = threading.local()  # per thread: root_frames
         #: weak reference to the converted model (set at conversion, or by its first forward
         #: after a copy; :func:`_check_not_shared`)
         self.root: weakref.ref | None = None
@@ -824,13 +824,27 @@ class _SharedCompressor:
         #: (None: the next one starts a pass; the model's forward ran, or none yet)
         self.pass_fqns: set[str] | None = None
 
+    @property
+    def root_frames(self) -> list:
+        """This thread's forwards of the model running: tokens of their module calls
+        (fewbit._interrupted)."""
+        frames = getattr(self._root_local, "frames", None)
+        if frames is None:
+            frames = self._root_local.frames = []
+        return frames
+
+    @root_frames.setter
+    def root_frames(self, frames: list) -> None:
+        self._root_local.frames = frames
+
     def sync_root(self) -> None:
         """Forget the forwards of the model that a ``KeyboardInterrupt`` stopped without
         their exit hook (their frames have finished; fewbit._interrupted)."""
-        live = [f for f in self.root_frames if not finished(f)]
-        if len(live) != len(self.root_frames):
+        frames = self.root_frames
+        live = [f for f in frames if not finished(f)]
+        if len(live) != len(frames):
             self.root_frames = live
-            self.root_depth = len(live)
+            self.root_depth = max(self.root_depth - (len(frames) - len(live)), 0)
 
     def check_layer_bits(self, model: nn.Module) -> None:
         """After the first forward that compressed something: warn once if a kind of
@@ -911,7 +925,8 @@ class _StepHook:
             return None
         if self.shared.root_frames:
             self.shared.sync_root()
-        self.shared.compressor.check_interrupted()
+        if self.shared.compressor.check_interrupted():
+            self.shared.entered.clear()
         from fewbit.quant import compressor as qc
 
         if qc._ABANDONED_MODES:
@@ -999,8 +1014,9 @@ class _ExitHook:
                 del self.shared.entered[key]
             else:
                 self.shared.entered[key] = n - 1
-            self.shared.compressor._pop_module()
-            self.shared.compressor.__exit__(None, None, None)
+            if self.shared.compressor.active:  # not left already (an interrupted forward's block)
+                self.shared.compressor._pop_module()
+                self.shared.compressor.__exit__(None, None, None)
         return None
 
 

@@ -1615,3 +1615,42 @@ def test_a_recursive_forward_keeps_its_activation_mode():
     assert sum("FewBit" in n for n in names) == 4, names
 
 
+
+
+def test_after_an_interrupt_an_evaluation_forward_runs_and_nothing_is_pinned():
+    """After Ctrl-C inside a compressed layer: a forward under ``no_grad`` (evaluation) ran
+    the layer's exit hook on a compressor already left ("__exit__ without a matching
+    __enter__"); after it, the interrupted call's frame, kept to tell leftovers, holds
+    neither the caller's batch nor the model."""
+    import gc
+    import weakref
+
+    model = _Outer()
+    fewbit.convert_(model, fewbit.Config(activation_bits=2, saved_bits=2, min_numel=0, layers=("linear",)))
+
+    def interrupt(module, args):
+        if model.inner.interrupt:
+            raise KeyboardInterrupt
+
+    model.inner.fc2.register_forward_pre_hook(interrupt)
+
+    def train():
+        batch = torch.randn(64, 16, requires_grad=True)
+        model.inner.interrupt = True
+        try:
+            model(batch)
+        except KeyboardInterrupt:
+            pass
+        model.inner.interrupt = False
+        return weakref.ref(batch)
+
+    batch = train()
+    with torch.no_grad():
+        model(torch.randn(4, 16))
+    gc.collect()
+    assert batch() is None  # fewbit's record of the interrupted call is gone with its leftovers
+    model(torch.randn(4, 16, requires_grad=True)).sum().backward()
+    ref = weakref.ref(model)
+    del model
+    gc.collect()
+    assert ref() is None
