@@ -1062,10 +1062,11 @@ class _ActivationModeHook:
     A forward interrupted by a ``BaseException`` that is not an ``Exception``
     (``KeyboardInterrupt``: Ctrl-C in a notebook) skips torch's always-called forward
     hooks, so the mode stayed pushed in that thread for good: every later forward, of any
-    model, never converted ones included, ran its functional activations few-bit. The next
-    forward of the module drops such a leftover first (:meth:`_drop_leftovers`); a forward of
-    the module called inside its own forward (recursion) drops the outer call's mode too,
-    which then runs torch's calls (exact) for the rest of its forward."""
+    model, never converted ones included, ran its functional activations few-bit. Each
+    mode keeps the frame of the module call that pushed it; once that call is off the stack
+    the mode passes calls through, and the next fewbit pre-hook in the thread takes it off
+    (:meth:`_drop_leftovers`, :func:`_sweep_modes`; fewbit._interrupted). A forward of the
+    module called inside its own forward (recursion) keeps the outer call's mode."""
 
     #: The longest gap, in forwards, between two looks while the mode is off.
     PROBE_GAP = 1024
