@@ -81,6 +81,7 @@ import json
 import math
 import re
 import statistics
+import threading
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -385,6 +386,46 @@ class _State:
         self.compressors: dict[str, Any] = {}
         self.checkpoint_hooks: list = []  # the checkpoint's (pack, unpack) per running block
         self.patched_loss = False
+        self._local = threading.local()
+
+    def __getstate__(self) -> dict:  # deepcopy, pickle: a thread's running groups are not copied
+        d = dict(self.__dict__)
+        d.pop("_local")
+        return d
+
+    def __setstate__(self, d: dict) -> None:
+        self.__dict__.update(d)
+        self._local = threading.local()
+
+    @property
+    def entered(self) -> list:
+        """``(group hook, what its pre-hook entered)`` of this thread's running groups,
+        innermost last (:func:`_leave_groups`)."""
+        entered = getattr(self._local, "entered", None)
+        if entered is None:
+            entered = self._local.entered = []
+        return entered
+
+
+def _leave_groups(state: _State, depth: int) -> None:
+    """Leave the groups entered in this thread since ``len(state.entered)`` was ``depth``,
+    innermost first. Torch calls the forward hook that leaves a group only for an
+    ``Exception``: after a ``KeyboardInterrupt`` inside a group, its saved-tensor hooks stayed
+    on, torch's checkpoint then left them instead of its own, and every later backward in
+    the process failed (``CheckpointError``). Called as the interrupt unwinds a block's
+    forward (:func:`_plain_forward`, :func:`_checkpointed_forward`), while what the groups
+    entered is still on top of torch's stacks."""
+    entered = state.entered
+    while len(entered) > depth:
+        hook, ctx = entered.pop()
+        for i in range(len(hook.stack) - 1, -1, -1):
+            if hook.stack[i] is ctx:
+                del hook.stack[i]
+                break
+        if ctx is not None:
+            if hook.option.kind == "quant":
+                ctx._pop_module()
+            ctx.__exit__(None, None, None)
 
 
 class _GroupHook:
@@ -403,13 +444,13 @@ class _GroupHook:
             # would turn off torch's inference fast paths (nn.TransformerEncoderLayer's nested
             # tensors then fail outside them); a compiled graph saves its own tensors; torch.func
             # transforms refuse saved-tensor hooks
-            self.stack.append(None)
+            self._entered(None)
             return
         if under_users_checkpoint(_own_checkpoint(self.state)):
             # a user's torch.utils.checkpoint (Hugging Face's gradient checkpointing) drops and
             # recomputes what is saved here: the plan's hooks on top of its hooks kept it (a
             # planned LLaMA held 2912 KiB against checkpointing's 852)
-            self.stack.append(None)
+            self._entered(None)
             return
         if o.kind == "quant":
             ctx = self.state.compressors[o.name]
@@ -417,7 +458,7 @@ class _GroupHook:
             # as convert_: the module's kind, and a norm's rows for its saved tensors (Compressor.within)
             kind = layer_kind(module)
             ctx._push_module(self.fqn, kind, functools.partial(normalization_size, module) if kind == "norm" else None)
-            self.stack.append(ctx)
+            self._entered(ctx)
             return
         elif o.kind == "recompute":
             top = self.state.checkpoint_hooks[-1] if self.state.checkpoint_hooks else None
@@ -426,11 +467,20 @@ class _GroupHook:
             ctx = torch.autograd.graph.saved_tensors_hooks(keep, unpack)
         if ctx is not None:
             ctx.__enter__()
+        self._entered(ctx)
+
+    def _entered(self, ctx) -> None:
         self.stack.append(ctx)
+        self.state.entered.append((self, ctx))
 
     def post(self, module, args, output):
         if self.stack:
             ctx = self.stack.pop()
+            entered = self.state.entered
+            for i in range(len(entered) - 1, -1, -1):  # the last, unless a thread's forward is odd
+                if entered[i][0] is self and entered[i][1] is ctx:
+                    del entered[i]
+                    break
             if ctx is not None:
                 if self.option.kind == "quant":
                     ctx._pop_module()
@@ -656,9 +706,13 @@ def _checkpointed_forward(state: _State, block: nn.Module, forward: Callable, ro
             with context:
                 if root is not None:
                     root.pre(block, a)
+                depth = len(state.entered)
                 try:
                     with resume_recording():  # a SavedTensorRecorder sees what the block's own forward saves
                         out = forward(*a, **k)
+                except BaseException:
+                    _leave_groups(state, depth)  # before torch's checkpoint leaves its own hooks
+                    raise
                 finally:
                     if root is not None:
                         root.post(block, a, None)
@@ -672,9 +726,9 @@ def _checkpointed_forward(state: _State, block: nn.Module, forward: Callable, ro
 
     if not torch.is_grad_enabled() or _transforms_active() or _recording_program():
         # torch.func refuses checkpoint's hooks; a recorded program runs the block as it is
-        return forward(*args, **kwargs)
+        return _plain_forward(state, block, forward, None, *args, **kwargs)
     if under_users_checkpoint(_own_checkpoint(state)):  # a user's checkpoint recomputes the block
-        return forward(*args, **kwargs)
+        return _plain_forward(state, block, forward, None, *args, **kwargs)
     bound = None
     if (signature is not None and _is_transformers_layer(block)
             and not getattr(block, "_can_checkpoint_with_cache", False)):  # layers that only read it keep it
@@ -690,13 +744,13 @@ def _checkpointed_forward(state: _State, block: nn.Module, forward: Callable, ro
             warnings.warn(f"{type(block).__name__} was given a KV cache holding earlier tokens, so the plan "
                           "does not recompute it in this forward (it keeps what it saves); pass no cache to train",
                           RuntimeWarning, stacklevel=3)
-            return _plain_forward(block, forward, root, *args, **kwargs)
+            return _plain_forward(state, block, forward, root, *args, **kwargs)
         if (caches or bound.arguments.get("use_cache")) and not block.training:
             # evaluation with grad that asks for the cache: the caller may continue from it
             warnings.warn(f"{type(block).__name__} is asked for a KV cache in evaluation mode, so the plan does "
                           "not recompute it (it keeps what it saves); pass use_cache=False to keep the plan's "
                           "memory", RuntimeWarning, stacklevel=3)
-            return _plain_forward(block, forward, root, *args, **kwargs)
+            return _plain_forward(state, block, forward, root, *args, **kwargs)
         if caches or bound.arguments.get("use_cache"):
             # as transformers' GradientCheckpointingLayer in training: no cache (the recomputation
             # would write it a second time); the returned cache stays empty
@@ -719,15 +773,23 @@ def _checkpointed_forward(state: _State, block: nn.Module, forward: Callable, ro
     return checkpoint(run, *args, use_reentrant=False, **kwargs)
 
 
-def _plain_forward(block: nn.Module, forward: Callable, root: _GroupHook | None, *args, **kwargs):
-    if root is None:  # a checkpointed block whose root keeps nothing itself
-        return forward(*args, **kwargs)
-    root.pre(block, args)
+def _plain_forward(state: _State, block: nn.Module, forward: Callable, root: _GroupHook | None, *args, **kwargs):
+    """``forward(*args, **kwargs)`` inside ``root``'s group (the block's own saves; None:
+    none); the groups it enters are left as an interrupt unwinds it (:func:`_leave_groups`)."""
+    if root is not None:
+        root.pre(block, args)
+    depth = len(state.entered)
     try:
+        if root is None:
+            return forward(*args, **kwargs)
         with resume_recording():  # a SavedTensorRecorder sees what the block's own forward saves
             return forward(*args, **kwargs)
+    except BaseException:
+        _leave_groups(state, depth)
+        raise
     finally:
-        root.post(block, args, None)
+        if root is not None:
+            root.post(block, args, None)
 
 
 def _refuse_shared(model: nn.Module, fqn: str) -> None:
@@ -849,10 +911,8 @@ def _apply_choices(model: nn.Module, plan: "Plan") -> _State:
                 except (TypeError, ValueError):
                     sig = None
                 block.forward = functools.partial(_checkpointed_forward, state, block, forward, root, sig)
-            elif root is not None:
-                block.forward = functools.partial(_plain_forward, block, forward, root)
-            else:
-                continue
+            else:  # also without a root: the groups inside are left as an interrupt unwinds it
+                block.forward = functools.partial(_plain_forward, state, block, forward, root)
             state.blocks.append((block, own_forward))
     model.__dict__[_STATE_ATTR] = state
     return state

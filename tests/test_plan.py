@@ -826,6 +826,45 @@ def test_compress_inside_checkpoint(prof, batch):
     assert rep.saved_bytes < rep_q.saved_bytes < rep0.saved_bytes
 
 
+@pytest.mark.parametrize("choice", [{"mlp.c_fc": "recompute"}, {"mlp.c_fc": "keep"}, {"mlp.c_fc": "quant4"},
+                                    {"mlp.c_fc": "recompute", "attn": "quant2"}])
+def test_a_keyboardinterrupt_inside_a_group_leaves_nothing_behind(prof, batch, choice):
+    """Torch calls forward hooks for an ``Exception`` only: a ``KeyboardInterrupt`` (Ctrl-C
+    in a notebook) inside a planned group left its saved-tensor hooks on; torch's checkpoint
+    then left them instead of its own, and every later backward in the process failed
+    (``CheckpointError``), a plain model's included. The groups are left as the interrupt
+    unwinds the block."""
+    model = make_model()
+    fewbit.convert_(model, choices_plan(prof, choice))
+    model(**batch).loss.backward()
+
+    def interrupt(module, args):
+        handle.remove()
+        raise KeyboardInterrupt
+
+    handle = model.transformer.h[0].mlp.c_fc.register_forward_pre_hook(interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        model(**batch)
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    plain = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16))
+    ref = copy.deepcopy(plain)
+    x = torch.randn(4, 16)
+    plain(x).sum().backward()
+    ref(x).sum().backward()
+    assert torch.equal(plain[0].weight.grad, ref[0].weight.grad)
+    model.zero_grad(set_to_none=True)
+    rep, grads = measured(model, batch)  # the planned model's next step: as a fresh one's
+    fresh = make_model()
+    fewbit.convert_(fresh, choices_plan(prof, choice))
+    rep_fresh, grads_fresh = measured(fresh, batch)
+    assert rep.saved_bytes == rep_fresh.saved_bytes
+    for n in grads_fresh:
+        torch.testing.assert_close(grads[n], grads_fresh[n], rtol=0, atol=0, msg=n)
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    assert all(not h.__self__.stack for m in model.modules() for h in m._forward_pre_hooks.values()
+               if isinstance(getattr(h, "__self__", None), planner._GroupHook))
+
+
 def test_recompute_replays_noise_of_a_stream_made_inside_the_block(prof, batch):
     """The first compressed tensor comes after the block's dropout, so the noise stream is
     made inside the block, from torch's state there; the recomputation makes it again from
