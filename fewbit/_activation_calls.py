@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from fewbit._interrupted import finished
+from fewbit._interrupted import finished, leave_mode
 from fewbit._saved import under_checkpoint
 from fewbit.activations import checked_params
 from fewbit.ops._pointwise import _compiling_or_recording
@@ -204,19 +204,19 @@ class ActivationMode(TorchFunctionMode):
         self.bits = bits
         #: calls of :data:`CALLS` seen (taken over or not)
         self.hits = 0
-        #: the module call that pushed it (fewbit.convert_'s hook), its thread; ``dead``: left
-        #: over by a forward a KeyboardInterrupt stopped (fewbit._interrupted)
+        #: the module call that pushed it (fewbit.convert_'s hook), its thread; ``left_over``:
+        #: by a forward a KeyboardInterrupt stopped (fewbit._interrupted.leave_mode)
         self.frame = None
         self.thread = None
-        self.dead = False
+        self.left_over = False
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         hit = CALLS.get(func)
-        if hit is None or self.dead or _compiling_or_recording() or not torch.is_grad_enabled() or under_checkpoint():
+        if hit is None or self.left_over or _compiling_or_recording() or not torch.is_grad_enabled() or under_checkpoint():
             return func(*args, **kwargs)
         if self.frame is not None and finished(self.frame):
-            self.dead = True  # left over: torch has it stashed now; hooks take it off the stack
+            leave_mode(self)  # torch has it stashed now: the next sweep takes it off the stack
             return func(*args, **kwargs)
         self.hits += 1
         bound = bind(func, args, kwargs)

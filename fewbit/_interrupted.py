@@ -22,10 +22,16 @@ from __future__ import annotations
 
 import sys
 import types
+import weakref
 
 import torch
 
-__all__ = ["caller_frame", "finished", "remove_function_mode"]
+__all__ = ["caller_frame", "finished", "leave_mode", "remove_function_mode", "sweep_modes"]
+
+#: Left-over modes that torch had stashed when they were left (their own
+#: ``__torch_function__`` was running): taken off the stack by the next :func:`sweep_modes`
+#: in their thread (weak: a mode goes with its last reference).
+_STASHED: weakref.WeakSet = weakref.WeakSet()
 
 
 def caller_frame() -> types.FrameType:
@@ -63,3 +69,23 @@ def remove_function_mode(mode: torch.overrides.TorchFunctionMode) -> bool:
     for m in reversed(above):
         torch._C._push_on_torch_function_stack(m)
     return True
+
+
+def leave_mode(mode: torch.overrides.TorchFunctionMode) -> None:
+    """Leave a left-over function mode of this thread (fewbit's ActivationMode and
+    CompressionMode): it passes calls through from now on (``mode.left_over``, which its
+    ``__torch_function__`` reads), and it is taken off the stack now, or at the next
+    :func:`sweep_modes` if torch has it stashed."""
+    mode.left_over = True
+    if not remove_function_mode(mode):
+        _STASHED.add(mode)
+
+
+def sweep_modes() -> None:
+    """Take the left-over modes torch had stashed (:func:`leave_mode`) off this thread's
+    stack."""
+    if not _STASHED:
+        return
+    for mode in list(_STASHED):
+        if remove_function_mode(mode):
+            _STASHED.discard(mode)

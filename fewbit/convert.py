@@ -106,7 +106,7 @@ from torch import nn
 from fewbit import _norm_rows
 from fewbit import modules as fm
 from fewbit._checks import check_bits, check_bool, check_noise_norm, check_positive_int
-from fewbit._interrupted import caller_frame, finished, remove_function_mode
+from fewbit._interrupted import caller_frame, finished, leave_mode, sweep_modes
 from fewbit._saved import under_users_checkpoint
 from fewbit.activations import ACTIVATIONS, get_activation
 from fewbit.losses import _PATCH_ATTR, fused_loss_refusal
@@ -853,15 +853,10 @@ class _SharedCompressor:
         if self.compressor.stats.compressed == 0:
             return  # nothing compressed yet (evaluation, no grad): look again next time
         self.layer_bits_checked = True
-        from fewbit.quant.policies import LayerBitsPolicy
+        from fewbit.quant.policies import layer_bits_chosen
 
-        policies, todo = [], [self.compressor.policy]
-        while todo:
-            p = todo.pop()
-            if isinstance(p, LayerBitsPolicy):
-                policies.append(p)
-            todo += [q for q in (getattr(p, "warm", None), getattr(p, "policy", None)) if q is not None]
-        unused = [k for k, _ in self.config.layer_bits if not any(p.chosen.get(k) for p in policies)]
+        chosen = layer_bits_chosen(self.compressor.policy)
+        unused = [k for k, _ in self.config.layer_bits if not chosen.get(k)]
         if unused:
             warnings.warn(
                 f"layer_bits for {', '.join(map(repr, unused))} changed nothing in the first compressed forward "
@@ -927,10 +922,7 @@ class _StepHook:
             self.shared.sync_root()
         if self.shared.compressor.check_interrupted():
             self.shared.entered.clear()
-        from fewbit.quant import compressor as qc
-
-        if qc._ABANDONED_MODES:
-            qc.sweep_abandoned_modes()
+        sweep_modes()
         self.shared.root_depth += 1
         self.shared.root_frames.append(caller_frame())
         if self.shared.root is None:  # a copy's first forward
@@ -1026,12 +1018,10 @@ _PUSHED_MODES: weakref.WeakSet = weakref.WeakSet()
 
 
 def _leave_mode(mode) -> None:
-    """Take a left-over ActivationMode off this thread's stack; it passes calls through if
-    torch has it stashed (fewbit._interrupted)."""
-    mode.dead = True
+    """Leave a left-over ActivationMode (fewbit._interrupted.leave_mode)."""
     mode.frame = None
     _PUSHED_MODES.discard(mode)
-    remove_function_mode(mode)
+    leave_mode(mode)
 
 
 def _sweep_modes() -> None:
@@ -1041,10 +1031,7 @@ def _sweep_modes() -> None:
     for mode in list(_PUSHED_MODES):
         if mode.thread == me and finished(mode.frame):
             _leave_mode(mode)
-    from fewbit.quant import compressor as qc
-
-    if qc._ABANDONED_MODES:
-        qc.sweep_abandoned_modes()
+    sweep_modes()
 
 
 class _ActivationModeHook:

@@ -644,13 +644,10 @@ def _layer_bits_tensors(model: nn.Module) -> dict[str, int]:
     """``{kind: tensors}`` that ``Config(layer_bits=...)`` gave each kind's bits in the
     counted step(s) (:attr:`fewbit.quant.policies.LayerBitsPolicy.chosen`)."""
     from fewbit.convert import compressor_of
-    from fewbit.quant.policies import LayerBitsPolicy, WarmupPolicy
+    from fewbit.quant.policies import layer_bits_chosen
 
     comp = compressor_of(model)
-    policy = comp.policy if comp is not None else None
-    if isinstance(policy, WarmupPolicy):
-        policy = policy.policy
-    return dict(policy.chosen) if isinstance(policy, LayerBitsPolicy) else {}
+    return layer_bits_chosen(comp.policy) if comp is not None else {}
 
 
 def _fewbit_converted(model: nn.Module) -> bool:

@@ -25,7 +25,7 @@ from torch.utils._pytree import tree_leaves
 
 from fewbit import _norm_rows
 from fewbit._checks import check_optimizer, check_positive_int, float64_out_of_range
-from fewbit._interrupted import finished, remove_function_mode
+from fewbit._interrupted import finished, leave_mode, sweep_modes
 from fewbit._saved import Kept, keep
 
 __all__ = ["ActivationCompressor", "CompressionStats", "SavedTensorRecord", "compress_activations"]
@@ -697,8 +697,7 @@ class ActivationCompressor:
         with the block still open, the block is left over and is left
         (:meth:`check_interrupted`)."""
         self.check_interrupted()
-        if _ABANDONED_MODES:
-            sweep_abandoned_modes()
+        sweep_modes()
         self.__enter__()
         if len(self._stack) == 1:
             self._frame = frame
@@ -726,9 +725,7 @@ class ActivationCompressor:
                 break
             torch._C._autograd._pop_saved_tensors_default_hooks()
         if mode is not None:
-            mode.abandoned = True  # passes calls through while it is still on the stack
-            if not remove_function_mode(mode):  # stashed by torch: its own call is running
-                _ABANDONED_MODES.add(mode)
+            leave_mode(mode)
         self._owner = None
 
     def __enter__(self) -> "ActivationCompressor":
@@ -1336,18 +1333,6 @@ def _softmax_rows(t: torch.Tensor) -> int | None:
 
 
 _CUSTOM_SAVES = threading.local()
-#: CompressionModes of blocks left by :meth:`ActivationCompressor.check_interrupted` while
-#: torch had them stashed (their own call was running): off the stack at the next sweep.
-_ABANDONED_MODES: weakref.WeakSet = weakref.WeakSet()
-
-
-def sweep_abandoned_modes() -> None:
-    """Take this thread's abandoned CompressionModes off its torch-function-mode stack."""
-    for mode in list(_ABANDONED_MODES):
-        if remove_function_mode(mode):
-            _ABANDONED_MODES.discard(mode)
-
-
 #: Guards :attr:`ActivationCompressor._owner`'s check and claim (one lock for all instances:
 #: an instance stays picklable).
 _OWNER_LOCK = threading.Lock()

@@ -79,11 +79,11 @@ class CompressionMode(TorchFunctionMode):
         super().__init__()
         self.compressor = compressor
         self._local = compressor._local
-        self.abandoned = False  # its compressor left an interrupted forward's block
+        self.left_over = False  # its compressor left an interrupted forward's block (fewbit._interrupted)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if torch.compiler.is_compiling() or self.abandoned:
+        if torch.compiler.is_compiling() or self.left_over:
             # a compiled graph keeps torch's calls (and no serial to guard on); a mode whose
             # compressor left the block an interrupted forward had left open (fewbit._interrupted)
             return func(*args, **kwargs)

@@ -36,7 +36,7 @@ import torch
 from fewbit.quant.compressors import Compressor, get_compressor
 
 __all__ = ["SavedTensorInfo", "Policy", "FixedPolicy", "LayerBitsPolicy", "AdaccPolicy", "WarmupPolicy",
-           "compressor_bits", "fallback_compressor"]
+           "compressor_bits", "fallback_compressor", "layer_bits_chosen"]
 
 
 @dataclass(frozen=True)
@@ -252,6 +252,22 @@ class LayerBitsPolicy(Policy):
 
     def __repr__(self) -> str:
         return f"LayerBitsPolicy({self.policy!r}, by_kind={self.by_kind!r})"
+
+
+def layer_bits_chosen(policy: Policy) -> dict[str, int]:
+    """``{kind: tensors}`` that the :class:`LayerBitsPolicy` instances inside ``policy``
+    (itself, or a :class:`WarmupPolicy`'s warm-up and later policies, at any depth) have
+    given their kind's compressor so far, summed (:attr:`LayerBitsPolicy.chosen`); ``{}``
+    if it has none."""
+    chosen: dict[str, int] = {}
+    todo = [policy]
+    while todo:
+        p = todo.pop()
+        if isinstance(p, LayerBitsPolicy):
+            for kind, n in p.chosen.items():
+                chosen[kind] = chosen.get(kind, 0) + n
+        todo += [q for q in (getattr(p, "warm", None), getattr(p, "policy", None)) if isinstance(q, Policy)]
+    return chosen
 
 
 class AdaccPolicy(Policy):
