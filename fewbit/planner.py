@@ -384,27 +384,38 @@ class _State:
         self.blocks: list[tuple[nn.Module, Callable | None]] = []
         self.replaced: list[tuple[nn.Module, str, nn.Module]] = []  # (parent, name, original)
         self.compressors: dict[str, Any] = {}
-        self.checkpoint_hooks: list = []  # the checkpoint's (pack, unpack) per running block
         self.patched_loss = False
-        self._local = threading.local()
+        self.running = _Running()
 
-    def __getstate__(self) -> dict:  # deepcopy, pickle: a thread's running groups are not copied
+    def __getstate__(self) -> dict:  # deepcopy, pickle: no thread's running forward is copied
         d = dict(self.__dict__)
-        d.pop("_local")
+        d.pop("running")
         return d
 
     def __setstate__(self, d: dict) -> None:
         self.__dict__.update(d)
-        self._local = threading.local()
+        self.running = _Running()
 
     @property
     def entered(self) -> list:
-        """``(group hook, what its pre-hook entered)`` of this thread's running groups,
-        innermost last (:func:`_leave_groups`)."""
-        entered = getattr(self._local, "entered", None)
-        if entered is None:
-            entered = self._local.entered = []
-        return entered
+        return self.running.entered
+
+    @property
+    def checkpoint_hooks(self) -> list:
+        return self.running.checkpoint_hooks
+
+
+class _Running(threading.local):
+    """A thread's running forwards of a planned model: two threads (training beside a
+    ``no_grad`` evaluation) had left each other's groups. Its attributes are set in
+    ``__init__`` (which runs in each thread), so ``torch.compile``'s guards see them alike on
+    every call (one made on first use had recompiled the model at its second call)."""
+
+    def __init__(self) -> None:
+        #: ``(group hook, what its pre-hook entered)`` per running group, innermost last
+        self.entered: list = []
+        #: the checkpoint's (pack, unpack) per running checkpointed block
+        self.checkpoint_hooks: list = []
 
 
 def _leave_groups(state: _State, depth: int) -> None:
@@ -418,14 +429,7 @@ def _leave_groups(state: _State, depth: int) -> None:
     entered = state.entered
     while len(entered) > depth:
         hook, ctx = entered.pop()
-        for i in range(len(hook.stack) - 1, -1, -1):
-            if hook.stack[i] is ctx:
-                del hook.stack[i]
-                break
-        if ctx is not None:
-            if hook.option.kind == "quant":
-                ctx._pop_module()
-            ctx.__exit__(None, None, None)
+        hook.leave(ctx)
 
 
 class _GroupHook:
@@ -435,7 +439,6 @@ class _GroupHook:
         self.state = state
         self.option = option
         self.fqn = fqn
-        self.stack: list = []
 
     def pre(self, module, args):
         o = self.option
@@ -470,21 +473,21 @@ class _GroupHook:
         self._entered(ctx)
 
     def _entered(self, ctx) -> None:
-        self.stack.append(ctx)
         self.state.entered.append((self, ctx))
 
     def post(self, module, args, output):
-        if self.stack:
-            ctx = self.stack.pop()
-            entered = self.state.entered
-            for i in range(len(entered) - 1, -1, -1):  # the last, unless a thread's forward is odd
-                if entered[i][0] is self and entered[i][1] is ctx:
-                    del entered[i]
-                    break
-            if ctx is not None:
-                if self.option.kind == "quant":
-                    ctx._pop_module()
-                ctx.__exit__(None, None, None)
+        entered = self.state.entered
+        for i in range(len(entered) - 1, -1, -1):  # this thread's innermost call of this group
+            if entered[i][0] is self:
+                self.leave(entered.pop(i)[1])
+                return
+
+    def leave(self, ctx) -> None:
+        """Leave what :meth:`pre` entered (``ctx``; None: nothing)."""
+        if ctx is not None:
+            if self.option.kind == "quant":
+                ctx._pop_module()
+            ctx.__exit__(None, None, None)
 
 
 class _HoldInput(torch.autograd.Function):
@@ -702,20 +705,19 @@ def _checkpointed_forward(state: _State, block: nn.Module, forward: Callable, ro
             context.enter_context(_forward_parameters(block, versions))
         calls[0] += 1
         state.checkpoint_hooks.append(torch._C._autograd._top_saved_tensors_default_hooks(False))
+        depth = len(state.entered)
         try:
             with context:
-                if root is not None:
-                    root.pre(block, a)
-                depth = len(state.entered)
                 try:
+                    if root is not None:
+                        root.pre(block, a)
                     with resume_recording():  # a SavedTensorRecorder sees what the block's own forward saves
                         out = forward(*a, **k)
                 except BaseException:
-                    _leave_groups(state, depth)  # before torch's checkpoint leaves its own hooks
+                    _leave_groups(state, depth)  # innermost first, the root's last; before torch's checkpoint
                     raise
-                finally:
-                    if root is not None:
-                        root.post(block, a, None)
+                if root is not None:
+                    root.post(block, a, None)
         finally:
             state.checkpoint_hooks.pop()
         if first:
@@ -776,20 +778,18 @@ def _checkpointed_forward(state: _State, block: nn.Module, forward: Callable, ro
 def _plain_forward(state: _State, block: nn.Module, forward: Callable, root: _GroupHook | None, *args, **kwargs):
     """``forward(*args, **kwargs)`` inside ``root``'s group (the block's own saves; None:
     none); the groups it enters are left as an interrupt unwinds it (:func:`_leave_groups`)."""
-    if root is not None:
-        root.pre(block, args)
     depth = len(state.entered)
     try:
         if root is None:
             return forward(*args, **kwargs)
+        root.pre(block, args)
         with resume_recording():  # a SavedTensorRecorder sees what the block's own forward saves
-            return forward(*args, **kwargs)
+            out = forward(*args, **kwargs)
     except BaseException:
-        _leave_groups(state, depth)
+        _leave_groups(state, depth)  # innermost first, the root's last
         raise
-    finally:
-        if root is not None:
-            root.post(block, args, None)
+    root.post(block, args, None)
+    return out
 
 
 def _refuse_shared(model: nn.Module, fqn: str) -> None:

@@ -861,8 +861,84 @@ def test_a_keyboardinterrupt_inside_a_group_leaves_nothing_behind(prof, batch, c
     for n in grads_fresh:
         torch.testing.assert_close(grads[n], grads_fresh[n], rtol=0, atol=0, msg=n)
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
-    assert all(not h.__self__.stack for m in model.modules() for h in m._forward_pre_hooks.values()
-               if isinstance(getattr(h, "__self__", None), planner._GroupHook))
+    assert not vars(model)[planner._STATE_ATTR].entered
+
+
+@pytest.mark.parametrize("kind", ["keep", "recompute", "quant4"])
+def test_a_no_grad_forward_in_another_thread_leaves_the_training_forwards_groups(prof, batch, kind):
+    """A training forward and a ``no_grad`` evaluation forward of one planned model in two
+    threads, overlapping inside a group (training enters, evaluation enters, training
+    leaves): the groups' records were shared, so each thread left the other's; the
+    evaluation failed on torch's internal assert (popping an empty hook stack) and the
+    training thread kept a group's hooks (with recompute, every later backward failed)."""
+    import threading
+
+    model = make_model()
+    fewbit.convert_(model, choices_plan(prof, {"mlp.c_fc": kind}))
+    fresh = make_model()
+    fewbit.convert_(fresh, choices_plan(prof, {"mlp.c_fc": kind}))
+    c_fc = model.transformer.h[0].mlp.c_fc
+    main_in, eval_in, main_out = threading.Event(), threading.Event(), threading.Event()
+
+    def pre(module, args):
+        if threading.current_thread() is threading.main_thread():
+            main_in.set()
+            assert eval_in.wait(30)
+        else:
+            assert main_in.wait(30)
+            eval_in.set()
+            assert main_out.wait(30)
+
+    def post(module, args, output):  # after the plan's
+        if threading.current_thread() is threading.main_thread():
+            main_out.set()
+
+    handles = [c_fc.register_forward_pre_hook(pre), c_fc.register_forward_hook(post)]
+    failed = []
+
+    def evaluate():
+        try:
+            with torch.no_grad():
+                model(**batch)
+            assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+        except BaseException as e:  # noqa: BLE001 - reported below, in the test's thread
+            failed.append(e)
+
+    thread = threading.Thread(target=evaluate)
+    thread.start()
+    model(**batch).loss.backward()
+    thread.join(30)
+    for h in handles:
+        h.remove()
+    assert not failed, failed
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    assert not vars(model)[planner._STATE_ATTR].entered
+    model.zero_grad(set_to_none=True)
+    rep, grads = measured(model, batch)
+    rep_fresh, grads_fresh = measured(fresh, batch)
+    assert rep.saved_bytes == rep_fresh.saved_bytes
+    for n in grads_fresh:
+        torch.testing.assert_close(grads[n], grads_fresh[n], rtol=0, atol=0, msg=n)
+
+
+def test_a_compiled_planned_model_compiles_once(prof, batch):
+    """The per-thread record of running groups was made on first use, so torch.compile's
+    guard on it failed at the second call and the whole model was compiled again."""
+    from torch._dynamo.utils import counters
+
+    model = make_model()
+    fewbit.convert_(model, choices_plan(prof, {"mlp.c_fc": "quant4"}))
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model, backend="eager")
+    for _ in range(3):
+        compiled(**batch).loss.backward()
+    frames = counters["stats"]["unique_graphs"]
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model, backend="eager")
+    compiled(**batch).loss.backward()
+    assert counters["stats"]["unique_graphs"] == frames  # nothing compiled again after the first call
 
 
 def test_recompute_replays_noise_of_a_stream_made_inside_the_block(prof, batch):
