@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import inspect
 import sys
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,8 +27,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from fewbit._checks import check_float_tensor, check_positive_int, is_int
+from fewbit._interrupted import caller_frame, finished
 from fewbit.ops._nonfinite import _same
-from fewbit.ops._pointwise import _recording_program, _transforms_active
+from fewbit.ops._pointwise import _compiling_or_recording, _recording_program, _transforms_active
 
 __all__ = [
     "linear_cross_entropy",
@@ -308,8 +310,11 @@ def _check_args(input, weight, target, bias, ignore_index, reduction, label_smoo
     if target.shape != input.shape[:-1]:
         raise ValueError(f"target must have shape input.shape[:-1] = {tuple(input.shape[:-1])}, "
                          f"got {tuple(target.shape)}")
-    if not is_int(ignore_index):
-        raise ValueError(f"ignore_index must be an integer, got {ignore_index!r}")
+    for name, t in (("weight", weight), ("bias", bias), ("target", target)):
+        if t is not None and t.device != input.device:  # torch's error too; on meta, values were garbage
+            raise ValueError(f"{name} must be on input's device ({input.device}), got {t.device}")
+    if not is_int(ignore_index) or not -2**63 <= int(ignore_index) < 2**63:
+        raise ValueError(f"ignore_index must be an integer in [-2**63, 2**63), got {ignore_index!r}")
     if reduction not in _REDUCTIONS:
         raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
     if (isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float))
@@ -408,7 +413,8 @@ def linear_cross_entropy(
         TypeError: ``input``, ``weight`` or ``bias`` is not a floating tensor.
         ValueError: a shape, dtype or value out of range (the message names the argument),
             including target values outside [0, V) other than ``ignore_index``, ``H = 0``,
-            or ``input`` on a device other than cpu/cuda (meta: no values to compute).
+            ``input`` on a device other than cpu/cuda (meta: no values to compute), or
+            ``weight``, ``bias`` or ``target`` on another device than ``input``.
         RuntimeError: in a double backward (``create_graph=True``).
 
     Under ``torch.autocast``, ``input``, ``weight`` and ``bias`` are cast to the autocast
@@ -484,10 +490,45 @@ class _Patch:
     had_loss_function: bool
     previous_loss_function: Any
     handles: list = field(default_factory=list)
-    active: list = field(default_factory=list)  # per running forward: [labels given?, the fused loss or None]
+    #: this thread's running forwards (_Running): threads sharing a model (an evaluation or
+    #: generation thread beside training) had read each other's hidden states as logits
+    _local: threading.local = field(default_factory=threading.local, repr=False, compare=False)
+
+    def __getstate__(self) -> dict:  # deepcopy, pickle: no running forward is copied
+        d = dict(self.__dict__)
+        d.pop("_local")
+        return d
+
+    def __setstate__(self, d: dict) -> None:
+        self.__dict__.update(d)
+        self._local = threading.local()
+
+    @property
+    def running(self) -> "_Running":
+        running = getattr(self._local, "running", None)
+        if running is None:
+            running = self._local.running = _Running()
+        return running
+
+
+@dataclass
+class _Running:
+    """A thread's forwards of a patched model."""
+
+    #: per running forward, innermost last: [labels given?, the fused loss or None, the frame
+    #: of its module call (fewbit._interrupted: a KeyboardInterrupt skips the hook that pops it)]
+    active: list = field(default_factory=list)
     hidden: torch.Tensor | None = None  # what lm_head returned instead of the logits
     hidden_version: int | None = 0  # its version counter then (an in-place change moves it)
     hidden_copy: torch.Tensor | None = None  # an inference tensor's copy (it has no version counter)
+
+    def labelled(self) -> bool:
+        """Whether the innermost running forward has labels (one a ``KeyboardInterrupt``
+        stopped does not count)."""
+        active = self.active
+        while active and finished(active[-1][2]):
+            active.pop()
+        return bool(active) and active[-1][0]
 
 
 def _causal_lm_fused_loss(patch: _Patch, hidden: torch.Tensor, labels: torch.Tensor, vocab_size: int,
@@ -530,23 +571,26 @@ class _HeadForward:
 
     def __call__(self, hidden_states: torch.Tensor) -> torch.Tensor:
         patch = self.patch
-        if patch.active and patch.active[-1][0]:
-            patch.hidden = hidden_states
-            if hidden_states.is_inference():  # no version counter: a copy to compare with instead
-                patch.hidden_version, patch.hidden_copy = None, hidden_states.clone()
+        running = patch.running
+        if running.labelled():
+            running.hidden = hidden_states
+            if not _compiling_or_recording() and hidden_states.is_inference():
+                # no version counter: a copy to compare with instead (a traced graph has no
+                # inference tensors; dynamo cannot ask)
+                running.hidden_version, running.hidden_copy = None, hidden_states.clone()
             else:
-                patch.hidden_version, patch.hidden_copy = hidden_states._version, None
+                running.hidden_version, running.hidden_copy = hidden_states._version, None
             return hidden_states
         return type(patch.head).forward(patch.head, hidden_states)
 
 
-def _changed(hidden: torch.Tensor, patch: _Patch) -> bool:
+def _changed(hidden: torch.Tensor, running: _Running) -> bool:
     """Whether ``hidden`` (what the head returned) was changed in place since: its version
     counter, or for an inference tensor (``torch.inference_mode``, which keeps none) its bits
     against the copy the head kept (``_same``: any NaN equal to any NaN)."""
-    if patch.hidden_version is not None:
-        return hidden._version != patch.hidden_version
-    return not _same(hidden, patch.hidden_copy)
+    if running.hidden_version is not None:
+        return hidden._version != running.hidden_version
+    return not _same(hidden, running.hidden_copy)
 
 
 class _TransformedLogits(RuntimeError):
@@ -564,8 +608,9 @@ class _LossFunction:
     def __call__(self, logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100,
                  shift_labels=None, **kwargs):
         patch = self.patch
-        if patch.active and patch.active[-1][0]:
-            if logits is None or logits is not patch.hidden or _changed(logits, patch):
+        running = patch.running
+        if running.labelled():
+            if logits is None or logits is not running.hidden or _changed(logits, running):
                 # a transform between the head and the loss, also one in place (Chameleon's
                 # masked image tokens, xLSTM's soft cap in eval mode): it acted on the hidden
                 # states, so the fused loss would be silently wrong
@@ -576,7 +621,7 @@ class _LossFunction:
                     "fewbit.plan(..., fused_cross_entropy=False)) or call fewbit.losses.unpatch_causal_lm_(model)")
             loss = _causal_lm_fused_loss(patch, logits, labels, vocab_size, num_items_in_batch,
                                          ignore_index, shift_labels)
-            patch.active[-1][1] = loss  # the forward's loss must come from it (_PostHook)
+            running.active[-1][1] = loss  # the forward's loss must come from it (_PostHook)
             return loss
         return patch.fallback(logits, labels, vocab_size, num_items_in_batch=num_items_in_batch,
                               ignore_index=ignore_index, shift_labels=shift_labels, **kwargs)
@@ -607,7 +652,11 @@ class _PreHook:
                 f"{type(module).__name__}'s loss_function was replaced after fewbit.losses.patch_causal_lm_; "
                 "call fewbit.losses.unpatch_causal_lm_(model) (fewbit.Config(fused_cross_entropy=False)) to "
                 "use your own loss: the fused loss computes transformers' ForCausalLMLoss only")
-        patch.active.append([labels is not None, None])
+        running = patch.running
+        if running.active:  # forwards a KeyboardInterrupt stopped (their post-hook never ran)
+            running.active[:] = [e for e in running.active if not finished(e[2])]
+        frame = None if _compiling_or_recording() else caller_frame()  # traced: no frames
+        running.active.append([labels is not None, None, frame])
 
 
 def _computed_from(returned: torch.Tensor, loss: torch.Tensor, depth: int = 16) -> bool:
@@ -655,11 +704,11 @@ class _PostHook:
         self.patch = patch
 
     def __call__(self, module, args, kwargs, output):
-        patch = self.patch
-        if not patch.active:
+        running = self.patch.running
+        if not running.active:
             return None
-        (active, computed), hidden = patch.active.pop(), patch.hidden
-        patch.hidden, patch.hidden_copy = None, None  # the copy also when the loss raised
+        (active, computed, _), hidden = running.active.pop(), running.hidden
+        running.hidden, running.hidden_copy = None, None  # the copy also when the loss raised
         if not active or hidden is None:
             return None
         if sys.exc_info()[0] is None:  # a forward that raised: its error stands

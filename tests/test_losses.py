@@ -241,6 +241,12 @@ def test_double_backward_raises():
         (dict(input=torch.zeros(N, H, dtype=torch.float64, device="meta"),
               weight=torch.zeros(V, H, dtype=torch.float64, device="meta"), bias=None),
          ValueError, "input must be on a cpu or cuda device .*got meta"),
+        # on another device torch raises; the fused op had returned uninitialised values
+        (dict(target=torch.zeros(N, dtype=torch.int64, device="meta")), ValueError,
+         r"target must be on input's device \(cpu\), got meta"),
+        (dict(bias=torch.zeros(V, dtype=torch.float64, device="meta")), ValueError,
+         r"bias must be on input's device \(cpu\), got meta"),
+        (dict(ignore_index=2**63), ValueError, r"ignore_index must be an integer in \[-2\*\*63, 2\*\*63\)"),
     ],
 )
 def test_bad_arguments(change, exc, match):
@@ -831,11 +837,11 @@ def test_inference_mode_copy_is_dropped_also_when_the_loss_raises():
     twice = patch_causal_lm_(Twice(_gpt2().config).eval())
     with torch.inference_mode():
         loss = twice(input_ids=ids, labels=ids).loss
-    assert torch.isfinite(loss) and getattr(twice, _PATCH_ATTR).hidden_copy is None
+    assert torch.isfinite(loss) and getattr(twice, _PATCH_ATTR).running.hidden_copy is None
     scaled = patch_causal_lm_(Scaled(_gpt2().config).eval())
     with torch.inference_mode(), pytest.raises(RuntimeError, match="did not get the output of its lm_head"):
         scaled(input_ids=ids, labels=ids)
-    assert getattr(scaled, _PATCH_ATTR).hidden_copy is None
+    assert getattr(scaled, _PATCH_ATTR).running.hidden_copy is None
 
 
 @pytest.mark.parametrize("mode", ["grad", "no_grad", "inference_mode"])
@@ -970,3 +976,70 @@ def test_torch_func_transforms_run_the_unfused_loss(dtype):
     expect = vmap(grad(theirs), in_dims=(None, 0, 0))(w, x, t)
     assert got.dtype == dtype and torch.equal(got, expect)
     assert torch.equal(grad(ours)(w, x[0], t[0]), grad(theirs)(w, x[0], t[0]))
+
+
+def test_threads_sharing_a_patched_model_get_their_own_loss_and_logits():
+    """A patched model kept its running forwards per model: a thread evaluating without
+    labels beside one training with them (generation, evaluation) swapped their records, so
+    one forward got the hidden states as logits and the other the unfused loss. Each thread
+    has its own now. The interleaving is fixed: the training forward enters, the evaluation
+    forward enters, the training forward finishes first."""
+    import threading
+
+    torch.manual_seed(0)
+    ref = _llama().eval()
+    model = patch_causal_lm_(copy.deepcopy(ref))
+    ids = torch.randint(0, 97, (2, 10))
+    with torch.no_grad():
+        want_logits, want_loss = ref(ids).logits, ref(ids, labels=ids).loss
+    entered = {name: threading.Event() for name in ("train", "eval")}
+    go = {name: threading.Event() for name in ("train", "eval")}
+
+    def pause(module, args):
+        name = threading.current_thread().name
+        entered[name].set()
+        assert go[name].wait(30)
+
+    model.model.embed_tokens.register_forward_pre_hook(pause)
+    out = {}
+
+    def run(name, **labels):
+        with torch.no_grad():
+            out[name] = model(ids, **labels)
+
+    threads = [threading.Thread(target=run, name="train", args=("train",), kwargs={"labels": ids}),
+               threading.Thread(target=run, name="eval", args=("eval",))]
+    threads[0].start()
+    assert entered["train"].wait(30)
+    threads[1].start()
+    assert entered["eval"].wait(30)
+    go["train"].set()
+    threads[0].join(30)
+    go["eval"].set()
+    threads[1].join(30)
+    assert out["train"].logits is None  # the fused loss: no logits
+    torch.testing.assert_close(out["train"].loss, want_loss)
+    assert out["eval"].logits.shape == want_logits.shape
+    torch.testing.assert_close(out["eval"].logits, want_logits)
+
+
+def test_a_forward_stopped_by_keyboardinterrupt_leaves_the_head_as_it_was():
+    """Torch skips the always-called forward hook for a ``KeyboardInterrupt``: the record of
+    a labelled forward stopped inside stayed, and the head, called on its own afterwards,
+    returned its input instead of the logits."""
+    torch.manual_seed(0)
+    model = patch_causal_lm_(_llama())
+    ids = torch.randint(0, 97, (2, 10))
+
+    def interrupt(module, args):
+        handle.remove()
+        raise KeyboardInterrupt
+
+    handle = model.model.norm.register_forward_pre_hook(interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        model(ids, labels=ids)
+    h = torch.randn(2, 10, 32)
+    head = model.get_output_embeddings()
+    torch.testing.assert_close(head(h), F.linear(h, head.weight, head.bias))
+    _, grads = _step(model, input_ids=ids, labels=ids)  # and the next step is the fused one
+    assert all(torch.isfinite(g).all() for g in grads.values())
