@@ -932,8 +932,11 @@ def test_a_compiled_planned_model_compiles_once(prof, batch):
     counters.clear()
     compiled = torch.compile(model, backend="eager")
     for _ in range(3):
-        compiled(**batch).loss.backward()
+        loss = compiled(**batch).loss
+        loss.backward()
     frames = counters["stats"]["unique_graphs"]
+    assert not vars(model)[planner._STATE_ATTR].entered  # every group left
+    assert torch.isfinite(loss)
     torch._dynamo.reset()
     counters.clear()
     compiled = torch.compile(model, backend="eager")
