@@ -199,6 +199,40 @@ class _ChannelMajor:
         return self.qt.decompress().movedim(0, 1).contiguous()
 
 
+class _NegInfKept:
+    """A :class:`~fewbit.quant.compressors.Compressed` of a log-softmax result whose
+    ``-inf`` entries (masked logits: banned tokens, invalid actions) are kept aside as a
+    1-bit mask (the 1-bit stream of docs/method.md §6) and quantized as their row's
+    smallest finite value; they decompress to ``-inf`` exactly. One ``-inf`` in a group had
+    made the whole group NaN, and log-softmax's backward ``g - exp(y) sum(g)`` then the whole
+    weight gradient (its exact gradient is finite: ``exp(-inf) = 0``). Costs 1 bit per
+    element beside the quantized copy."""
+
+    __slots__ = ("qt", "mask")
+
+    def __init__(self, qt, mask: torch.Tensor) -> None:
+        self.qt = qt
+        self.mask = mask
+
+    @property
+    def nbytes(self) -> int:
+        return self.qt.nbytes + self.mask.numel()
+
+    def decompress(self) -> torch.Tensor:
+        y = self.qt.decompress()
+        return y.masked_fill_(_unpack_bool(self.mask, y.numel()).view(y.shape), float("-inf"))
+
+
+def _without_neg_inf(t: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``t`` with its ``-inf`` entries replaced by the smallest finite value of their row
+    along ``dim`` (0 in a row with none), and the packed mask of those entries
+    (:class:`_NegInfKept`). No device synchronisation."""
+    mask = torch.isneginf(t)
+    floor = torch.where(mask, torch.inf, t).amin(dim=dim, keepdim=True)
+    floor = torch.where(torch.isfinite(floor), floor, torch.zeros((), dtype=t.dtype, device=t.device))
+    return torch.where(mask, floor, t), _pack_bool(mask)
+
+
 class _TokenMajor(_ChannelMajor):
     """A :class:`~fewbit.quant.compressors.Compressed` of attention's ``q`` or ``k``
     ``(..., T, head_dim)`` made from its ``(..., head_dim, T)`` copy (a transpose of each
@@ -1056,6 +1090,9 @@ class ActivationCompressor:
                     qt = _ChannelMajor(compressor.compress(t.detach().movedim(1, 0).contiguous(), generator=generator))
                 elif qk_channels:
                     qt = _TokenMajor(compressor.compress(t.detach().transpose(-1, -2).contiguous(), generator=generator))
+                elif role == "result" and _result_of(t) == "LogSoftmaxBackward0" and t.dim():
+                    finite, mask = _without_neg_inf(t.detach(), _saved_dim(t))
+                    qt = _NegInfKept(compressor.compress(finite, generator=generator), mask)
                 else:
                     qt = compressor.compress(t.detach(), generator=generator)
             self.stats.compressed += 1
@@ -1320,16 +1357,22 @@ def _result_of(t: torch.Tensor) -> str | None:
     return None if fn is None else type(fn).__name__
 
 
+def _saved_dim(t: torch.Tensor) -> int:
+    """The dim of the softmax / log-softmax that produced ``t`` (-1 if its node does not
+    say), in ``[0, t.dim())``."""
+    dim = getattr(t.grad_fn, "_saved_dim", None)
+    dim = -1 if dim is None else int(dim)
+    if dim >= 1 << 63:  # the saved int64 comes back as its unsigned value
+        dim -= 1 << 64
+    return dim % max(t.dim(), 1)
+
+
 def _softmax_rows(t: torch.Tensor) -> int | None:
     """The row length of a softmax / log-softmax result ``t`` if the op ran over its last
     dim (rows contiguous in C order), else None."""
-    dim = getattr(t.grad_fn, "_saved_dim", None)
-    if dim is None or not t.dim():
+    if getattr(t.grad_fn, "_saved_dim", None) is None or not t.dim():
         return None
-    dim = int(dim)
-    if dim >= 1 << 63:  # the saved int64 comes back as its unsigned value
-        dim -= 1 << 64
-    return t.shape[-1] if dim % t.dim() == t.dim() - 1 else None
+    return t.shape[-1] if _saved_dim(t) == t.dim() - 1 else None
 
 
 _CUSTOM_SAVES = threading.local()

@@ -72,8 +72,46 @@ def test_log_softmax_result_at_8_bits_in_rows():
     (r,) = comp.records.values()
     assert (r.compressor, r.bits) == ("group", 8)
     # 1 byte per element and one (min, scale) bf16 pair per group of 150: two per row
-    # (GroupQuantizer.within(300) with groups of 256)
-    assert r.nbytes == 16 * 300 + 32 * 4
+    # (GroupQuantizer.within(300) with groups of 256), and the 1-bit mask of -inf entries
+    assert r.nbytes == 16 * 300 + 32 * 4 + 16 * 300 // 8
+
+
+@pytest.mark.parametrize("dim", [-1, 0])
+@pytest.mark.parametrize("how", ["cross_entropy", "log_softmax"])
+def test_masked_logits_keep_a_finite_gradient(dim, how):
+    """A -inf logit (a banned token, an invalid action) is legitimate: log-softmax's exact
+    gradient is finite (``exp(-inf) = 0``). Its saved result holds -inf, which made its
+    whole group NaN, and the NaN the whole weight gradient (8192 of 8192 entries). The
+    -inf entries are kept aside as a 1-bit mask and decompress to -inf exactly; the rest
+    is quantized as before, so the gradient stays within 8 bits' error of the exact one."""
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    w = torch.randn(64, 128, requires_grad=True)
+    h = torch.randn(96, 64)
+    mask = torch.zeros(128)
+    mask[100:] = float("-inf")
+    mask[:3] = float("-inf")
+    t = torch.randint(3, 100, (96,))
+    if dim == 0:  # over the columns, the masked entries scattered (a column of -inf only is NaN in torch)
+        mask = torch.where(torch.rand(96, 128) < 0.2, float("-inf"), 0.0)
+        mask[0] = 0.0
+
+    def loss():
+        logits = h @ w + mask
+        if how == "cross_entropy" and dim == -1:
+            return F.cross_entropy(logits, t)
+        return -torch.log_softmax(logits, dim).gather(1, t[:, None]).mean()
+
+    loss().backward()
+    exact, w.grad = w.grad, None
+    assert torch.isfinite(exact).all()
+    comp = fewbit.compress_activations(8, min_numel=0)
+    with comp:
+        out = loss()
+    out.backward()
+    assert torch.isfinite(w.grad).all()
+    assert (w.grad - exact).norm() < 0.1 * exact.norm()  # one draw at 8 bits (0.06-0.08 measured)
 
 
 def test_keep_stays_exact():
