@@ -142,7 +142,8 @@ class Config:
             with everything saved inside them, also by code outside the other kinds (a gated
             MLP's product ``act(gate(x)) * up(x)``, mixture-of-experts layers, dropout masks).
         min_numel: saved tensors with fewer elements are kept as they are (>= 0).
-        stochastic: unbiased stochastic rounding (True) or nearest rounding (False).
+        stochastic: unbiased stochastic rounding (True) or nearest rounding (False, with
+            ``compressor="group"`` only: DIVISION and Adacc round stochastically).
         average_bits: with ``saved_bits="auto"`` (required then, refused otherwise): the
             GACT budget, bits per element averaged over the tensors GACT plans, a number
             in [1, 32] (:class:`fewbit.quant.gact.GACTPolicy`; docs/compression.md §2).
@@ -259,6 +260,11 @@ class Config:
         object.__setattr__(self, "group_size", check_positive_int(self.group_size, "group_size"))
         object.__setattr__(self, "min_numel", check_positive_int(self.min_numel, "min_numel", minimum=0))
         object.__setattr__(self, "stochastic", check_bool(self.stochastic, "stochastic"))
+        if not self.stochastic and self.compressor != "group" and self.saved_bits is not None:
+            # DIVISION's and Adacc's compressors round stochastically only (their residual and
+            # INT4 codes are unbiased that way): the flag had been ignored
+            raise ValueError(f"stochastic=False (nearest rounding) is only used with compressor='group', got "
+                             f"compressor={self.compressor!r}")
         object.__setattr__(self, "fused_cross_entropy", check_bool(self.fused_cross_entropy, "fused_cross_entropy"))
         self._check_warmup()
         layers = self.layers

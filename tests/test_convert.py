@@ -786,6 +786,10 @@ def test_transformers_unsupported_listed(name):
     ({"saved_bits": "auto", "average_bits": 2, "noise_norm": "l2"}, "noise_norm"),
     # accepted once, then the first forward failed inside the q/k/v quantizer
     ({"saved_bits": 1, "compressor": "adacc"}, "saved_bits must be one of \\(2, 4, 8\\) with compressor='adacc'"),
+    # DIVISION and Adacc round stochastically whatever the flag said
+    ({"saved_bits": 2, "compressor": "division", "stochastic": False},
+     "stochastic=False \\(nearest rounding\\) is only used with compressor='group', got compressor='division'"),
+    ({"saved_bits": 4, "compressor": "adacc", "stochastic": False}, "stochastic=False .*compressor='adacc'"),
 ])
 def test_config_compression_policy_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
