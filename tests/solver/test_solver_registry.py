@@ -112,6 +112,9 @@ def user_module(tmp_path, monkeypatch):
         def running(x):
             return torch.cumsum(x, 0)
 
+        def scaled_by_mean(x):  # commutes with every permutation, yet not elementwise
+            return x * x.mean()
+
         def in_place(x):
             return x.mul_(2)
 
@@ -149,6 +152,7 @@ def test_user_function_derivative_by_autograd(user_module):
         ("{m}:NOT_CALLABLE", "is not callable"),
         ("{m}:reducer", "must be elementwise"),
         ("{m}:running", "not elementwise"),
+        ("{m}:scaled_by_mean", r"not elementwise \(a part of the input changes the values\)"),
         ("{m}", "package.module:callable"),
     ],
 )
