@@ -33,6 +33,7 @@ import os
 import re
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
@@ -499,6 +500,12 @@ _param_option = click.option(
 # ---------------------------------------------------------------------------------------
 
 
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """A warning as one line on stderr (Python's shows the file, line and source: a
+    numpy overflow inside a fit printed three lines before the command's error)."""
+    click.echo(f"Warning: {_one_line_text(str(message))}", err=True)
+
+
 class _Group(click.Group):
     """The top-level group: every error is reported as one line on stderr.
 
@@ -510,7 +517,9 @@ class _Group(click.Group):
         if not standalone_mode:
             return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         try:
-            rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+            with warnings.catch_warnings():  # restores showwarning after
+                warnings.showwarning = _show_warning
+                rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         except click.exceptions.NoArgsIsHelpError as exc:  # `fewbit` alone: click's help, as it prints it
             exc.show()
             sys.exit(exc.exit_code)

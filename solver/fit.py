@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from typing import Callable, Iterable, Mapping
 
 from fewbit import activations as _acts
@@ -148,6 +149,22 @@ def fit_many(
     return _fit(fn, bits_list, domain, weight, grid, symmetric, params, refine, progress, "fit_many")
 
 
+def _check_resolves(obj: Objective, grid: int) -> None:
+    """Warn when a normal weight is narrower than the grid's cells: the DP's borders lie on
+    the grid, and the refinement then stops in a local optimum (gelu, 2 bits, normal:1e-3
+    on [-10, 10]: objective 2.31e-7 with cells of 10 sigma, grid=2000, against 7.48e-8 with
+    cells of 4 sigma or less)."""
+    w = obj.weight
+    cell = (obj.b - obj.a) / grid
+    if w.kind != "normal" or cell <= 5 * w.sigma:
+        return
+    need = math.ceil((obj.b - obj.a) / (4 * w.sigma))
+    finer = f"grid >= {need}" if need <= MAX_GRID else f"a domain of about +-{12 * w.sigma:.3g}"
+    warnings.warn(f"weight {w.spec} is narrower than the grid's cells ({cell:.3g} wide with grid={grid}): the "
+                  f"borders cannot follow it and the fit can be several times worse than the best; pass {finer}",
+                  RuntimeWarning, stacklevel=4)
+
+
 def _fit(fn, bits_list, domain, weight, grid, symmetric, params, refine, progress, caller) -> dict[int, Table]:
     """:func:`fit_many`; ``caller`` ("fit" or "fit_many") names the call in the provenance."""
     if is_int(bits_list):
@@ -171,6 +188,7 @@ def _fit(fn, bits_list, domain, weight, grid, symmetric, params, refine, progres
     from .refine import refine as _refine
 
     obj = Objective(sf, full, w, dom, symmetric=sym)
+    _check_resolves(obj, grid)
     t = obj.grid(grid)
     # Steps: the prefix integrals, each kernel call of the DP, one refinement per bit width.
     n_chunks = len(dp_chunks(t.size - 1))

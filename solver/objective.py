@@ -128,8 +128,12 @@ class Objective:
         #: kinks of f' and jumps of the (restricted, folded) weight, inside (a, b)
         self.breakpoints = np.array(sorted(p for p in pts if self.a < p < self.b), dtype=np.float64)
         self.use_f = not sf.user and weight.piecewise_constant
-        edges = _subdivide(np.r_[self.a, self.breakpoints, self.b], (self.b - self.a) / 256)
-        w_total = self.cell_integrals(edges, with_f=False)[0].sum()
+        if weight.kind == "normal":  # exactly: a narrow peak falls between quadrature nodes
+            s = weight.sigma * math.sqrt(2.0)
+            w_total = 0.5 * (math.erf(B / s) - math.erf(A / s))
+        else:
+            edges = _subdivide(np.r_[self.a, self.breakpoints, self.b], (self.b - self.a) / 256)
+            w_total = self.cell_integrals(edges, with_f=False)[0].sum()
         if not w_total > 0:
             raise ValueError(f"weight: {weight.spec} has no mass on the domain {self.domain}")
 

@@ -736,3 +736,20 @@ def test_a_user_functions_default_parameter_names_no_table(usermod, tmp_path, mo
     monkeypatch.chdir(tmp_path)
     r = run("fit", f"{mod}:withparam", "--param", "a=1.5", "--bits", "1", "--grid", "50", "--no-progress")
     assert r.exit_code == 0 and f"wrote {mod}--withparam.json" in r.stdout
+
+
+def test_warnings_are_one_line_and_a_narrow_weight_is_fitted_with_a_warning(tmp_path):
+    """A normal weight narrower than the grid's cells: its mass was found by quadrature
+    nodes that stepped over the peak ("normal:1e-05 has no mass on the domain"), and a grid
+    too coarse for it gave a fit 3x worse than the best, silently. Warnings are one line,
+    not Python's file, line and source."""
+    r = run("fit", "gelu", "--weight", "normal:1e-3", "--bits", "2", "--grid", "400", "--no-progress",
+            "-o", tmp_path / "n.json")
+    assert r.exit_code == 0, r.output
+    warned = [line for line in r.output.splitlines() if line.startswith("Warning:")]
+    assert warned == [line for line in r.output.splitlines() if "Warning" in line]
+    assert len(warned) == 1 and "narrower than the grid's cells" in warned[0] and "grid >= 5000" in warned[0]
+    r = run("fit", "gelu", "--weight", "normal:1e-5", "--bits", "2", "--grid", "300", "--no-progress",
+            "-o", tmp_path / "m.json")
+    assert r.exit_code == 0, r.output
+    assert "no mass" not in r.output and (tmp_path / "m.json").exists()
