@@ -838,7 +838,7 @@ def _plot(name: str, act: Any, params: Mapping[str, float], tables: Mapping[int,
           xlim: tuple[float, float] | None, path: Path, fmt: str = "png", *, overwrite: bool = True) -> None:
     import numpy as np
 
-    from fewbit.solver import registry
+    from fewbit.solver import approximation_error, registry
 
     import matplotlib
 
@@ -862,7 +862,10 @@ def _plot(name: str, act: Any, params: Mapping[str, float], tables: Mapping[int,
     floor = 1e-12
     for color, (b, table) in zip(colors, sorted(tables.items())):
         q = table.evaluate(x)
-        err = table.error
+        try:  # the table's own error, not the figure its file states (an edited file kept the old one)
+            err = approximation_error(table)
+        except ValueError:
+            err = table.error
         label = f"{b} bit{'s' if b > 1 else ''}: error {_fmt_error(err)}"
         # q is constant on (b_{i-1}, b_i] (searchsorted side="left") and x holds the borders,
         # so "pre" steps draw the table exactly.

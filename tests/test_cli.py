@@ -753,3 +753,22 @@ def test_warnings_are_one_line_and_a_narrow_weight_is_fitted_with_a_warning(tmp_
             "-o", tmp_path / "m.json")
     assert r.exit_code == 0, r.output
     assert "no mass" not in r.output and (tmp_path / "m.json").exists()
+
+
+def test_plot_legend_gives_the_tables_own_error(tmp_path):
+    """The legend printed the ``error`` a table file states: a hand-edited table kept its old
+    figure (4.056e-02 for a table whose error is 5.14), one without it said "n/a"."""
+    from fewbit.solver import approximation_error
+
+    gelu = shipped_table_files()["gelu.json"]
+    d = json.loads(Path(gelu).read_text())
+    d["tables"] = {"2": d["tables"]["2"]}
+    d["tables"]["2"]["values"] = [0.5, 0.5, 0.5, 0.5]
+    (tmp_path / "edited.json").write_text(json.dumps(d))
+    want = f"{approximation_error(read_tables(tmp_path / 'edited.json')[2]):.3e}"
+    del d["tables"]["2"]["error"]
+    (tmp_path / "noerror.json").write_text(json.dumps(d))
+    for name in ("edited.json", "noerror.json"):
+        r = run("plot", "gelu", "--table", tmp_path / name, "-o", tmp_path / f"{name}.svg")
+        assert r.exit_code == 0, r.output
+        assert f"2 bits: error {want}" in (tmp_path / f"{name}.svg").read_text()
