@@ -59,9 +59,17 @@ def refine(
     Returns:
         ``(borders, levels, loss)``: refined borders ``(K - 1,)``, optimal levels ``(K,)``
         and ``L`` (float). If refinement does not lower ``L``, the input borders are returned.
+
+    Raises:
+        ValueError: ``borders`` is not 1-D, not finite, not strictly increasing or not
+            inside ``(a, b)`` (levels of NaN and a lower-looking loss came back).
     """
     a, b = objective.a, objective.b
     s0 = np.asarray(borders, dtype=np.float64)
+    if s0.ndim != 1 or not np.isfinite(s0).all() or (s0.size and not (a < s0[0] and s0[-1] < b)) \
+            or np.any(np.diff(s0) <= 0):
+        raise ValueError(f"borders must be a 1-D, finite, strictly increasing array inside ({a!r}, {b!r}), "
+                         f"got {np.array2string(s0, threshold=8)}")
     y0, L0 = objective.levels_and_loss(s0)
     if s0.size == 0 or L0 <= 0.0:
         return s0, y0, L0

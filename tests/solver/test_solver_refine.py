@@ -127,3 +127,14 @@ def test_shipped_mirrored_table_is_best_against_random_restarts():
     y, L = obj.levels_and_loss(s)
     assert L == pytest.approx(t.error, rel=1e-10)
     assert np.max(np.abs(obj.gradient(s, y))) < 1e-7
+
+
+@pytest.mark.parametrize("borders", [[1.0, -1.0, 0.0], [-20.0, 0.0, 20.0], [np.nan, 0.0, 1.0], [0.0, 0.0],
+                                     [[0.0, 1.0]]])
+def test_refine_refuses_borders_it_cannot_refine(borders):
+    """Unsorted, repeated, non-finite or out-of-domain borders gave levels of NaN and a
+    lower-looking loss, with no error."""
+    sf = registry.get("gelu")
+    obj = Objective(sf, sf.params({}), weights.uniform(), (-10, 10))
+    with pytest.raises(ValueError, match=r"borders must be a 1-D, finite, strictly increasing array inside"):
+        refine(obj, np.array(borders))
