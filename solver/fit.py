@@ -44,11 +44,14 @@ def _check_domain(domain) -> tuple[float, float]:
 
 def _command(func, fn, bits, domain, weight, grid, symmetric, params, refine) -> str:
     """The Python call that reproduces a fit: ``fit(fn, bits=3, ...)`` for one bit width,
-    ``fit_many(fn, [1, 2, 3, 4], ...)`` for several."""
+    ``fit_many(fn, [1, 2, 3, 4], ...)`` for several; a histogram weight is written with its
+    bins (``"histogram"`` alone did not run)."""
     args = [repr(fn), f"bits={bits!r}" if func == "fit" else repr(list(bits))]
     if domain != DEFAULT_DOMAIN:
         args.append(f"domain={domain!r}")
-    if weight != "uniform":
+    if isinstance(weight, _weights.Weight) and weight.kind == "histogram":  # its bins, to run again
+        args.append(f"weight=fewbit.solver.weights.histogram({list(weight.edges)!r}, {list(weight.densities)!r})")
+    elif weight != "uniform":
         args.append(f"weight={weight!r}")
     if grid != DEFAULT_GRID:
         args.append(f"grid={grid!r}")
@@ -222,7 +225,8 @@ def _fit(fn, bits_list, domain, weight, grid, symmetric, params, refine, progres
             "weight": w.spec,
             "refined": bool(refine),
             "command": _command(
-                caller, fn, bits_list[0] if caller == "fit" else bits_list, dom, w.spec, grid, symmetric,
+                caller, fn, bits_list[0] if caller == "fit" else bits_list, dom,
+                w if w.kind == "histogram" else w.spec, grid, symmetric,
                 nondefault, refine,
             ),
         }

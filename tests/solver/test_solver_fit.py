@@ -266,3 +266,15 @@ def test_a_narrow_normal_weight_has_its_mass_and_a_fine_enough_grid_fits_it_best
     assert fine.objective == pytest.approx(7.479e-8, rel=1e-3)
     with pytest.warns(RuntimeWarning, match="a domain of about"):
         fit("gelu", 1, weight="normal:1e-5", grid=300)  # its mass is found (was "no mass on the domain")
+
+
+def test_a_histogram_weighted_fit_records_a_command_that_runs_again():
+    """The provenance said ``weight='histogram'``, which raises: the command now carries
+    the bins and gives the same table."""
+    import fewbit  # noqa: F401 - the command names fewbit.solver
+
+    x = np.random.default_rng(0).normal(size=10000)
+    d, e = np.histogram(x, bins=20, density=True)
+    t = fit("gelu", 2, weight=weights.histogram(e, d), grid=500)
+    again = eval(t.provenance["command"])  # noqa: S307 - our own provenance
+    assert again.borders == t.borders and again.values == t.values
