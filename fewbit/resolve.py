@@ -93,7 +93,11 @@ CACHE_REVISION = 2
 
 
 class TableFittedWarning(UserWarning):
-    """A table was not shipped nor cached, so it was fitted (once) and cached."""
+    """A table was not shipped nor cached, so it was fitted (once) and cached.
+
+    Issued by :func:`table_for` (and so :func:`load_table`); the message names the cache file, or
+    says why the table could not be cached.
+    """
 
 
 _TABLES: dict[tuple, Table] = {}
@@ -119,6 +123,13 @@ class ResolvedFn:
         op_name: the ``fn`` given to :func:`fewbit.ops.pointwise`: ``name``, or for a
             Hugging Face formula its ``"fewbit.activations:<formula>"`` (its forward is
             not the registry entry's kernel).
+
+    Args:
+        name: as the attribute.
+        act: as the attribute.
+        fn: the forward, ``fn(input, **params)``; for a user function :attr:`forward` wraps
+            it (:func:`fewbit.activations.forward_callable`).
+        op_name: as the attribute; ``None``: ``name``.
     """
 
     __slots__ = ("name", "act", "callable", "forward", "op_name")
@@ -167,6 +178,15 @@ class ResolvedFn:
 def resolve_fn(fn: FnLike) -> ResolvedFn:
     """Resolve a registry name, alias, formula name, ``"module:callable"`` or callable.
 
+    Args:
+        fn: a registry name or alias (``"gelu"``, ``"swish"``), a Hugging Face formula name
+            (``"gelu_new"``), a ``"module:callable"`` string, or a module-level callable.
+
+    Returns:
+        ResolvedFn: for a formula, ``name`` and ``act`` are those of the registry entry whose
+        tables it uses and ``callable`` is the formula; for a user function, ``act`` is
+        ``None`` and ``name`` its ``"module:qualname"``.
+
     Raises:
         ValueError: an unknown name (with close matches) or a spec that does not import.
         TypeError: a callable that is not importable by its ``module:qualname`` (lambdas,
@@ -210,7 +230,19 @@ _STEPWISE_BORDER_PARAMS: dict[str, tuple[tuple[str, ...], torch.dtype | None]] =
 
 
 def stepwise_params_for(name: str, full: dict[str, float], dtype: torch.dtype) -> dict[str, float]:
-    """Round the border parameters of a stepwise function as torch does for ``dtype``."""
+    """Round the border parameters of a stepwise function as torch does for ``dtype``.
+
+    Args:
+        name: canonical registry name.
+        full: every parameter of the function (:meth:`ResolvedFn.full_params`); it must hold
+            the border parameters (a missing one raises ``KeyError``).
+        dtype: the input's dtype.
+
+    Returns:
+        dict: a copy of ``full`` with ``threshold`` (threshold) or ``min_val``/``max_val``
+        (hardtanh) rounded to float32, or ``lambd`` (hardshrink, softshrink) rounded to
+        ``dtype``; ``full`` itself (not a copy) for other functions and for float64.
+    """
     spec = _STEPWISE_BORDER_PARAMS.get(name)
     if spec is None or dtype == torch.float64:
         return full
@@ -228,7 +260,11 @@ def stepwise_params_for(name: str, full: dict[str, float], dtype: torch.dtype) -
 def cache_dir() -> Path:
     """Directory of the user table cache, absolute: ``$FEWBIT_CACHE_DIR/tables`` if the
     variable is set (``~`` expanded, a relative path taken from the working directory at
-    the call), else ``platformdirs.user_cache_dir("fewbit")/tables``."""
+    the call), else ``platformdirs.user_cache_dir("fewbit")/tables``.
+
+    Returns:
+        Path: absolute; not created here.
+    """
     root = os.environ.get("FEWBIT_CACHE_DIR")
     if not root:
         import platformdirs
@@ -238,7 +274,10 @@ def cache_dir() -> Path:
 
 
 def clear_table_cache() -> None:
-    """Forget the tables loaded in memory (files on disk are kept)."""
+    """Forget the tables loaded in memory (files on disk are kept).
+
+    The resolved gradient calls (:data:`CALLS`) are cleared too.
+    """
     with _LOCK:
         _TABLES.clear()
         CALLS.clear()
@@ -250,7 +289,21 @@ def _params_tuple(params: Mapping[str, float]) -> tuple:
 
 def check_table_matches(table: Table, name: str, params: Mapping[str, float], source: str) -> None:
     """``ValueError`` naming ``source`` unless ``table`` is for ``name`` and exactly ``params``
-    (non-default ones): a table is never reused for another function or other parameters."""
+    (non-default ones): a table is never reused for another function or other parameters.
+
+    Args:
+        table: the table to check.
+        name: the function's table name (:attr:`ResolvedFn.name`).
+        params: its non-default parameters (:meth:`ResolvedFn.table_params`), compared as
+            floats.
+        source: where the table came from, for the message (a file path, ``"table"``).
+
+    Returns:
+        None.
+
+    Raises:
+        ValueError: if ``table.name != name`` or its ``params`` differ from ``params``.
+    """
     if table.name != name:
         raise ValueError(f"{source}: table is for {table.name!r}, not {name!r}")
     if _params_tuple(table.params) != _params_tuple(params):
@@ -295,12 +348,22 @@ def table_argument(table: TableLike, fn: ResolvedFn, bits: int | None, full: Map
     :class:`fewbit.modules.FewBitActivation`: a Table, or a JSON table file (``str`` or
     PathLike, any suffix), which must be for ``fn`` and its parameters ``full``.
 
+    Args:
+        table: a :class:`~fewbit.table.Table` or the path of a JSON table file.
+        fn: from :func:`resolve_fn`.
+        bits: the requested bits (not checked here), or ``None``: a Table's own bits, or a
+            file's only table.
+        full: every parameter of ``fn`` (:meth:`ResolvedFn.full_params`).
+
+    Returns:
+        Table: the given table, or the ``bits``-bit table of the file.
+
     Raises:
         TypeError: neither a Table nor a path.
         ValueError: bits or function or parameters do not match, or a user function's
             derivative grows past the table's domain (:func:`check_derivative_growth`);
             TableFormatError for a file that is unreadable or holds no ``bits``-bit table
-            (``None``: more than one).
+            (``None``: more than one, a plain ValueError).
     """
     tab, source = _given_table(table, bits, "table")
     check_table_matches(tab, fn.name, fn.table_params(full), source)
@@ -682,6 +745,23 @@ def table_for(f: ResolvedFn, bits: int | None, full: dict[str, float], dtype: to
         dtype: the input's dtype: a stepwise function's borders are its parameters
             rounded as torch rounds them for that dtype (``None``: unrounded); the
             table's ``params`` stay the requested ones.
+
+    Returns:
+        Table: the same object for the same ``(name, params, bits, border params)`` until
+        :func:`clear_table_cache`.
+
+    Raises:
+        ValueError: a shipped or readable cached table is for other parameters, or the fit
+            refuses (e.g. a user function whose derivative grows past the fit domain, or
+            ``bits`` outside 1..8, which is not checked here: a stepwise function gets its
+            exact table whatever ``bits``).
+        TableFormatError: a shipped file is corrupt, or an unreadable cache file cannot be
+            moved aside (one that can is moved to ``<file>.corrupt`` and the table refitted).
+        ImportError: a table must be fitted and the solver dependencies are missing.
+        RuntimeError: the solver returned a table of other bits.
+
+    Warns:
+        TableFittedWarning: when the table was fitted.
     """
     if torch.compiler.is_compiling():
         # traced by torch.compile: a cache miss (lock, files, maybe a fit) cannot be traced,
@@ -729,6 +809,11 @@ def find_table(fn: FnLike, bits: int | None = None,
     For the command line (``fewbit plot`` / ``fewbit error``), which must show the tables
     the runtime uses and must not fit one silently.
 
+    Args:
+        fn: as :func:`resolve_fn` (not a Table or a path, unlike :func:`load_table`).
+        bits: bits per element, 1..8; ``None``: the function's default.
+        params: the function's parameters (defaults filled in).
+
     Returns:
         ``(table, source)``: ``source`` is ``"exact"``, ``"fewbit.tables/<file>"``, the path
         of the user cache file, or ``"memory"`` (fitted earlier in this process, not
@@ -736,6 +821,7 @@ def find_table(fn: FnLike, bits: int | None = None,
 
     Raises:
         ValueError: as :func:`load_table`.
+        TypeError: as :func:`resolve_fn` (e.g. a Table or an ``os.PathLike`` for ``fn``).
         TableFormatError: if a shipped or cached file is unreadable (the cached file is left
             where it is; :func:`load_table` would move it aside and refit).
     """

@@ -90,7 +90,10 @@ _FLOAT32_OVERFLOW = 2.0**128 - 2.0**103
 
 
 class TableFormatError(ValueError):
-    """A table file is missing, corrupt, or of another schema version."""
+    """A table file is missing, corrupt, or of another schema version.
+
+    A subclass of ``ValueError``; the message names the file (or source) and the problem.
+    """
 
 
 def _short(value: Any, limit: int = 60) -> str:
@@ -303,6 +306,10 @@ def mirrored_code_map(half_borders: Sequence[float]) -> tuple[list[float], list[
     ``(-s_1, s_1]`` has code 0 and piece ``k`` of ``[0, C]`` shares its code ``k`` (and
     its level ``values[k]``) with its mirror image.
 
+    Args:
+        half_borders: the ``K - 1`` borders on ``[0, C]``, increasing and positive (not
+            checked here; :class:`Table` refuses the result if they are not).
+
     Returns:
         ``(borders, codes)``: ``2K - 2`` floats and ``2K - 1`` codes in ``[0, K)``.
     """
@@ -324,6 +331,14 @@ def table_filename(name: str, params: Mapping[str, float] | None = None) -> str:
     ``table_filename("elu", {"alpha": 0.5})`` is ``"elu@alpha=0.5.json"``. A name longer
     than :data:`MAX_FILENAME` bytes (file systems refuse more than 255) keeps its first 96
     bytes (UTF-8, whole characters) and a SHA-256 digest of the whole: ``"<start>~<16 hex>.json"``.
+
+    Args:
+        name: registry name or ``"module:callable"`` (``:`` is written ``--``, ``/`` is ``_``).
+        params: non-default parameters (``None`` or ``{}``: none), sorted by name, values
+            written as ``repr(float(v))``.
+
+    Returns:
+        str: a file name (no directory) of at most :data:`MAX_FILENAME` bytes in UTF-8.
     """
     safe = name.replace(":", "--").replace("/", "_")
     key = _params_key(params)
@@ -347,9 +362,18 @@ def dumps_tables(tables: Iterable[Table]) -> str:
     The file-level ``provenance`` is that of the lowest bit width; a table whose
     provenance differs keeps its own in its record.
 
+    Args:
+        tables: :class:`Table` objects, in any order (written sorted by bits).
+
+    Returns:
+        str: the JSON text (schema :data:`SCHEMA_VERSION`, indented, ending in a newline).
+
     Raises:
         ValueError: if ``tables`` is empty, holds a bit width twice, or mixes functions,
-            parameters, symmetry, domains or weights.
+            parameters, symmetry, domains or weights; also (from :func:`json.dumps`) if a
+            ``provenance`` holds a NaN or infinity.
+        TypeError: (from :func:`json.dumps`) if a ``provenance`` holds a value JSON cannot
+            represent (a set, a numpy integer).
     """
     tables = sorted(tables, key=lambda t: t.bits)
     if not tables:
@@ -511,7 +535,11 @@ def loads_tables(text: str, *, source: str = "<string>") -> dict[int, Table]:
         text: the file's content.
         source: what to call it in error messages (the file name).
 
+    Returns:
+        ``{bits: Table}`` with int keys in 1..8, one per record of ``tables``.
+
     Raises:
+        TypeError: if ``text`` is not a ``str`` (decode bytes first, or use :func:`read_tables`).
         TableFormatError: if the text is not valid JSON (``NaN``/``Infinity`` included),
             is larger than :data:`MAX_FILE_SIZE`, nests too deeply, repeats a key, is of
             another schema version, lacks a required field, has an unknown field, or any
@@ -539,6 +567,12 @@ def loads_tables(text: str, *, source: str = "<string>") -> dict[int, Table]:
 
 def read_tables(path: str | os.PathLike) -> dict[int, Table]:
     """Read a JSON table file from ``path``; returns ``{bits: Table}``.
+
+    Args:
+        path: the file (``str`` or ``os.PathLike``); UTF-8, a byte-order mark allowed.
+
+    Returns:
+        ``{bits: Table}`` as :func:`loads_tables`.
 
     Raises:
         TableFormatError: if the file is missing, unreadable, not UTF-8, larger than
@@ -603,6 +637,16 @@ def atomic_output(path: str | os.PathLike, suffix: str = ".tmp", *, overwrite: b
     ``overwrite=False``: a file that exists at the end (also one made meanwhile) is kept and
     ``FileExistsError`` raised (a hard link puts the new file in place only if none is there).
 
+    Args:
+        path: the file to write (``str`` or ``os.PathLike``).
+        suffix: suffix of the temporary file's name (``.<name>.<12 hex><suffix>``).
+        overwrite: replace an existing ``path`` (default) or keep it.
+
+    Returns:
+        A context manager: ``with atomic_output(path) as tmp:`` gives ``tmp`` (str), the
+        name of the empty temporary file to write; ``path`` is written when the block ends
+        without an exception.
+
     Raises:
         OSError: if the directory is not writable, or ``path`` exists and is not a regular
             file (a FIFO or a device such as ``/dev/null``: a rename would replace it by a
@@ -639,9 +683,18 @@ def write_tables(path: str | os.PathLike, tables: Iterable[Table], *, overwrite:
     Nothing is left half-written: on any error the previous file, if any, is unchanged.
     ``overwrite=False``: an existing file is kept (:func:`atomic_output`).
 
+    Args:
+        path: the file (``str`` or ``os.PathLike``).
+        tables: :class:`Table` objects of one function and parameter set (:func:`dumps_tables`).
+        overwrite: replace an existing file (default) or refuse to.
+
+    Returns:
+        ``Path(path)``, as given (a symbolic link is not resolved).
+
     Raises:
         OSError: if the directory is not writable or ``path`` is not a regular file;
             ``FileExistsError`` if it exists and ``overwrite`` is False.
+        ValueError, TypeError: as :func:`dumps_tables` (before anything is written).
     """
     path = Path(path)
     text = dumps_tables(tables)
@@ -651,7 +704,11 @@ def write_tables(path: str | os.PathLike, tables: Iterable[Table], *, overwrite:
 
 
 def shipped_table_files() -> dict[str, Any]:
-    """The JSON files shipped in the ``fewbit.tables`` package: ``{file name: Traversable}``."""
+    """The JSON files shipped in the ``fewbit.tables`` package: ``{file name: Traversable}``.
+
+    Returns:
+        dict from file name (``"gelu.json"``) to an :mod:`importlib.resources` Traversable.
+    """
     root = resources.files("fewbit.tables")
     return {p.name: p for p in root.iterdir() if p.name.endswith(".json")}
 
@@ -659,7 +716,12 @@ def shipped_table_files() -> dict[str, Any]:
 def load_shipped(name: str, params: Mapping[str, float] | None = None) -> dict[int, Table] | None:
     """Load the shipped tables of ``name`` for ``params`` (``None`` or ``{}``: defaults).
 
-    Returns ``{bits: Table}``, or ``None`` if no such file is shipped.
+    Args:
+        name: canonical registry name (``"gelu"``; aliases are not resolved here).
+        params: the non-default parameters (:func:`table_filename`).
+
+    Returns:
+        ``{bits: Table}``, or ``None`` if no such file is shipped.
 
     Raises:
         TableFormatError: if the shipped file is corrupt.

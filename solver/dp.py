@@ -81,6 +81,15 @@ def _check(W, FW, F2, K):
 def segment_cost(W, FW, F2, j, i):
     """``T(j, i)`` for index arrays ``j < i`` (broadcast), clamped at 0.
 
+    The cost of one constant piece on ``[t_j, t_i]`` (docs/method.md §4; Novikov et al.,
+    ICML 2023, app. G). A piece the weight does not see (``W(i) == W(j)``) costs 0.
+
+    Args:
+        W, FW, F2: ``(n + 1,)`` prefix integrals (converted to float64).
+        j, i: integer grid indices in ``0..n``, scalars or arrays of broadcastable shapes.
+            ``j < i`` is not checked: a pair with ``j >= i`` gives a meaningless value
+            (0 for ``j == i``).
+
     Returns:
         float64 array of the broadcast shape.
     """
@@ -164,7 +173,15 @@ _MAX_CHUNKS = 16
 def dp_chunks(n: int) -> list[tuple[int, int]]:
     """The ranges ``[i_begin, i_end)`` of grid rows that :func:`dp_numba_tables` computes
     per kernel call, for a grid of ``n`` cells: whole blocks, about equal work each (the
-    work of row ``i`` grows like ``i``), at most 16 of them."""
+    work of row ``i`` grows like ``i``), at most 16 of them.
+
+    Args:
+        n: number of grid cells (an int).
+
+    Returns:
+        list of ``(i_begin, i_end)`` int pairs, in order, that together cover the rows
+        ``1..n`` (row 0 is the initial state); ``[]`` for ``n <= 0``.
+    """
     block = _block(n)
     starts = list(range(1, n + 1, block))
     nb = len(starts)
@@ -196,6 +213,12 @@ def dp_numba_tables(W, FW, F2, K, *, progress=None):
         progress: optional ``progress(done, total)`` called after each piece
             (``total = len(dp_chunks(n))``); an exception it raises stops the DP.
 
+    Returns:
+        ``(D, A)``, both of shape ``(n + 1, K + 1)`` (transposed views, not C-contiguous):
+        ``D`` float64, ``+inf`` where no split exists (``k > i``, and ``k = 0 < i``),
+        ``D[0, 0] = 0``; ``A`` int32, ``A[i, k]`` the start index ``j`` of the last piece
+        of that best split (first minimum on ties; 0 where there is none).
+
     Raises:
         ValueError: for bad shapes, non-finite input, ``K < 1`` or fewer than ``K`` cells.
     """
@@ -215,7 +238,18 @@ def dp_numba_tables(W, FW, F2, K, *, progress=None):
 
 
 def backtrack(A: np.ndarray, n: int, k: int) -> np.ndarray:
-    """Interior border indices ``(k - 1,)`` (increasing) of the best ``k``-piece split of ``[0, n]``."""
+    """Interior border indices ``(k - 1,)`` (increasing) of the best ``k``-piece split of ``[0, n]``.
+
+    Args:
+        A: the ``(n + 1, K + 1)`` arg-min table of :func:`dp_numba_tables`.
+        n: the last grid index (the DP's ``n``; a smaller one gives the best split of
+            ``[t_0, t_n]``).
+        k: number of pieces, ``1 <= k <= min(K, n)``. Not checked: ``k < 1`` raises numpy's
+            ``ValueError`` (negative dimensions), ``k > K`` an ``IndexError``.
+
+    Returns:
+        int64 array ``(k - 1,)`` of indices in ``1..n-1`` (empty for ``k = 1``).
+    """
     out = np.empty(k - 1, dtype=np.int64)
     i = n
     for kk in range(k, 1, -1):
@@ -246,8 +280,15 @@ def dp_numba(W, FW, F2, K):
 def dp_numpy(W, FW, F2, K):
     """Plain numpy reference of :func:`dp_numba` (layer by layer, vectorised over ``j``).
 
+    Args:
+        W, FW, F2: ``(n + 1,)`` float64 prefix integrals, as :func:`dp_numba`.
+        K: number of pieces, ``1 <= K <= n``.
+
     Returns:
         ``(cost, borders)`` as :func:`dp_numba`.
+
+    Raises:
+        ValueError: as :func:`dp_numba_tables`.
     """
     W, FW, F2, K = _check(W, FW, F2, K)
     n = W.size - 1
@@ -270,7 +311,16 @@ def dp_numpy(W, FW, F2, K):
 
 
 def borders_cost(W, FW, F2, borders) -> float:
-    """Total cost of the pieces cut at grid indices ``borders`` (interior, increasing)."""
+    """Total cost of the pieces cut at grid indices ``borders`` (interior, increasing).
+
+    Args:
+        W, FW, F2: ``(n + 1,)`` prefix integrals.
+        borders: interior grid indices in ``1..n-1``, strictly increasing (not checked:
+            unordered or repeated indices give a meaningless cost).
+
+    Returns:
+        float: the sum of :func:`segment_cost` over the pieces.
+    """
     n = len(W) - 1
     idx = np.r_[0, np.asarray(borders, dtype=np.int64), n]
     return float(segment_cost(W, FW, F2, idx[:-1], idx[1:]).sum())
@@ -279,8 +329,16 @@ def borders_cost(W, FW, F2, borders) -> float:
 def brute_force(W, FW, F2, K):
     """Enumerate every ``K``-piece split (``C(n - 1, K - 1)`` of them; tiny grids only).
 
+    Args:
+        W, FW, F2: ``(n + 1,)`` float64 prefix integrals, as :func:`dp_numba`.
+        K: number of pieces, ``1 <= K <= n``.
+
     Returns:
-        ``(cost, borders)`` with the lexicographically first optimal border set.
+        ``(cost, borders)`` with the lexicographically first optimal border set
+        (float, int64 ``(K - 1,)``).
+
+    Raises:
+        ValueError: as :func:`dp_numba_tables`.
     """
     W, FW, F2, K = _check(W, FW, F2, K)
     n = W.size - 1

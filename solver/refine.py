@@ -23,7 +23,19 @@ __all__ = ["refine", "borders_from_z", "z_from_borders"]
 
 
 def z_from_borders(borders: np.ndarray, a: float, b: float) -> np.ndarray:
-    """Inverse of :func:`borders_from_z` (``z`` has ``K`` entries, mean 0)."""
+    """Inverse of :func:`borders_from_z` (``z`` has ``K`` entries, mean 0).
+
+    ``z_m = log(gap_m / (b - a))`` minus its mean, ``gap_m`` the ``K`` gaps between
+    ``a, borders..., b`` (docs/method.md §5).
+
+    Args:
+        borders: ``(K - 1,)`` strictly increasing floats inside ``(a, b)`` (not checked: a
+            gap ``<= 0`` is taken as ``1e-300``).
+        a, b: the interval, ``a < b``.
+
+    Returns:
+        float64 array ``(K,)`` with mean 0 (``[0.0]`` for no borders).
+    """
     s = np.r_[a, np.asarray(borders, dtype=np.float64), b]
     gaps = np.diff(s) / (b - a)
     z = np.log(np.maximum(gaps, 1e-300))
@@ -31,7 +43,19 @@ def z_from_borders(borders: np.ndarray, a: float, b: float) -> np.ndarray:
 
 
 def borders_from_z(z: np.ndarray, a: float, b: float) -> np.ndarray:
-    """Interior borders ``(K - 1,)`` from ``z`` ``(K,)``: ordered and inside ``(a, b)``."""
+    """Interior borders ``(K - 1,)`` from ``z`` ``(K,)``: ordered and inside ``(a, b)``.
+
+    ``s_i = a + (b - a) * sum_{m < i} softmax(z)_m`` (docs/method.md §5). In floating point
+    a gap whose softmax weight underflows is 0, so two borders, or a border and ``a`` or
+    ``b``, can coincide; :func:`refine` checks for that.
+
+    Args:
+        z: ``(K,)`` finite floats, ``K >= 1``.
+        a, b: the interval, ``a < b``.
+
+    Returns:
+        float64 array ``(K - 1,)``, non-decreasing.
+    """
     p = np.exp(z - z.max())
     p /= p.sum()
     return a + (b - a) * np.cumsum(p)[:-1]

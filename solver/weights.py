@@ -37,6 +37,9 @@ class Weight:
 
     A mirrored fit (docs/method.md §2) uses ``w(x) + w(-x)`` on ``x >= 0``; that folding, and the
     restriction to the fitting domain, are done by :class:`fewbit.solver.objective.Objective`.
+
+    The constructor does not check its fields: build weights with :func:`uniform`,
+    :func:`normal`, :func:`histogram` or :func:`parse`, which do.
     """
 
     kind: str
@@ -51,7 +54,11 @@ class Weight:
         return self.kind != "normal"
 
     def __call__(self, x) -> np.ndarray:
-        """``w(x)`` (float64, same shape as ``x``); uniform is 1 everywhere (restricted by the domain)."""
+        """``w(x)`` (float64, same shape as ``x``); uniform is 1 everywhere (restricted by the domain).
+
+        Raises:
+            ValueError: for a ``kind`` other than ``"uniform"``, ``"normal"``, ``"histogram"``.
+        """
         x = np.asarray(x, dtype=np.float64)
         if self.kind == "uniform":
             return np.ones_like(x)
@@ -74,12 +81,22 @@ class Weight:
 
 
 def uniform() -> Weight:
-    """``w = 1`` on the fitting domain ``[A, B]``."""
+    """``w = 1`` on the fitting domain ``[A, B]``.
+
+    Returns:
+        Weight: kind and spec ``"uniform"``.
+    """
     return Weight("uniform", "uniform")
 
 
 def normal(sigma: float) -> Weight:
     """Density of N(0, ``sigma``^2), restricted to the fitting domain.
+
+    Args:
+        sigma: standard deviation, a finite number > 0 (converted to float).
+
+    Returns:
+        Weight: kind ``"normal"``, spec ``"normal:<repr(float(sigma))>"`` (e.g. ``"normal:2.0"``).
 
     Raises:
         ValueError: unless ``sigma`` is finite and > 0.
@@ -99,6 +116,11 @@ def histogram(edges, densities) -> Weight:
     Args:
         edges: ``(m + 1,)`` strictly increasing finite bin edges.
         densities: ``(m,)`` finite densities ``>= 0``, not all 0 (e.g. ``np.histogram(..., density=True)``).
+            They need not integrate to 1.
+
+    Returns:
+        Weight: kind and spec ``"histogram"``, ``edges`` and ``densities`` as float tuples
+        (array-likes are flattened).
 
     Raises:
         ValueError: for non-increasing or non-finite edges, a length mismatch, negative or
@@ -119,6 +141,13 @@ def histogram(edges, densities) -> Weight:
 
 def parse(spec) -> Weight:
     """A weight from a CLI string (``"uniform"``, ``"normal:SIGMA"``) or a :class:`Weight`.
+
+    Args:
+        spec: ``"uniform"`` or ``"normal:SIGMA"`` (case and surrounding whitespace ignored),
+            or a :class:`Weight`. A histogram has no string form: pass :func:`histogram`'s result.
+
+    Returns:
+        Weight: ``spec`` itself if it is one, else :func:`uniform` or :func:`normal`.
 
     Raises:
         ValueError: for an unknown string or a bad ``SIGMA``.
