@@ -36,7 +36,7 @@ import threading
 import numpy as np
 from numba import njit, prange
 
-from fewbit._checks import check_positive_int
+from fewbit._checks import check_positive_int, is_int
 
 __all__ = [
     "segment_cost",
@@ -244,12 +244,20 @@ def backtrack(A: np.ndarray, n: int, k: int) -> np.ndarray:
         A: the ``(n + 1, K + 1)`` arg-min table of :func:`dp_numba_tables`.
         n: the last grid index (the DP's ``n``; a smaller one gives the best split of
             ``[t_0, t_n]``).
-        k: number of pieces, ``1 <= k <= min(K, n)``. Not checked: ``k < 1`` raises numpy's
-            ``ValueError`` (negative dimensions), ``k > K`` an ``IndexError``.
+        k: number of pieces, ``1 <= k <= min(K, n)``.
 
     Returns:
         int64 array ``(k - 1,)`` of indices in ``1..n-1`` (empty for ``k = 1``).
+
+    Raises:
+        ValueError: ``n`` or ``k`` outside those ranges (numpy's "negative dimensions" and a
+            bare ``IndexError`` had come instead).
     """
+    rows, cols = np.shape(A)
+    if not (is_int(n) and 1 <= n < rows):
+        raise ValueError(f"n must be an integer in [1, {rows - 1}] (A's rows - 1), got {n!r}")
+    if not (is_int(k) and 1 <= k <= min(cols - 1, n)):
+        raise ValueError(f"k must be an integer in [1, {min(cols - 1, n)}] (pieces: at most K and n), got {k!r}")
     out = np.empty(k - 1, dtype=np.int64)
     i = n
     for kk in range(k, 1, -1):

@@ -163,3 +163,15 @@ def test_dp_runs_in_pieces_and_stops_between_them():
     c_np, b_np = dp_numpy(W, FW, F2, 4)
     assert D[n, 4] == pytest.approx(c_np, rel=1e-12)
     np.testing.assert_array_equal(backtrack(A, n, 4), b_np)
+
+
+@pytest.mark.parametrize("n, k, needle", [(5, 3, "k must be an integer in \\[1, 2\\]"), (5, 0, "k must be"),
+                                          (6, 1, "n must be an integer in \\[1, 5\\]"), (5, 2.0, "k must be")])
+def test_backtrack_refuses_pieces_the_tables_do_not_hold(n, k, needle):
+    """``k > K`` raised a bare IndexError, ``k < 1`` numpy's "negative dimensions"."""
+    W = np.arange(6.0)
+    FW = np.array([0, 1, 1, 2, 5, 5.0])
+    F2 = np.array([0, 1, 1, 2, 11, 11.0])
+    _, A = dp_numba_tables(W, FW, F2, 2)
+    with pytest.raises(ValueError, match=needle):
+        backtrack(A, n, k)
