@@ -130,7 +130,12 @@ class Objective:
         self.use_f = not sf.user and weight.piecewise_constant
         if weight.kind == "normal":  # exactly: a narrow peak falls between quadrature nodes
             s = weight.sigma * math.sqrt(2.0)
-            w_total = 0.5 * (math.erf(B / s) - math.erf(A / s))
+            if A >= 0:  # a tail: erfc keeps what erf rounds to 1 - 1
+                w_total = 0.5 * (math.erfc(A / s) - math.erfc(B / s))
+            elif B <= 0:
+                w_total = 0.5 * (math.erfc(-B / s) - math.erfc(-A / s))
+            else:
+                w_total = 0.5 * (math.erf(B / s) - math.erf(A / s))
         else:
             edges = _subdivide(np.r_[self.a, self.breakpoints, self.b], (self.b - self.a) / 256)
             w_total = self.cell_integrals(edges, with_f=False)[0].sum()

@@ -264,8 +264,12 @@ def test_a_narrow_normal_weight_has_its_mass_and_a_fine_enough_grid_fits_it_best
         fine = fit("gelu", 2, weight="normal:1e-3", grid=5000)
     assert fine.objective < 0.5 * coarse.objective
     assert fine.objective == pytest.approx(7.479e-8, rel=1e-3)
+    with pytest.warns(RuntimeWarning, match=r"grid >= 20000"):  # 16 pieces need cells of sigma
+        fit("gelu", 4, weight="normal:1e-3", grid=8000)  # 3.6x the best objective there
     with pytest.warns(RuntimeWarning, match="a domain of about"):
         fit("gelu", 1, weight="normal:1e-5", grid=300)  # its mass is found (was "no mass on the domain")
+    for domain in [(3, 10), (-10, -3)]:  # a tail: erf's difference rounded to 0 there
+        assert fit("gelu", 1, weight="normal:0.33", domain=domain, grid=300).objective > 0
 
 
 def test_a_histogram_weighted_fit_records_a_command_that_runs_again():

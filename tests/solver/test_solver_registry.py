@@ -115,6 +115,12 @@ def user_module(tmp_path, monkeypatch):
         def scaled_by_mean(x):  # commutes with every permutation, yet not elementwise
             return x * x.mean()
 
+        def scaled_by_min(x):  # the first part of the probe holds its min
+            return x * x.min()
+
+        def over_max_abs(x):
+            return torch.tanh(x) / x.abs().max()
+
         def in_place(x):
             return x.mul_(2)
 
@@ -153,6 +159,8 @@ def test_user_function_derivative_by_autograd(user_module):
         ("{m}:reducer", "must be elementwise"),
         ("{m}:running", "not elementwise"),
         ("{m}:scaled_by_mean", r"not elementwise \(a part of the input changes the values\)"),
+        ("{m}:scaled_by_min", r"not elementwise \(a part of the input changes the values\)"),
+        ("{m}:over_max_abs", r"not elementwise \(a part of the input changes the values\)"),
         ("{m}", "package.module:callable"),
     ],
 )
