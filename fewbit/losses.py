@@ -526,8 +526,9 @@ class _Running:
         """Whether the innermost running forward has labels (one a ``KeyboardInterrupt``
         stopped does not count)."""
         active = self.active
-        while active and finished(active[-1][2]):
-            active.pop()
+        if not _compiling_or_recording():  # traced (model.forward compiled alone): no frames to ask
+            while active and finished(active[-1][2]):
+                active.pop()
         return bool(active) and active[-1][0]
 
 
@@ -655,6 +656,8 @@ class _PreHook:
         running = patch.running
         if running.active:  # forwards a KeyboardInterrupt stopped (their post-hook never ran)
             running.active[:] = [e for e in running.active if not finished(e[2])]
+            if not running.active:  # their hidden states (and graph) go before this forward's
+                running.hidden, running.hidden_copy = None, None
         frame = None if _compiling_or_recording() else caller_frame()  # traced: no frames
         running.active.append([labels is not None, None, frame])
 

@@ -1043,3 +1043,41 @@ def test_a_forward_stopped_by_keyboardinterrupt_leaves_the_head_as_it_was():
     torch.testing.assert_close(head(h), F.linear(h, head.weight, head.bias))
     _, grads = _step(model, input_ids=ids, labels=ids)  # and the next step is the fused one
     assert all(torch.isfinite(g).all() for g in grads.values())
+
+
+def test_a_patched_models_forward_compiled_alone_runs_without_labels():
+    """transformers' ``model.forward = torch.compile(model.forward, fullgraph=True)``: the
+    hooks run eagerly and record a real frame, and the compiled head asked it whether it
+    had finished (``frame.clear()``, which dynamo cannot trace)."""
+    torch.manual_seed(0)
+    ref = _llama().eval()
+    model = patch_causal_lm_(copy.deepcopy(ref))
+    ids = torch.randint(1, 97, (2, 10))
+    model.forward = torch.compile(model.forward, fullgraph=True, backend="eager")
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, ref(ids).logits)
+
+
+def test_the_hidden_states_of_an_interrupted_forward_go_before_the_next_forward():
+    """After a KeyboardInterrupt inside the loss, the stopped forward's hidden states (and
+    the graph behind them) stayed alive through the next forward: two graphs at its peak."""
+    import weakref
+
+    torch.manual_seed(0)
+    model = patch_causal_lm_(_llama())
+    ids = torch.randint(0, 97, (2, 10))
+    seen = []
+
+    def interrupt(module, args, output):  # after the head recorded them
+        seen.append(weakref.ref(args[0]))
+        handle.remove()
+        raise KeyboardInterrupt
+
+    handle = model.lm_head.register_forward_hook(interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        model(ids, labels=ids)
+    alive_during = []
+    probe = model.model.embed_tokens.register_forward_hook(lambda *a: alive_during.append(seen[0]() is not None))
+    model(ids, labels=ids)
+    probe.remove()
+    assert alive_during == [False]
