@@ -26,7 +26,8 @@ import weakref
 
 import torch
 
-__all__ = ["caller_frame", "finished", "leave_mode", "remove_function_mode", "sweep_modes"]
+__all__ = ["caller_frame", "finished", "leave_mode", "remove_function_mode", "remove_saved_tensors_hooks",
+           "sweep_modes"]
 
 #: Left-over modes that torch had stashed when they were left (their own
 #: ``__torch_function__`` was running): taken off the stack by the next :func:`sweep_modes`
@@ -89,3 +90,24 @@ def sweep_modes() -> None:
     for mode in list(_STASHED):
         if remove_function_mode(mode):
             _STASHED.discard(mode)
+
+
+def remove_saved_tensors_hooks(pack_hook, unpack_hook) -> bool:
+    """Take the innermost ``(pack_hook, unpack_hook)`` pair off this thread's stack of
+    saved-tensor hooks wherever it sits, the pairs above it put back in order (a context
+    entered since, a ``fewbit.memory`` recorder's, keeps its place); False if it is not
+    there."""
+    above = []
+    found = False
+    while True:
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        if top is None:
+            break
+        torch._C._autograd._pop_saved_tensors_default_hooks()
+        if top[0] is pack_hook and top[1] is unpack_hook:
+            found = True
+            break
+        above.append(top)
+    for pack, unpack in reversed(above):
+        torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
+    return found

@@ -93,7 +93,7 @@ from torch import nn
 
 from fewbit import _optimizers
 from fewbit._checks import check_positive_int, is_int
-from fewbit._interrupted import caller_frame
+from fewbit._interrupted import caller_frame, finished, remove_saved_tensors_hooks
 from fewbit._blocks import find_blocks
 from fewbit._saved import keep, under_users_checkpoint, unpack
 from fewbit.convert import _is_causal_lm, layer_kind, normalization_size
@@ -412,7 +412,8 @@ class _Running(threading.local):
     every call (one made on first use had recompiled the model at its second call)."""
 
     def __init__(self) -> None:
-        #: ``(group hook, what its pre-hook entered)`` per running group, innermost last
+        #: ``(group hook, what its pre-hook entered, the frame of its module call)`` per running
+        #: group, innermost last
         self.entered: list = []
         #: the checkpoint's (pack, unpack) per running checkpointed block
         self.checkpoint_hooks: list = []
@@ -428,8 +429,25 @@ def _leave_groups(state: _State, depth: int) -> None:
     entered is still on top of torch's stacks."""
     entered = state.entered
     while len(entered) > depth:
-        hook, ctx = entered.pop()
+        hook, ctx, _ = entered.pop()
         hook.leave(ctx)
+
+
+def _leave_leftovers(state: _State) -> None:
+    """Leave the groups of this thread whose module call has stopped executing without its
+    forward hook (a ``KeyboardInterrupt`` inside a block that is not wrapped: no root group,
+    not checkpointed; fewbit._interrupted), innermost first. Called by the next group's
+    pre-hook; hooks entered since (a user's, a ``fewbit.memory`` recorder's) keep their
+    place above them."""
+    entered = state.entered
+    while entered and finished(entered[-1][2]):
+        hook, ctx, _ = entered.pop()
+        if ctx is None:
+            continue
+        if hook.option.kind == "quant":
+            ctx.check_interrupted()  # the compressor's own record of the frame that entered it
+            continue
+        remove_saved_tensors_hooks(ctx.pack_hook, ctx.unpack_hook)
 
 
 class _GroupHook:
@@ -442,26 +460,32 @@ class _GroupHook:
 
     def pre(self, module, args):
         o = self.option
+        if _compiling_or_recording():  # traced: no frames, nothing left over to look for
+            frame = None
+        else:
+            frame = caller_frame()
+            if self.state.entered:
+                _leave_leftovers(self.state)
         if not torch.is_grad_enabled() or _compiling_or_recording() or _transforms_active():
             # as convert_'s hooks: nothing is saved without grad, and a torch-function mode
             # would turn off torch's inference fast paths (nn.TransformerEncoderLayer's nested
             # tensors then fail outside them); a compiled graph saves its own tensors; torch.func
             # transforms refuse saved-tensor hooks
-            self._entered(None)
+            self._entered(None, frame)
             return
         if under_users_checkpoint(_own_checkpoint(self.state)):
             # a user's torch.utils.checkpoint (Hugging Face's gradient checkpointing) drops and
             # recomputes what is saved here: the plan's hooks on top of its hooks kept it (a
             # planned LLaMA held 2912 KiB against checkpointing's 852)
-            self._entered(None)
+            self._entered(None, frame)
             return
         if o.kind == "quant":
             ctx = self.state.compressors[o.name]
-            ctx.enter_from(caller_frame())
+            ctx.enter_from(frame)
             # as convert_: the module's kind, and a norm's rows for its saved tensors (Compressor.within)
             kind = layer_kind(module)
             ctx._push_module(self.fqn, kind, functools.partial(normalization_size, module) if kind == "norm" else None)
-            self._entered(ctx)
+            self._entered(ctx, frame)
             return
         elif o.kind == "recompute":
             top = self.state.checkpoint_hooks[-1] if self.state.checkpoint_hooks else None
@@ -470,10 +494,10 @@ class _GroupHook:
             ctx = torch.autograd.graph.saved_tensors_hooks(keep, unpack)
         if ctx is not None:
             ctx.__enter__()
-        self._entered(ctx)
+        self._entered(ctx, frame)
 
-    def _entered(self, ctx) -> None:
-        self.state.entered.append((self, ctx))
+    def _entered(self, ctx, frame) -> None:
+        self.state.entered.append((self, ctx, frame))
 
     def post(self, module, args, output):
         entered = self.state.entered
@@ -911,8 +935,10 @@ def _apply_choices(model: nn.Module, plan: "Plan") -> _State:
                 except (TypeError, ValueError):
                     sig = None
                 block.forward = functools.partial(_checkpointed_forward, state, block, forward, root, sig)
-            else:  # also without a root: the groups inside are left as an interrupt unwinds it
+            elif root is not None:
                 block.forward = functools.partial(_plain_forward, state, block, forward, root)
+            else:  # its forward stays the user's; the next group's pre-hook leaves an interrupt's leftovers
+                continue
             state.blocks.append((block, own_forward))
     model.__dict__[_STATE_ATTR] = state
     return state

@@ -832,10 +832,12 @@ def test_a_keyboardinterrupt_inside_a_group_leaves_nothing_behind(prof, batch, c
     """Torch calls forward hooks for an ``Exception`` only: a ``KeyboardInterrupt`` (Ctrl-C
     in a notebook) inside a planned group left its saved-tensor hooks on; torch's checkpoint
     then left them instead of its own, and every later backward in the process failed
-    (``CheckpointError``), a plain model's included. The groups are left as the interrupt
-    unwinds the block."""
+    (``CheckpointError``), a plain model's included. The groups of a wrapped block (with a
+    root group, or checkpointed) are left as the interrupt unwinds it; those of another
+    block (exact keep hooks) by the model's next group pre-hook."""
     model = make_model()
-    fewbit.convert_(model, choices_plan(prof, choice))
+    plan = choices_plan(prof, choice)
+    fewbit.convert_(model, plan)
     model(**batch).loss.backward()
 
     def interrupt(module, args):
@@ -845,7 +847,10 @@ def test_a_keyboardinterrupt_inside_a_group_leaves_nothing_behind(prof, batch, c
     handle = model.transformer.h[0].mlp.c_fc.register_forward_pre_hook(interrupt)
     with pytest.raises(KeyboardInterrupt):
         model(**batch)
-    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    wrapped = "forward" in vars(model.transformer.h[0])
+    assert wrapped == (plan.blocks[0].checkpoint or any(not g.name for g in plan.blocks[0].groups))
+    if wrapped:
+        assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
     plain = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16))
     ref = copy.deepcopy(plain)
     x = torch.randn(4, 16)
@@ -1572,3 +1577,26 @@ def test_torch_func_grad_of_a_planned_model_is_exact(prof, batch, default):
     got = loss_grads(model)
     for n in expect:
         torch.testing.assert_close(got[n], expect[n], rtol=0, atol=0, msg=n)
+
+
+def test_a_forward_wrapper_set_after_planning_a_block_without_a_wrapper_of_its_own_stays(prof, batch):
+    """accelerate-style ``block.forward = wrapper(block.forward)`` after planning: a block
+    the plan leaves unwrapped (no root group, not checkpointed) keeps it through
+    ``remove_plan`` and another ``convert_`` (a version that wrapped every block dropped it)."""
+    model = make_model()
+    plan = choices_plan(prof, {"mlp.c_fc": "quant4"})
+    fewbit.convert_(model, plan)
+    block = model.transformer.h[0]
+    assert "forward" not in vars(block)
+    calls = []
+    inner = block.forward
+
+    def wrapper(*args, **kwargs):
+        calls.append(1)
+        return inner(*args, **kwargs)
+
+    block.forward = wrapper
+    planner.remove_plan(model)
+    fewbit.convert_(model, plan)
+    model(**batch).loss.backward()
+    assert calls == [1]
