@@ -104,7 +104,7 @@ def remove_saved_tensors_hooks(pack_hook, unpack_hook) -> bool:
         if top is None:
             break
         torch._C._autograd._pop_saved_tensors_default_hooks()
-        if top[0] is pack_hook and top[1] is unpack_hook:
+        if top[0] == pack_hook and top[1] == unpack_hook:  # ==: a bound method is made anew at each access
             found = True
             break
         above.append(top)

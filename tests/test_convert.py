@@ -1658,3 +1658,31 @@ def test_after_an_interrupt_an_evaluation_forward_runs_and_nothing_is_pinned():
     del model
     gc.collect()
     assert ref() is None
+
+
+def test_an_interrupts_leftover_under_a_users_hooks_is_taken_off():
+    """The leftover of a Ctrl-C inside a compressed layer is left at the next fewbit hook;
+    when a user's saved-tensor hooks had been entered since, it popped only from the top,
+    stopped at the user's pair and forgot its own below: every later model's saves were
+    quantized for good."""
+    model = _Outer()
+    fewbit.convert_(model, fewbit.Config(activation_bits=None, saved_bits=2, min_numel=0, layers=("linear",)))
+    x = torch.randn(4, 16, requires_grad=True)
+
+    def interrupt(module, args):
+        if model.inner.interrupt:
+            raise KeyboardInterrupt
+
+    model.inner.fc2.register_forward_pre_hook(interrupt)
+    model.inner.interrupt = True
+    with pytest.raises(KeyboardInterrupt):
+        model(x)
+    model.inner.interrupt = False
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        model(x).sum().backward()
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    plain = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 16))
+    ref = copy.deepcopy(plain)
+    plain(x).sum().backward()
+    ref(x).sum().backward()
+    assert torch.equal(plain[0].weight.grad, ref[0].weight.grad)

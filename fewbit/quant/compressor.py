@@ -25,7 +25,7 @@ from torch.utils._pytree import tree_leaves
 
 from fewbit import _norm_rows
 from fewbit._checks import check_optimizer, check_positive_int, float64_out_of_range
-from fewbit._interrupted import finished, leave_mode, sweep_modes
+from fewbit._interrupted import finished, leave_mode, remove_saved_tensors_hooks, sweep_modes
 from fewbit._saved import Kept, keep
 
 __all__ = ["ActivationCompressor", "CompressionStats", "SavedTensorRecord", "compress_activations"]
@@ -760,11 +760,11 @@ class ActivationCompressor:
         self._stack.clear()
         self._frame = None
         self._where.clear()
-        for _ in range(n):  # torch's saved-tensor hooks: ours, while they are on top
-            top = torch._C._autograd._top_saved_tensors_default_hooks(False)
-            if top is None or top[0] != self._pack:
+        for _ in range(n):  # torch's saved-tensor hooks: ours, wherever they sit (hooks a user
+            # entered since keep their place; popping only from the top had left ours under
+            # them for good, quantizing every later model's saves)
+            if not remove_saved_tensors_hooks(self._pack, self._unpack):
                 break
-            torch._C._autograd._pop_saved_tensors_default_hooks()
         if mode is not None:
             leave_mode(mode)
         self._owner = None
