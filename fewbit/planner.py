@@ -385,6 +385,7 @@ class _State:
         self.replaced: list[tuple[nn.Module, str, nn.Module]] = []  # (parent, name, original)
         self.compressors: dict[str, Any] = {}
         self.patched_loss = False
+        self.removed = False  # by remove_plan: a block wrapper still called passes calls through
         self.running = _Running()
 
     def __getstate__(self) -> dict:  # deepcopy, pickle: no thread's running forward is copied
@@ -394,6 +395,7 @@ class _State:
 
     def __setstate__(self, d: dict) -> None:
         self.__dict__.update(d)
+        self.__dict__.setdefault("removed", False)
         self.running = _Running()
 
     @property
@@ -750,6 +752,8 @@ def _checkpointed_forward(state: _State, block: nn.Module, forward: Callable, ro
             buffers[0].forward_done()
         return out
 
+    if state.removed:  # a wrapper set on the block after the plan still calls this
+        return forward(*args, **kwargs)
     if not torch.is_grad_enabled() or _transforms_active() or _recording_program():
         # torch.func refuses checkpoint's hooks; a recorded program runs the block as it is
         return _plain_forward(state, block, forward, None, *args, **kwargs)
@@ -802,6 +806,8 @@ def _checkpointed_forward(state: _State, block: nn.Module, forward: Callable, ro
 def _plain_forward(state: _State, block: nn.Module, forward: Callable, root: _GroupHook | None, *args, **kwargs):
     """``forward(*args, **kwargs)`` inside ``root``'s group (the block's own saves; None:
     none); the groups it enters are left as an interrupt unwinds it (:func:`_leave_groups`)."""
+    if state.removed:
+        return forward(*args, **kwargs)
     depth = len(state.entered)
     try:
         if root is None:
@@ -841,10 +847,15 @@ def remove_plan(model: nn.Module) -> bool:
                 if isinstance(getattr(h, "__self__", None), _GroupHook):
                     del hooks[k]
                     m._forward_hooks_always_called.pop(k, None)
+    state.removed = True
     for block, own_forward in state.blocks:
-        vars(block).pop("forward", None)
-        if own_forward is not None:
-            block.forward = own_forward
+        current = vars(block).get("forward")
+        if isinstance(current, functools.partial) and current.args and current.args[0] is state:
+            del vars(block)["forward"]
+            if own_forward is not None:
+                block.forward = own_forward
+        # else a wrapper set on the block after the plan (accelerate's hooks) wraps ours: it
+        # stays (removing the instance forward dropped it), and ours passes calls through
     for parent, name, original in state.replaced:
         parent._modules[name] = original
     if state.patched_loss:
@@ -934,11 +945,13 @@ def _apply_choices(model: nn.Module, plan: "Plan") -> _State:
                     sig = inspect.signature(forward)
                 except (TypeError, ValueError):
                     sig = None
-                block.forward = functools.partial(_checkpointed_forward, state, block, forward, root, sig)
-            elif root is not None:
-                block.forward = functools.partial(_plain_forward, state, block, forward, root)
-            else:  # its forward stays the user's; the next group's pre-hook leaves an interrupt's leftovers
-                continue
+                wrapper = functools.partial(_checkpointed_forward, state, block, forward, root, sig)
+            else:  # also without a root: the groups inside are left as an interrupt unwinds it
+                wrapper = functools.partial(_plain_forward, state, block, forward, root)
+            # the block's own signature for inspect.signature (a wrapper set on the block after
+            # the plan, functools.wraps'd, reads its arguments' names from it)
+            wrapper.__wrapped__ = forward
+            block.forward = wrapper
             state.blocks.append((block, own_forward))
     model.__dict__[_STATE_ATTR] = state
     return state

@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import copy
 import dataclasses
+import functools
 import json
 import time
 import warnings
@@ -832,9 +833,9 @@ def test_a_keyboardinterrupt_inside_a_group_leaves_nothing_behind(prof, batch, c
     """Torch calls forward hooks for an ``Exception`` only: a ``KeyboardInterrupt`` (Ctrl-C
     in a notebook) inside a planned group left its saved-tensor hooks on; torch's checkpoint
     then left them instead of its own, and every later backward in the process failed
-    (``CheckpointError``), a plain model's included. The groups of a wrapped block (with a
-    root group, or checkpointed) are left as the interrupt unwinds it; those of another
-    block (exact keep hooks) by the model's next group pre-hook."""
+    (``CheckpointError``), a plain model's included. The groups are left as the interrupt
+    unwinds the block (a version that left them at the model's next forward left them on
+    until then: torch.func and ``disable_saved_tensors_hooks`` failed everywhere)."""
     model = make_model()
     plan = choices_plan(prof, choice)
     fewbit.convert_(model, plan)
@@ -847,10 +848,7 @@ def test_a_keyboardinterrupt_inside_a_group_leaves_nothing_behind(prof, batch, c
     handle = model.transformer.h[0].mlp.c_fc.register_forward_pre_hook(interrupt)
     with pytest.raises(KeyboardInterrupt):
         model(**batch)
-    wrapped = "forward" in vars(model.transformer.h[0])
-    assert wrapped == (plan.blocks[0].checkpoint or any(not g.name for g in plan.blocks[0].groups))
-    if wrapped:
-        assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
     plain = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16))
     ref = copy.deepcopy(plain)
     x = torch.randn(4, 16)
@@ -1579,24 +1577,35 @@ def test_torch_func_grad_of_a_planned_model_is_exact(prof, batch, default):
         torch.testing.assert_close(got[n], expect[n], rtol=0, atol=0, msg=n)
 
 
-def test_a_forward_wrapper_set_after_planning_a_block_without_a_wrapper_of_its_own_stays(prof, batch):
-    """accelerate-style ``block.forward = wrapper(block.forward)`` after planning: a block
-    the plan leaves unwrapped (no root group, not checkpointed) keeps it through
-    ``remove_plan`` and another ``convert_`` (a version that wrapped every block dropped it)."""
+@pytest.mark.parametrize("choice", [{"mlp.c_fc": "quant4"}, {"mlp.c_fc": "recompute"}])
+def test_a_forward_wrapper_set_on_a_block_after_planning_stays(prof, batch, choice):
+    """accelerate-style ``block.forward = wrapper(block.forward)`` after planning: it stays
+    through ``remove_plan`` and another ``convert_`` (removing the plan's instance forward
+    dropped it), and the old plan's wrapper inside it passes calls through."""
     model = make_model()
-    plan = choices_plan(prof, {"mlp.c_fc": "quant4"})
+    plan = choices_plan(prof, choice)
     fewbit.convert_(model, plan)
     block = model.transformer.h[0]
-    assert "forward" not in vars(block)
     calls = []
     inner = block.forward
 
+    @functools.wraps(inner)
     def wrapper(*args, **kwargs):
         calls.append(1)
         return inner(*args, **kwargs)
 
     block.forward = wrapper
     planner.remove_plan(model)
-    fewbit.convert_(model, plan)
     model(**batch).loss.backward()
     assert calls == [1]
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    fewbit.convert_(model, plan)
+    model.zero_grad(set_to_none=True)
+    rep, grads = measured(model, batch)
+    assert len(calls) == (3 if plan.blocks[0].checkpoint else 2)  # a recomputation calls it again
+    fresh = make_model()
+    fewbit.convert_(fresh, plan)
+    rep_fresh, grads_fresh = measured(fresh, batch)
+    assert rep.saved_bytes == rep_fresh.saved_bytes  # the old plan's groups do nothing any more
+    for n in grads_fresh:
+        torch.testing.assert_close(grads[n], grads_fresh[n], rtol=0, atol=0, msg=n)
