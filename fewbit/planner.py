@@ -731,19 +731,9 @@ def _checkpointed_forward(state: _State, block: nn.Module, forward: Callable, ro
             context.enter_context(_forward_parameters(block, versions))
         calls[0] += 1
         state.checkpoint_hooks.append(torch._C._autograd._top_saved_tensors_default_hooks(False))
-        depth = len(state.entered)
         try:
-            with context:
-                try:
-                    if root is not None:
-                        root.pre(block, a)
-                    with resume_recording():  # a SavedTensorRecorder sees what the block's own forward saves
-                        out = forward(*a, **k)
-                except BaseException:
-                    _leave_groups(state, depth)  # innermost first, the root's last; before torch's checkpoint
-                    raise
-                if root is not None:
-                    root.post(block, a, None)
+            with context:  # the groups are left before torch's checkpoint leaves its own hooks
+                out = _in_groups(state, block, forward, root, a, k, record=True)
         finally:
             state.checkpoint_hooks.pop()
         if first:
@@ -803,23 +793,35 @@ def _checkpointed_forward(state: _State, block: nn.Module, forward: Callable, ro
     return checkpoint(run, *args, use_reentrant=False, **kwargs)
 
 
-def _plain_forward(state: _State, block: nn.Module, forward: Callable, root: _GroupHook | None, *args, **kwargs):
+def _in_groups(state: _State, block: nn.Module, forward: Callable, root: _GroupHook | None, args: tuple,
+               kwargs: dict, *, record: bool):
     """``forward(*args, **kwargs)`` inside ``root``'s group (the block's own saves; None:
-    none); the groups it enters are left as an interrupt unwinds it (:func:`_leave_groups`)."""
-    if state.removed:
-        return forward(*args, **kwargs)
+    none), where a SavedTensorRecorder sees what the block's own forward saves if ``record``
+    or a root; the groups it enters are left as an interrupt unwinds it, innermost first,
+    the root's last (:func:`_leave_groups`)."""
     depth = len(state.entered)
     try:
-        if root is None:
-            return forward(*args, **kwargs)
-        root.pre(block, args)
-        with resume_recording():  # a SavedTensorRecorder sees what the block's own forward saves
+        if root is not None:
+            root.pre(block, args)
+        if root is None and not record:
             out = forward(*args, **kwargs)
+        else:
+            with resume_recording():
+                out = forward(*args, **kwargs)
     except BaseException:
-        _leave_groups(state, depth)  # innermost first, the root's last
+        _leave_groups(state, depth)
         raise
-    root.post(block, args, None)
+    if root is not None:
+        root.post(block, args, None)
     return out
+
+
+def _plain_forward(state: _State, block: nn.Module, forward: Callable, root: _GroupHook | None, *args, **kwargs):
+    """``forward(*args, **kwargs)`` inside ``root``'s group (:func:`_in_groups`); once the
+    plan is removed (a wrapper set on the block afterwards still calls this), ``forward``."""
+    if state.removed:
+        return forward(*args, **kwargs)
+    return _in_groups(state, block, forward, root, args, kwargs, record=False)
 
 
 def _refuse_shared(model: nn.Module, fqn: str) -> None:

@@ -1552,6 +1552,18 @@ class _Outer(nn.Module):
         return self.head(self.inner(x))
 
 
+def _interrupt_inside_fc2(model, x) -> None:
+    """A forward of ``model`` (an ``_Outer``) stopped by a KeyboardInterrupt inside
+    ``inner.fc2``'s call, after the compressor's enter hook (Ctrl-C in a notebook)."""
+    def interrupt(module, args):
+        handle.remove()
+        raise KeyboardInterrupt
+
+    handle = model.inner.fc2.register_forward_pre_hook(interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        model(x)
+
+
 def test_a_forward_interrupted_by_keyboardinterrupt_leaves_nothing_behind():
     """Ctrl-C inside a converted model's forward skips torch's always-called forward hooks
     (they run for ``Exception`` only): the activation mode, and the compressor's saved-tensor
@@ -1566,15 +1578,7 @@ def test_a_forward_interrupted_by_keyboardinterrupt_leaves_nothing_behind():
     comp = fewbit.convert.compressor_of(model)
     x = torch.randn(4, 16, requires_grad=True)
     model(x).sum().backward()
-    def interrupt(module, args):  # inside fc2's call, after the compressor's enter hook
-        if model.inner.interrupt:
-            raise KeyboardInterrupt
-
-    model.inner.fc2.register_forward_pre_hook(interrupt)
-    model.inner.interrupt = True
-    with pytest.raises(KeyboardInterrupt):
-        model(x)
-    model.inner.interrupt = False
+    _interrupt_inside_fc2(model, x)
     assert comp.active  # left over until something of fewbit's sees it
 
     plain = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16))
@@ -1668,16 +1672,7 @@ def test_an_interrupts_leftover_under_a_users_hooks_is_taken_off():
     model = _Outer()
     fewbit.convert_(model, fewbit.Config(activation_bits=None, saved_bits=2, min_numel=0, layers=("linear",)))
     x = torch.randn(4, 16, requires_grad=True)
-
-    def interrupt(module, args):
-        if model.inner.interrupt:
-            raise KeyboardInterrupt
-
-    model.inner.fc2.register_forward_pre_hook(interrupt)
-    model.inner.interrupt = True
-    with pytest.raises(KeyboardInterrupt):
-        model(x)
-    model.inner.interrupt = False
+    _interrupt_inside_fc2(model, x)
     with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
         model(x).sum().backward()
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
