@@ -437,10 +437,10 @@ def _leave_groups(state: _State, depth: int) -> None:
 
 def _leave_leftovers(state: _State) -> None:
     """Leave the groups of this thread whose module call has stopped executing without its
-    forward hook (a ``KeyboardInterrupt`` inside a block that is not wrapped: no root group,
-    not checkpointed; fewbit._interrupted), innermost first. Called by the next group's
-    pre-hook; hooks entered since (a user's, a ``fewbit.memory`` recorder's) keep their
-    place above them."""
+    forward hook (a ``KeyboardInterrupt`` that the block wrappers did not see unwind: a
+    group's module called outside its block; fewbit._interrupted), innermost first. Called
+    by the next group's pre-hook; hooks entered since (a user's, a ``fewbit.memory``
+    recorder's) keep their place above them."""
     entered = state.entered
     while entered and finished(entered[-1][2]):
         hook, ctx, _ = entered.pop()
