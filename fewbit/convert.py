@@ -800,6 +800,16 @@ def normalization_size(module: nn.Module, shape: tuple[int, ...]) -> int | _norm
 # --------------------------------------------------------------------------- compression hooks
 
 
+class _RootFrames(threading.local):
+    """A thread's running forwards of a converted model (:attr:`_SharedCompressor.root_frames`).
+    Its list is made in ``__init__`` (which runs in each thread), so ``torch.compile``'s guards
+    see it alike on every call (one made on first use had recompiled the model at its
+    second call)."""
+
+    def __init__(self) -> None:
+        self.frames: list = []
+
+
 class _SharedCompressor:
     """One compressor per converted model, shared by all its hooks.
 
@@ -820,7 +830,7 @@ class _SharedCompressor:
         self.compressor._auto_step = False  # _StepHook starts a pass per forward of the model
         self.entered: dict[int, int] = {}  # id(module) -> number of open enters
         self.root_depth = 0  # forwards of the model running (_StepHook, _StepExit)
-        self._root_local = threading.local()  # per thread: root_frames
+        self._root_local = _RootFrames()  # per thread: root_frames
         #: weak reference to the converted model (set at conversion, or by its first forward
         #: after a copy; :func:`_check_not_shared`)
         self.root: weakref.ref | None = None
@@ -834,10 +844,7 @@ class _SharedCompressor:
     def root_frames(self) -> list:
         """This thread's forwards of the model running: tokens of their module calls
         (fewbit._interrupted)."""
-        frames = getattr(self._root_local, "frames", None)
-        if frames is None:
-            frames = self._root_local.frames = []
-        return frames
+        return self._root_local.frames
 
     @root_frames.setter
     def root_frames(self, frames: list) -> None:
@@ -951,7 +958,7 @@ class _StepExit:
 
     def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
         self.shared.root_depth = max(self.shared.root_depth - 1, 0)
-        if self.shared.root_frames and not _compiling_or_recording():
+        if not _compiling_or_recording() and self.shared.root_frames:  # traced: none recorded
             self.shared.root_frames.pop()
         if not self.shared.layer_bits_checked and self.shared.root_depth == 0:
             self.shared.check_layer_bits(module)

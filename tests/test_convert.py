@@ -1681,3 +1681,23 @@ def test_an_interrupts_leftover_under_a_users_hooks_is_taken_off():
     plain(x).sum().backward()
     ref(x).sum().backward()
     assert torch.equal(plain[0].weight.grad, ref[0].weight.grad)
+
+
+def test_a_compiled_converted_model_compiles_once():
+    """The per-thread record of a converted model's running forwards was made on first use,
+    so torch.compile's guard on it failed at the second call and the model was compiled again."""
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16))
+    convert_(model, Config(saved_bits=4, min_numel=0))
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model, backend="eager")
+    x = torch.randn(8, 16)
+    compiled(x).sum().backward()
+    graphs = counters["stats"]["unique_graphs"]
+    for _ in range(2):
+        compiled(x).sum().backward()
+    assert counters["stats"]["unique_graphs"] == graphs
+    torch._dynamo.reset()
