@@ -199,45 +199,77 @@ class _ChannelMajor:
         return self.qt.decompress().movedim(0, 1).contiguous()
 
 
-class _NegInfKept:
-    """A :class:`~fewbit.quant.compressors.Compressed` of a log-softmax result whose
-    ``-inf`` entries (masked logits: banned tokens, invalid actions) are kept aside as a
-    1-bit mask (the 1-bit stream of docs/method.md §6) and quantized as their row's
-    smallest finite value; they decompress to ``-inf`` exactly. One ``-inf`` in a group had
-    made the whole group NaN, and log-softmax's backward ``g - exp(y) sum(g)`` then the whole
-    weight gradient (its exact gradient is finite: ``exp(-inf) = 0``). Costs 1 bit per
-    element beside the quantized copy, for results that hold a ``-inf`` only. A view of the
-    result saved by a later op (``logp[:, :-1] * w``) is not seen as one, and is quantized
-    with its ``-inf`` (NaN), as any tensor holding one."""
+#: Log-softmax results below this (``log`` of float32's smallest normal, about -87.34) are
+#: kept aside by :class:`_UnderflowKept`: their ``exp`` is under 1.2e-38, so their share of
+#: log-softmax's backward ``g - exp(y) sum(g)`` is below float32's normal range.
+UNDERFLOW_LOG = math.log(torch.finfo(torch.float32).tiny)
 
-    __slots__ = ("qt", "mask")
 
-    def __init__(self, qt, mask: torch.Tensor) -> None:
+class _UnderflowKept:
+    """A :class:`~fewbit.quant.compressors.Compressed` of a log-softmax result whose entries
+    below :data:`UNDERFLOW_LOG` (masked logits: banned tokens, invalid actions, written as
+    ``-inf``, ``finfo.min``, ``-1e9`` or ``-1e4``) are kept aside as a 1-bit mask (the 1-bit
+    stream of docs/method.md §6) with one value per row along the softmax's dim (the
+    largest of the row's masked entries, in the result's dtype), and quantized as their
+    row's smallest other value; they decompress to that row value.
+
+    Why: one such entry set its group's range. ``-inf`` made the group NaN, ``finfo.min``
+    and ``-1e9`` too (the range overflows), ``-1e4`` a step of 40 at 8 bits: the weight
+    gradient of a cross-entropy over masked logits came out NaN, or 300 times its norm
+    off, where its exact value is finite (``exp(y) = 0``).
+
+    Exactness: in log-softmax's own backward the decompressed entries contribute
+    ``exp(y) sum(g)`` below 1.2e-38 ``|sum(g)|``, as the exact ones do. A later op that saves
+    the same result (``probs * logp`` of an entropy) gets each masked entry exactly where a
+    row's masked entries share one value (``masked_fill(mask, c)`` makes them all
+    ``c - logsumexp``) and the row's largest otherwise. Costs 1 bit per element plus one
+    value per row beside the quantized copy, for results that hold such an entry only.
+    A view of the result saved by a later op (``logp[:, :-1] * w``) is not seen as one,
+    and is quantized with its masked entries, as any tensor holding them."""
+
+    __slots__ = ("qt", "mask", "fill")
+
+    def __init__(self, qt, mask: torch.Tensor, fill: torch.Tensor) -> None:
         self.qt = qt
         self.mask = mask
+        self.fill = fill
 
     @property
     def nbytes(self) -> int:
-        return self.qt.nbytes + self.mask.numel()
+        return self.qt.nbytes + self.mask.numel() + self.fill.numel() * self.fill.element_size()
 
     def decompress(self) -> torch.Tensor:
         y = self.qt.decompress()
-        return y.masked_fill_(_unpack_bool(self.mask, y.numel()).view(y.shape), float("-inf"))
+        mask = _unpack_bool(self.mask, y.numel()).view(y.shape)
+        return torch.where(mask, self.fill, y)
 
 
-def _without_neg_inf(t: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``t`` with its ``-inf`` entries replaced by the smallest finite value of their row
-    along ``dim`` (0 in a row with none), and the packed mask of those entries
-    (:class:`_NegInfKept`); None if ``t`` holds no ``-inf`` (it is compressed as it is).
-    Reads whether it holds one on the host: one device synchronisation on a GPU, per
-    log-softmax result saved (always masking had cost a result of 4096 x 32000 float32 six
-    times the compression time and 630 MB more peak memory on the CPU)."""
-    mask = torch.isneginf(t)
+def _without_underflow(t: torch.Tensor, dim: int) -> _UnderflowParts | None:
+    """``t`` with its entries below :data:`UNDERFLOW_LOG` replaced by the smallest other
+    value of their row along ``dim`` (0 in a row with none), the packed mask of those
+    entries and their row value (:class:`_UnderflowKept`); None if ``t`` holds none (it is
+    compressed as it is). Reads whether it holds one on the host: one device
+    synchronisation on a GPU, per log-softmax result saved (always masking had cost a result
+    of 4096 x 32000 float32 six times the compression time and 630 MB more peak memory on
+    the CPU)."""
+    mask = t < UNDERFLOW_LOG
     if not bool(mask.any()):
         return None
-    floor = t.masked_fill(mask, torch.inf).amin(dim=dim, keepdim=True)
+    inf = torch.tensor(torch.inf, dtype=t.dtype, device=t.device)
+    floor = torch.where(mask, inf, t).amin(dim=dim, keepdim=True)
     floor = torch.where(torch.isfinite(floor), floor, torch.zeros((), dtype=t.dtype, device=t.device))
-    return torch.where(mask, floor, t), _pack_bool(mask)
+    fill = torch.where(mask, t, -inf).amax(dim=dim, keepdim=True)
+    return _UnderflowParts(torch.where(mask, floor, t), _pack_bool(mask), fill)
+
+
+@dataclass(frozen=True)
+class _UnderflowParts:
+    """:func:`_without_underflow`'s result: the tensor to quantize, the packed mask, the
+    row values (``t``'s shape with ``dim`` of size 1)."""
+
+    rest: torch.Tensor
+    mask: torch.Tensor
+    fill: torch.Tensor
 
 
 class _TokenMajor(_ChannelMajor):
@@ -1098,8 +1130,8 @@ class ActivationCompressor:
                 elif qk_channels:
                     qt = _TokenMajor(compressor.compress(t.detach().transpose(-1, -2).contiguous(), generator=generator))
                 elif (role == "result" and _result_of(t) == "LogSoftmaxBackward0" and t.dim()
-                      and (masked := _without_neg_inf(t.detach(), _saved_dim(t))) is not None):
-                    qt = _NegInfKept(compressor.compress(masked[0], generator=generator), masked[1])
+                      and (masked := _without_underflow(t.detach(), _saved_dim(t))) is not None):
+                    qt = _UnderflowKept(compressor.compress(masked.rest, generator=generator), masked.mask, masked.fill)
                 else:
                     qt = compressor.compress(t.detach(), generator=generator)
             self.stats.compressed += 1

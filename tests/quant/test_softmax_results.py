@@ -76,29 +76,32 @@ def test_log_softmax_result_at_8_bits_in_rows():
     assert r.nbytes == 16 * 300 + 32 * 4
 
 
+@pytest.mark.parametrize("fill", [float("-inf"), torch.finfo(torch.float32).min, -1e9, -1e4])
 @pytest.mark.parametrize("dim", [-1, 0])
 @pytest.mark.parametrize("how", ["cross_entropy", "log_softmax"])
-def test_masked_logits_keep_a_finite_gradient(dim, how):
-    """A -inf logit (a banned token, an invalid action) is legitimate: log-softmax's exact
-    gradient is finite (``exp(-inf) = 0``). Its saved result holds -inf, which made its
-    whole group NaN, and the NaN the whole weight gradient (8192 of 8192 entries). The
-    -inf entries are kept aside as a 1-bit mask and decompress to -inf exactly; the rest
-    is quantized as before, so the gradient stays within 8 bits' error of the exact one."""
+def test_masked_logits_keep_a_finite_gradient(dim, how, fill):
+    """A masked logit (a banned token, an invalid action) is legitimate, written as -inf,
+    finfo.min, -1e9 or -1e4: log-softmax's exact gradient is finite (``exp(y) = 0``). Its
+    saved result holds such an entry, which set its group's range: -inf, finfo.min and
+    -1e9 made the whole weight gradient NaN (8192 of 8192 entries), -1e4 put it 300 times
+    its norm off. Entries below log(float32 tiny) are kept aside as a 1-bit mask with one
+    value per row; the rest is quantized as before, so the gradient stays within 8 bits'
+    error of the exact one."""
     import torch.nn.functional as F
 
     torch.manual_seed(0)
     w = torch.randn(64, 128, requires_grad=True)
     h = torch.randn(96, 64)
-    mask = torch.zeros(128)
-    mask[100:] = float("-inf")
-    mask[:3] = float("-inf")
+    banned = torch.zeros(128, dtype=torch.bool)
+    banned[100:] = True
+    banned[:3] = True
     t = torch.randint(3, 100, (96,))
     if dim == 0:  # over the columns, the masked entries scattered (a column of -inf only is NaN in torch)
-        mask = torch.where(torch.rand(96, 128) < 0.2, float("-inf"), 0.0)
-        mask[0] = 0.0
+        banned = torch.rand(96, 128) < 0.2
+        banned[0] = False
 
-    def loss():
-        logits = h @ w + mask
+    def loss(fill=fill):
+        logits = (h @ w).masked_fill(banned, fill)
         if how == "cross_entropy" and dim == -1:
             return F.cross_entropy(logits, t)
         return -torch.log_softmax(logits, dim).gather(1, t[:, None]).mean()
@@ -113,12 +116,40 @@ def test_masked_logits_keep_a_finite_gradient(dim, how):
     assert torch.isfinite(w.grad).all()
     assert (w.grad - exact).norm() < 0.1 * exact.norm()  # one draw at 8 bits (0.06-0.08 measured)
     held = sum(r.nbytes for r in comp.records.values())
-    mask = torch.where(torch.isinf(mask), -50.0, mask)  # finite: no 1-bit mask of -inf entries
     comp = fewbit.compress_activations(8, min_numel=0)
     with comp:
-        loss()
+        loss(0.0)  # none masked (the smallest log-probability is about -60): no 1-bit mask
     extra = held - sum(r.nbytes for r in comp.records.values())
-    assert extra in (96 * 128 // 8, 2 * 96 * 128 // 8)  # one mask per copy (cross_entropy's nll_loss saves one too)
+    # one mask and one float32 per row (a column for dim 0) per copy (cross_entropy's nll_loss saves one too)
+    one = 96 * 128 // 8 + 4 * (96 if dim == -1 else 128)
+    assert extra in (one, 2 * one)
+
+
+@pytest.mark.parametrize("fill", [torch.finfo(torch.float32).min, -1e9])
+def test_masked_log_probabilities_saved_again_by_an_entropy(fill):
+    """An entropy bonus ``-(p * logp).sum()`` saves the masked log-probabilities again
+    (``mul``'s backward reads them): they come back as each row's masked value, exact when
+    one ``masked_fill`` wrote them; the gradient stays within 8 bits' error (NaN before)."""
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    w = torch.randn(64, 128, requires_grad=True)
+    h = torch.randn(96, 64)
+    banned = torch.zeros(128, dtype=torch.bool)
+    banned[100:] = True
+    t = torch.randint(0, 100, (96,))
+
+    def loss():
+        logp = F.log_softmax((h @ w).masked_fill(banned, fill), -1)
+        return F.nll_loss(logp, t) + 0.1 * (logp.exp() * logp).sum(-1).mean()
+
+    loss().backward()
+    exact, w.grad = w.grad, None
+    with fewbit.compress_activations(8, min_numel=0):
+        out = loss()
+    out.backward()
+    assert torch.isfinite(w.grad).all()
+    assert (w.grad - exact).norm() < 0.1 * exact.norm()  # one draw at 8 bits (0.04 measured)
 
 
 def test_keep_stays_exact():
