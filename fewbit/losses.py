@@ -516,7 +516,8 @@ class _Running:
     """A thread's forwards of a patched model."""
 
     #: per running forward, innermost last: [labels given?, the fused loss or None, the frame
-    #: of its module call (fewbit._interrupted: a KeyboardInterrupt skips the hook that pops it)]
+    #: of its module call (fewbit._interrupted: a KeyboardInterrupt skips the hook that pops it),
+    #: its output embedding (the patched head, or an nn.DataParallel replica's copy of it)]
     active: list = field(default_factory=list)
     hidden: torch.Tensor | None = None  # what lm_head returned instead of the logits
     hidden_version: int | None = 0  # its version counter then (an in-place change moves it)
@@ -531,12 +532,18 @@ class _Running:
                 active.pop()
         return bool(active) and active[-1][0]
 
+    def head(self, patch: _Patch) -> nn.Module:
+        """The output embedding of the innermost running forward (an ``nn.DataParallel``
+        replica's own copy in its thread), else the patched one."""
+        return self.active[-1][3] if self.active else patch.head
 
-def _causal_lm_fused_loss(patch: _Patch, hidden: torch.Tensor, labels: torch.Tensor, vocab_size: int,
-                          num_items_in_batch: Any = None, ignore_index: int = -100,
+
+def _causal_lm_fused_loss(patch: _Patch, head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor,
+                          vocab_size: int, num_items_in_batch: Any = None, ignore_index: int = -100,
                           shift_labels: torch.Tensor | None = None) -> torch.Tensor:
-    """Hugging Face's ``ForCausalLMLoss`` on the hidden states (same shift, mean and sum)."""
-    weight, bias = patch.head.weight, patch.head.bias
+    """Hugging Face's ``ForCausalLMLoss`` on the hidden states (same shift, mean and sum),
+    with ``head``'s weight and bias."""
+    weight, bias = head.weight, head.bias
     if weight.shape[0] != vocab_size:
         raise ValueError(f"vocab_size ({vocab_size}) must equal the rows of the output embedding "
                          f"weight ({weight.shape[0]})")
@@ -582,7 +589,8 @@ class _HeadForward:
             else:
                 running.hidden_version, running.hidden_copy = hidden_states._version, None
             return hidden_states
-        return type(patch.head).forward(patch.head, hidden_states)
+        head = running.head(patch)
+        return type(head).forward(head, hidden_states)
 
 
 def _changed(hidden: torch.Tensor, running: _Running) -> bool:
@@ -620,12 +628,19 @@ class _LossFunction:
                     "model transforms its logits, perhaps in place), so the fused cross-entropy cannot "
                     "compute it; convert without it (fewbit.Config(fused_cross_entropy=False), "
                     "fewbit.plan(..., fused_cross_entropy=False)) or call fewbit.losses.unpatch_causal_lm_(model)")
-            loss = _causal_lm_fused_loss(patch, logits, labels, vocab_size, num_items_in_batch,
-                                         ignore_index, shift_labels)
+            loss = _causal_lm_fused_loss(patch, running.head(patch), logits, labels, vocab_size,
+                                         num_items_in_batch, ignore_index, shift_labels)
             running.active[-1][1] = loss  # the forward's loss must come from it (_PostHook)
             return loss
         return patch.fallback(logits, labels, vocab_size, num_items_in_batch=num_items_in_batch,
                               ignore_index=ignore_index, shift_labels=shift_labels, **kwargs)
+
+
+def _replica_of(head: nn.Module, patch: _Patch) -> bool:
+    """Whether ``head`` is an ``nn.DataParallel`` replica of ``patch``'s head (torch copies
+    the head's ``__dict__``, its patched forward included, into each replica)."""
+    forward = vars(head).get("forward") if isinstance(head, nn.Module) else None
+    return getattr(head, "_is_replica", False) and isinstance(forward, _HeadForward) and forward.patch is patch
 
 
 class _PreHook:
@@ -642,11 +657,15 @@ class _PreHook:
             labels = signature.bind_partial(module, *args, **kwargs).arguments.get("labels")
         except (TypeError, AttributeError):
             labels = kwargs.get("labels")
-        if labels is not None and module.get_output_embeddings() is not patch.head:
-            raise RuntimeError(
-                f"{type(module).__name__}'s output embedding was replaced after "
-                "fewbit.losses.patch_causal_lm_; call fewbit.losses.unpatch_causal_lm_(model) before "
-                "replacing it and patch the model again after")
+        head = module.get_output_embeddings()
+        if head is not patch.head and not _replica_of(head, patch):
+            if labels is None:  # the replaced head is not patched: it computes its logits itself
+                head = patch.head
+            else:
+                raise RuntimeError(
+                    f"{type(module).__name__}'s output embedding was replaced after "
+                    "fewbit.losses.patch_causal_lm_; call fewbit.losses.unpatch_causal_lm_(model) before "
+                    "replacing it and patch the model again after")
         if labels is not None and not isinstance(vars(module).get("_loss_function"), _LossFunction):
             # the user's loss would get the hidden states as logits
             raise RuntimeError(
@@ -659,7 +678,7 @@ class _PreHook:
             if not running.active:  # their hidden states (and graph) go before this forward's
                 running.hidden, running.hidden_copy = None, None
         frame = None if _compiling_or_recording() else caller_frame()  # traced: no frames
-        running.active.append([labels is not None, None, frame])
+        running.active.append([labels is not None, None, frame, head])
 
 
 def _computed_from(returned: torch.Tensor, loss: torch.Tensor, depth: int = 16) -> bool:
@@ -710,7 +729,7 @@ class _PostHook:
         running = self.patch.running
         if not running.active:
             return None
-        (active, computed, _), hidden = running.active.pop(), running.hidden
+        (active, computed, _, _), hidden = running.active.pop(), running.hidden
         running.hidden, running.hidden_copy = None, None  # the copy also when the loss raised
         if not active or hidden is None:
             return None

@@ -83,6 +83,7 @@ import re
 import statistics
 import threading
 import time
+import types
 import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -824,6 +825,42 @@ def _plain_forward(state: _State, block: nn.Module, forward: Callable, root: _Gr
     return _in_groups(state, block, forward, root, args, kwargs, record=False)
 
 
+def _block_wrapper(state: _State, root: _GroupHook | None, signature, block: nn.Module,
+                   forward: Callable) -> functools.partial:
+    """The planned forward of ``block`` around its ``forward``: checkpointed with
+    ``signature`` (an :class:`inspect.Signature` or None), plain if ``signature`` is False.
+    It carries ``forward`` as ``__wrapped__``: a wrapper set on the block after the plan,
+    ``functools.wraps``'d, reads the arguments' names from it (KV-cache arguments)."""
+    if signature is False:
+        wrapper = functools.partial(_plain_forward, state, block, forward, root)
+    else:
+        wrapper = functools.partial(_checkpointed_forward, state, block, forward, root, signature)
+    wrapper.__wrapped__ = forward
+    return wrapper
+
+
+def _replicate_block(state: _State, root: _GroupHook | None, signature, block: nn.Module) -> nn.Module:
+    """A planned block's ``_replicate_for_data_parallel`` (``nn.DataParallel``'s replicas):
+    the replica runs its own forward (its own submodules and broadcast weights) in the
+    plan's groups. Torch copies the instance's ``__dict__`` into the replica, and with it
+    the planned forward bound to the original block: on a second GPU the replica had run
+    the first GPU's block. A wrapper set on the block after the plan is copied as it is."""
+    replica = type(block)._replicate_for_data_parallel(block)
+    planned = vars(block).get("forward")
+    if _is_own_wrapper(state, planned):
+        forward = planned.__wrapped__
+        if getattr(forward, "__self__", None) is block and hasattr(forward, "__func__"):
+            forward = types.MethodType(forward.__func__, replica)  # else a user's function: as it is
+        replica.forward = _block_wrapper(state, root, signature, replica, forward)
+    replica._replicate_for_data_parallel = functools.partial(_replicate_block, state, root, signature, replica)
+    return replica
+
+
+def _is_own_wrapper(state: _State, forward) -> bool:
+    """Whether ``forward`` (a block's instance forward) is ``state``'s planned forward."""
+    return isinstance(forward, functools.partial) and bool(forward.args) and forward.args[0] is state
+
+
 def _refuse_shared(model: nn.Module, fqn: str) -> None:
     """A clear error if ``fqn`` is a path to a module that ``named_modules()`` lists under
     another path (one module shared by two blocks: its hooks would serve both groups)."""
@@ -851,8 +888,9 @@ def remove_plan(model: nn.Module) -> bool:
                     m._forward_hooks_always_called.pop(k, None)
     state.removed = True
     for block, own_forward in state.blocks:
-        current = vars(block).get("forward")
-        if isinstance(current, functools.partial) and current.args and current.args[0] is state:
+        if _is_own_wrapper(state, vars(block).get("_replicate_for_data_parallel")):
+            del vars(block)["_replicate_for_data_parallel"]
+        if _is_own_wrapper(state, vars(block).get("forward")):
             del vars(block)["forward"]
             if own_forward is not None:
                 block.forward = own_forward
@@ -942,18 +980,16 @@ def _apply_choices(model: nn.Module, plan: "Plan") -> _State:
                 module.register_forward_hook(hook.post, always_call=True)
             forward = block.forward
             own_forward = vars(block).get("forward")
+            sig = None
             if checkpointed:
                 try:
                     sig = inspect.signature(forward)
                 except (TypeError, ValueError):
-                    sig = None
-                wrapper = functools.partial(_checkpointed_forward, state, block, forward, root, sig)
-            else:  # also without a root: the groups inside are left as an interrupt unwinds it
-                wrapper = functools.partial(_plain_forward, state, block, forward, root)
-            # the block's own signature for inspect.signature (a wrapper set on the block after
-            # the plan, functools.wraps'd, reads its arguments' names from it)
-            wrapper.__wrapped__ = forward
-            block.forward = wrapper
+                    pass
+            # also without a root: the groups inside are left as an interrupt unwinds it
+            block.forward = _block_wrapper(state, root, sig if checkpointed else False, block, forward)
+            block._replicate_for_data_parallel = functools.partial(_replicate_block, state, root,
+                                                                   sig if checkpointed else False, block)
             state.blocks.append((block, own_forward))
     model.__dict__[_STATE_ATTR] = state
     return state

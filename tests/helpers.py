@@ -5,7 +5,9 @@
   ``grad * values[Table.code(x)]`` (docs/method.md §1), computed on the CPU with float64
   lookups, independent of fewbit's kernels;
 - :func:`toy_table`: a small valid :class:`fewbit.table.Table` without the solver;
-- :class:`PyRMSNorm`: a transformers-style RMSNorm written in Python.
+- :class:`PyRMSNorm`: a transformers-style RMSNorm written in Python;
+- :func:`replicate_on_cpu`, :func:`run_in_threads`: ``nn.DataParallel``'s replicas and
+  threads on the CPU.
 
 Fixtures shared by several modules live in ``tests/conftest.py``.
 """
@@ -19,7 +21,7 @@ from fewbit.activations import canonical_params, get_activation
 from fewbit.table import Table
 from fewbit.resolve import CACHE_REVISION
 
-__all__ = ["reference_codes", "reference_grad", "toy_table"]
+__all__ = ["reference_codes", "reference_grad", "replicate_on_cpu", "run_in_threads", "toy_table"]
 
 
 def reference_codes(x: torch.Tensor, table: Table) -> torch.Tensor:
@@ -63,3 +65,42 @@ class PyRMSNorm(nn.Module):
 
     def forward(self, x):
         return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+
+def replicate_on_cpu(model: nn.Module, shifts: tuple[float, ...], monkeypatch) -> list[nn.Module]:
+    """``nn.DataParallel``'s own ``replicate`` on the CPU: its broadcast of the weights to
+    devices replaced by differentiable copies, replica ``j``'s parameters shifted by
+    ``shifts[j]`` so that each replica has weights of its own (as on its own GPU)."""
+    import importlib
+
+    rep = importlib.import_module("torch.nn.parallel.replicate")  # the module (the package names the function)
+
+    def broadcast(tensors, devices, detach=False):
+        return [[(t.detach() if detach else t) + (s if isinstance(t, nn.Parameter) else 0) for t in tensors]
+                for s in shifts]
+
+    monkeypatch.setattr(rep, "_broadcast_coalesced_reshape", broadcast)
+    return rep.replicate(model, list(range(len(shifts))))
+
+
+def run_in_threads(modules: list[nn.Module], kwargs: list[dict]) -> list:
+    """``modules[j](**kwargs[j])`` each in a thread of its own, as ``nn.DataParallel``'s
+    ``parallel_apply`` runs its replicas; their outputs, or the first error raised here."""
+    import threading
+
+    outputs, errors = [None] * len(modules), []
+
+    def run(j):
+        try:
+            outputs[j] = modules[j](**kwargs[j])
+        except Exception as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(j,)) for j in range(len(modules))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return outputs

@@ -459,6 +459,42 @@ def _step(model, **inputs):
 
 
 @pytest.mark.parametrize("factory", [_gpt2, _llama], ids=["gpt2", "llama"])
+def test_a_data_parallel_replica_uses_its_own_head(factory, monkeypatch):
+    """``nn.DataParallel`` copies the patched head's forward into each replica of the head:
+    the replica's pre-hook refused its own head as "replaced" (its loss would have taken the
+    first GPU's weight). Each replica's loss and logits now come from its own head's copy
+    of the weights, in its own thread; the patched weight's gradient is the replicas' sum."""
+    from helpers import replicate_on_cpu, run_in_threads
+
+    torch.manual_seed(0)
+    model = factory()
+    reference = copy.deepcopy(model)
+    patch_causal_lm_(model, chunk_size=7)
+    ids = torch.randint(0, 97, (4, 10))
+    shifts = (0.01, -0.02)
+    chunks = [{"input_ids": ids[j::2], "labels": ids[j::2]} for j in range(2)]
+    replicas = replicate_on_cpu(model, shifts, monkeypatch)
+    outs = run_in_threads(replicas, chunks)
+    (outs[0].loss + outs[1].loss).backward()
+    logits = run_in_threads(replicas, [{"input_ids": c["input_ids"]} for c in chunks])
+    expect = {n: torch.zeros_like(p) for n, p in reference.named_parameters()}
+    for j, s in enumerate(shifts):  # the unpatched model with replica j's weights, on its chunk
+        ref = copy.deepcopy(reference)
+        with torch.no_grad():
+            for p in ref.parameters():
+                p.add_(s)
+        out = ref(**chunks[j])
+        assert outs[j].logits is None
+        torch.testing.assert_close(outs[j].loss, out.loss, rtol=1e-5, atol=0)
+        torch.testing.assert_close(logits[j].logits, out.logits, rtol=0, atol=0)
+        out.loss.backward()
+        for n, p in ref.named_parameters():
+            expect[n] += p.grad
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, expect[n], rtol=1e-4, atol=1e-6, msg=n)
+
+
+@pytest.mark.parametrize("factory", [_gpt2, _llama], ids=["gpt2", "llama"])
 @pytest.mark.parametrize("kwargs", [{}, {"num_items_in_batch": 11}], ids=["mean", "num_items_in_batch"])
 def test_patch_causal_lm_matches_unpatched(factory, kwargs):
     torch.manual_seed(0)

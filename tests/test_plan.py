@@ -20,6 +20,7 @@ pytest.importorskip("scipy")
 import fewbit  # noqa: E402
 from fewbit import planner  # noqa: E402
 from fewbit.memory import saved_tensor_report  # noqa: E402
+from helpers import replicate_on_cpu, run_in_threads  # noqa: E402
 
 CFG = dict(n_layer=2, n_embd=64, n_head=2, vocab_size=100, n_positions=32)
 
@@ -1609,3 +1610,43 @@ def test_a_forward_wrapper_set_on_a_block_after_planning_stays(prof, batch, choi
     assert rep.saved_bytes == rep_fresh.saved_bytes  # the old plan's groups do nothing any more
     for n in grads_fresh:
         torch.testing.assert_close(grads[n], grads_fresh[n], rtol=0, atol=0, msg=n)
+
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("choice, default", [({"mlp.act": "fewbit3"}, "keep"), ({}, "recompute")])
+def test_a_data_parallel_replica_runs_its_own_block(prof, batch, choice, default, fused, monkeypatch):
+    """``nn.DataParallel`` copies each module's ``__dict__`` into its replica, and with it
+    the planned forward bound to the original block: the replica ran the first GPU's block
+    (its weights; a device mismatch on real GPUs). Each replica now runs its own block in
+    the plan's groups, in its own thread as DataParallel's ``parallel_apply`` does; the
+    originals' gradients are the sum of the replicas' (their weights are copies of them).
+    The fused loss likewise: each replica's loss takes its own copy of the output embedding
+    (before, its pre-hook refused the replica's head as "replaced")."""
+    plan = dataclasses.replace(choices_plan(prof, choice, default), fused_cross_entropy=fused)
+    no_dropout = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # the threads draw no RNG
+    model = make_model(**no_dropout)
+    fewbit.convert_(model, plan)
+    shifts = (0.01, -0.02)
+    chunks = [{k: v[j::2] for k, v in batch.items()} for j in range(2)]
+    replicas = replicate_on_cpu(model, shifts, monkeypatch)
+    losses = [out.loss for out in run_in_threads(replicas, chunks)]
+    (losses[0] + losses[1]).backward()
+
+    expect = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
+    for j, s in enumerate(shifts):  # the planned model itself, with replica j's weights, on its chunk
+        ref = make_model(**no_dropout)
+        fewbit.convert_(ref, plan)
+        with torch.no_grad():
+            for p in ref.parameters():
+                p.add_(s)
+        loss = ref(**chunks[j]).loss
+        torch.testing.assert_close(losses[j], loss, rtol=1e-6, atol=0)
+        loss.backward()
+        for n, p in ref.named_parameters():
+            expect[n] += p.grad
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, expect[n], rtol=1e-5, atol=1e-7, msg=n)
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    planner.remove_plan(model)
+    assert "_replicate_for_data_parallel" not in vars(model.transformer.h[0])
