@@ -1623,8 +1623,6 @@ def test_a_recursive_forward_keeps_its_activation_mode():
     assert sum("FewBit" in n for n in names) == 4, names
 
 
-
-
 def test_after_an_interrupt_an_evaluation_forward_runs_and_nothing_is_pinned():
     """After Ctrl-C inside a compressed layer: a forward under ``no_grad`` (evaluation) ran
     the layer's exit hook on a compressor already left ("__exit__ without a matching
@@ -1681,6 +1679,41 @@ def test_an_interrupts_leftover_under_a_users_hooks_is_taken_off():
     plain(x).sum().backward()
     ref(x).sum().backward()
     assert torch.equal(plain[0].weight.grad, ref[0].weight.grad)
+
+
+@pytest.mark.parametrize("saved_bits", [None, 2])
+def test_an_interrupt_inside_a_users_compress_activations_block_leaves_the_block(saved_bits):
+    """A user's ``with fewbit.compress_activations()`` around a converted model's step, Ctrl-C
+    inside the forward: the block's exit popped the top of torch's stacks, the converted
+    model's left-over mode or saved-tensor hooks, and the user's own stayed on for good (with
+    ``saved_bits``, a plain model's saves quantized after it: its weight gradient 0.01 off).
+    The block leaves its own, wherever they sit; the model's leftover goes at its next hook."""
+    from torch.overrides import _get_current_function_mode_stack
+
+    model = _Outer()
+    fewbit.convert_(model, fewbit.Config(activation_bits=2, saved_bits=saved_bits, min_numel=0, layers=("linear",)))
+    x = torch.randn(4, 16, requires_grad=True)
+    user = fewbit.compress_activations(2, min_numel=0)
+
+    def interrupt(module, args):
+        handle.remove()
+        raise KeyboardInterrupt
+
+    handle = model.inner.fc2.register_forward_pre_hook(interrupt)
+    with pytest.raises(KeyboardInterrupt), user:
+        model(x)
+    assert not user.active
+    assert not [m for m in _get_current_function_mode_stack() if getattr(m, "compressor", None) is user]
+    plain = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 16))
+    ref = copy.deepcopy(plain)
+    packed = user.stats.compressed
+    plain(x).sum().backward()
+    ref(x).sum().backward()
+    assert user.stats.compressed == packed
+    assert torch.equal(plain[0].weight.grad, ref[0].weight.grad)
+    model(x).sum().backward()
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    assert not [m for m in _get_current_function_mode_stack() if type(m).__name__ in ("ActivationMode", "CompressionMode")]
 
 
 def test_a_compiled_converted_model_compiles_once():

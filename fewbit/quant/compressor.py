@@ -848,9 +848,17 @@ class ActivationCompressor:
         try:
             if not self._stack:
                 mode, self._mode = self._mode, None
-                mode.__exit__(*exc)
+                if _top_function_mode() is mode:
+                    mode.__exit__(*exc)
+                else:  # a mode entered inside the block and left over by an interrupt is on
+                    # top (an interrupted converted model's): popping the top had left ours on
+                    leave_mode(mode)
         finally:
-            ctx.__exit__(*exc)
+            top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+            if top is not None and top[0] == self._pack and top[1] == self._unpack:
+                ctx.__exit__(*exc)
+            else:  # likewise for the saved-tensor hooks: ours, wherever they sit
+                remove_saved_tensors_hooks(self._pack, self._unpack)
             if not self._stack:
                 self._frame = None
                 self._owner = None  # released last: another thread may enter now
@@ -1388,6 +1396,14 @@ def _drop_kept(kept: dict, key, ref) -> None:
         refs[:] = [r for r in refs if r is not ref]
         if not refs:
             del kept[key]
+
+
+def _top_function_mode():
+    """The innermost torch function mode of this thread, or None."""
+    from torch.overrides import _get_current_function_mode_stack
+
+    stack = _get_current_function_mode_stack()
+    return stack[-1] if stack else None
 
 
 def _result_of(t: torch.Tensor) -> str | None:
