@@ -83,6 +83,15 @@ def check_positive_int(value: Any, name: str, minimum: int = 1) -> int:
     return int(value)
 
 
+def check_average_bits(value: Any, context: str = "") -> float:
+    """``value`` as a ``float`` if it is a real number (Python's or NumPy's, not ``bool``) in
+    [1, 32], GACT's budget of bits per element; else ``ValueError`` (``context`` ends the
+    message's requirement, e.g. " with saved_bits='auto'")."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 1 <= value <= 32:
+        raise ValueError(f"average_bits must be a number in [1, 32]{context}, got {value!r}")
+    return float(value)
+
+
 def check_bool(value: Any, name: str) -> bool:
     """``value`` as a plain ``bool`` if it is ``True`` or ``False`` (numpy's too); else
     ``ValueError`` (``stochastic="no"`` or ``1`` read as True were taken silently)."""

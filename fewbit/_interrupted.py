@@ -13,9 +13,10 @@ frame that has stopped executing marks what it entered as left over, and the nex
 hook, pack hook or activation call that sees it leaves it (:func:`finished`). Until then
 the frame, and through it the interrupted call's locals and its callers', stay alive (a
 frame's id alone would not do: a new call of ``_call_impl`` soon takes the same id, and a
-leftover would look like a running forward). Contexts of others that enclose the
-interrupted forward (a user's ``with`` block, torch's checkpoint) pop whatever is on top of
-torch's stacks when they exit: those are not repaired here.
+leftover would look like a running forward). A ``with fewbit.compress_activations()``
+block that encloses the interrupted forward leaves its own hooks and mode wherever they
+sit; torch's contexts (``saved_tensors_hooks``, ``save_on_cpu``, its checkpoint) pop
+whatever is on top of torch's stacks when they exit: those are not repaired here.
 """
 
 from __future__ import annotations

@@ -105,7 +105,7 @@ from torch import nn
 
 from fewbit import _norm_rows
 from fewbit import modules as fm
-from fewbit._checks import check_bits, check_bool, check_noise_norm, check_positive_int
+from fewbit._checks import check_average_bits, check_bits, check_bool, check_noise_norm, check_positive_int
 from fewbit._interrupted import caller_frame, finished, leave_mode, sweep_modes
 from fewbit._saved import under_users_checkpoint
 from fewbit.activations import ACTIVATIONS, get_activation
@@ -143,7 +143,8 @@ class Config:
             MLP's product ``act(gate(x)) * up(x)``, mixture-of-experts layers, dropout masks).
         min_numel: saved tensors with fewer elements are kept as they are (>= 0).
         stochastic: unbiased stochastic rounding (True) or nearest rounding (False, with
-            ``compressor="group"`` only: DIVISION and Adacc round stochastically).
+            ``compressor="group"`` and fixed ``saved_bits`` only: DIVISION and Adacc round
+            stochastically, GACT measures sensitivities from the rounding noise).
         average_bits: with ``saved_bits="auto"`` (required then, refused otherwise): the
             GACT budget, bits per element averaged over the tensors GACT plans, a number
             in [1, 32] (:class:`fewbit.quant.gact.GACTPolicy`; docs/compression.md §2).
@@ -222,12 +223,7 @@ class Config:
         if self.activation_bits is not None:
             object.__setattr__(self, "activation_bits", check_bits(self.activation_bits, "activation_bits"))
         if self.saved_bits == "auto":
-            b = self.average_bits
-            if isinstance(b, bool) or not isinstance(b, (int, float)) or not 1 <= b <= 32:
-                raise ValueError(
-                    f"average_bits must be a number in [1, 32] with saved_bits='auto', got {self.average_bits!r}"
-                )
-            object.__setattr__(self, "average_bits", float(b))
+            object.__setattr__(self, "average_bits", check_average_bits(self.average_bits, " with saved_bits='auto'"))
             if self.compressor != "group":
                 raise ValueError(f"compressor must be 'group' with saved_bits='auto', got {self.compressor!r}")
         else:
@@ -260,6 +256,11 @@ class Config:
         object.__setattr__(self, "group_size", check_positive_int(self.group_size, "group_size"))
         object.__setattr__(self, "min_numel", check_positive_int(self.min_numel, "min_numel", minimum=0))
         object.__setattr__(self, "stochastic", check_bool(self.stochastic, "stochastic"))
+        if not self.stochastic and self.saved_bits == "auto":
+            # GACT measures each tensor's sensitivity from its rounding noise: nearest rounding
+            # has none, every sensitivity came out 0 and each call re-ran its measurement
+            raise ValueError("stochastic=False (nearest rounding) cannot be used with saved_bits='auto': GACT "
+                             "measures each tensor's sensitivity from its stochastic rounding noise")
         if not self.stochastic and self.compressor != "group" and self.saved_bits is not None:
             # DIVISION's and Adacc's compressors round stochastically only (their residual and
             # INT4 codes are unbiased that way): the flag had been ignored

@@ -338,7 +338,9 @@ def _layer_bits(ctx, param, values):
               help="Width for the other saved tensors: 1, 2, 4, 8, or auto (GACT per-tensor bits "
                    "from gradient sensitivity on the same random batch; needs --average-bits).")
 @click.option("--average-bits", default=None, type=float,
-              help="With --saved-bits auto: the average bits per element of the compressed tensors, 1..32.")
+              help="With --saved-bits auto: GACT's budget, the average bits per element of the tensors it "
+                   "plans, 1..32 (attention's q and k, softmax results and norm inputs keep 8 bits outside "
+                   "it, so the report's average is higher).")
 @click.option("--compressor", default="group", show_default=True,
               callback=lambda ctx, param, value: _choice("--compressor", value, ("group", "division", "adacc")),
               help="group (ActNN), division (DIVISION) or adacc (Adacc's per-layer compressors).")

@@ -22,6 +22,7 @@ Through ``fewbit.convert_``::
 
 from __future__ import annotations
 
+import collections
 import copy
 import heapq
 import math
@@ -30,7 +31,7 @@ from collections.abc import Sequence
 
 import torch
 
-from fewbit._checks import check_noise_norm, check_optimizer, check_positive_int
+from fewbit._checks import check_average_bits, check_bool, check_noise_norm, check_optimizer, check_positive_int
 from fewbit.quant.compressors import GroupQuantizer, Keep
 from fewbit.quant.policies import Policy, SavedTensorInfo
 
@@ -380,6 +381,25 @@ def _dense_grad(p: torch.Tensor) -> torch.Tensor:
     return (g.to_dense() if g.layout != torch.strided else g).detach()
 
 
+#: How many SGD-variance estimates :class:`GACTPolicy` keeps (the alert reads the last).
+_VARIANCE_HISTORY = 64
+
+
+def _backward(loss: torch.Tensor, params: list[torch.Tensor]) -> None:
+    """``loss.backward()`` into ``params``' ``.grad`` only: a loss-side module's parameters
+    (a head outside the converted model, a GAN's other network) and an input that requires
+    grad had taken every run's gradient, and the training step after the call used the
+    head's at 5 times its value (4 runs + its own)."""
+    try:
+        loss.backward(inputs=params)
+    except RuntimeError as exc:
+        if "backward through the graph a second time" in str(exc):
+            raise TypeError("closure must return the loss without calling backward on it: adapt runs the "
+                            "backward of each measuring run itself (a torch.optim closure, which calls "
+                            "backward, is not one)") from exc
+        raise
+
+
 def _keep_bits(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size() * 8
 
@@ -417,8 +437,10 @@ class GACTPolicy(Policy):
             so a plan made only at step 0 starves tensors that later need 4 bits.
         probe_bits: the width every tensor is quantized at during the sensitivity runs
             (default 4; ``c_l = ½‖g0 − g1‖² / S(probe_bits)``).
-        group_size, stochastic, stats_dtype: of the group quantizers
+        group_size, stats_dtype: of the group quantizers
             (:class:`~fewbit.quant.compressors.GroupQuantizer`).
+        stochastic: must be True (the sensitivities are measured from the stochastic
+            rounding noise: nearest rounding has none, and every ``c_l`` was 0).
         alert_ratio: warn (once) when the planned compression variance ``Σ c_l S(b_l)``
             exceeds ``alert_ratio`` times the SGD gradient variance; default 1.0, i.e.
             when compression noise dominates. The SGD variance is estimated from pairs
@@ -533,11 +555,10 @@ class GACTPolicy(Policy):
         noise_norm: str = "relative",
         seed: int = 0,
     ) -> None:
-        if isinstance(average_bits, bool) or not isinstance(average_bits, (int, float)) or not (
-            1 <= average_bits <= 32
-        ):
-            raise ValueError(f"average_bits must be a number in [1, 32], got {average_bits!r}")
-        self.average_bits = float(average_bits)
+        self.average_bits = check_average_bits(average_bits)
+        if not check_bool(stochastic, "stochastic"):
+            raise ValueError("stochastic must be True: GACT measures each tensor's sensitivity from its "
+                             "stochastic rounding noise (nearest rounding has none)")
         self.adapt_interval = check_positive_int(adapt_interval, "adapt_interval")
         if probe_bits not in CANDIDATE_BITS:
             raise ValueError(f"probe_bits must be one of {CANDIDATE_BITS}, got {probe_bits!r}")
@@ -571,7 +592,7 @@ class GACTPolicy(Policy):
         self._seen: dict[int, SavedTensorInfo] = {}
         # (call, g0, the alert's per-tensor scales or None, Σ c_l S(probe) in them)
         self._last_g0: tuple[int, torch.Tensor, torch.Tensor | None, float] | None = None
-        self._variance_pairs: list[float] = []  # one SGD-variance estimate per pair of calls
+        self._variance_pairs: list[float] = []  # the SGD-variance estimates of the last pairs of calls
         self._warned = False
 
     @property
@@ -619,8 +640,13 @@ class GACTPolicy(Policy):
         ``c_l = ½‖g0 − g1‖² / S(probe_bits)``, each element weighted as ``noise_norm``
         says. Everything else is replayed identically
         (torch's CPU and CUDA RNG states are restored before each run and after the
-        call, so dropout masks match and the training stream is untouched). The
-        parameters' ``.grad`` are restored. Then :func:`allocate_bits`. The call right
+        call, so dropout masks match and the training stream is untouched; fewbit's noise
+        stream likewise, which other compressors the closure runs draw from, a GAN's
+        second converted model). Each run's backward reaches ``model``'s parameters only
+        (``backward(inputs=...)``): a loss-side module's parameters and an input that
+        requires grad are left alone, and the parameters' ``.grad`` are restored; their
+        post-accumulate-grad hooks (torch's optimizer step in backward) are set aside
+        during the runs. Then :func:`allocate_bits`. The call right
         after a re-plan, if it does not re-plan itself, runs one forward+backward of its
         own batch for the SGD-variance estimate behind ``alert_ratio``; other calls run
         nothing. A call whose probe gradient or sensitivities are not finite (a loss
@@ -628,7 +654,9 @@ class GACTPolicy(Policy):
         re-plan is tried again at the next call (``skipped_nonfinite`` counts them); so
         does a re-plan whose sensitivities are all 0 (``skipped_zero``). Buffers the
         forward updates in place (BatchNorm's running statistics) are put back after
-        each run, so the call leaves the model as it found it.
+        each run, so the call leaves the model as it found it; buffers of modules outside
+        ``model`` that the closure runs (a loss-side BatchNorm) are updated by every run,
+        so keep such modules inside ``model``.
 
         Args:
             model: the converted model (its parameters that require grad are differentiated).
@@ -651,7 +679,8 @@ class GACTPolicy(Policy):
         Raises:
             TypeError: if ``model`` is not an ``nn.Module``, ``closure`` is not callable
                 or ``optimizer`` is not a ``torch.optim.Optimizer``, a list of them or None
-                (checked on every call), or ``closure`` does not return a scalar tensor.
+                (checked on every call), or ``closure`` does not return a scalar tensor, or
+                calls ``backward`` on it itself (a ``torch.optim`` closure).
             ValueError: ``optimizer`` (or one of the list) holds none of the model's
                 parameters that require grad (checked on the calls that measure).
             ValueError: if ``model`` has no parameter that requires grad (the
@@ -683,7 +712,15 @@ class GACTPolicy(Policy):
         if replan:
             self._next_plan = self._calls + self._gap
             self._gap = min(2 * self._gap, self.adapt_interval)
+        from fewbit.quant import _noise_stream
+
         grads = [p.grad for p in params]
+        # a training step's post-accumulate-grad hooks (torch's optimizer step in backward)
+        # are set aside during the runs: each run had stepped the optimizer
+        hooks = [p._post_accumulate_grad_hooks for p in params]
+        # fewbit's noise stream, which other compressors the closure runs draw from (a GAN's
+        # second converted model): replayed for each run, put back after the call
+        streams = _noise_stream.snapshot()
         # buffers the forward updates in place (BatchNorm's running statistics and
         # num_batches_tracked) are put back after each run: the measurement must leave
         # the model as the training left it
@@ -697,6 +734,7 @@ class GACTPolicy(Policy):
 
                 def run(flipped: int) -> None:  # leaves this run's gradient in the parameters' .grad
                     _restore_buffers(buffers)
+                    _noise_stream.restore(streams)
                     torch.set_rng_state(cpu_state)
                     for d, s in zip(devices, cuda_states):
                         torch.cuda.set_rng_state(s, d)
@@ -708,9 +746,13 @@ class GACTPolicy(Policy):
                             loss = closure()
                             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                                 raise TypeError("closure must return the loss, a scalar tensor")
-                            loss.backward()
+                            _backward(loss, params)
                     finally:
                         self._probe = None
+
+                for p, h in zip(params, hooks):
+                    if h:  # an empty dict of hooks: torch keeps the one it was given (None would not do)
+                        p._post_accumulate_grad_hooks = collections.OrderedDict()
 
                 self._seen = {}
                 run(-1)
@@ -740,8 +782,11 @@ class GACTPolicy(Policy):
                     finite = all(math.isfinite(v) for v in sens.values())
         finally:
             _restore_buffers(buffers)
-            for p, g in zip(params, grads):
+            _noise_stream.restore(streams)
+            for p, g, h in zip(params, grads, hooks):
                 p.grad = g
+                if h:
+                    p._post_accumulate_grad_hooks = h
         if finite and replan and sens and not any(v > 0 for v in sens.values()):
             # a zero gradient (a zero loss, a batch masked out) measures nothing either: a
             # plan from all-zero sensitivities would be ties broken by position
@@ -842,6 +887,9 @@ class GACTPolicy(Policy):
         _, plain = _noise_norms(params, g, last.to(g.device), [None] * len(params))
         half = 0.5 * float(plain.sum() if scales is None else (plain * scales.to(plain.device).square()).sum())
         self._variance_pairs.append(max(half - probe_variance, 0.0))
+        # the last ones only: the list had grown by one per pair for good, and every
+        # state_dict copied it
+        del self._variance_pairs[:-_VARIANCE_HISTORY]
         self.gradient_variance = self._variance_pairs[-1]
 
     def _check_variance(self) -> None:

@@ -1142,3 +1142,113 @@ def test_noise_norms_of_a_large_vector_hold_blocks_not_the_vector(monkeypatch):
     (weights,) = gact._optimizer_weights(opt, [p], [None], reference)
     peak = peak_bytes(lambda: gact._noise_norms([p], None, reference, [weights]), torch.device("cpu"))
     assert peak <= 4 * 8 * gact._BLOCK, peak / 2**20  # a few float64 blocks, not 6 x 16 MiB
+
+
+def test_adapt_leaves_a_loss_side_module_and_the_input_alone():
+    """The measuring runs' backward reached every leaf the closure runs: a loss-side head in
+    the same optimizer took each run's gradient (the step after the call used 5x its own:
+    4 runs + the step), and an input that requires grad got a ``.grad`` from the call."""
+    model = _mlp()
+    head = nn.Linear(10, 5)
+    comp = fewbit.convert_(model, fewbit.Config(saved_bits="auto", average_bits=2, min_numel=0)).compressor
+    x = torch.randn(16, 32, requires_grad=True)
+    y = torch.randint(0, 5, (16,))
+
+    def closure():
+        return F.cross_entropy(head(model(x)), y)
+
+    assert comp.adapt(model, closure)
+    assert head.weight.grad is None and x.grad is None
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_adapt_sets_aside_an_optimizer_step_in_backward():
+    """torch's optimizer step in backward (``register_post_accumulate_grad_hook``) ran in
+    every measuring run: the call alone moved the weights (4 Adam steps), and the hook's
+    ``grad = None`` left a zero probe gradient, so it never planned."""
+    model = _mlp()
+    comp = fewbit.convert_(model, fewbit.Config(saved_bits="auto", average_bits=2, min_numel=0)).compressor
+    steps = []
+
+    def hook(p):
+        steps.append(p)
+        p.grad = None
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(hook)
+    before = [p.detach().clone() for p in model.parameters()]
+    x, y = torch.randn(16, 32), torch.randint(0, 10, (16,))
+    assert comp.adapt(model, lambda: F.cross_entropy(model(x), y))
+    assert steps == [] and comp.policy.bits
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    F.cross_entropy(model(x), y).backward()  # the training step's hooks are back
+    assert len(steps) == len(before)
+
+
+def test_adapt_replays_fewbit_noise_for_a_second_converted_model():
+    """A closure through a second converted model (a GAN's discriminator): its compressor
+    drew fresh noise from fewbit's stream in each run, which entered every ``g0 - g1`` (the
+    generator's smallest sensitivity 12x too large) and moved the stream."""
+    def sensitivities(second: bool) -> dict:
+        torch.manual_seed(0)
+        gen = _mlp()
+        comp = fewbit.convert_(gen, fewbit.Config(saved_bits="auto", average_bits=2, min_numel=0)).compressor
+        disc = nn.Sequential(nn.Linear(10, 64), nn.Tanh(), nn.Linear(64, 1))
+        if second:
+            fewbit.convert_(disc, fewbit.Config(saved_bits=1, min_numel=0))
+        z = torch.randn(16, 32)
+        stream = fewbit.get_rng_state()
+        assert comp.adapt(gen, lambda: disc(gen(z)).mean())
+        assert fewbit.get_rng_state() == stream
+        return comp.policy.sensitivity
+
+    plain, with_second = sensitivities(False), sensitivities(True)
+    assert plain.keys() == with_second.keys()
+    for i in plain:  # the discriminator's quantized saves change the gradient a little (4 % measured)
+        assert with_second[i] == pytest.approx(plain[i], rel=0.1), (i, plain, with_second)
+
+
+def test_adapt_explains_a_closure_that_runs_backward():
+    model = _mlp()
+    comp = fewbit.convert_(model, fewbit.Config(saved_bits="auto", average_bits=2, min_numel=0)).compressor
+    x, y = torch.randn(16, 32), torch.randint(0, 10, (16,))
+
+    def closure():  # a torch.optim closure: zero_grad, loss, backward
+        model.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        return loss
+
+    with pytest.raises(TypeError, match="without calling backward"):
+        comp.adapt(model, closure)
+
+
+def test_nearest_rounding_and_numpy_budgets():
+    """``stochastic=False`` with GACT measured nothing (no rounding noise: every c_l 0, the
+    measurement re-run at every call); NumPy's float32 and int64 budgets were refused."""
+    np = pytest.importorskip("numpy")
+    with pytest.raises(ValueError, match="stochastic=False"):
+        fewbit.Config(saved_bits="auto", average_bits=2, stochastic=False)
+    with pytest.raises(ValueError, match="stochastic must be True"):
+        GACTPolicy(2, stochastic=False)
+    for b in (np.float32(2), np.int64(2), np.float64(2.5)):
+        assert fewbit.Config(saved_bits="auto", average_bits=b).average_bits == float(b)
+        assert GACTPolicy(b).average_bits == float(b)
+    for bad in (np.float32("nan"), True, "2", 0.5, 33):
+        with pytest.raises(ValueError, match="average_bits"):
+            fewbit.Config(saved_bits="auto", average_bits=bad)
+
+
+def test_the_variance_history_is_bounded():
+    """One estimate per pair of calls had been kept for good (and copied by every state_dict)."""
+    model = _mlp()
+    comp = fewbit.convert_(model, fewbit.Config(saved_bits="auto", average_bits=2, adapt_interval=1,
+                                                 min_numel=0)).compressor
+    gen = torch.Generator().manual_seed(0)
+    with warnings.catch_warnings(), mock.patch.object(gact, "_VARIANCE_HISTORY", 3):
+        warnings.simplefilter("ignore", RuntimeWarning)
+        for _ in range(6):
+            x, y = _batch(gen)
+            comp.adapt(model, lambda: F.cross_entropy(model(x), y))
+    pairs = comp.policy.state_dict()["_variance_pairs"]
+    assert len(pairs) == 3 and pairs[-1] == comp.policy.gradient_variance
