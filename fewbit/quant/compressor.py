@@ -200,76 +200,99 @@ class _ChannelMajor:
 
 
 #: Log-softmax results below this (``log`` of float32's smallest normal, about -87.34) are
-#: kept aside by :class:`_UnderflowKept`: their ``exp`` is under 1.2e-38, so their share of
-#: log-softmax's backward ``g - exp(y) sum(g)`` is below float32's normal range.
+#: quantized apart from the rest of their row by :class:`_UnderflowKept`: their ``exp`` is
+#: under 1.2e-38, so they do not count in log-softmax's backward ``g - exp(y) sum(g)``.
 UNDERFLOW_LOG = math.log(torch.finfo(torch.float32).tiny)
 
 
 class _UnderflowKept:
     """A :class:`~fewbit.quant.compressors.Compressed` of a log-softmax result whose entries
-    below :data:`UNDERFLOW_LOG` (masked logits: banned tokens, invalid actions, written as
-    ``-inf``, ``finfo.min``, ``-1e9`` or ``-1e4``) are kept aside as a 1-bit mask (the 1-bit
-    stream of docs/method.md §6) with one value per row along the softmax's dim (the
-    largest of the row's masked entries, in the result's dtype), and quantized as their
-    row's smallest other value; they decompress to that row value.
+    below :data:`UNDERFLOW_LOG` (masked logits written as ``-inf``, ``finfo.min``, ``-1e9``
+    or ``-1e4``; the tail of a peaked distribution) are quantized apart: a 1-bit mask of
+    them (the 1-bit stream of docs/method.md §6), their values gathered into a 1-D tensor
+    quantized in groups of their own (unbiased, at the result's 8 bits; their ``-inf``
+    entries kept by a second 1-bit mask over the gathered values, only if any), and the
+    result with them replaced by their row's smallest other value, quantized as before.
 
     Why: one such entry set its group's range. ``-inf`` made the group NaN, ``finfo.min``
     and ``-1e9`` too (the range overflows), ``-1e4`` a step of 40 at 8 bits: the weight
     gradient of a cross-entropy over masked logits came out NaN, or 300 times its norm
     off, where its exact value is finite (``exp(y) = 0``).
 
-    Exactness: in log-softmax's own backward the decompressed entries contribute
-    ``exp(y) sum(g)`` below 1.2e-38 ``|sum(g)|``, as the exact ones do. A later op that saves
-    the same result (``probs * logp`` of an entropy) gets each masked entry exactly where a
-    row's masked entries share one value (``masked_fill(mask, c)`` makes them all
-    ``c - logsumexp``) and the row's largest otherwise. Costs 1 bit per element plus one
-    value per row beside the quantized copy, for results that hold such an entry only.
-    A view of the result saved by a later op (``logp[:, :-1] * w``) is not seen as one,
-    and is quantized with its masked entries, as any tensor holding them."""
+    Their own groups keep the values for the other ops that save the same result and read
+    them (an entropy's ``p * logp``, a soft-target cross-entropy ``-(q * logp).sum()``):
+    unbiased, with a step set by the low entries' own spread (a single fill per row: their
+    rows' ``logsumexp`` differences). Costs 1 bit per element plus about 1 byte per low
+    entry (and 1 bit each if any is ``-inf``), for results that hold one only. A view of
+    the result saved by a later op (``logp[:, :-1] * w``) is not seen as one, and is
+    quantized with its low entries, as any tensor holding them."""
 
-    __slots__ = ("qt", "mask", "fill")
+    __slots__ = ("qt", "mask", "low", "low_neg_inf")
 
-    def __init__(self, qt, mask: torch.Tensor, fill: torch.Tensor) -> None:
+    def __init__(self, qt, mask: torch.Tensor, low, low_neg_inf: torch.Tensor | None) -> None:
         self.qt = qt
         self.mask = mask
-        self.fill = fill
+        self.low = low  # the gathered low entries' Compressed; None if all are -inf
+        self.low_neg_inf = low_neg_inf  # packed mask of the -inf ones among them; None if none
 
     @property
     def nbytes(self) -> int:
-        return self.qt.nbytes + self.mask.numel() + self.fill.numel() * self.fill.element_size()
+        n = self.qt.nbytes + self.mask.numel()
+        if self.low is not None:
+            n += self.low.nbytes
+        if self.low_neg_inf is not None:
+            n += self.low_neg_inf.numel()
+        return n
 
     def decompress(self) -> torch.Tensor:
         y = self.qt.decompress()
         mask = _unpack_bool(self.mask, y.numel()).view(y.shape)
-        return torch.where(mask, self.fill, y)
+        count = int(mask.sum())
+        if self.low is None:
+            low = torch.full((count,), float("-inf"), dtype=y.dtype, device=y.device)
+        else:
+            low = self.low.decompress().to(y.dtype)
+            if self.low_neg_inf is not None:
+                low.masked_fill_(_unpack_bool(self.low_neg_inf, count), float("-inf"))
+        y[mask] = low
+        return y
 
 
-def _without_underflow(t: torch.Tensor, dim: int) -> _UnderflowParts | None:
-    """``t`` with its entries below :data:`UNDERFLOW_LOG` replaced by the smallest other
-    value of their row along ``dim`` (0 in a row with none), the packed mask of those
-    entries and their row value (:class:`_UnderflowKept`); None if ``t`` holds none (it is
-    compressed as it is). Reads whether it holds one on the host: one device
-    synchronisation on a GPU, per log-softmax result saved (always masking had cost a result
-    of 4096 x 32000 float32 six times the compression time and 630 MB more peak memory on
-    the CPU)."""
+def _low_quantizer(result):
+    """The group quantizer of a log-softmax result's low entries (:class:`_UnderflowKept`):
+    ``result``'s (the 8-bit quantizer of results) with float32 statistics, as
+    ``finfo(float32).min`` masks are past bfloat16's range (3.39e38: they decoded to
+    ``-inf``, and an entropy's ``0 * -inf`` to NaN)."""
+    from fewbit.quant.compressors import GroupQuantizer
+
+    return GroupQuantizer(result.bits, group_size=result.group_size, stochastic=result.stochastic,
+                          stats_dtype=torch.float32)
+
+
+def _without_underflow(t: torch.Tensor, dim: int, compressor, low_compressor, generator) -> _UnderflowKept | None:
+    """:class:`_UnderflowKept` of ``t`` (its entries below :data:`UNDERFLOW_LOG` apart,
+    replaced by the smallest other value of their row along ``dim``, 0 in a row with none),
+    ``compressor`` on the rest, ``low_compressor`` on the low entries gathered; None if
+    ``t`` holds none (it is compressed as it is). Reads whether it holds one on the host: one device synchronisation on a
+    GPU, per log-softmax result saved (always masking had cost a result of 4096 x 32000
+    float32 six times the compression time and 630 MB more peak memory on the CPU)."""
     mask = t < UNDERFLOW_LOG
     if not bool(mask.any()):
         return None
     inf = torch.tensor(torch.inf, dtype=t.dtype, device=t.device)
     floor = torch.where(mask, inf, t).amin(dim=dim, keepdim=True)
     floor = torch.where(torch.isfinite(floor), floor, torch.zeros((), dtype=t.dtype, device=t.device))
-    fill = torch.where(mask, t, -inf).amax(dim=dim, keepdim=True)
-    return _UnderflowParts(torch.where(mask, floor, t), _pack_bool(mask), fill)
+    low = t[mask]
+    neg_inf = torch.isneginf(low)
+    low_qt, low_neg_inf = None, None
+    if not bool(neg_inf.all()):
+        if bool(neg_inf.any()):
+            low_neg_inf = _pack_bool(neg_inf)
+            low = low.masked_fill(neg_inf, low.masked_fill(neg_inf, inf).min())
+        low_qt = low_compressor.compress(low, generator=generator)
+    rest = compressor.compress(torch.where(mask, floor, t), generator=generator)
+    return _UnderflowKept(rest, _pack_bool(mask), low_qt, low_neg_inf)
 
-
-@dataclass(frozen=True)
-class _UnderflowParts:
-    """:func:`_without_underflow`'s result: the tensor to quantize, the packed mask, the
-    row values (``t``'s shape with ``dim`` of size 1)."""
-
-    rest: torch.Tensor
-    mask: torch.Tensor
-    fill: torch.Tensor
 
 
 class _TokenMajor(_ChannelMajor):
@@ -586,6 +609,7 @@ class ActivationCompressor:
         #: What results saved for their own nonlinear backward get (RESULT_BITS).
         self._result_compressor = GroupQuantizer(RESULT_BITS, group_size=group_size, stochastic=stochastic,
                                                  stats_dtype=stats_dtype)
+        self._low_compressor = _low_quantizer(self._result_compressor)
         # key -> (weakref to the tensor or its base, weakref to the handle, the norm layout
         # it was grouped for or None, its index in records or None, the serial of the call
         # that made it or None)
@@ -619,6 +643,8 @@ class ActivationCompressor:
         self.__dict__.update(state)
         self.__dict__.setdefault("_norm_inputs", [])  # pickled by an earlier build
         self.__dict__.setdefault("_frame", None)
+        if "_low_compressor" not in self.__dict__:  # pickled by an earlier build
+            self._low_compressor = _low_quantizer(self._result_compressor)
         self._local = threading.local()
 
     # passes and policies -------------------------------------------------------------
@@ -1138,8 +1164,9 @@ class ActivationCompressor:
                 elif qk_channels:
                     qt = _TokenMajor(compressor.compress(t.detach().transpose(-1, -2).contiguous(), generator=generator))
                 elif (role == "result" and _result_of(t) == "LogSoftmaxBackward0" and t.dim()
-                      and (masked := _without_underflow(t.detach(), _saved_dim(t))) is not None):
-                    qt = _UnderflowKept(compressor.compress(masked.rest, generator=generator), masked.mask, masked.fill)
+                      and (masked := _without_underflow(t.detach(), _saved_dim(t), compressor, self._low_compressor,
+                                                         generator)) is not None):
+                    qt = masked
                 else:
                     qt = compressor.compress(t.detach(), generator=generator)
             self.stats.compressed += 1
