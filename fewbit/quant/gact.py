@@ -385,19 +385,65 @@ def _dense_grad(p: torch.Tensor) -> torch.Tensor:
 _VARIANCE_HISTORY = 64
 
 
-def _backward(loss: torch.Tensor, params: list[torch.Tensor]) -> None:
-    """``loss.backward()`` into ``params``' ``.grad`` only: a loss-side module's parameters
-    (a head outside the converted model, a GAN's other network) and an input that requires
-    grad had taken every run's gradient, and the training step after the call used the
-    head's at 5 times its value (4 runs + its own)."""
+def _backward(loss: torch.Tensor, params: list[torch.Tensor], aside: dict) -> None:
+    """``loss.backward()`` for a measuring run of :meth:`GACTPolicy.adapt`, leaving alone
+    what is not the run's: the ``.grad`` of the other leaves it reaches (a loss-side head
+    outside the converted model, a GAN's other network, an input that requires grad) is
+    put back after it (they had taken every run's gradient, and the training step after
+    the call used the head's at 5 times its value: 4 runs + its own), and the
+    post-accumulate-grad hooks of those leaves and of ``params`` (torch's optimizer step
+    in backward; hooks registered during the call too) are moved into ``aside`` (id ->
+    (tensor, [(handle id, hook)])), which :func:`_restore_hooks` puts back. A plain
+    ``backward`` (not ``inputs=params``, which skips reentrant checkpoints' recomputation:
+    their parameters had no gradient). Leaves reached only inside a reentrant checkpoint
+    are not seen."""
+    others = _other_leaves(loss, params)
+    held = [(v, v.grad) for v in others]
+    for v in (*params, *others):
+        hooks = v._post_accumulate_grad_hooks
+        if hooks:
+            aside.setdefault(id(v), (v, []))[1].extend(hooks.items())
+            hooks.clear()  # the dict torch holds for the tensor: emptied, not replaced
+    for v in others:
+        v.grad = None
     try:
-        loss.backward(inputs=params)
+        loss.backward()
     except RuntimeError as exc:
         if "backward through the graph a second time" in str(exc):
             raise TypeError("closure must return the loss without calling backward on it: adapt runs the "
                             "backward of each measuring run itself (a torch.optim closure, which calls "
                             "backward, is not one)") from exc
         raise
+    finally:
+        for v, g in held:
+            v.grad = g
+
+
+def _other_leaves(loss: torch.Tensor, params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The leaves ``loss.backward()`` accumulates into (its graph's ``AccumulateGrad``
+    nodes), other than ``params``."""
+    ids = {id(p) for p in params}
+    out, seen, stack = [], set(), [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        leaf = getattr(node, "variable", None)
+        if leaf is not None and id(leaf) not in ids:
+            out.append(leaf)
+        stack.extend(n for n, _ in node.next_functions)
+    return out
+
+
+def _restore_hooks(aside: dict) -> None:
+    """Put back the hooks :func:`_backward` moved aside, after any registered since."""
+    for v, hooks in aside.values():
+        current = v._post_accumulate_grad_hooks
+        if current is None:
+            v._post_accumulate_grad_hooks = collections.OrderedDict(hooks)
+        else:
+            current.update(hooks)
 
 
 def _keep_bits(dtype: torch.dtype) -> int:
@@ -642,11 +688,10 @@ class GACTPolicy(Policy):
         (torch's CPU and CUDA RNG states are restored before each run and after the
         call, so dropout masks match and the training stream is untouched; fewbit's noise
         stream likewise, which other compressors the closure runs draw from, a GAN's
-        second converted model). Each run's backward reaches ``model``'s parameters only
-        (``backward(inputs=...)``): a loss-side module's parameters and an input that
-        requires grad are left alone, and the parameters' ``.grad`` are restored; their
-        post-accumulate-grad hooks (torch's optimizer step in backward) are set aside
-        during the runs. Then :func:`allocate_bits`. The call right
+        second converted model). The ``.grad`` of every leaf a run's backward reaches (the
+        parameters, a loss-side module's, an input that requires grad) are put back,
+        and their post-accumulate-grad hooks (torch's optimizer step in backward) are set
+        aside during the runs (:func:`_backward`). Then :func:`allocate_bits`. The call right
         after a re-plan, if it does not re-plan itself, runs one forward+backward of its
         own batch for the SGD-variance estimate behind ``alert_ratio``; other calls run
         nothing. A call whose probe gradient or sensitivities are not finite (a loss
@@ -716,8 +761,8 @@ class GACTPolicy(Policy):
 
         grads = [p.grad for p in params]
         # a training step's post-accumulate-grad hooks (torch's optimizer step in backward)
-        # are set aside during the runs: each run had stepped the optimizer
-        hooks = [p._post_accumulate_grad_hooks for p in params]
+        # are set aside during the runs (_backward): each run had stepped the optimizer
+        aside: dict = {}
         # fewbit's noise stream, which other compressors the closure runs draw from (a GAN's
         # second converted model): replayed for each run, put back after the call
         streams = _noise_stream.snapshot()
@@ -746,13 +791,10 @@ class GACTPolicy(Policy):
                             loss = closure()
                             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                                 raise TypeError("closure must return the loss, a scalar tensor")
-                            _backward(loss, params)
+                            _backward(loss, params, aside)
                     finally:
                         self._probe = None
 
-                for p, h in zip(params, hooks):
-                    if h:  # an empty dict of hooks: torch keeps the one it was given (None would not do)
-                        p._post_accumulate_grad_hooks = collections.OrderedDict()
 
                 self._seen = {}
                 run(-1)
@@ -783,10 +825,9 @@ class GACTPolicy(Policy):
         finally:
             _restore_buffers(buffers)
             _noise_stream.restore(streams)
-            for p, g, h in zip(params, grads, hooks):
+            _restore_hooks(aside)
+            for p, g in zip(params, grads):
                 p.grad = g
-                if h:
-                    p._post_accumulate_grad_hooks = h
         if finite and replan and sens and not any(v > 0 for v in sens.values()):
             # a zero gradient (a zero loss, a batch masked out) measures nothing either: a
             # plan from all-zero sensitivities would be ties broken by position
