@@ -27,10 +27,11 @@ are finite: nothing is saved then).
 Memory: ``8 * (1 + C)`` bytes per activation call: 8200 bytes at ``C = 1024``; on CPU in
 eager mode 0 bytes when all inputs are finite and ``8 * (1 + count)`` otherwise.
 
-**Past capacity** (``count > C``): the rows are not all known, so the whole gradient of
-that call is NaN (decided on the device, no host sync): a loud signal, never a silently
-wrong gradient. Past-capacity counts are in practice diverged runs, where torch's own
-gradient is NaN almost everywhere too.
+**Past capacity** (``count > C``, on CUDA and under ``torch.compile`` only): the rows are
+not all known, so the whole gradient of that call is NaN (decided on the device, no host
+sync): a loud signal, never a silently wrong gradient. Such counts come from diverged
+runs, and from masks written as ``-inf`` into a gate (a masked sigmoid), whose exact
+gradient is finite: on the CPU in eager mode every one is recorded.
 
 **Patch** (shared, per function/parameters/table/dtype/device, like the table values):
 ``(3, 8)`` floats in the compute dtype (float64 for float64 gradients, else float32),

@@ -398,10 +398,10 @@ def pointwise(
     :mod:`fewbit.ops._nonfinite`):
 
     - NaN and +-inf inputs get torch's gradient at NaN/+-inf (e.g. NaN for GELU). Their
-      positions are recorded at encode time; that costs nothing when all inputs are
-      finite on CPU, and ``8 * (1 + 1024)`` bytes per call on CUDA and under
-      ``torch.compile`` (no host sync). Past 1024 such elements in one call the whole
-      gradient of that call is NaN (CPU and CUDA alike).
+      positions are recorded at encode time; on CPU in eager mode that costs nothing when
+      all inputs are finite and 8 bytes per such element otherwise; on CUDA and under
+      ``torch.compile`` (no host sync) ``8 * (1 + 1024)`` bytes per call, and past 1024
+      such elements in one call the whole gradient of that call is NaN (loud).
     - Exact (stepwise) tables give +0 where the level is 0 (torch's select), so their
       gradient equals torch's bit for bit also for NaN or infinite ``grad_output``.
 
@@ -603,15 +603,16 @@ def _plan(table: Table, fn: str, full: Mapping[str, float], dtype: torch.dtype, 
 
 def _host_record(x: torch.Tensor, classes: int, count: int) -> torch.Tensor | None:
     """The non-finite record of ``x`` when the encode pass counted ``count`` NaN and inf
-    (fewbit.ops._nonfinite): None if none of ``classes``, all of them listed if they fit
-    in :data:`CAPACITY`, else just their count (the gradient is then all NaN)."""
+    (fewbit.ops._nonfinite): None if none of ``classes``, else all of them listed, 8 bytes
+    each. (Capped at :data:`CAPACITY` as on CUDA, a masked sigmoid gate with 1025 ``-inf``
+    inputs had an all-NaN gradient where torch's is finite.)"""
     if count == 0:
         return None
     record = nonfinite_record_reference(x, classes, 0)
     k = int(record[0])
     if k == 0:
         return None
-    return nonfinite_record_reference(x, classes, k) if k <= CAPACITY else record
+    return nonfinite_record_reference(x, classes, k)
 
 
 def _triton():
