@@ -30,6 +30,7 @@ from typing import Any, Callable, Mapping
 import torch
 import torch.nn.functional as F
 
+from fewbit._caches import call_key, remember
 from fewbit._checks import check_bits, check_float_tensor
 from fewbit.ops._pointwise import _apply, _apply_planned, _plan, _recording_program, _transforms_active
 from fewbit.resolve import CALLS as _CALLS
@@ -112,12 +113,14 @@ def _registry(
     # call hold for it (dtype and device are in the key; bits must be an int, so 3.0 or
     # True are checked as the first time).
     if (type(bits) is int and torch.is_grad_enabled() and type(input) is torch.Tensor and input.requires_grad
-            and input.layout == torch.strided):
+            and input.layout == torch.strided and not torch.compiler.is_compiling()):
+        # (not while compiling: torch.compile guarded on the cache's contents, and an eager
+        # call of the same setting made the compiled model compile again)
         try:
             # a tensor parameter (alpha=torch.tensor(0.5)) hashes by identity: a key per call
             # would grow the cache without bound, so such calls are resolved every time
             key = None if params and any(isinstance(v, torch.Tensor) for v in params.values()) else (
-                name, tuple(params.items()), bits, input.dtype, input.device)
+                name, call_key(params), bits, input.dtype, input.device)
             hit = _CALLS.get(key) if key is not None else None
         except TypeError:  # an unhashable parameter: checked below
             key = hit = None
@@ -125,6 +128,10 @@ def _registry(
             return _apply_planned(input, hit[0], hit[1], hit[2], hit[3], inplace, hit[4])
     else:
         key = None
+    if isinstance(input, torch.Tensor) and not (input.is_floating_point() or input.is_complex()):
+        # integers and bools (a converted model's activation module on offsets): torch's own
+        # call, as the module it replaced; no gradient to code
+        return torch_call()
     sparse = isinstance(input, torch.Tensor) and input.layout != torch.strided
     if not sparse:
         check_float_tensor(input)
@@ -137,7 +144,7 @@ def _registry(
     table = table_for(f, bits, full, input.dtype)
     if key is not None and not torch.compiler.is_compiling() and not _transforms_active():
         plan = _plan(table, f.op_name, full, input.dtype, input.device, f.forward)
-        _CALLS[key] = (table, f.op_name, f.forward, full, plan)
+        remember(_CALLS, key, (table, f.op_name, f.forward, full, plan))
     return _pointwise(input, table, f, full, inplace)
 
 
@@ -243,7 +250,9 @@ def gelu(input: torch.Tensor, approximate: str = "none", *, bits: int = 3) -> to
         ``2**bits`` table values, instead of ``numel * element_size`` bytes.
 
     Raises:
-        TypeError: if ``input`` is not a floating-point tensor.
+        TypeError: if ``input`` is not a tensor. An integer or bool tensor goes to torch's
+            function, as into the module a converted model replaced (``relu`` of integer
+            offsets): its result, or its error (``gelu``: ``NotImplementedError``).
         ValueError: for ``approximate`` not in ``{'none', 'tanh'}`` or ``bits`` not an
             integer in 1..8.
         RuntimeError: when differentiating this gradient again (fitted table, above);

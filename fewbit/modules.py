@@ -131,7 +131,8 @@ class GELU(_FewBit, nn.GELU):
     Raises:
         ValueError: at construction, for a bad ``approximate`` or ``bits`` not an integer
             in 1..8 ("bits must be ..., got X").
-        TypeError: in forward, if the input is not a floating-point tensor.
+        TypeError: in forward, if the input is not a tensor (an integer or bool tensor
+            goes to torch's function, as in the module it replaces).
     """
 
     def __init__(self, approximate: str = "none", *, bits: int = 3) -> None:

@@ -46,6 +46,7 @@ import filelock
 import torch
 
 from fewbit import _traced
+from fewbit._caches import remember
 from fewbit._checks import check_bits
 from fewbit.activations import (
     Activation,
@@ -787,8 +788,7 @@ def _table(f: ResolvedFn, bits: int | None, full: dict[str, float], dtype: torch
         table, _, note = _lookup(f, bits, full, nd, bp, set_aside=True)
         if table is None:
             table = _fit_and_cache(f, bits, nd, note)
-        _TABLES[key] = table
-        return table
+        return remember(_TABLES, key, table)
 
 
 @_traced.constant

@@ -218,13 +218,25 @@ def test_bits_message_names_value():
         FF.silu(torch.randn(3), bits=9)
 
 
-@pytest.mark.parametrize("x", [torch.arange(5), torch.ones(3, dtype=torch.bool), [1.0, 2.0]])
-def test_non_floating_input(x):
-    with pytest.raises(TypeError, match="input"):
-        FF.gelu(x)
-    with pytest.raises(TypeError, match="input"):
-        FF.relu(x)
-    with pytest.raises(TypeError, match="input"):
+def test_non_tensor_input():
+    x = [1.0, 2.0]
+    for f in (FF.gelu, FF.relu, lambda x: FF.activation(x, "gelu")):
+        with pytest.raises(TypeError, match="input"):
+            f(x)
+
+
+@pytest.mark.parametrize("x", [torch.arange(-2, 3), torch.ones(3, dtype=torch.bool)])
+def test_integer_and_bool_input_is_torchs(x):
+    """As in the modules a converted model replaced: torch's result, or torch's error."""
+    for ours, theirs in ((FF.relu, torch.relu), (FF.gelu, F.gelu), (FF.silu, F.silu)):
+        try:
+            expect = theirs(x)
+        except Exception as exc:  # torch's own error (gelu of an integer tensor)
+            with pytest.raises(type(exc)):
+                ours(x)
+        else:
+            assert torch.equal(ours(x), expect)
+    with pytest.raises(TypeError, match="input"):  # a user function has no torch twin
         FF.activation(x, "gelu")
 
 
@@ -617,7 +629,7 @@ def test_an_unhashable_user_function_with_an_int_argument_reuses_its_plan(tmp_pa
 
 def test_repeated_gradient_calls_are_checked_like_the_first():
     """Gradient calls of a setting already resolved skip the resolution (fewbit.resolve.CALLS),
-    not the checks: bad bits, another dtype or a non-float input still raise, and
+    not the checks: bad bits, another dtype or an integer input still raise, and
     clear_table_cache forgets the settings."""
     from fewbit.resolve import CALLS
 
@@ -628,7 +640,7 @@ def test_repeated_gradient_calls_are_checked_like_the_first():
     for bad in (3.0, True, 9):
         with pytest.raises(ValueError, match="bits must be an integer in 1..8"):
             FF.gelu(x, bits=bad)
-    with pytest.raises(TypeError):
+    with pytest.raises(NotImplementedError):  # torch's error for an integer tensor
         FF.gelu(torch.arange(8), bits=3)
     with pytest.raises(ValueError, match="approximate"):
         FF.gelu(x, approximate="fast", bits=3)
@@ -679,3 +691,78 @@ def test_params_that_are_not_a_mapping_name_the_argument(params):
     # (name, value) pairs, as dict() takes them, are a mapping's items
     y = FF.activation(torch.randn(3), "elu", params=[("alpha", 0.5)])
     assert y.shape == (3,)
+
+
+def test_a_parameter_changed_at_every_call_does_not_grow_the_caches(monkeypatch):
+    """An annealed ``negative_slope`` made a new setting per call, and the call, table,
+    table-tensor and rules caches kept every one (20 000 calls: 20 000 entries each and
+    310 MiB more); they keep the newest ``fewbit._caches.LIMIT``."""
+    from fewbit import _caches
+    from fewbit.ops import _pointwise
+    from fewbit.resolve import _TABLES, CALLS
+
+    monkeypatch.setattr(_caches, "LIMIT", 8)
+    FF.clear_table_cache()
+    x = torch.randn(64, requires_grad=True)
+    for i in range(40):
+        slope = 0.01 + i * 1e-3
+        y = FF.leaky_relu(x, slope)
+        y.sum().backward()
+        torch.testing.assert_close(x.grad, torch.where(x > 0, 1.0, slope), rtol=0, atol=0)
+        x.grad = None
+    assert len(CALLS) <= 8 and len(_TABLES) <= 8
+    assert len(_pointwise._table_cache) <= 8 and len(_pointwise._prepared) <= 8
+
+
+def test_parameters_equal_but_not_the_same_are_settings_of_their_own():
+    """The call cache compared parameters with ``==``: after ``leaky_relu(x, 0.0)``,
+    ``leaky_relu(x, -0.0)`` gave ``+0.0`` where torch gives ``-0.0``, and after
+    ``elu(x, 1.0)`` ``elu(x, True)`` was taken, where alone it is refused."""
+    FF.clear_table_cache()
+    x = torch.tensor([-2.0, -0.5, 1.0], requires_grad=True)
+    FF.leaky_relu(x, 0.0)
+    got, expect = FF.leaky_relu(x, -0.0), F.leaky_relu(x, -0.0)
+    assert torch.equal(got.signbit(), expect.signbit())
+    FF.elu(x, 1.0)
+    with pytest.raises(ValueError, match="alpha"):
+        FF.elu(x, True)
+
+
+def test_an_activation_module_on_an_integer_tensor_is_torchs():
+    """A converted model applying its activation module to integer offsets raised
+    ``TypeError`` (the functional call inside it already went to torch)."""
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.act = torch.nn.Linear(4, 4), torch.nn.ReLU()
+
+        def forward(self, x, idx):
+            return self.act(self.lin(x)).sum(-1) + self.act(idx - 2)
+
+    model = Model()
+    x, idx = torch.randn(3, 4, requires_grad=True), torch.tensor([0, 3, 5])
+    expect = model(x, idx)
+    fewbit.convert_(model)
+    assert torch.equal(model(x, idx), expect)
+    assert torch.equal(FF.relu(idx), torch.relu(idx))
+
+
+def test_an_eager_call_does_not_recompile_a_compiled_model():
+    """torch.compile guarded on the contents of the call cache: an eager call of the same
+    setting (an evaluation, another model) made the compiled model compile again."""
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU())
+    fewbit.convert_(model, bits=3)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    x = torch.randn(4, 8, requires_grad=True)
+    for _ in range(2):
+        compiled(x).sum().backward()
+    graphs = counters["stats"]["unique_graphs"]
+    fewbit.GELU(bits=3)(torch.randn(3, requires_grad=True)).sum().backward()
+    compiled(x).sum().backward()
+    assert counters["stats"]["unique_graphs"] == graphs
+    torch._dynamo.reset()

@@ -14,6 +14,7 @@ from typing import Callable, Mapping
 import torch
 
 from fewbit import _traced
+from fewbit._caches import call_key, remember
 from fewbit._checks import check_float_tensor
 from fewbit.activations import ACTIVATIONS, ALIASES, canonical_params, forward_callable, get_activation, import_callable
 from fewbit.ops import _cpu_loader
@@ -61,7 +62,7 @@ def table_tensors(
             codes = torch.tensor(table.codes, dtype=torch.int64)
             values = torch.tensor(table.values, dtype=torch.float64).to(cdt)
             hit = tuple(t.to(device) for t in (borders, codes, values))
-            _table_cache[key] = hit
+            remember(_table_cache, key, hit)
     return hit
 
 
@@ -147,7 +148,7 @@ def _prepare(fn: str, params: tuple, table: Table, dtype: torch.dtype, device: t
     what = None if table.weight == "exact" else f"{fn} ({table.bits}-bit fitted table)"
     hit = (rules.select_zero, rules.classes, pid, what)
     with _lock:
-        _prepared[key] = hit
+        remember(_prepared, key, hit)
     return hit
 
 
@@ -593,11 +594,11 @@ def _plan(table: Table, fn: str, full: Mapping[str, float], dtype: torch.dtype, 
     if entry is None or entry[0]() is not table:
         ref = weakref.ref(table, lambda r, k=id(table): _drop_plans(k, r))
         entry = _plans[id(table)] = (ref, {})
-    key = (fn, tuple(full.items()), dtype, device, torch_fn)
+    key = (fn, call_key(full), dtype, device, torch_fn)
     plan = entry[1].get(key)
     if plan is None:
         backend = "numba" if device.type == "cpu" else ("triton" if device.type == "cuda" else "reference")
-        plan = entry[1][key] = _Plan(table, fn, full, dtype, device, backend, torch_fn)
+        plan = remember(entry[1], key, _Plan(table, fn, full, dtype, device, backend, torch_fn))
     return plan
 
 
