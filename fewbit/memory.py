@@ -32,6 +32,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import gc
 import math
 import warnings
 import weakref
@@ -632,7 +633,10 @@ def compare(
         if variant == "fewbit+quant" and quant_config.layer_bits:
             d["layer_bits_tensors"] = _layer_bits_tensors(model)
         out[variant] = d
+        # freed before the next variant is built: it sits in reference cycles (hooks), and on
+        # a GPU it and its gradients were still allocated under the next one's peak
         del model
+        gc.collect()
     base = out.get("vanilla")
     for d in out.values():
         for key, ratio in (("saved_bytes", "saved_ratio"), ("activation_bytes", "activation_ratio")):

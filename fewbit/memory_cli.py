@@ -254,9 +254,10 @@ class _CopyFactory:
 
     ``compare`` seeds torch with 0 and calls the factory once per variant. The first call
     builds the model (the template) and records the CPU random-number state that the build
-    left; every call returns a deep copy of the template (the last call the template
-    itself) and restores that state, so weights and later random draws (dropout) are
-    exactly those of a fresh build. Each call also advances the progress bar.
+    left; every call returns a deep copy of the template and restores that state, so
+    weights and later random draws (dropout) are exactly those of a fresh build, and every
+    variant is measured beside the template alike. Each call also advances the progress
+    bar.
     """
 
     def __init__(self, build, device, bar, stages):
@@ -276,9 +277,8 @@ class _CopyFactory:
         self._calls += 1
         self._bar.set_postfix_str(self._stages[min(self._calls, len(self._stages) - 1)])
         torch.set_rng_state(self._rng)
-        if self._calls == len(self._stages) - 1:  # the last variant: no copy needed
-            model, self._template = self._template, None
-            return model
+        # a copy for every variant, the last too: the template held beside each alike, so
+        # that their CUDA peaks compare (the last had been measured without it)
         return copy.deepcopy(self._template)
 
 

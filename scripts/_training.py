@@ -396,6 +396,19 @@ def check_device(p: argparse.ArgumentParser, device: str) -> None:
         p.error(str(e))
 
 
+def new_file(s: str) -> str:
+    """An argparse type for an output file (``--json``): a path in an existing directory
+    where nothing is yet (a result the user had is not overwritten; the run is long)."""
+    if not s:
+        raise argparse.ArgumentTypeError("must be a file path, got ''")
+    parent = os.path.dirname(os.path.abspath(s))
+    if not os.path.isdir(parent):
+        raise argparse.ArgumentTypeError(f"directory {parent!r} does not exist (for {s!r})")
+    if os.path.lexists(s):
+        raise argparse.ArgumentTypeError(f"{s!r} exists; remove it or give another path")
+    return s
+
+
 def build_parser(description: str) -> argparse.ArgumentParser:
     """The options every training script takes (the first paragraph of ``description`` is
     the help text); a script adds its own and changes defaults with ``set_defaults``."""
@@ -403,7 +416,7 @@ def build_parser(description: str) -> argparse.ArgumentParser:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS, metavar="VARIANT",
                    help=f"variants to train, of: {' '.join(VARIANTS)}")
-    p.add_argument("--seeds", nargs="+", type=int, default=[0])
+    p.add_argument("--seeds", nargs="+", type=nonneg_int, default=[0])
     p.add_argument("--steps", type=positive_int, default=200)
     p.add_argument("--batch-size", type=positive_int, default=8)
     p.add_argument("--lr", type=positive_float, default=3e-3)
@@ -411,7 +424,7 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--eval-every", type=positive_int, default=25)
     p.add_argument("--device", default="cpu", help="torch device, e.g. cuda")
     p.add_argument("--out", type=Path, default=Path("results"), help="directory for the CSVs")
-    p.add_argument("--threads", type=nonneg_int, default=0, help="torch CPU threads (0: torch default)")
+    p.add_argument("--threads", type=thread_count, default=0, help="torch CPU threads (0: torch default)")
     p.add_argument("--quick", action="store_true", help="tiny sizes for tests (seconds)")
     p.add_argument("--progress", action="store_true", help="tqdm progress bar per run")
     p.add_argument("--group-size", type=positive_int, default=256,
@@ -426,9 +439,16 @@ def build_parser(description: str) -> argparse.ArgumentParser:
 
 
 def setup(p: argparse.ArgumentParser, args: argparse.Namespace, quick: dict[str, Any]) -> None:
-    """After the script's own checks of ``args``: set torch's CPU threads, apply the
-    ``quick`` sizes if ``--quick`` was given, and stop (``p.error``) on a ``--device``
-    other than cpu or an available cuda (:func:`check_device`)."""
+    """After the script's own checks of ``args``: make ``--out`` (stop with ``p.error`` on a
+    file there, before any run), set torch's CPU threads, apply the ``quick`` sizes if
+    ``--quick`` was given, and stop on a ``--device`` other than cpu or an available cuda
+    (:func:`check_device`)."""
+    if args.out.exists() and not args.out.is_dir():  # found before the runs, not after them
+        p.error(f"--out {args.out} is a file, not a directory")
+    try:
+        args.out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        p.error(f"--out {args.out}: {exc.strerror or exc}")
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.quick:

@@ -33,7 +33,7 @@ import sys
 import time
 
 import torch
-from _training import saved_bytes
+from _training import new_file, saved_bytes
 
 
 def _machine() -> str:
@@ -339,7 +339,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeat", type=int, default=5, help="timed runs per measurement (median)")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile candidates")
     ap.add_argument("--no-host", action="store_true", help="skip the host-time-per-call measurement")
-    ap.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
+    ap.add_argument("--json", metavar="PATH", type=new_file,
+                    help="also write the results as JSON to PATH (a new file)")
     ap.add_argument("--layout", default="contiguous", choices=["contiguous", "channels_last", "transposed"],
                     help="memory layout of the input and gradient (channels_last: (n/4096, 64, 8, 8); "
                          "transposed: a (1024, n/1024) view through .t()) (default: contiguous)")
@@ -359,8 +360,6 @@ def main(argv=None) -> int:
                 raise ValueError(f"--layout {args.layout} needs sizes of at least 2^12 elements, got 2^{p}")
         if args.repeat < 1:
             raise ValueError(f"repeat must be >= 1, got {args.repeat}")
-        if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
-            raise ValueError(f"--json: directory of {args.json!r} does not exist")
         from fewbit._checks import check_device
 
         check_device(args.device)

@@ -35,7 +35,7 @@ import sys
 import time
 
 import torch
-from _training import positive_int, saved_bytes, thread_count
+from _training import new_file, positive_int, saved_bytes, thread_count
 from torch import nn
 
 import fewbit
@@ -164,12 +164,9 @@ def main(argv=None) -> int:
     ap.add_argument("--repeat", type=positive_int, default=20, help="timed steps")
     ap.add_argument("--threads", type=thread_count, default=0, help="torch CPU threads (0: torch's default)")
     ap.add_argument("--no-compile", action="store_true", help="eager variants only")
-    ap.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
+    ap.add_argument("--json", metavar="PATH", type=new_file,
+                    help="also write the results as JSON to PATH (a new file)")
     args = ap.parse_args(argv)
-    if args.json:
-        parent = os.path.dirname(os.path.abspath(args.json))
-        if os.path.isdir(args.json) or not os.path.isdir(parent):
-            ap.error(f"--json must be a file path in an existing directory, got {args.json!r}")
     try:
         check_device(args.device)
     except ValueError as e:

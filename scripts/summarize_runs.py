@@ -36,8 +36,20 @@ _ORDER = ("vanilla", "fewbit1", "fewbit2", "fewbit3", "fewbit4", "actnn2", "fewb
           "fewbit3+quant2", "gact2", "gact4", "division", "adacc")
 
 
+#: The suffix ``train_*.py`` adds to a variant's name for a group size other than 256 and a
+#: noise draw (``_g64``, ``_draw1``).
+_TAG = re.compile(r"(_g\d+)?(_draw\d+)?$")
+
+
+def _split(variant: str) -> tuple[str, str]:
+    """``(variant, tag)``: ``"gact2_g64"`` -> ``("gact2", "_g64")``."""
+    tag = _TAG.search(variant).group(0)
+    return (variant[: len(variant) - len(tag)], tag) if tag else (variant, "")
+
+
 def _rank(variant: str) -> tuple:
-    return (_ORDER.index(variant), "") if variant in _ORDER else (len(_ORDER), variant)
+    name, tag = _split(variant)
+    return (_ORDER.index(name), tag) if name in _ORDER else (len(_ORDER), variant)
 
 
 def load_runs(directory: Path) -> dict[str, dict[str, dict[int, list[dict]]]]:
@@ -57,10 +69,22 @@ def load_runs(directory: Path) -> dict[str, dict[str, dict[int, list[dict]]]]:
         if not rows or not need <= set(rows[0]):
             raise ValueError(f"{path}: expected columns {sorted(need)} and at least one row")
         parsed = []
-        for r in rows:
-            parsed.append({k: (float(v) if v not in ("", None) else math.nan) for k, v in r.items()})
+        for i, r in enumerate(rows, start=2):
+            try:
+                parsed.append({k: (float(v) if v not in ("", None) else math.nan) for k, v in r.items()})
+            except ValueError:
+                bad = next(k for k, v in r.items() if v not in ("", None) and not _is_number(v))
+                raise ValueError(f"{path}: line {i}, column {bad!r}: not a number: {r[bad]!r}") from None
         runs[m["task"]][m["variant"]][int(m["seed"])] = parsed
     return runs
+
+
+def _is_number(v: str) -> bool:
+    try:
+        float(v)
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 def _mean_std(xs: list[float]) -> tuple[float, float]:
@@ -75,7 +99,6 @@ def summarize(runs: dict) -> dict[str, list[dict]]:
     out = {}
     for task, variants in sorted(runs.items()):
         rows = []
-        base = None
         for variant in sorted(variants, key=_rank):
             seeds = variants[variant]
             finals = [r[-1] for r in seeds.values()]
@@ -86,10 +109,11 @@ def summarize(runs: dict) -> dict[str, list[dict]]:
             times = [statistics.fmean(r["step_time_s"] for r in (rows_[1:] or rows_)) for rows_ in seeds.values()]
             row = {"variant": variant, "seeds": len(seeds), "val_loss": vl, "accuracy": acc,
                    "peak_saved_bytes": peak, "step_time_s": statistics.fmean(times)}
-            if variant == "vanilla":
-                base = row
             rows.append(row)
+        by_name = {row["variant"]: row for row in rows}
         for row in rows:
+            # vanilla of the same group size or noise draw (train_*.py tags it too), else untagged
+            base = by_name.get("vanilla" + _split(row["variant"])[1]) or by_name.get("vanilla")
             row["saved_ratio"] = base["peak_saved_bytes"] / row["peak_saved_bytes"] if base and row["peak_saved_bytes"] else math.nan
             row["time_ratio"] = row["step_time_s"] / base["step_time_s"] if base else math.nan
         out[task] = rows
@@ -168,7 +192,12 @@ def main(argv: Iterable[str] | None = None) -> int:
     if not runs:
         p.error(f"no <task>_<variant>_seed<N>.csv files in {args.directory}")
     out = args.out or args.directory
-    out.mkdir(parents=True, exist_ok=True)
+    if out.exists() and not out.is_dir():
+        p.error(f"--out {out} is a file, not a directory")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        p.error(f"--out {out}: {exc.strerror or exc}")
     md = to_markdown(summarize(runs))
     tmp = out / ".summary.md.tmp"
     tmp.write_text(md)

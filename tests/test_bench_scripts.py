@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -36,10 +38,19 @@ def test_bench_activations_json(tmp_path):
     assert all(h["forward_us"] > 0 and h["full_us"] > 0 for h in host.values())
 
 
-def test_bench_activations_bad_json_dir(tmp_path):
-    cmd = [sys.executable, "scripts/bench_activations.py", "--sizes", "3", "--json", str(tmp_path / "no" / "x.json")]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2 and proc.stderr.startswith("error: --json") and proc.stderr.count("\n") == 1
+@pytest.mark.parametrize("script", ["scripts/bench_activations.py", "scripts/bench_model.py"])
+def test_bench_json_must_be_a_new_file(tmp_path, script):
+    """``--json`` in a missing directory, empty (wrote nothing), or an existing file (was
+    overwritten without a word after the whole run): refused before the run, in one line."""
+    kept = tmp_path / "kept.json"
+    kept.write_text("{}")
+    for path in (str(tmp_path / "no" / "x.json"), "", str(kept)):
+        proc = subprocess.run([sys.executable, script, "--json", path], cwd=ROOT, capture_output=True, text=True,
+                              timeout=300)
+        assert proc.returncode == 2, (path, proc.stderr[-500:])
+        last = proc.stderr.strip().splitlines()[-1]
+        assert "Traceback" not in proc.stderr and "--json" in last, (path, proc.stderr)
+    assert kept.read_text() == "{}"
 
 
 def test_scripts_refuse_bad_arguments_in_one_line():
@@ -48,6 +59,13 @@ def test_scripts_refuse_bad_arguments_in_one_line():
         (["scripts/train_lm.py", "--lr", "nan"], "--lr"),
         (["scripts/train_lm.py", "--lr", "inf", "--steps", "1"], "--lr"),
         (["scripts/train_cnn.py", "--warmup", "-1"], "--warmup"),
+        # review h47: a segfault, a negative seed summarize_runs.py ignored, tracebacks after
+        # the corpus was read, an --out file found after the whole run
+        (["scripts/train_lm.py", "--threads", "100000"], "--threads"),
+        (["scripts/train_cnn.py", "--seeds", "-1"], "--seeds"),
+        (["scripts/train_lm.py", "--seq-len", "1"], "--seq-len"),
+        (["scripts/train_lm.py", "--arch", "llama", "--width", "6", "--heads", "2"], "--heads"),
+        (["scripts/train_cnn.py", "--out", "README.md"], "--out"),
         (["scripts/main_job.py", "--device", "foo"], "--device"),
         (["scripts/bench_plan.py", "--layers", "0"], "--layers"),
         (["scripts/bench_plan.py", "--optimizer", "lion"], "--optimizer"),

@@ -22,7 +22,10 @@ def test_plan_cli_prints_plan_and_measured_peak(tmp_path):
     r = run("plan", *TINY, "--budget", "100%", "--output", out)
     assert r.exit_code == 0, r.output
     assert "fewbit plan: budget" in r.stdout and "transformer.h.0" in r.stdout and "mlp.act" in r.stdout
-    m = re.search(r"measured peak ([\d.]+) MiB .* vs predicted ([\d.]+) MiB; budget ([\d.]+) MiB: within", r.stdout)
+    # on the CPU a lower bound (a recomputed block's saves in backward are not counted):
+    # the budget is not called met there (it had printed "within" unchecked)
+    m = re.search(r"measured peak ([\d.]+) MiB .* vs predicted ([\d.]+) MiB; budget ([\d.]+) MiB: not checked on the CPU",
+                  r.stdout)
     assert m, r.stdout
     measured, predicted, budget = map(float, m.groups())
     assert measured <= budget and measured <= predicted + 0.01
@@ -32,6 +35,9 @@ def test_plan_cli_prints_plan_and_measured_peak(tmp_path):
     before = out.read_text()
     assert_one_line_error(run("plan", *TINY, "--budget", "100%", "--output", out), "--output", "not overwriting")
     assert out.read_text() == before
+    dangling = tmp_path / "dangling.json"  # a link to nothing: refused before profiling, not after
+    dangling.symlink_to(tmp_path / "nothing.json")
+    assert_one_line_error(run("plan", *TINY, "--budget", "100%", "--output", dangling), "--output", "not overwriting")
 
 
 def test_plan_cli_infeasible_budget_is_one_line():

@@ -255,6 +255,31 @@ def test_summarize_numbers(tmp_path):
     assert exc.value.code != 0
 
 
+def test_summarize_tagged_runs_against_their_vanilla(tmp_path):
+    """``--group-size 64`` tags vanilla too (``lm_vanilla_g64_seed0.csv``): no untagged
+    vanilla was found, every saved ratio was nan and vanilla sorted last. A tagged variant
+    is compared with the vanilla of its tag, else the untagged one; a non-number names its
+    file and column."""
+    def write(name, peak):
+        with open(tmp_path / name, "w", newline="") as fh:
+            w = csv.DictWriter(fh, fieldnames=FIELDS)
+            w.writeheader()
+            w.writerow({"step": 1, "train_loss": 2.0, "val_loss": 2.0, "accuracy": 0.5, "step_time_s": 0.1,
+                        "peak_saved_bytes": peak})
+
+    write("lm_vanilla_g64_seed0.csv", 8 * 2**20)
+    write("lm_gact2_g64_seed0.csv", 2**20)
+    write("lm_vanilla_seed0.csv", 4 * 2**20)
+    write("lm_gact2_draw1_seed0.csv", 2 * 2**20)
+    rows = summarize_runs.summarize(summarize_runs.load_runs(tmp_path))["lm"]
+    ratios = {r["variant"]: r["saved_ratio"] for r in rows}
+    assert ratios == {"vanilla": 1.0, "vanilla_g64": 1.0, "gact2_g64": 8.0, "gact2_draw1": 2.0}
+    assert [r["variant"] for r in rows][0].startswith("vanilla")
+    (tmp_path / "lm_bad_seed0.csv").write_text(",".join(FIELDS) + "\n" + ",".join(["1", "abc"] + ["1"] * (len(FIELDS) - 2)) + "\n")
+    with pytest.raises(ValueError, match="lm_bad_seed0.csv: line 2, column 'train_loss'"):
+        summarize_runs.load_runs(tmp_path)
+
+
 def test_main_job_quick(tmp_path):
     r = _run("main_job.py", "--quick", "--out", tmp_path, timeout=180)
     assert r.returncode == 0, r.stderr[-3000:]
