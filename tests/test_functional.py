@@ -766,3 +766,17 @@ def test_an_eager_call_does_not_recompile_a_compiled_model():
     compiled(x).sum().backward()
     assert counters["stats"]["unique_graphs"] == graphs
     torch._dynamo.reset()
+
+
+def test_a_dual_tensor_of_forward_ad_gets_torchs_tangent():
+    """``torch.autograd.forward_ad``: a dual tensor whose primal requires grad raised
+    ``NotImplementedError`` (the few-bit node has no forward-mode rule); ``nn.GELU`` gives
+    the tangent ``f'(x) t``, and so does torch's function, which takes it now."""
+    import torch.autograd.forward_ad as fwAD
+
+    p = torch.randn(5, requires_grad=True)
+    t = torch.randn(5)
+    with fwAD.dual_level():
+        expect = fwAD.unpack_dual(torch.nn.GELU()(fwAD.make_dual(p, t))).tangent
+        got = fwAD.unpack_dual(fewbit.GELU(bits=3)(fwAD.make_dual(p, t))).tangent
+    torch.testing.assert_close(got, expect, rtol=0, atol=0)

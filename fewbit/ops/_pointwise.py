@@ -12,6 +12,7 @@ import weakref
 from typing import Callable, Mapping
 
 import torch
+import torch.autograd.forward_ad as _fwad
 
 from fewbit import _traced
 from fewbit._caches import call_key, remember
@@ -461,9 +462,10 @@ def _apply(
     if inplace and not compiling:
         _check_inplace(input)
     transforms = _transforms_active()
-    if transforms and _forward_mode_active():
-        # forward-mode AD (torch.func.hessian = jacfwd(jacrev), jvp of a gradient) needs the
-        # tangent f'(x) t, which torch's function gives exactly; there is no memory to save
+    if (transforms and _forward_mode_active()) or (not compiling and _has_tangent(input)):
+        # forward-mode AD (torch.func.hessian = jacfwd(jacrev), jvp of a gradient, a dual
+        # tensor of torch.autograd.forward_ad) needs the tangent f'(x) t, which torch's
+        # function gives exactly; there is no memory to save
         y = torch_fn(input, **full)
         return input.copy_(y) if inplace else y
     if not compiling and not transforms and _plain(input):
@@ -505,7 +507,14 @@ def _plain(input: torch.Tensor) -> bool:
     FlopCounterMode, a user's logging mode) would not see; those take the ``torch.ops``
     path. A wrapper subclass had reached the raw Triton launch with a null data pointer,
     and a ``make_fx`` graph recorded without the codes' kernel gave another gradient."""
-    return type(input) in _PLAIN_TYPES and not _dispatch_modes()
+    return type(input) in _PLAIN_TYPES and not _dispatch_modes() and not _has_tangent(input)
+
+
+def _has_tangent(input: torch.Tensor) -> bool:
+    """Whether ``input`` is a dual tensor of ``torch.autograd.forward_ad`` (a tangent at the
+    current level): the few-bit node has no forward-mode rule, and it had raised
+    ``NotImplementedError`` where ``nn.GELU`` gives the tangent."""
+    return _fwad._current_level >= 0 and _fwad.unpack_dual(input).tangent is not None
 
 
 def _check_inplace(input: torch.Tensor) -> None:
