@@ -530,9 +530,11 @@ class _Group(click.Group):
         except click.ClickException as exc:
             click.echo(f"Error: {_one_line_text(exc.format_message())}", err=True)
             sys.exit(exc.exit_code)
-        except click.Abort:
+        except click.Abort as exc:
             click.echo("Aborted!", err=True)
-            sys.exit(1)
+            # Ctrl-C: the shell's 128 + SIGINT, as a command killed by it (scripts tell it
+            # from a failure); an end of input at a prompt: 1
+            sys.exit(130 if isinstance(exc.__cause__, KeyboardInterrupt) else 1)
         sys.exit(rv if isinstance(rv, int) else 0)
 
 
