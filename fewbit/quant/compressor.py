@@ -208,61 +208,59 @@ UNDERFLOW_LOG = math.log(torch.finfo(torch.float32).tiny)
 class _UnderflowKept:
     """A :class:`~fewbit.quant.compressors.Compressed` of a log-softmax result whose entries
     below :data:`UNDERFLOW_LOG` (masked logits written as ``-inf``, ``finfo.min``, ``-1e9``
-    or ``-1e4``; the tail of a peaked distribution) are quantized apart: a 1-bit mask of
-    them (the 1-bit stream of docs/method.md §6), their values gathered into a 1-D tensor
-    quantized in groups of their own (unbiased, at the result's 8 bits; their ``-inf``
-    entries kept by a second 1-bit mask over the gathered values, only if any), and the
-    result with them replaced by their row's smallest other value, quantized as before.
+    or ``-1e4``; the tail of a peaked distribution) are taken apart: a 1-bit mask of them
+    (the 1-bit stream of docs/method.md §6); of those, the ones equal to their row's
+    smallest value (a ``masked_fill``'s entries are all ``c - logsumexp``, the same float)
+    exact from one value per row along the softmax's dim and a second 1-bit mask over the
+    low entries; the others (a peaked distribution's tail) gathered into a 1-D tensor
+    quantized in groups of their own with float32 statistics (unbiased, at the result's 8
+    bits); and the result with all of them replaced by their row's smallest other value,
+    quantized as before.
 
     Why: one such entry set its group's range. ``-inf`` made the group NaN, ``finfo.min``
     and ``-1e9`` too (the range overflows), ``-1e4`` a step of 40 at 8 bits: the weight
     gradient of a cross-entropy over masked logits came out NaN, or 300 times its norm
-    off, where its exact value is finite (``exp(y) = 0``).
+    off, where its exact value is finite (``exp(y) = 0``). Kept apart from the tail, a mask
+    value does not set the tail's step either (a soft-target cross-entropy over a peaked,
+    masked log-softmax: 1.1 times its norm off with the masks in the tail's groups).
 
-    Their own groups keep the values for the other ops that save the same result and read
-    them (an entropy's ``p * logp``, a soft-target cross-entropy ``-(q * logp).sum()``):
-    unbiased, with a step set by the low entries' own spread (a single fill per row: their
-    rows' ``logsumexp`` differences). Costs 1 bit per element plus about 1 byte per low
-    entry (and 1 bit each if any is ``-inf``), for results that hold one only. A view of
-    the result saved by a later op (``logp[:, :-1] * w``) is not seen as one, and is
-    quantized with its low entries, as any tensor holding them."""
+    The values serve the other ops that save the same result and read them (an entropy's
+    ``p * logp``, a soft-target cross-entropy ``-(q * logp).sum()``). Costs 1 bit per
+    element, 1 bit and (for the tail) about 1 byte per low entry and one value per row,
+    for results that hold a low entry only. A second mask value in a row (``-inf`` and
+    ``-1e9`` both) goes with the tail. A view of the result saved by a later op
+    (``logp[:, :-1] * w``) is not seen as one, and is quantized with its low entries, as
+    any tensor holding them."""
 
-    __slots__ = ("qt", "mask", "low", "low_neg_inf")
+    __slots__ = ("qt", "mask", "count", "fill", "at_fill", "tail")
 
-    def __init__(self, qt, mask: torch.Tensor, low, low_neg_inf: torch.Tensor | None) -> None:
+    def __init__(self, qt, mask: torch.Tensor, count: int, fill: torch.Tensor, at_fill: torch.Tensor, tail) -> None:
         self.qt = qt
-        self.mask = mask
-        self.low = low  # the gathered low entries' Compressed; None if all are -inf
-        self.low_neg_inf = low_neg_inf  # packed mask of the -inf ones among them; None if none
+        self.mask = mask  # packed: the low entries
+        self.count = count  # how many
+        self.fill = fill  # each row's smallest value (t's shape, dim of size 1)
+        self.at_fill = at_fill  # packed, over the low entries: equal to their row's fill
+        self.tail = tail  # the other low entries' Compressed; None if none
 
     @property
     def nbytes(self) -> int:
-        n = self.qt.nbytes + self.mask.numel()
-        if self.low is not None:
-            n += self.low.nbytes
-        if self.low_neg_inf is not None:
-            n += self.low_neg_inf.numel()
-        return n
+        n = self.qt.nbytes + self.mask.numel() + self.at_fill.numel() + self.fill.numel() * self.fill.element_size()
+        return n + (self.tail.nbytes if self.tail is not None else 0)
 
     def decompress(self) -> torch.Tensor:
         y = self.qt.decompress()
         mask = _unpack_bool(self.mask, y.numel()).view(y.shape)
-        count = int(mask.sum())
-        if self.low is None:
-            low = torch.full((count,), float("-inf"), dtype=y.dtype, device=y.device)
-        else:
-            low = self.low.decompress().to(y.dtype)
-            if self.low_neg_inf is not None:
-                low.masked_fill_(_unpack_bool(self.low_neg_inf, count), float("-inf"))
+        low = self.fill.to(y.dtype).expand_as(y)[mask]
+        if self.tail is not None:
+            low[~_unpack_bool(self.at_fill, self.count)] = self.tail.decompress().to(y.dtype)
         y[mask] = low
         return y
 
 
 def _low_quantizer(result):
-    """The group quantizer of a log-softmax result's low entries (:class:`_UnderflowKept`):
-    ``result``'s (the 8-bit quantizer of results) with float32 statistics, as
-    ``finfo(float32).min`` masks are past bfloat16's range (3.39e38: they decoded to
-    ``-inf``, and an entropy's ``0 * -inf`` to NaN)."""
+    """The group quantizer of a log-softmax result's tail (:class:`_UnderflowKept`):
+    ``result``'s (the 8-bit quantizer of results) with float32 statistics (a tail can reach
+    past bfloat16's range, 3.39e38)."""
     from fewbit.quant.compressors import GroupQuantizer
 
     return GroupQuantizer(result.bits, group_size=result.group_size, stochastic=result.stochastic,
@@ -272,27 +270,25 @@ def _low_quantizer(result):
 def _without_underflow(t: torch.Tensor, dim: int, compressor, low_compressor, generator) -> _UnderflowKept | None:
     """:class:`_UnderflowKept` of ``t`` (its entries below :data:`UNDERFLOW_LOG` apart,
     replaced by the smallest other value of their row along ``dim``, 0 in a row with none),
-    ``compressor`` on the rest, ``low_compressor`` on the low entries gathered; None if
-    ``t`` holds none (it is compressed as it is). Reads whether it holds one on the host: one device synchronisation on a
-    GPU, per log-softmax result saved (always masking had cost a result of 4096 x 32000
-    float32 six times the compression time and 630 MB more peak memory on the CPU)."""
+    ``compressor`` on the rest, ``low_compressor`` on the tail; None if ``t`` holds none (it
+    is compressed as it is). Reads whether it holds one on the host (a device
+    synchronisation on a GPU per log-softmax result saved; gathering the low entries,
+    decompressing them, and whether there is a tail, take a few more for results that hold
+    one). Always masking had cost a result of 4096 x 32000 float32 six times the
+    compression time and 630 MB more peak memory on the CPU."""
     mask = t < UNDERFLOW_LOG
     if not bool(mask.any()):
         return None
     inf = torch.tensor(torch.inf, dtype=t.dtype, device=t.device)
     floor = torch.where(mask, inf, t).amin(dim=dim, keepdim=True)
     floor = torch.where(torch.isfinite(floor), floor, torch.zeros((), dtype=t.dtype, device=t.device))
+    fill = t.amin(dim=dim, keepdim=True)
     low = t[mask]
-    neg_inf = torch.isneginf(low)
-    low_qt, low_neg_inf = None, None
-    if not bool(neg_inf.all()):
-        if bool(neg_inf.any()):
-            low_neg_inf = _pack_bool(neg_inf)
-            low = low.masked_fill(neg_inf, low.masked_fill(neg_inf, inf).min())
-        low_qt = low_compressor.compress(low, generator=generator)
+    at_fill = (t == fill)[mask]
+    tail = low[~at_fill]
+    tail_qt = low_compressor.compress(tail, generator=generator) if tail.numel() else None
     rest = compressor.compress(torch.where(mask, floor, t), generator=generator)
-    return _UnderflowKept(rest, _pack_bool(mask), low_qt, low_neg_inf)
-
+    return _UnderflowKept(rest, _pack_bool(mask), low.numel(), fill, _pack_bool(at_fill), tail_qt)
 
 
 class _TokenMajor(_ChannelMajor):
