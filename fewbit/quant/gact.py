@@ -395,8 +395,9 @@ def _backward(loss: torch.Tensor, params: list[torch.Tensor], aside: dict) -> No
     in backward; hooks registered during the call too) are moved into ``aside`` (id ->
     (tensor, [(handle id, hook)])), which :func:`_restore_hooks` puts back. A plain
     ``backward`` (not ``inputs=params``, which skips reentrant checkpoints' recomputation:
-    their parameters had no gradient). Leaves reached only inside a reentrant checkpoint
-    are not seen."""
+    their parameters had no gradient), with ``retain_graph`` (a part of the graph built
+    before the call is not freed). Leaves reached only inside a reentrant checkpoint are
+    not seen."""
     others = _other_leaves(loss, params)
     held = [(v, v.grad) for v in others]
     for v in (*params, *others):
@@ -407,12 +408,16 @@ def _backward(loss: torch.Tensor, params: list[torch.Tensor], aside: dict) -> No
     for v in others:
         v.grad = None
     try:
-        loss.backward()
+        # retain_graph: a part of the graph built before the call (features computed outside
+        # the closure) serves every run and the training step after it; the closure's own
+        # part goes with the run's loss
+        loss.backward(retain_graph=True)
     except RuntimeError as exc:
         if "backward through the graph a second time" in str(exc):
             raise TypeError("closure must return the loss without calling backward on it: adapt runs the "
                             "backward of each measuring run itself (a torch.optim closure, which calls "
-                            "backward, is not one)") from exc
+                            "backward, is not one); or the loss reaches a graph built before the call "
+                            "whose backward has run") from exc
         raise
     finally:
         for v, g in held:

@@ -1329,3 +1329,19 @@ def test_the_variance_history_is_bounded():
             comp.adapt(model, lambda: F.cross_entropy(model(x), y))
     pairs = comp.policy.state_dict()["_variance_pairs"]
     assert len(pairs) == 3 and pairs[-1] == comp.policy.gradient_variance
+
+
+def test_adapt_with_features_computed_before_the_call():
+    """Features computed outside the closure (a backbone stepped by another optimizer): the
+    plain backward of the first measuring run freed their graph, the second run failed
+    (review h50), and the training step after it could not have run its backward."""
+    torch.manual_seed(0)
+    backbone = nn.Linear(16, 32)
+    head = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10))
+    comp = fewbit.convert_(head, fewbit.Config(saved_bits="auto", average_bits=2, min_numel=0)).compressor
+    x, y = torch.randn(64, 16), torch.randint(0, 10, (64,))
+    feats = backbone(x)
+    assert comp.adapt(head, lambda: F.cross_entropy(head(feats), y))
+    assert backbone.weight.grad is None
+    F.cross_entropy(head(feats), y).backward()
+    assert backbone.weight.grad is not None
