@@ -10,6 +10,8 @@ next call.
 
 from __future__ import annotations
 
+import numbers
+
 #: Entries each cache keeps.
 LIMIT = 1024
 
@@ -30,6 +32,10 @@ def remember(cache: dict, key, value):
 
 def call_key(params) -> tuple:
     """A parameters mapping as a dict key that tells apart what ``==`` does not: ``-0.0``
-    from ``0.0`` (torch's ``leaky_relu(x, -0.0)`` gives ``-0.0`` at negative ``x``) and
-    ``True`` from ``1`` and ``1.0`` (refused as ``alpha``)."""
-    return tuple((k, type(v).__name__, v.hex() if type(v) is float else v) for k, v in params.items())
+    from ``0.0`` (torch's ``leaky_relu(x, -0.0)`` differs in the sign of its zeros), NumPy's
+    floats too, and ``True`` from ``1`` and ``1.0`` (refused as ``alpha``)."""
+    return tuple((k, type(v).__name__, float(v).hex() if _is_float(v) else v) for k, v in params.items())
+
+
+def _is_float(v) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, numbers.Integral)

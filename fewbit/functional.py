@@ -128,17 +128,16 @@ def _registry(
             return _apply_planned(input, hit[0], hit[1], hit[2], hit[3], inplace, hit[4])
     else:
         key = None
-    if isinstance(input, torch.Tensor) and not (input.is_floating_point() or input.is_complex()):
-        # integers and bools (a converted model's activation module on offsets): torch's own
-        # call, as the module it replaced; no gradient to code
-        return torch_call()
+    integer = isinstance(input, torch.Tensor) and not (input.is_floating_point() or input.is_complex())
     sparse = isinstance(input, torch.Tensor) and input.layout != torch.strided
-    if not sparse:
+    if not (sparse or integer):
         check_float_tensor(input)
     bits = check_bits(bits)
     f = _resolve_fn(name)
     full = f.full_params(params)
-    if sparse or not _needs_grad(input) or _recording_program():
+    if sparse or integer or not _needs_grad(input) or _recording_program():
+        # integer, bool: torch's call, as the module a converted model replaced (relu of
+        # integer offsets); no gradient to code. Checked as a float call first.
         # sparse: torch's function and gradient (no codes for them); torch.jit.trace, torch.export
         return torch_call()
     table = table_for(f, bits, full, input.dtype)

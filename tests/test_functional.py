@@ -238,6 +238,8 @@ def test_integer_and_bool_input_is_torchs(x):
             assert torch.equal(ours(x), expect)
     with pytest.raises(TypeError, match="input"):  # a user function has no torch twin
         FF.activation(x, "gelu")
+    with pytest.raises(ValueError, match="bits"):  # checked as a float call (review h50)
+        FF.relu(x, bits=99)
 
 
 def test_invalid_approximate():
@@ -726,6 +728,13 @@ def test_parameters_equal_but_not_the_same_are_settings_of_their_own():
     FF.elu(x, 1.0)
     with pytest.raises(ValueError, match="alpha"):
         FF.elu(x, True)
+    np = pytest.importorskip("numpy")
+    y = torch.tensor([-2.0, 1.0], requires_grad=True)
+    FF.leaky_relu(y, np.float32(0.0))  # NumPy floats alike
+    assert FF.leaky_relu(y, np.float32(-0.0)).signbit().tolist() == F.leaky_relu(y, -0.0).signbit().tolist()
+    x2 = torch.tensor([2.0, -1.0], requires_grad=True)
+    FF.leaky_relu(x2, np.float64(0.0))
+    assert torch.equal(FF.leaky_relu(x2, np.float64(-0.0)).signbit(), F.leaky_relu(x2, -0.0).signbit())
 
 
 def test_an_activation_module_on_an_integer_tensor_is_torchs():

@@ -21,13 +21,13 @@ full, also past ``C``), ``record[1 + j]`` for ``j < min(count, C)`` is
 are in ascending index order on CPU and in an unspecified order on CUDA (programs append
 with one atomic add each); slots past the count are 0. ``C`` is the capacity,
 ``record.numel() - 1``: :data:`CAPACITY` where the count is not known on the host
-(CUDA, ``torch.compile``), the exact count on CPU in eager mode (no cost when all inputs
+(CUDA, ``torch.compile``, ``torch.func``), the exact count on CPU in eager mode (no cost when all inputs
 are finite: nothing is saved then).
 
 Memory: ``8 * (1 + C)`` bytes per activation call: 8200 bytes at ``C = 1024``; on CPU in
 eager mode 0 bytes when all inputs are finite and ``8 * (1 + count)`` otherwise.
 
-**Past capacity** (``count > C``, on CUDA and under ``torch.compile`` only): the rows are
+**Past capacity** (``count > C``; on CUDA, under ``torch.compile`` and ``torch.func``): the rows are
 not all known, so the whole gradient of that call is NaN (decided on the device, no host
 sync): a loud signal, never a silently wrong gradient. Such counts come from diverged
 runs, and from masks written as ``-inf`` into a gate (a masked sigmoid), whose exact

@@ -401,8 +401,8 @@ def pointwise(
 
     - NaN and +-inf inputs get torch's gradient at NaN/+-inf (e.g. NaN for GELU). Their
       positions are recorded at encode time; on CPU in eager mode that costs nothing when
-      all inputs are finite and 8 bytes per such element otherwise; on CUDA and under
-      ``torch.compile`` (no host sync) ``8 * (1 + 1024)`` bytes per call, and past 1024
+      all inputs are finite and 8 bytes per such element otherwise; on CUDA, under
+      ``torch.compile`` and ``torch.func`` (no host read) ``8 * (1 + 1024)`` bytes per call, and past 1024
       such elements in one call the whole gradient of that call is NaN (loud).
     - Exact (stepwise) tables give +0 where the level is 0 (torch's select), so their
       gradient equals torch's bit for bit also for NaN or infinite ``grad_output``.
