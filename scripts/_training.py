@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 import fewbit
+from _cli import out_dir
 
 VARIANTS = ("vanilla", "fewbit1", "fewbit2", "fewbit3", "fewbit4", "actnn2", "fewbit3+quant4",
             "fewbit3+quant2", "fewbit3+quant2+warm4", "fewbit3+quant2+block4", "gact2", "gact4", "division", "adacc")
@@ -396,19 +397,6 @@ def check_device(p: argparse.ArgumentParser, device: str) -> None:
         p.error(str(e))
 
 
-def new_file(s: str) -> str:
-    """An argparse type for an output file (``--json``): a path in an existing directory
-    where nothing is yet (a result the user had is not overwritten; the run is long)."""
-    if not s:
-        raise argparse.ArgumentTypeError("must be a file path, got ''")
-    parent = os.path.dirname(os.path.abspath(s))
-    if not os.path.isdir(parent):
-        raise argparse.ArgumentTypeError(f"directory {parent!r} does not exist (for {s!r})")
-    if os.path.lexists(s):
-        raise argparse.ArgumentTypeError(f"{s!r} exists; remove it or give another path")
-    return s
-
-
 def build_parser(description: str) -> argparse.ArgumentParser:
     """The options every training script takes (the first paragraph of ``description`` is
     the help text); a script adds its own and changes defaults with ``set_defaults``."""
@@ -443,12 +431,7 @@ def setup(p: argparse.ArgumentParser, args: argparse.Namespace, quick: dict[str,
     file there, before any run), set torch's CPU threads, apply the ``quick`` sizes if
     ``--quick`` was given, and stop on a ``--device`` other than cpu or an available cuda
     (:func:`check_device`)."""
-    if args.out.exists() and not args.out.is_dir():  # found before the runs, not after them
-        p.error(f"--out {args.out} is a file, not a directory")
-    try:
-        args.out.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        p.error(f"--out {args.out}: {exc.strerror or exc}")
+    out_dir(p, args.out)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.quick:

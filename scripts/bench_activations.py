@@ -33,7 +33,8 @@ import sys
 import time
 
 import torch
-from _training import new_file, saved_bytes
+from _cli import new_file
+from _training import saved_bytes
 
 
 def _machine() -> str:

@@ -35,7 +35,8 @@ import sys
 import time
 
 import torch
-from _training import new_file, positive_int, saved_bytes, thread_count
+from _cli import new_file
+from _training import positive_int, saved_bytes, thread_count
 from torch import nn
 
 import fewbit

@@ -31,6 +31,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Iterable
 
+from _cli import out_dir
+
 _NAME = re.compile(r"^(?P<task>[A-Za-z0-9]+)_(?P<variant>.+)_seed(?P<seed>\d+)\.csv$")
 _ORDER = ("vanilla", "fewbit1", "fewbit2", "fewbit3", "fewbit4", "actnn2", "fewbit3+quant4",
           "fewbit3+quant2", "gact2", "gact4", "division", "adacc")
@@ -70,6 +72,8 @@ def load_runs(directory: Path) -> dict[str, dict[str, dict[int, list[dict]]]]:
             raise ValueError(f"{path}: expected columns {sorted(need)} and at least one row")
         parsed = []
         for i, r in enumerate(rows, start=2):
+            if None in r:  # csv's key for cells past the header
+                raise ValueError(f"{path}: line {i} has {len(r[None])} more cells than the header")
             try:
                 parsed.append({k: (float(v) if v not in ("", None) else math.nan) for k, v in r.items()})
             except ValueError:
@@ -192,12 +196,7 @@ def main(argv: Iterable[str] | None = None) -> int:
     if not runs:
         p.error(f"no <task>_<variant>_seed<N>.csv files in {args.directory}")
     out = args.out or args.directory
-    if out.exists() and not out.is_dir():
-        p.error(f"--out {out} is a file, not a directory")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        p.error(f"--out {out}: {exc.strerror or exc}")
+    out_dir(p, out)
     md = to_markdown(summarize(runs))
     tmp = out / ".summary.md.tmp"
     tmp.write_text(md)

@@ -278,6 +278,9 @@ def test_summarize_tagged_runs_against_their_vanilla(tmp_path):
     (tmp_path / "lm_bad_seed0.csv").write_text(",".join(FIELDS) + "\n" + ",".join(["1", "abc"] + ["1"] * (len(FIELDS) - 2)) + "\n")
     with pytest.raises(ValueError, match="lm_bad_seed0.csv: line 2, column 'train_loss'"):
         summarize_runs.load_runs(tmp_path)
+    (tmp_path / "lm_bad_seed0.csv").write_text(",".join(FIELDS) + "\n" + ",".join(["1"] * (len(FIELDS) + 2)) + "\n")
+    with pytest.raises(ValueError, match="line 2 has 2 more cells than the header"):
+        summarize_runs.load_runs(tmp_path)
 
 
 def test_main_job_quick(tmp_path):
