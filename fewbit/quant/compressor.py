@@ -211,71 +211,126 @@ class _UnderflowKept:
     or ``-1e4``; the tail of a peaked distribution) are taken apart: a 1-bit mask of them
     (the 1-bit stream of docs/method.md §6); of those, the ones equal to their row's
     smallest value (a ``masked_fill``'s entries are all ``c - logsumexp``, the same float)
-    exact from one value per row along the softmax's dim and a second 1-bit mask over the
-    low entries; the others (a peaked distribution's tail) gathered into a 1-D tensor
-    quantized in groups of their own with float32 statistics (unbiased, at the result's 8
-    bits); and the result with all of them replaced by their row's smallest other value,
-    quantized as before.
+    exact from one value per row holding one (a 1-bit mask over the rows along the
+    softmax's dim) and a second 1-bit mask over the low entries; the others (a peaked distribution's tail, a second or an additive mask)
+    gathered into a :class:`_LogGrid`; and the result with all of them replaced by their
+    row's smallest other value, quantized as before.
 
     Why: one such entry set its group's range. ``-inf`` made the group NaN, ``finfo.min``
     and ``-1e9`` too (the range overflows), ``-1e4`` a step of 40 at 8 bits: the weight
     gradient of a cross-entropy over masked logits came out NaN, or 300 times its norm
-    off, where its exact value is finite (``exp(y) = 0``). Kept apart from the tail, a mask
-    value does not set the tail's step either (a soft-target cross-entropy over a peaked,
-    masked log-softmax: 1.1 times its norm off with the masks in the tail's groups).
+    off, where its exact value is finite (``exp(y) = 0``). In groups of their own on a
+    linear grid, a mask value set the tail's step (a soft-target cross-entropy over a
+    peaked, masked result 1.1 times its norm off) and float32's cancellation decoded a
+    tail next to ``-1e9`` as 0 (a plain cross-entropy 4.8 times off); the log grid keeps
+    every tail value below :data:`UNDERFLOW_LOG`, each within a few percent.
 
     The values serve the other ops that save the same result and read them (an entropy's
     ``p * logp``, a soft-target cross-entropy ``-(q * logp).sum()``). Costs 1 bit per
-    element, 1 bit and (for the tail) about 1 byte per low entry and one value per row,
-    for results that hold a low entry only. A second mask value in a row (``-inf`` and
-    ``-1e9`` both) goes with the tail. A view of the result saved by a later op
-    (``logp[:, :-1] * w``) is not seen as one, and is quantized with its low entries, as
-    any tensor holding them."""
+    element and per row, 1 bit and (for the tail) about 1 byte per low entry, and one value
+    per row holding one, for results that hold a low entry only (kept exact where that is
+    more than the result's own bytes). A view of the result saved by a later op (``logp[:, :-1] * w``)
+    is not seen as one, and is quantized with its low entries, as any tensor holding
+    them."""
 
-    __slots__ = ("qt", "mask", "count", "fill", "at_fill", "tail")
+    __slots__ = ("qt", "dim", "mask", "count", "rows", "fill", "at_fill", "tail")
 
-    def __init__(self, qt, mask: torch.Tensor, count: int, fill: torch.Tensor, at_fill: torch.Tensor, tail) -> None:
+    def __init__(self, qt, dim: int, mask: torch.Tensor, count: int, rows: torch.Tensor, fill: torch.Tensor,
+                 at_fill: torch.Tensor, tail) -> None:
         self.qt = qt
+        self.dim = dim  # the softmax's
         self.mask = mask  # packed: the low entries
         self.count = count  # how many
-        self.fill = fill  # each row's smallest value (t's shape, dim of size 1)
+        self.rows = rows  # packed, over the rows (t's shape, dim of size 1): those holding one
+        self.fill = fill  # 1-D: the smallest value of each row holding one
         self.at_fill = at_fill  # packed, over the low entries: equal to their row's fill
-        self.tail = tail  # the other low entries' Compressed; None if none
+        self.tail = tail  # the other low entries' _LogGrid; None if none
 
     @property
     def nbytes(self) -> int:
-        n = self.qt.nbytes + self.mask.numel() + self.at_fill.numel() + self.fill.numel() * self.fill.element_size()
+        n = self.qt.nbytes + self.mask.numel() + self.rows.numel() + self.at_fill.numel()
+        n += self.fill.numel() * self.fill.element_size()
         return n + (self.tail.nbytes if self.tail is not None else 0)
 
     def decompress(self) -> torch.Tensor:
         y = self.qt.decompress()
         mask = _unpack_bool(self.mask, y.numel()).view(y.shape)
-        low = self.fill.to(y.dtype).expand_as(y)[mask]
+        shape = [1 if d == self.dim else n for d, n in enumerate(y.shape)]
+        fill = y.new_zeros(shape)
+        fill[_unpack_bool(self.rows, fill.numel()).view(shape)] = self.fill.to(y.dtype)
+        low = fill.expand_as(y)[mask]
         if self.tail is not None:
             low[~_unpack_bool(self.at_fill, self.count)] = self.tail.decompress().to(y.dtype)
         y[mask] = low
         return y
 
 
-def _low_quantizer(result):
-    """The group quantizer of a log-softmax result's tail (:class:`_UnderflowKept`):
-    ``result``'s (the 8-bit quantizer of results) with float32 statistics (a tail can reach
-    past bfloat16's range, 3.39e38)."""
-    from fewbit.quant.compressors import GroupQuantizer
+class _LogGrid:
+    """Negative values ``y`` (a log-softmax's tail, below :data:`UNDERFLOW_LOG`) at ``bits``
+    bits: per group of ``group_size``, a grid uniform in ``log(-y)`` between the group's
+    extremes (float32 ``lo`` and ``step``), each value rounded to one of its two
+    neighbouring grid points with the probability that makes the mean of ``y`` itself
+    exact (stochastic; the nearer one if not), from a generator seeded by fewbit's noise
+    stream (or the given one). A log grid holds tails of mixed scale (-90 beside -1e9 or
+    -3.4e38) with every value within a step's ratio, where a linear grid's step was set by
+    the largest and float32 cancelled the rest to 0. Bytes: 1 per value (a byte per code) and 8
+    per group."""
 
-    return GroupQuantizer(result.bits, group_size=result.group_size, stochastic=result.stochastic,
-                          stats_dtype=torch.float32)
+    __slots__ = ("codes", "lo", "step", "numel", "group_size")
+
+    def __init__(self, codes: torch.Tensor, lo: torch.Tensor, step: torch.Tensor, numel: int, group_size: int) -> None:
+        self.codes, self.lo, self.step, self.numel, self.group_size = codes, lo, step, numel, group_size
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.numel() * self.codes.element_size() + 4 * (self.lo.numel() + self.step.numel())
+
+    @staticmethod
+    def compress(y: torch.Tensor, bits: int, group_size: int, stochastic: bool, generator) -> "_LogGrid":
+        n = y.numel()
+        levels = (1 << bits) - 1
+        log = torch.log(-y.detach().reshape(-1).double())
+        pad = (-n) % group_size
+        if pad:
+            log = torch.cat([log, log[-1:].expand(pad)])
+        log = log.view(-1, group_size)
+        lo = log.amin(1, keepdim=True).float()
+        step = ((log.amax(1, keepdim=True) - lo.double()) / levels).float()
+        lo64, step64 = lo.double(), step.double()
+        k = torch.where(step64 > 0, ((log - lo64) / step64.clamp_min(1e-300)).floor(), torch.zeros_like(log))
+        k = k.clamp(0, max(levels - 1, 0))
+        below, above = torch.exp(lo64 + k * step64), torch.exp(lo64 + (k + 1) * step64)
+        p = ((torch.exp(log) - below) / (above - below).clamp_min(1e-300)).clamp(0, 1)
+        if stochastic:
+            if generator is None:
+                from fewbit.quant import _draw_seed
+
+                generator = torch.Generator(device=y.device).manual_seed(_draw_seed(None))
+            up = torch.rand(p.shape, dtype=torch.float64, device=y.device, generator=generator) < p
+        else:
+            up = p >= 0.5
+        codes = (k + up.double()).to(torch.uint8).reshape(-1)[:n]
+        return _LogGrid(codes, lo, step, n, group_size)
+
+    def decompress(self) -> torch.Tensor:
+        codes = self.codes.double()
+        pad = (-self.numel) % self.group_size
+        if pad:
+            codes = torch.cat([codes, codes.new_zeros(pad)])
+        log = self.lo.double() + codes.view(-1, self.group_size) * self.step.double()
+        return (-torch.exp(log)).reshape(-1)[: self.numel]
 
 
-def _without_underflow(t: torch.Tensor, dim: int, compressor, low_compressor, generator) -> _UnderflowKept | None:
+def _without_underflow(t: torch.Tensor, dim: int, compressor, generator) -> _UnderflowKept | None:
     """:class:`_UnderflowKept` of ``t`` (its entries below :data:`UNDERFLOW_LOG` apart,
     replaced by the smallest other value of their row along ``dim``, 0 in a row with none),
-    ``compressor`` on the rest, ``low_compressor`` on the tail; None if ``t`` holds none (it
-    is compressed as it is). Reads whether it holds one on the host (a device
-    synchronisation on a GPU per log-softmax result saved; gathering the low entries,
-    decompressing them, and whether there is a tail, take a few more for results that hold
-    one). Always masking had cost a result of 4096 x 32000 float32 six times the
-    compression time and 630 MB more peak memory on the CPU."""
+    ``compressor`` (a group quantizer) on the rest, a :class:`_LogGrid` of its bits and
+    group size on the tail; None if ``t`` holds none (it is compressed as it is). Reads
+    whether it holds one on the host (a device synchronisation on a GPU per log-softmax
+    result saved; gathering the low entries, decompressing them, and whether there is a
+    tail, take a few more for results that hold one). Always masking had cost a result of
+    4096 x 32000 float32 six times the compression time and 630 MB more peak memory on
+    the CPU."""
     mask = t < UNDERFLOW_LOG
     if not bool(mask.any()):
         return None
@@ -283,12 +338,16 @@ def _without_underflow(t: torch.Tensor, dim: int, compressor, low_compressor, ge
     floor = torch.where(mask, inf, t).amin(dim=dim, keepdim=True)
     floor = torch.where(torch.isfinite(floor), floor, torch.zeros((), dtype=t.dtype, device=t.device))
     fill = t.amin(dim=dim, keepdim=True)
+    rows = mask.any(dim=dim, keepdim=True)
     low = t[mask]
     at_fill = (t == fill)[mask]
     tail = low[~at_fill]
-    tail_qt = low_compressor.compress(tail, generator=generator) if tail.numel() else None
+    tail_qt = None
+    if tail.numel():
+        tail_qt = _LogGrid.compress(tail, compressor.bits, compressor.group_size, compressor.stochastic, generator)
     rest = compressor.compress(torch.where(mask, floor, t), generator=generator)
-    return _UnderflowKept(rest, _pack_bool(mask), low.numel(), fill, _pack_bool(at_fill), tail_qt)
+    return _UnderflowKept(rest, dim, _pack_bool(mask), low.numel(), _pack_bool(rows), fill[rows], _pack_bool(at_fill),
+                          tail_qt)
 
 
 class _TokenMajor(_ChannelMajor):
@@ -605,7 +664,6 @@ class ActivationCompressor:
         #: What results saved for their own nonlinear backward get (RESULT_BITS).
         self._result_compressor = GroupQuantizer(RESULT_BITS, group_size=group_size, stochastic=stochastic,
                                                  stats_dtype=stats_dtype)
-        self._low_compressor = _low_quantizer(self._result_compressor)
         # key -> (weakref to the tensor or its base, weakref to the handle, the norm layout
         # it was grouped for or None, its index in records or None, the serial of the call
         # that made it or None)
@@ -639,8 +697,6 @@ class ActivationCompressor:
         self.__dict__.update(state)
         self.__dict__.setdefault("_norm_inputs", [])  # pickled by an earlier build
         self.__dict__.setdefault("_frame", None)
-        if "_low_compressor" not in self.__dict__:  # pickled by an earlier build
-            self._low_compressor = _low_quantizer(self._result_compressor)
         self._local = threading.local()
 
     # passes and policies -------------------------------------------------------------
@@ -1160,12 +1216,18 @@ class ActivationCompressor:
                 elif qk_channels:
                     qt = _TokenMajor(compressor.compress(t.detach().transpose(-1, -2).contiguous(), generator=generator))
                 elif (role == "result" and _result_of(t) == "LogSoftmaxBackward0" and t.dim()
-                      and (masked := _without_underflow(t.detach(), _saved_dim(t), compressor, self._low_compressor,
-                                                         generator)) is not None):
+                      and (masked := _without_underflow(t.detach(), _saved_dim(t), compressor, generator)) is not None):
                     qt = masked
                 else:
                     qt = compressor.compress(t.detach(), generator=generator)
-            self.stats.compressed += 1
+            if isinstance(qt, _UnderflowKept) and qt.nbytes >= t.numel() * t.element_size():
+                # rows of two entries: a value and a mask bit per row cost more than the
+                # result itself (a (200000, 2) float32 result: 2.05 MB against 1.6)
+                from fewbit.quant.compressors import Keep
+
+                qt, compressor = None, Keep()
+            else:
+                self.stats.compressed += 1
         nbytes = qt.nbytes if qt is not None else t.numel() * t.element_size()
         self.records[info.index] = SavedTensorRecord(
             info.index, fqn, kind, info.shape, t.dtype, compressor.name, compressor_bits(compressor, t.dtype), nbytes
