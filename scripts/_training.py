@@ -426,18 +426,21 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     return p
 
 
-def setup(p: argparse.ArgumentParser, args: argparse.Namespace, quick: dict[str, Any]) -> None:
-    """After the script's own checks of ``args``: make ``--out`` (stop with ``p.error`` on a
-    file there, before any run), set torch's CPU threads, apply the ``quick`` sizes if
-    ``--quick`` was given, and stop on a ``--device`` other than cpu or an available cuda
-    (:func:`check_device`)."""
-    out_dir(p, args.out)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+def setup(p: argparse.ArgumentParser, args: argparse.Namespace, quick: dict[str, Any],
+          check: Callable[[argparse.Namespace], None] | None = None) -> None:
+    """Apply the ``quick`` sizes if ``--quick`` was given, then run the script's own
+    ``check(args)`` of the sizes (it calls ``p.error``), stop on a ``--device`` other than
+    cpu or an available cuda (:func:`check_device`), make ``--out`` (``p.error`` on a file
+    there: before any run, after every check) and set torch's CPU threads."""
     if args.quick:
         for name, value in quick.items():
             setattr(args, name, value)
+    if check is not None:
+        check(args)
     check_device(p, args.device)
+    out_dir(p, args.out)
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
 
 def loop_options(args: argparse.Namespace) -> dict[str, Any]:

@@ -157,14 +157,15 @@ def main(argv: Iterable[str] | None = None) -> int:
                    help="gpt2 (GELU MLP, LayerNorm), llama (gated SiLU MLP, RMSNorm, rotary positions) or "
                         "phi3 (llama with fused qkv and gate/up projections)")
     args = p.parse_args(argv)
+    def check(args):  # the sizes after --quick's
+        if args.width % args.heads:
+            p.error(f"--width must be a multiple of --heads, got {args.width} and {args.heads}")
+        if args.arch != "gpt2" and (args.width // args.heads) % 2:
+            p.error(f"--width / --heads (the head size) must be even with --arch {args.arch} (rotary positions "
+                    f"rotate pairs of channels), got {args.width} / {args.heads} = {args.width // args.heads}")
+
     _training.setup(p, args, quick=dict(steps=6, batch_size=4, seq_len=32, layers=1, width=32, heads=2,
-                                        eval_every=3, val_batches=2, warmup=2))
-    # after setup: --quick replaces the sizes
-    if args.width % args.heads:
-        p.error(f"--width must be a multiple of --heads, got {args.width} and {args.heads}")
-    if args.arch != "gpt2" and (args.width // args.heads) % 2:
-        p.error(f"--width / --heads (the head size) must be even with --arch {args.arch} (rotary positions "
-                f"rotate pairs of channels), got {args.width} / {args.heads} = {args.width // args.heads}")
+                                        eval_every=3, val_batches=2, warmup=2), check=check)
     data = _data.load_text(max_train_bytes=200_000 if args.quick else 4_000_000,
                            max_val_bytes=50_000 if args.quick else 400_000)
     print(f"corpus: {len(data.train):,} train bytes ({data.train_files} files), "

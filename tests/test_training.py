@@ -255,6 +255,19 @@ def test_summarize_numbers(tmp_path):
     assert exc.value.code != 0
 
 
+def test_train_lm_checks_sizes_after_quick_and_before_making_out(tmp_path, capsys):
+    """The head-size checks read the sizes from before ``--quick`` replaced them (a valid
+    ``--quick`` run refused), and ran after ``--out`` was made (an error left the
+    directory behind; review h50, h51)."""
+    out = tmp_path / "a" / "b"
+    with pytest.raises(SystemExit) as exc:
+        train_lm.main(["--width", "30", "--heads", "4", "--out", str(out)])
+    assert exc.value.code == 2 and "--width must be a multiple of --heads" in capsys.readouterr().err
+    assert not (tmp_path / "a").exists()
+    assert train_lm.main(["--quick", "--arch", "llama", "--width", "96", "--heads", "32", "--variants", "vanilla",
+                          "--threads", "1", "--out", str(out)]) == 0
+
+
 def test_summarize_tagged_runs_against_their_vanilla(tmp_path):
     """``--group-size 64`` tags vanilla too (``lm_vanilla_g64_seed0.csv``): no untagged
     vanilla was found, every saved ratio was nan and vanilla sorted last. A tagged variant
