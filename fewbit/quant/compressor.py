@@ -260,7 +260,9 @@ class _UnderflowKept:
         fill[_unpack_bool(self.rows, fill.numel()).view(shape)] = self.fill.to(y.dtype)
         low = fill.expand_as(y)[mask]
         if self.tail is not None:
-            low[~_unpack_bool(self.at_fill, self.count)] = self.tail.decompress().to(y.dtype)
+            # float64 -> the result's dtype: the top of a grid at -finfo.max rounds past it
+            tail = self.tail.decompress().clamp_(min=-torch.finfo(y.dtype).max)
+            low[~_unpack_bool(self.at_fill, self.count)] = tail.to(y.dtype)
         y[mask] = low
         return y
 
@@ -268,13 +270,15 @@ class _UnderflowKept:
 class _LogGrid:
     """Negative values ``y`` (a log-softmax's tail, below :data:`UNDERFLOW_LOG`) at ``bits``
     bits: per group of ``group_size``, a grid uniform in ``log(-y)`` between the group's
-    extremes (float32 ``lo`` and ``step``), each value rounded to one of its two
+    extremes (float64 ``lo`` and ``step``), each value rounded to one of its two
     neighbouring grid points with the probability that makes the mean of ``y`` itself
-    exact (stochastic; the nearer one if not), from a generator seeded by fewbit's noise
-    stream (or the given one). A log grid holds tails of mixed scale (-90 beside -1e9 or
-    -3.4e38) with every value within a step's ratio, where a linear grid's step was set by
-    the largest and float32 cancelled the rest to 0. Bytes: 1 per value (a byte per code) and 8
-    per group."""
+    exact (stochastic; the nearer one if not). The noise is uniform float32 from a CPU
+    generator seeded with one draw of the given generator or of fewbit's noise stream
+    (codes do not depend on the device). A log grid holds tails of mixed scale (-90 beside
+    -1e9 or -3.4e38) with every value within a step's ratio, where a linear grid's step
+    was set by the largest and float32 cancelled the rest to 0. Computed in float64, a
+    chunk of groups at a time (temporaries of :data:`_LOG_GRID_CHUNK` values, not of the
+    tail). Bytes: 1 per value (a byte per code) and 16 per group."""
 
     __slots__ = ("codes", "lo", "step", "numel", "group_size")
 
@@ -283,49 +287,57 @@ class _LogGrid:
 
     @property
     def nbytes(self) -> int:
-        return self.codes.numel() * self.codes.element_size() + 4 * (self.lo.numel() + self.step.numel())
+        return self.codes.numel() * self.codes.element_size() + 8 * (self.lo.numel() + self.step.numel())
 
     @staticmethod
     def compress(y: torch.Tensor, bits: int, group_size: int, stochastic: bool, generator) -> "_LogGrid":
-        n = y.numel()
-        levels = (1 << bits) - 1
-        log = torch.log(-y.detach().reshape(-1).double())
+        from fewbit.quant import _draw_seed
+
+        n, levels = y.numel(), (1 << bits) - 1
+        flat = y.detach().reshape(-1)
         pad = (-n) % group_size
         if pad:
-            log = torch.cat([log, log[-1:].expand(pad)])
-        log = log.view(-1, group_size)
-        lo = log.amin(1, keepdim=True).float()
-        step = ((log.amax(1, keepdim=True) - lo.double()) / levels).float()
-        lo64, step64 = lo.double(), step.double()
-        k = torch.where(step64 > 0, ((log - lo64) / step64.clamp_min(1e-300)).floor(), torch.zeros_like(log))
-        k = k.clamp(0, max(levels - 1, 0))
-        below, above = torch.exp(lo64 + k * step64), torch.exp(lo64 + (k + 1) * step64)
-        p = ((torch.exp(log) - below) / (above - below).clamp_min(1e-300)).clamp(0, 1)
+            flat = torch.cat([flat, flat[-1:].expand(pad)])
+        flat = flat.view(-1, group_size)
+        noise = None
         if stochastic:
-            if generator is None:
-                from fewbit.quant import _draw_seed
-
-                generator = torch.Generator(device=y.device).manual_seed(_draw_seed(None))
-            up = torch.rand(p.shape, dtype=torch.float64, device=y.device, generator=generator) < p
-        else:
-            up = p >= 0.5
-        codes = (k + up.double()).to(torch.uint8).reshape(-1)[:n]
-        return _LogGrid(codes, lo, step, n, group_size)
+            cpu = torch.Generator().manual_seed(_draw_seed(generator))
+            noise = torch.rand(flat.shape, generator=cpu, dtype=torch.float32)
+        codes = torch.empty(flat.shape, dtype=torch.uint8, device=y.device)
+        lo = torch.empty(flat.shape[0], 1, dtype=torch.float64, device=y.device)
+        step = torch.empty_like(lo)
+        rows = max(1, _LOG_GRID_CHUNK // group_size)
+        for start in range(0, flat.shape[0], rows):
+            part = slice(start, start + rows)
+            log = torch.log(-flat[part].double())
+            lo[part] = log.amin(1, keepdim=True)
+            step[part] = (log.amax(1, keepdim=True) - lo[part]) / levels
+            k = ((log - lo[part]) / step[part]).floor().nan_to_num_(0.0).clamp_(0, max(levels - 1, 0))
+            below = torch.exp(lo[part] + k * step[part])
+            p = ((-flat[part].double() - below) / (torch.exp(lo[part] + (k + 1) * step[part]) - below))
+            p = p.nan_to_num_(0.0).clamp_(0, 1)  # a group of equal values (step 0): its one level
+            up = noise[part].to(y.device) < p if noise is not None else p >= 0.5
+            codes[part] = (k + up).to(torch.uint8)
+        return _LogGrid(codes.reshape(-1)[:n].clone(), lo, step, n, group_size)
 
     def decompress(self) -> torch.Tensor:
+        """float64 (the caller casts, at most the dtype's largest magnitude)."""
         codes = self.codes.double()
         pad = (-self.numel) % self.group_size
         if pad:
             codes = torch.cat([codes, codes.new_zeros(pad)])
-        log = self.lo.double() + codes.view(-1, self.group_size) * self.step.double()
-        return (-torch.exp(log)).reshape(-1)[: self.numel]
+        return (-torch.exp(self.lo + codes.view(-1, self.group_size) * self.step)).reshape(-1)[: self.numel]
 
 
-def _without_underflow(t: torch.Tensor, dim: int, compressor, generator) -> _UnderflowKept | None:
+#: Values of a :class:`_LogGrid` computed at once (its float64 temporaries: a few MiB).
+_LOG_GRID_CHUNK = 1 << 16
+
+
+def _without_underflow(t: torch.Tensor, dim: int, compressor, group_size: int, generator) -> _UnderflowKept | None:
     """:class:`_UnderflowKept` of ``t`` (its entries below :data:`UNDERFLOW_LOG` apart,
     replaced by the smallest other value of their row along ``dim``, 0 in a row with none),
     ``compressor`` (a group quantizer) on the rest, a :class:`_LogGrid` of its bits and
-    group size on the tail; None if ``t`` holds none (it is compressed as it is). Reads
+    ``group_size`` (the compressor's own, not its rows') on the tail; None if ``t`` holds none (it is compressed as it is). Reads
     whether it holds one on the host (a device synchronisation on a GPU per log-softmax
     result saved; gathering the low entries, decompressing them, and whether there is a
     tail, take a few more for results that hold one). Always masking had cost a result of
@@ -344,7 +356,7 @@ def _without_underflow(t: torch.Tensor, dim: int, compressor, generator) -> _Und
     tail = low[~at_fill]
     tail_qt = None
     if tail.numel():
-        tail_qt = _LogGrid.compress(tail, compressor.bits, compressor.group_size, compressor.stochastic, generator)
+        tail_qt = _LogGrid.compress(tail, compressor.bits, group_size, compressor.stochastic, generator)
     rest = compressor.compress(torch.where(mask, floor, t), generator=generator)
     return _UnderflowKept(rest, dim, _pack_bool(mask), low.numel(), _pack_bool(rows), fill[rows], _pack_bool(at_fill),
                           tail_qt)
@@ -1216,7 +1228,8 @@ class ActivationCompressor:
                 elif qk_channels:
                     qt = _TokenMajor(compressor.compress(t.detach().transpose(-1, -2).contiguous(), generator=generator))
                 elif (role == "result" and _result_of(t) == "LogSoftmaxBackward0" and t.dim()
-                      and (masked := _without_underflow(t.detach(), _saved_dim(t), compressor, generator)) is not None):
+                      and (masked := _without_underflow(t.detach(), _saved_dim(t), compressor, self.group_size,
+                                                         generator)) is not None):
                     qt = masked
                 else:
                     qt = compressor.compress(t.detach(), generator=generator)
