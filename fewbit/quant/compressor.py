@@ -276,9 +276,11 @@ class _LogGrid:
     generator seeded with one draw of the given generator or of fewbit's noise stream
     (codes do not depend on the device). A log grid holds tails of mixed scale (-90 beside
     -1e9 or -3.4e38) with every value within a step's ratio, where a linear grid's step
-    was set by the largest and float32 cancelled the rest to 0. Computed in float64, a
-    chunk of groups at a time (temporaries of :data:`_LOG_GRID_CHUNK` values, not of the
-    tail). Bytes: 1 per value (a byte per code) and 16 per group."""
+    was set by the largest and float32 cancelled the rest to 0. Computed in float64 and
+    the noise drawn a chunk of groups at a time (those temporaries of
+    :data:`_LOG_GRID_CHUNK` values; the codes, and a padded copy of a tail that is not a
+    whole number of groups, are of the tail's size). Bytes: 1 per value (a byte per code)
+    and 16 per group."""
 
     __slots__ = ("codes", "lo", "step", "numel", "group_size")
 
@@ -299,10 +301,7 @@ class _LogGrid:
         if pad:
             flat = torch.cat([flat, flat[-1:].expand(pad)])
         flat = flat.view(-1, group_size)
-        noise = None
-        if stochastic:
-            cpu = torch.Generator().manual_seed(_draw_seed(generator))
-            noise = torch.rand(flat.shape, generator=cpu, dtype=torch.float32)
+        cpu = torch.Generator().manual_seed(_draw_seed(generator)) if stochastic else None
         codes = torch.empty(flat.shape, dtype=torch.uint8, device=y.device)
         lo = torch.empty(flat.shape[0], 1, dtype=torch.float64, device=y.device)
         step = torch.empty_like(lo)
@@ -316,9 +315,13 @@ class _LogGrid:
             below = torch.exp(lo[part] + k * step[part])
             p = ((-flat[part].double() - below) / (torch.exp(lo[part] + (k + 1) * step[part]) - below))
             p = p.nan_to_num_(0.0).clamp_(0, 1)  # a group of equal values (step 0): its one level
-            up = noise[part].to(y.device) < p if noise is not None else p >= 0.5
+            if cpu is not None:  # drawn a chunk at a time: the numbers of one whole draw
+                up = torch.rand(p.shape, generator=cpu, dtype=torch.float32).to(y.device) < p
+            else:
+                up = p >= 0.5
             codes[part] = (k + up).to(torch.uint8)
-        return _LogGrid(codes.reshape(-1)[:n].clone(), lo, step, n, group_size)
+        codes = codes.reshape(-1)
+        return _LogGrid(codes[:n].clone() if pad else codes, lo, step, n, group_size)
 
     def decompress(self) -> torch.Tensor:
         """float64 (the caller casts, at most the dtype's largest magnitude)."""
@@ -337,7 +340,7 @@ def _without_underflow(t: torch.Tensor, dim: int, compressor, group_size: int, g
     """:class:`_UnderflowKept` of ``t`` (its entries below :data:`UNDERFLOW_LOG` apart,
     replaced by the smallest other value of their row along ``dim``, 0 in a row with none),
     ``compressor`` (a group quantizer) on the rest, a :class:`_LogGrid` of its bits and
-    ``group_size`` (the compressor's own, not its rows') on the tail; None if ``t`` holds none (it is compressed as it is). Reads
+    ``group_size`` (the ActivationCompressor's, not ``compressor``'s rows) on the tail; None if ``t`` holds none (it is compressed as it is). Reads
     whether it holds one on the host (a device synchronisation on a GPU per log-softmax
     result saved; gathering the low entries, decompressing them, and whether there is a
     tail, take a few more for results that hold one). Always masking had cost a result of
