@@ -981,16 +981,14 @@ def _apply_choices(model: nn.Module, plan: "Plan") -> _State:
                 module.register_forward_hook(hook.post, always_call=True)
             forward = block.forward
             own_forward = vars(block).get("forward")
-            sig = None
+            sig = False  # plain (also without a root: the groups inside are left as an interrupt unwinds it)
             if checkpointed:
                 try:
                     sig = inspect.signature(forward)
                 except (TypeError, ValueError):
-                    pass
-            # also without a root: the groups inside are left as an interrupt unwinds it
-            block.forward = _block_wrapper(state, root, sig if checkpointed else False, block, forward)
-            block._replicate_for_data_parallel = functools.partial(_replicate_block, state, root,
-                                                                   sig if checkpointed else False, block)
+                    sig = None
+            block.forward = _block_wrapper(state, root, sig, block, forward)
+            block._replicate_for_data_parallel = functools.partial(_replicate_block, state, root, sig, block)
             state.blocks.append((block, own_forward))
     model.__dict__[_STATE_ATTR] = state
     return state
