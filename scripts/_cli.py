@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from pathlib import Path
 
 
@@ -30,3 +31,21 @@ def out_dir(p: argparse.ArgumentParser, path: Path, option: str = "--out") -> Pa
     except OSError as exc:
         p.error(f"{option} {path}: {exc.strerror or exc}")
     return path
+
+
+#: The suffix of a run's variant in its CSV name (:func:`run_tag`).
+_TAG = re.compile(r"(_g\d+)?(_draw\d+)?$")
+
+
+def run_tag(group_size: int, noise_draw: int) -> str:
+    """The suffix ``train_*.py`` adds to a variant's name in its CSV file: ``_g<size>`` for
+    a group size other than 256, ``_draw<K>`` for a noise draw K > 0 (``summarize_runs``
+    reads it back with :func:`split_tag`)."""
+    tag = "" if group_size == 256 else f"_g{group_size}"
+    return tag + (f"_draw{noise_draw}" if noise_draw else "")
+
+
+def split_tag(variant: str) -> tuple[str, str]:
+    """``(variant, tag)`` of a CSV name's variant: ``"gact2_g64"`` -> ``("gact2", "_g64")``."""
+    tag = _TAG.search(variant).group(0)
+    return (variant[: len(variant) - len(tag)], tag) if tag else (variant, "")

@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 import fewbit
-from _cli import out_dir
+from _cli import out_dir, run_tag
 
 VARIANTS = ("vanilla", "fewbit1", "fewbit2", "fewbit3", "fewbit4", "actnn2", "fewbit3+quant4",
             "fewbit3+quant2", "fewbit3+quant2+warm4", "fewbit3+quant2+block4", "gact2", "gact4", "division", "adacc")
@@ -459,10 +459,7 @@ def run_all(
     for variant in args.variants:
         for seed in args.seeds:
             rows = run(variant, seed)
-            tag = "" if args.group_size == 256 else f"_g{args.group_size}"
-            if getattr(args, "noise_draw", 0):
-                tag += f"_draw{args.noise_draw}"
-            path = args.out / f"{kind}_{variant}{tag}_seed{seed}.csv"
+            path = args.out / f"{kind}_{variant}{run_tag(args.group_size, getattr(args, 'noise_draw', 0))}_seed{seed}.csv"
             write_csv(path, rows)
             last = rows[-1]
             print(f"{variant:>15} seed {seed}: val_loss {float(last['val_loss']):.4f} "

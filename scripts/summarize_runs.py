@@ -31,26 +31,15 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Iterable
 
-from _cli import out_dir
+from _cli import out_dir, split_tag
 
 _NAME = re.compile(r"^(?P<task>[A-Za-z0-9]+)_(?P<variant>.+)_seed(?P<seed>\d+)\.csv$")
 _ORDER = ("vanilla", "fewbit1", "fewbit2", "fewbit3", "fewbit4", "actnn2", "fewbit3+quant4",
           "fewbit3+quant2", "gact2", "gact4", "division", "adacc")
 
 
-#: The suffix ``train_*.py`` adds to a variant's name for a group size other than 256 and a
-#: noise draw (``_g64``, ``_draw1``).
-_TAG = re.compile(r"(_g\d+)?(_draw\d+)?$")
-
-
-def _split(variant: str) -> tuple[str, str]:
-    """``(variant, tag)``: ``"gact2_g64"`` -> ``("gact2", "_g64")``."""
-    tag = _TAG.search(variant).group(0)
-    return (variant[: len(variant) - len(tag)], tag) if tag else (variant, "")
-
-
 def _rank(variant: str) -> tuple:
-    name, tag = _split(variant)
+    name, tag = split_tag(variant)
     return (_ORDER.index(name), tag) if name in _ORDER else (len(_ORDER), variant)
 
 
@@ -117,7 +106,7 @@ def summarize(runs: dict) -> dict[str, list[dict]]:
         by_name = {row["variant"]: row for row in rows}
         for row in rows:
             # vanilla of the same group size or noise draw (train_*.py tags it too), else untagged
-            base = by_name.get("vanilla" + _split(row["variant"])[1]) or by_name.get("vanilla")
+            base = by_name.get("vanilla" + split_tag(row["variant"])[1]) or by_name.get("vanilla")
             row["saved_ratio"] = base["peak_saved_bytes"] / row["peak_saved_bytes"] if base and row["peak_saved_bytes"] else math.nan
             row["time_ratio"] = row["step_time_s"] / base["step_time_s"] if base else math.nan
         out[task] = rows
