@@ -32,7 +32,7 @@ from typing import Callable, Mapping
 import torch
 import torch.nn.functional as F
 
-from fewbit.table import Table
+from fewbit.table import _FLOAT32_OVERFLOW, Table
 
 __all__ = [
     "Activation",
@@ -450,6 +450,18 @@ def _celu_rule(p: Mapping[str, float]) -> None:
                          f"is unbounded; alpha = 0 divides by zero), got {p['alpha']}")
 
 
+def _level_scale_rule(key: str, name: str) -> Callable[[Mapping[str, float]], None]:
+    """A rule for a parameter that scales the derivative (elu's ``alpha``: f' reaches
+    ``alpha``; leaky_relu's ``negative_slope``): a table's levels are float32, so a value
+    past float32's range has no table. Checked here, naming the parameter, not later by
+    the table's own check at the first forward."""
+    def rule(p: Mapping[str, float]) -> None:
+        if not abs(p[key]) < _FLOAT32_OVERFLOW:
+            raise ValueError(f"params: {key} of {name} must be within float32's range (|{key}| < 3.4e38: "
+                             f"fewbit's tables are float32), got {p[key]!r}")
+    return rule
+
+
 def _softplus_rule(p: Mapping[str, float]) -> None:
     # softplus(x) = log(1 + exp(beta * x)) / beta: beta = 0 divides by zero
     if p["beta"] == 0:
@@ -462,6 +474,8 @@ def _softplus_rule(p: Mapping[str, float]) -> None:
 PARAM_RULES: dict[str, Callable[[Mapping[str, float]], None]] = {
     "celu": _celu_rule,
     "softplus": _softplus_rule,
+    "elu": _level_scale_rule("alpha", "elu"),
+    "leaky_relu": _level_scale_rule("negative_slope", "leaky_relu"),
 }
 
 
@@ -472,7 +486,8 @@ def merge_params(name: str, defaults: Mapping[str, float], params: Mapping[str, 
         TypeError: ``params`` is not a mapping, (name, value) pairs or None.
         ValueError: for a parameter the function does not take, a non-numeric or
             non-finite value, or a value :data:`PARAM_RULES` refuses (``celu``: alpha > 0;
-            ``softplus``: beta != 0).
+            ``softplus``: beta != 0; ``elu``'s alpha and ``leaky_relu``'s negative_slope
+            within float32's range).
     """
     try:  # a mapping, or (name, value) pairs as dict() takes them
         params = {} if params is None else dict(params)

@@ -167,9 +167,17 @@ class ResolvedFn:
 
     def border_params(self, full: dict[str, float], dtype: torch.dtype | None) -> dict[str, float]:
         """The parameters the borders of a stepwise function's exact table come from:
-        ``full`` rounded as torch rounds them for inputs of ``dtype`` (``None``: unrounded)."""
+        ``full`` rounded as torch rounds them for inputs of ``dtype`` (``None``: unrounded).
+
+        Raises:
+            ValueError: naming the parameter and the value given, for a value the exact
+                table refuses (``lambd < 0``), or one past the range of the dtype torch
+                compares it in.
+        """
         if dtype is None or self.act is None or not self.act.stepwise:
             return full
+        if self.act.exact is not None:
+            self.act.exact(full)  # its rules on the value given, not on a rounded one
         return stepwise_params_for(self.name, full, dtype)
 
     def __call__(self, input: torch.Tensor, params: Mapping[str, float]) -> torch.Tensor:
@@ -243,6 +251,9 @@ def stepwise_params_for(name: str, full: dict[str, float], dtype: torch.dtype) -
         dict: a copy of ``full`` with ``threshold`` (threshold) or ``min_val``/``max_val``
         (hardtanh) rounded to float32, or ``lambd`` (hardshrink, softshrink) rounded to
         ``dtype``; ``full`` itself (not a copy) for other functions and for float64.
+
+    Raises:
+        ValueError: for a border parameter that rounds to an infinity.
     """
     spec = _STEPWISE_BORDER_PARAMS.get(name)
     if spec is None or dtype == torch.float64:
@@ -252,6 +263,10 @@ def stepwise_params_for(name: str, full: dict[str, float], dtype: torch.dtype) -
     out = dict(full)
     for k in keys:
         out[k] = float(torch.tensor(full[k], dtype=torch.float64).to(cmp_dtype).item())
+        if not math.isfinite(out[k]):
+            cmp = str(cmp_dtype).removeprefix("torch.")
+            raise ValueError(f"params: {k} of {name} must be within {cmp}'s range for a "
+                             f"{str(dtype).removeprefix('torch.')} input (torch compares in {cmp}), got {full[k]!r}")
     return out
 
 

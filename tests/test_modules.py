@@ -10,6 +10,7 @@ import pickle
 import pytest
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 import fewbit
 from fewbit import functional as FF
@@ -166,6 +167,10 @@ BAD_PARAMS = [
     (fm.Threshold, {"threshold": 0.0, "value": float("-inf")}, "value of threshold must be finite"),
     (fm.Hardshrink, {"lambd": -1.0}, "lambd must be >= 0"),
     (fm.Softshrink, {"lambd": float("nan")}, "lambd of softshrink must be finite"),
+    # a derivative past float32's range: constructed before, then the first forward raised
+    # "values must be finite in float32 ... values[0]", naming no parameter
+    (fm.LeakyReLU, {"negative_slope": 1e39}, r"negative_slope of leaky_relu must be within float32's range.*1e\+39"),
+    (fm.ELU, {"alpha": -1e39}, r"alpha of elu must be within float32's range.*-1e\+39"),
 ]
 
 
@@ -186,6 +191,29 @@ def test_convert_keeps_modules_with_refused_parameters_as_torch():
     assert "value of threshold must be finite" in summary.unsupported["2"]
     x = torch.randn(8, 4)
     assert torch.equal(model(x), ref(x))
+
+
+@pytest.mark.parametrize("fn, params, match", [
+    # the value given, not float32's rounding of it (before: "got -0.10000000149011612")
+    (FF.hardshrink, {"lambd": -0.1}, r"lambd must be >= 0, got -0\.1$"),
+    # a border torch compares in float32 that rounds to inf there: the parameter and the
+    # value given (before: "lambd of softshrink must be finite, got inf")
+    (FF.softshrink, {"lambd": 1e39}, r"lambd of softshrink must be within float32's range for a float32 input.*1e\+39"),
+])
+def test_functional_stepwise_errors_name_the_value_given(fn, params, match):
+    x = torch.randn(4, requires_grad=True)
+    with pytest.raises(ValueError, match=match):
+        fn(x, **params)
+
+
+def test_a_border_past_float32_is_taken_for_float64_inputs():
+    """torch compares float64 inputs with lambd in float64: fewbit's exact table too."""
+    x = torch.tensor([-2e39, 0.5, 3e39], dtype=torch.float64, requires_grad=True)
+    y = FF.softshrink(x, 1e39)
+    y.backward(torch.ones_like(y))
+    xr = x.detach().clone().requires_grad_()
+    F.softshrink(xr, 1e39).backward(torch.ones_like(y))
+    assert torch.equal(x.grad, xr.grad)
 
 
 @pytest.mark.parametrize("name", ["GELU", "SiLU", "ELU"])
