@@ -406,11 +406,11 @@ def _solver_missing(exc: ImportError) -> ImportError:
     )
 
 
-def _set_aside(path: Path, exc: Exception) -> str:
-    """Move an unreadable cache file to ``<name>.corrupt`` (``<name>.corrupt.1``, ... if
-    that exists: a file set aside earlier is never overwritten); return a note for the
-    warning."""
-    gone = f"; the unreadable cache file was moved aside by another process ({exc})"  # a DDP rank starting alike
+def _set_aside(path: Path, exc: Exception, what: str = "an unreadable cache file") -> str:
+    """Move a cache file that cannot be used (``what``: unreadable, or valid but for another
+    setting) to ``<name>.corrupt`` (``<name>.corrupt.1``, ... if that exists: a file set
+    aside earlier is never overwritten); return a note for the warning."""
+    gone = f"; {what} was moved aside by another process ({exc})"  # a DDP rank starting alike
     for i in range(1000):
         aside = path.with_name(path.name + (".corrupt" if i == 0 else f".corrupt.{i}"))
         try:
@@ -429,22 +429,19 @@ def _set_aside(path: Path, exc: Exception) -> str:
                 return gone
             except OSError as err2:
                 raise TableFormatError(
-                    f"{path}: unreadable cached table ({exc}) and it cannot be moved aside ({err2}); delete it"
+                    f"{path}: {what} ({exc}) and it cannot be moved aside ({err2}); delete it"
                 ) from err
-            return f"; the unreadable cache file was moved to {aside} ({exc})"
+            return f"; {what} was moved to {aside} ({exc})"
         try:
             os.unlink(path)
         except FileNotFoundError:  # another process removed it meanwhile
             pass
         except OSError as err:
             raise TableFormatError(
-                f"{path}: unreadable cached table ({exc}); a copy is at {aside} but it cannot be "
-                f"removed ({err}); delete it"
+                f"{path}: {what} ({exc}); a copy is at {aside} but it cannot be removed ({err}); delete it"
             ) from exc
-        return f"; the unreadable cache file was moved to {aside} ({exc})"
-    raise TableFormatError(
-        f"{path}: unreadable cached table ({exc}) and 1000 copies are set aside already; delete them"
-    )
+        return f"; {what} was moved to {aside} ({exc})"
+    raise TableFormatError(f"{path}: {what} ({exc}) and 1000 copies are set aside already; delete them")
 
 
 def check_derivative_growth(name: str, derivative: Callable[[torch.Tensor], Any],
@@ -704,7 +701,8 @@ def _lookup(f: ResolvedFn, bits: int, full: dict[str, float], nd: dict[str, floa
 
     Returns ``(table or None, source, note)``: ``source`` says where the table came from
     (``"exact"``, ``"fewbit.tables/<file>"`` or the cache file's path); ``note`` is set when
-    an unreadable cache file was moved aside (``set_aside``; otherwise TableFormatError).
+    an unreadable cache file, or a valid one for another function or other parameters, was
+    moved aside (``set_aside``; otherwise TableFormatError or ValueError).
     With ``set_aside`` (the runtime, which may fit) a cached table of an earlier
     :data:`CACHE_REVISION` counts as absent when the solver is installed.
     """
@@ -732,10 +730,18 @@ def _lookup(f: ResolvedFn, bits: int, full: dict[str, float], nd: dict[str, floa
         # The cache is ours and can be rebuilt: set the unreadable file aside (never
         # deleted) and refit; the warning says so.
         return None, "", _set_aside(path, exc)
+    try:
+        for other in cached.values():
+            check_table_matches(other, f.name, nd, str(path))
+    except ValueError as exc:
+        if not set_aside:
+            raise
+        # a valid file for another function or other parameters (copied, or written by
+        # hand): ours to rebuild like an unreadable one, and kept beside
+        return None, "", _set_aside(path, exc, "a cache file for another setting")
     if bits not in cached:
         return None, "", ""
     table = _pick_bits(cached, bits, str(path))
-    check_table_matches(table, f.name, nd, str(path))
     if table.provenance.get("cache_revision") != CACHE_REVISION and set_aside and _solver_available():
         return None, "", ""  # fitted by an earlier solver (CACHE_REVISION): fitted again
     return table, str(path), ""
@@ -767,12 +773,13 @@ def table_for(f: ResolvedFn, bits: int | None, full: dict[str, float], dtype: to
         :func:`clear_table_cache`.
 
     Raises:
-        ValueError: a shipped or readable cached table is for other parameters, or the fit
-            refuses (e.g. a user function whose derivative grows past the fit domain, or
-            ``bits`` outside 1..8, which is not checked here: a stepwise function gets its
-            exact table whatever ``bits``).
-        TableFormatError: a shipped file is corrupt, or an unreadable cache file cannot be
-            moved aside (one that can is moved to ``<file>.corrupt`` and the table refitted).
+        ValueError: a shipped table is for other parameters, or the fit refuses (e.g. a
+            user function whose derivative grows past the fit domain, or ``bits`` outside
+            1..8, which is not checked here: a stepwise function gets its exact table
+            whatever ``bits``).
+        TableFormatError: a shipped file is corrupt, or a cache file that is unreadable or
+            for another setting cannot be moved aside (one that can is moved to
+            ``<file>.corrupt`` and the table refitted).
         ImportError: a table must be fitted and the solver dependencies are missing.
         RuntimeError: the solver returned a table of other bits.
 

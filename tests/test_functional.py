@@ -16,7 +16,7 @@ import torch.nn.functional as F
 import fewbit
 from fewbit import functional as FF
 from fewbit.activations import ACTIVATIONS, canonical_params, get_activation
-from fewbit.table import Table, TableFormatError, table_filename, write_tables
+from fewbit.table import Table, TableFormatError, read_tables, table_filename, write_tables
 from helpers import reference_grad, toy_table
 
 # ----------------------------------------------------------------------------- fixtures
@@ -345,8 +345,12 @@ def test_cache_never_reuses_table_for_other_params(tmp_path, monkeypatch):
     path = tmp_path / "tables" / table_filename("elu", {"alpha": 0.5})
     path.parent.mkdir(parents=True)
     write_tables(path, [wrong])
-    with pytest.raises(ValueError, match="fitted for params"):
-        FF.load_table("elu", 3, {"alpha": 0.5})
+    monkeypatch.setitem(FF.FIT_OPTIONS, "grid", 300)
+    # not used: set aside, kept, and the table fitted for alpha=0.5
+    with pytest.warns(FF.TableFittedWarning, match=r"fitted for params \{\}, not \{'alpha': 0.5\}"):
+        refit = FF.load_table("elu", 3, {"alpha": 0.5})
+    assert dict(refit.params) == {"alpha": 0.5} and refit.values != wrong.values
+    assert read_tables(path.with_name(path.name + ".corrupt"))[3] == wrong
     # the right one is used
     write_tables(path, [toy_table("elu", 3, {"alpha": 0.5})])
     FF.clear_table_cache()

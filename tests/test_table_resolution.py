@@ -53,6 +53,28 @@ def test_find_table_reports_a_corrupt_cache_file_and_leaves_it(cache):
     assert path.exists() and sorted(p.name for p in cache.iterdir()) == [path.name]
 
 
+@pytest.mark.parametrize("other, other_params", [("celu", {"alpha": 0.5}), ("elu", {"alpha": 0.25})])
+def test_a_cache_file_for_another_setting_is_set_aside_and_refitted(cache, other, other_params):
+    """A valid cache file under this setting's name but for another function or other
+    parameters (copied by hand, restored from a backup) is the cache's to rebuild, as an
+    unreadable one is: kept beside, refitted (before: every call raised "table is for
+    'celu', not 'elu'"). Without fitting (the CLI's lookup) it is still an error."""
+    pytest.importorskip("fewbit.solver")
+    with pytest.warns(FF.TableFittedWarning):
+        FF.load_table(other, 1, other_params)
+    path = cache / table_filename("elu", {"alpha": 0.5})
+    foreign = (cache / table_filename(other, other_params)).read_text()
+    path.write_text(foreign)
+    FF.clear_table_cache()
+    with pytest.raises(ValueError, match="table is for|table was fitted for"):
+        FF._find_table("elu", 1, {"alpha": 0.5})
+    with pytest.warns(FF.TableFittedWarning, match=r"a cache file for another setting was moved to .*\.corrupt"):
+        t = FF.load_table("elu", 1, {"alpha": 0.5})
+    assert t.name == "elu" and dict(t.params) == {"alpha": 0.5}
+    assert (cache / (path.name + ".corrupt")).read_text() == foreign
+    assert read_tables(path)[1] == t
+
+
 def test_a_second_corrupt_cache_file_does_not_overwrite_the_first(cache):
     """Each unreadable cache file is kept: .corrupt, then .corrupt.1, ... (it used to be
     os.replace'd onto .corrupt, losing the first one)."""
