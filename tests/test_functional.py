@@ -701,8 +701,8 @@ def test_params_that_are_not_a_mapping_name_the_argument(params):
 
 def test_a_parameter_changed_at_every_call_does_not_grow_the_caches(monkeypatch):
     """An annealed ``negative_slope`` made a new setting per call, and the call, table,
-    table-tensor and rules caches kept every one (20 000 calls: 20 000 entries each and
-    310 MiB more); they keep the newest ``fewbit._caches.LIMIT``."""
+    table-tensor, rules and patch caches kept every one (20 000 calls: 20 000 entries each
+    and 310 MiB more); they keep the newest ``fewbit._caches.LIMIT``."""
     from fewbit import _caches
     from fewbit.ops import _pointwise
     from fewbit.resolve import _TABLES, CALLS
@@ -717,7 +717,12 @@ def test_a_parameter_changed_at_every_call_does_not_grow_the_caches(monkeypatch)
         torch.testing.assert_close(x.grad, torch.where(x > 0, 1.0, slope), rtol=0, atol=0)
         x.grad = None
     assert len(CALLS) <= 8 and len(_TABLES) <= 8
-    assert len(_pointwise._table_cache) <= 8 and len(_pointwise._prepared) <= 8
+    # every cache of the module, the patches of torch's non-finite rules too (they hold NaN:
+    # keyed by the NaN tuples, each setting had added a row and a tensor of its own)
+    caches = {k: len(v) for k, v in vars(_pointwise).items()
+              if k.startswith("_") and not k.startswith("__") and isinstance(v, (dict, list, set))}
+    assert {"_table_cache", "_prepared", "_patch_cache", "_plans"} <= set(caches)
+    assert max(caches.values()) <= 8, caches
 
 
 def test_parameters_equal_but_not_the_same_are_settings_of_their_own():

@@ -7,6 +7,7 @@ element; backward ``grad_x = grad_y * values[c]``.
 
 from __future__ import annotations
 
+import struct
 import threading
 import weakref
 from typing import Callable, Mapping
@@ -104,29 +105,34 @@ def _check_table(table: Table, act, full_params: Mapping[str, float]) -> None:
             )
 
 
-_patch_ids: dict[tuple, int] = {}  # patch rows -> small int (rows hold NaN: bad dict keys)
-_patch_rows: list[tuple[float, ...]] = []
 _patch_cache: dict[tuple, torch.Tensor] = {}
-_prepared: dict[tuple, tuple[bool, int, int]] = {}
+_prepared: dict[tuple, tuple[bool, int, bytes, str | None]] = {}
+
+
+def _patch_key(patch: tuple[float, ...]) -> bytes:
+    """A patch's 24 float64s as bytes: a dict key that holds NaN (a tuple of floats holding
+    NaN equals no other tuple, so every setting had added a row of its own)."""
+    return struct.pack(f"<{len(patch)}d", *patch)
 
 
 @_traced.host_side
-def _patch_tensor(patch_id: int, device: torch.device, cdt: torch.dtype) -> torch.Tensor:
-    """The shared device tensor of a patch (fewbit.ops._nonfinite), cached like the values."""
-    key = (patch_id, device, cdt)
+def _patch_tensor(patch: bytes, device: torch.device, cdt: torch.dtype) -> torch.Tensor:
+    """The shared device tensor of a patch (fewbit.ops._nonfinite; :func:`_patch_key`),
+    cached like the values, the oldest dropped past :data:`fewbit._caches.LIMIT`."""
+    key = (patch, device, cdt)
     hit = _patch_cache.get(key)
     if hit is None:
         with _lock:
             hit = _patch_cache.get(key)
             if hit is None:
-                hit = torch.tensor(_patch_rows[patch_id], dtype=torch.float64).to(cdt).to(device)
-                _patch_cache[key] = hit
+                row = struct.unpack(f"<{len(patch) // 8}d", patch)
+                hit = remember(_patch_cache, key, torch.tensor(row, dtype=torch.float64).to(cdt).to(device))
     return hit
 
 
 @_traced.host_side
 def _prepare(fn: str, params: tuple, table: Table, dtype: torch.dtype, device: torch.device) -> tuple:
-    """``(select_zero, classes, patch_id, what)`` of torch's backward rules for this
+    """``(select_zero, classes, patch, what)`` of torch's backward rules for this
     setting (:func:`fewbit.ops._nonfinite.derive_grad_rules`), cached; ``what`` names a
     fitted table in the double-backward error (``None`` for an exact table).
 
@@ -140,14 +146,11 @@ def _prepare(fn: str, params: tuple, table: Table, dtype: torch.dtype, device: t
     torch_fn, _ = _lookup_fn(fn)  # not _resolve_fn: its cache is read by traced code first
     rules = derive_grad_rules(torch_fn, dict(params), table, dtype, device)
     values = table_tensors(table, device, dtype)[2]
-    with _lock:
-        pid = _patch_ids.setdefault(rules.patch, len(_patch_rows))
-        if pid == len(_patch_rows):
-            _patch_rows.append(rules.patch)
+    patch = _patch_key(rules.patch)
     if rules.classes:
-        _patch_tensor(pid, values.device, values.dtype)
+        _patch_tensor(patch, values.device, values.dtype)
     what = None if table.weight == "exact" else f"{fn} ({table.bits}-bit fitted table)"
-    hit = (rules.select_zero, rules.classes, pid, what)
+    hit = (rules.select_zero, rules.classes, patch, what)
     with _lock:
         remember(_prepared, key, hit)
     return hit
@@ -161,9 +164,9 @@ def _setting_for_trace(fn: str, params: tuple, table: Table, dtype: torch.dtype,
     runs it once, eagerly, while tracing (:func:`fewbit._traced.constant`): its caches' locks and torch's
     autograd probes are never traced, and the traced code reads no cache dict, whose
     snapshot would miss a setting prepared later in the same trace."""
-    select_zero, classes, patch_id, what = _prepare(fn, params, table, dtype, device)
+    select_zero, classes, patch, what = _prepare(fn, params, table, dtype, device)
     borders, codes, values = table_tensors(table, device, dtype)
-    patch = _patch_tensor(patch_id, values.device, values.dtype) if classes else None
+    patch = _patch_tensor(patch, values.device, values.dtype) if classes else None
     key = ("setting", fn, params, table.bits, table.borders, table.codes, table.values, table.weight, dtype,
            values.device)
     return _traced.hold(key, (select_zero, classes, what, borders, codes, values, patch))
@@ -565,13 +568,13 @@ class _Plan:
     @_traced.host_side
     def __init__(self, table: Table, fn: str, full: Mapping[str, float], dtype: torch.dtype, device: torch.device,
                  backend: str, torch_fn: Callable[..., torch.Tensor] | None = None):
-        select_zero, classes, patch_id, what = _prepare(fn, tuple(full.items()), table, dtype, device)
+        select_zero, classes, patch, what = _prepare(fn, tuple(full.items()), table, dtype, device)
         borders, codes, values = table_tensors(table, device, dtype)
         self.fn, self.params, self.bits, self.values = fn, tuple(full.items()), table.bits, values
         # the forward function and its keyword arguments (part of the plan's key)
         self.torch_fn = torch_fn if torch_fn is not None else _resolve_fn(fn)[0]
         self.full = dict(full)
-        self.patch = _patch_tensor(patch_id, values.device, values.dtype) if classes else None
+        self.patch = _patch_tensor(patch, values.device, values.dtype) if classes else None
         self.select_zero, self.classes, self.what, self.backend = select_zero, classes, what, backend
         if backend == "numba":
             # the kernels' arrays (numpy views, so a call converts nothing) and the same
