@@ -322,7 +322,8 @@ class Report:
         saved_tensors: per floating tensor that ``fewbit.convert_``'s compressor took
             in the step, in save order: ``{"index", "module", "kind", "shape",
             "compressor", "bits", "bytes"}`` (``bits``: of the codes, per element; the
-            dtype's width where a policy kept it exact); empty for a model without one.
+            dtype's width where a policy kept it exact), then the masks it packed at 1 bit
+            (``"compressor": "mask"``, ``"index": -1``); empty for a model without one.
     """
 
     saved_bytes: int
@@ -366,8 +367,9 @@ class Report:
 
     def average_bits(self) -> float | None:
         """Bits per element of the compressed tensors' codes, weighted by elements (stats
-        excluded); None without :attr:`saved_tensors`."""
-        hist = self.bits_histogram()
+        and 1-bit masks excluded: the average a policy's budget counts); None without
+        :attr:`saved_tensors`."""
+        hist = {k: v for k, v in self.bits_histogram().items() if k[0] != "mask"}
         elements = sum(e for _, e, _ in hist.values())
         return sum(k[1] * e for k, (_, e, _) in hist.items()) / elements if elements else None
 
@@ -387,7 +389,9 @@ class Report:
             lines.append(f"  peak CUDA   {self.peak_bytes / mib:10.3f} MiB")
         hist = self.bits_histogram()
         if hist:
-            lines.append(f"compressed saved tensors by bits (average {self.average_bits():.2f} bits per element):")
+            avg = self.average_bits()
+            shown = f"average {avg:.2f} bits per element, 1-bit masks excluded" if avg is not None else "masks only"
+            lines.append(f"compressed saved tensors by bits ({shown}):")
             for (name, bits), (n, e, b) in hist.items():
                 lines.append(f"  {name:<11} {bits:>2} bits {n:5d} tensors {e:12d} elements {b / mib:10.3f} MiB")
         mods = sorted(self.by_module.items(), key=lambda kv: -kv[1])[:top]
@@ -510,7 +514,7 @@ def _saved_tensors(model: nn.Module) -> list[dict[str, Any]]:
     return [
         {"index": r.index, "module": r.fqn, "kind": r.kind, "shape": list(r.shape),
          "compressor": r.compressor, "bits": r.bits, "bytes": r.nbytes}
-        for _, r in sorted(comp.records.items())
+        for r in [r for _, r in sorted(comp.records.items())] + comp.masks
     ]
 
 

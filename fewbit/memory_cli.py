@@ -291,7 +291,8 @@ def _format_bits(d: dict) -> str:
     if not hist:
         return "fewbit+quant: no saved tensor compressed"
     avg = d.get("average_bits")
-    lines = [f"fewbit+quant saved tensors by bits (average {avg:.2f} bits per element, stats excluded):"]
+    shown = f"average {avg:.2f} bits per element, stats and 1-bit masks excluded" if avg is not None else "masks only"
+    lines = [f"fewbit+quant saved tensors by bits ({shown}):"]
     for (name, bits), (n, b) in sorted(hist.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         lines.append(f"  {name:<12}{bits:>3} bits {n:>5} tensors {b / _MIB:>10.2f} MiB")
     return "\n".join(lines)

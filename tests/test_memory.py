@@ -124,6 +124,26 @@ def test_recorder_sees_through_convert_compression_hooks():
     assert rep.by_category["activation"] >= 32 * 256 * 2 // 8
 
 
+def test_the_rows_by_bits_add_up_to_the_compressed_bytes_masks_included():
+    """Dropout's masks packed at 1 bit are rows of their own ("mask", 1 bit), outside the
+    average a policy's budget counts (before: counted in the compressor's bytes, and left
+    out of the rows by bits that should add up to them)."""
+    torch.manual_seed(0)
+    block = lambda p: nn.Sequential(nn.Linear(64, 256), nn.Dropout(p), nn.ReLU(), nn.Linear(256, 64))  # noqa: E731
+    model = nn.Sequential(block(0.5), block(0.1))  # blocks: their dropout runs inside the compressor
+    summary = fewbit.convert_(model, fewbit.Config(activation_bits=1, saved_bits=2, min_numel=0))
+    rep = fm.saved_tensor_report(model, torch.randn(32, 64), loss_fn=lambda o: o.pow(2).sum())
+    hist = rep.bits_histogram()
+    masks = [r for r in rep.saved_tensors if r["compressor"] == "mask"]
+    assert len(masks) == summary.compressor.stats.packed_bool >= 2
+    assert all(r["bits"] == 1 and r["index"] == -1 and r["bytes"] == math.ceil(math.prod(r["shape"]) / 8)
+               for r in masks)
+    assert sum(b for _, _, b in hist.values()) == summary.compressor.stats.bytes_after
+    quantized = {k: v for k, v in hist.items() if k[0] != "mask"}
+    assert rep.average_bits() == 2.0 and set(quantized) == {("group", 2)}
+    assert "1-bit masks excluded" in rep.format() and "mask" in rep.format()
+
+
 def _tiny_gpt2():
     from transformers import GPT2Config, GPT2LMHeadModel
     from transformers.utils import logging

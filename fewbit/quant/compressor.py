@@ -118,12 +118,14 @@ class SavedTensorRecord:
     (:attr:`ActivationCompressor.records`; the per-tensor rows of ``fewbit.memory``).
 
     Attributes:
-        index: position in the pass's save order (see :class:`fewbit.quant.policies.SavedTensorInfo`).
+        index: position in the pass's save order (see :class:`fewbit.quant.policies.SavedTensorInfo`);
+            ``-1`` for a 1-bit mask (:attr:`ActivationCompressor.masks`), which no policy sees.
         fqn: innermost converted module (None outside ``fewbit.convert_``'s hooks).
         kind: its layer kind, or None.
         shape: the tensor's shape.
         dtype: its dtype.
-        compressor: registry name of the compressor used (``"keep"``: left exact).
+        compressor: registry name of the compressor used (``"keep"``: left exact;
+            ``"mask"``: a bool or float {0, c} mask packed losslessly at 1 bit).
         bits: bits per element of its codes (the dtype's width for ``"keep"``; stats excluded).
         nbytes: bytes held for it (codes, stats, exact parts).
     """
@@ -676,6 +678,9 @@ class ActivationCompressor:
         self._saves = 0  # every save packed, kept or not, since construction
         self._auto_step = True  # fewbit.convert_ sets False and calls step() per forward
         self.records: dict = {}
+        #: The masks packed at 1 bit in the current pass (bool tensors, float {0, c} dropout
+        #: masks), in save order: :class:`SavedTensorRecord` rows with index -1.
+        self.masks: list = []
         #: What results saved for their own nonlinear backward get (RESULT_BITS).
         self._result_compressor = GroupQuantizer(RESULT_BITS, group_size=group_size, stochastic=stochastic,
                                                  stats_dtype=stats_dtype)
@@ -712,16 +717,19 @@ class ActivationCompressor:
         self.__dict__.update(state)
         self.__dict__.setdefault("_norm_inputs", [])  # pickled by an earlier build
         self.__dict__.setdefault("_frame", None)
+        self.__dict__.setdefault("masks", [])
         self._local = threading.local()
 
     # passes and policies -------------------------------------------------------------
     def step(self) -> None:
-        """Start a pass: the next tensor taken gets index 0 and :attr:`records` is emptied;
+        """Start a pass: the next tensor taken gets index 0 and :attr:`records` and
+        :attr:`masks` are emptied;
         :attr:`compressor` follows the policy's ``default`` (a
         :class:`~fewbit.quant.policies.WarmupPolicy` changes it after its warm-up)."""
         self._index = 0
         self._ordinals = {}
         self.records = {}
+        self.masks = []
         default = self.policy.default
         if default is not self._default:
             self._default = self.compressor = default
@@ -1075,6 +1083,8 @@ class ActivationCompressor:
                 bits = t if is_bool else t != 0
                 handle = _Handle(None, _pack_bool(bits), t.shape, t.dtype, t.device, mask_value)
             self.stats.packed_bool += 1
+            fqn, kind = self._where[-1][:2] if self._where else (None, None)
+            self.masks.append(SavedTensorRecord(-1, fqn, kind, tuple(t.shape), t.dtype, "mask", 1, handle.nbytes))
         else:
             handle = self._compress(t, rows, ordinal, norm_input)
             if handle is None:
