@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import functools
 import inspect
+import numbers
 import sys
 import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,20 +84,22 @@ def _chunks(n: int, chunk_size: int):
 
 
 def _chunk_loss(logits: torch.Tensor, target: torch.Tensor, valid: torch.Tensor, ignore_index: int,
-                label_smoothing: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-row loss, logsumexp and safe target of one chunk of accumulation-dtype logits.
+                label_smoothing: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row loss and safe target of one chunk of accumulation-dtype logits, which it
+    turns into log-probabilities in place (``z - lse``, what the gradient's softmax takes).
 
-    loss_i = lse_i - (1 - eps) z_{i, t_i} - (eps / V) sum_c z_{i, c}, which is torch's
-    ``(1 - eps) * nll + eps / V * sum_c (-log p_c)`` (0 on ignored rows).
+    loss_i = -(1 - eps) log p_{i, t_i} - (eps / V) sum_c log p_{i, c}, torch's
+    ``(1 - eps) * nll + eps / V * sum_c (-log p_c)`` (0 on ignored rows). The smoothing
+    term sums the log-probabilities, not ``lse - mean(z)``: logits with a large common
+    offset (a bias of 1e4) had lost it to cancellation (3.7e-4 off in float32, torch 4e-5).
     """
     lse = torch.logsumexp(logits, dim=-1)
+    logp = logits.sub_(lse.unsqueeze(-1))
     safe = torch.where(valid, target, 0)
-    z_t = logits.gather(-1, safe.unsqueeze(-1)).squeeze(-1)
+    loss = logp.gather(-1, safe.unsqueeze(-1)).squeeze(-1).neg_()
     if label_smoothing:
-        loss = lse - (1.0 - label_smoothing) * z_t - (label_smoothing / logits.shape[-1]) * logits.sum(-1)
-    else:
-        loss = lse - z_t
-    return torch.where(valid, loss, 0.0), lse, safe
+        loss = (1.0 - label_smoothing) * loss - (label_smoothing / logp.shape[-1]) * logp.sum(-1)
+    return torch.where(valid, loss, 0.0), safe
 
 
 def _run_chunks(
@@ -133,12 +137,12 @@ def _run_chunks(
         xc, tc = x[start:stop], target[start:stop]
         valid = tc != ignore_index
         logits = F.linear(xc, weight, bias).to(acc)  # the logits of F.linear, then upcast
-        loss_c, lse, safe = _chunk_loss(logits, tc, valid, ignore_index, label_smoothing)
+        loss_c, safe = _chunk_loss(logits, tc, valid, ignore_index, label_smoothing)
         loss[start:stop] = loss_c
         if not want:
             continue
-        # softmax - (1 - eps) onehot - eps / V, in place of the logits chunk.
-        g = logits.sub_(lse.unsqueeze(-1)).exp_()
+        # softmax - (1 - eps) onehot - eps / V, in place of the log-probabilities chunk.
+        g = logits.exp_()
         g.scatter_add_(-1, safe.unsqueeze(-1), g.new_full((stop - start, 1), -(1.0 - label_smoothing)))
         if label_smoothing:
             g.sub_(label_smoothing / v)
@@ -240,6 +244,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
                                            label_smoothing=label_smoothing, chunk_size=chunk_size,
                                            row_scale=scale, need=need)
             ctx.save_for_backward(gi, gw, gb)
+            # the versions of the inputs (not kept: weak references), checked at backward as
+            # torch checks what it saves: a weight changed in place between forward and
+            # backward (an optimizer step before a delayed backward) had given the gradients
+            # of the old weight. x is often a reshape's view, gone after the call: its base.
+            # (not while traced: a compiled graph's versions are symbols it cannot return)
+            ctx.versions = [] if _compiling_or_recording() else [
+                (weakref.ref(t if t._base is None else t._base), t._version) for t in (x, weight, bias)
+                if t is not None]
         else:
             # Cut Cross-Entropy's way: keep the inputs, recompute each chunk's logits in backward.
             loss, *_ = _chunked(x, weight, bias, target, ignore_index=ignore_index,
@@ -257,6 +269,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
         need = ctx.needs_input_grad[:3]
         if ctx.grad_in_forward:
             gi, gw, gb = ctx.saved_tensors
+            for ref, version in ctx.versions:
+                t = ref()
+                if t is not None and t._version != version:
+                    raise RuntimeError(
+                        "one of the variables needed for gradient computation has been modified by an "
+                        f"inplace operation: an input of fewbit.linear_cross_entropy (shape {tuple(t.shape)}) "
+                        f"is at version {t._version}; expected version {version} instead "
+                        "(grad_in_forward=True computed the gradients from the inputs as they were)")
             out = [None if g is None or not nd else _times(g, grad_output) for g, nd in zip((gi, gw, gb), need)]
         else:
             x, weight, bias, target, count = ctx.saved_tensors
@@ -317,9 +337,9 @@ def _check_args(input, weight, target, bias, ignore_index, reduction, label_smoo
         raise ValueError(f"ignore_index must be an integer in [-2**63, 2**63), got {ignore_index!r}")
     if reduction not in _REDUCTIONS:
         raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
-    if (isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float))
-            or not 0.0 <= label_smoothing <= 1.0):
-        raise ValueError(f"label_smoothing must be a float in [0.0, 1.0], got {label_smoothing!r}")
+    if (isinstance(label_smoothing, bool) or not isinstance(label_smoothing, numbers.Real)
+            or not 0.0 <= label_smoothing <= 1.0):  # NumPy's floats too, as torch takes them
+        raise ValueError(f"label_smoothing must be a real number in [0.0, 1.0], got {label_smoothing!r}")
     if chunk_size is not None:
         check_positive_int(chunk_size, "chunk_size")
     if not isinstance(grad_in_forward, bool):
@@ -544,7 +564,9 @@ def _causal_lm_fused_loss(patch: _Patch, head: nn.Module, hidden: torch.Tensor, 
     """Hugging Face's ``ForCausalLMLoss`` on the hidden states (same shift, mean and sum),
     with ``head``'s weight and bias."""
     weight, bias = head.weight, head.bias
-    if weight.shape[0] != vocab_size:
+    # transformers' ForCausalLMLoss uses vocab_size to view the logits as (-1, vocab_size);
+    # a model passing logits.shape[-1] (Inkling's) passed the hidden size here
+    if weight.shape[0] != vocab_size and vocab_size != hidden.shape[-1]:
         raise ValueError(f"vocab_size ({vocab_size}) must equal the rows of the output embedding "
                          f"weight ({weight.shape[0]})")
     if shift_labels is None:
@@ -581,6 +603,11 @@ class _HeadForward:
         patch = self.patch
         running = patch.running
         if running.labelled():
+            if hidden_states.grad_fn is not None and not _compiling_or_recording():
+                # a view of its own: a use of the "logits" beside the loss function (a z-loss
+                # on their logsumexp) is then told apart, in the graph, from the model's own
+                # uses of its hidden states (_check_returned_loss)
+                hidden_states = hidden_states.view_as(hidden_states)
             running.hidden = hidden_states
             if not _compiling_or_recording() and hidden_states.is_inference():
                 # no version counter: a copy to compare with instead (a traced graph has no
@@ -699,10 +726,30 @@ def _computed_from(returned: torch.Tensor, loss: torch.Tensor, depth: int = 16) 
     return False
 
 
-def _check_returned_loss(module: nn.Module, output: Any, computed: torch.Tensor | None) -> None:
+def _reaches_beside(returned: torch.Tensor, loss: torch.Tensor, target: torch.Tensor, depth: int = 16) -> bool:
+    """Whether ``returned``'s graph reaches ``target``'s node within ``depth`` autograd nodes
+    other than through ``loss``'s (breadth first, as :func:`_computed_from`)."""
+    goal, skip = target.grad_fn, loss.grad_fn
+    if returned.grad_fn is None or goal is None or skip is None:
+        return False
+    level, seen = [returned.grad_fn], set()
+    for _ in range(depth):
+        if any(node is goal for node in level):
+            return True
+        seen.update(level)
+        level = [n for node in level if node is not skip
+                 for n, _ in node.next_functions if n is not None and n not in seen]
+        if not level:
+            break
+    return False
+
+
+def _check_returned_loss(module: nn.Module, output: Any, computed: torch.Tensor | None,
+                         logits: torch.Tensor | None = None) -> None:
     """Raise if a forward with labels returned a loss other than (or not computed from) the
-    fused loss its ``self.loss_function`` gave: the lm_head gave it the hidden states, so a
-    loss it computed otherwise is wrong."""
+    fused loss its ``self.loss_function`` gave, or one that also used the ``logits`` (what
+    the lm_head returned: the hidden states) otherwise: the lm_head gave it the hidden
+    states, so a loss it computed otherwise is wrong."""
     how = "fewbit.losses.unpatch_causal_lm_(model) (fewbit.Config(fused_cross_entropy=False))"
     if computed is None:  # the head's output went to a cross-entropy of the model's own
         raise RuntimeError(
@@ -717,6 +764,13 @@ def _check_returned_loss(module: nn.Module, output: Any, computed: torch.Tensor 
             f"{type(module).__name__}'s forward returned a loss not computed from what its self.loss_function "
             f"returned (a loss of its own from the logits, which the fused cross-entropy leaves as hidden "
             f"states); call {how}")
+    if torch.is_tensor(returned) and logits is not None and _reaches_beside(returned, computed, logits):
+        # more than the cross-entropy from the logits (Bamba's z-loss on their logsumexp):
+        # computed from the hidden states, the loss would be silently wrong
+        raise _TransformedLogits(
+            f"{type(module).__name__}'s forward computed its loss from the logits besides self.loss_function "
+            f"(e.g. a z-loss on their logsumexp), and the fused cross-entropy leaves them as hidden states; "
+            f"call {how}")
 
 
 class _PostHook:
@@ -734,7 +788,7 @@ class _PostHook:
         if not active or hidden is None:
             return None
         if sys.exc_info()[0] is None:  # a forward that raised: its error stands
-            _check_returned_loss(module, output, computed)
+            _check_returned_loss(module, output, computed, hidden)
         if isinstance(output, tuple):
             return tuple(o for o in output if o is not hidden)
         if getattr(output, "logits", None) is hidden:
@@ -743,17 +797,24 @@ class _PostHook:
 
 
 #: Config fields of transformers models that transform the logits between the ``lm_head``
-#: and the loss (their neutral values: None, 1): Gemma 2/3's soft cap, Cohere's scale,
-#: Granite's divisor, xLSTM's soft cap (applied in place in eval mode), RecurrentGemma's soft
-#: cap, MuseGlimmer's multiplier. Others are refused at their first forward with labels.
-_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale",
-                     "output_logit_soft_cap", "logits_soft_cap", "output_multiplier")
+#: and the loss, or compute more from them than the cross-entropy, with the values that do
+#: not: Gemma 2/3's soft cap, Cohere's scale, Granite's and HyperCLOVA X's divisor and
+#: multiplier, xLSTM's soft cap (applied in place in eval mode), RecurrentGemma's soft cap,
+#: MuseGlimmer's multiplier (None only: transformers 5.24 applies a scale or divisor of 1
+#: too, a new tensor the fused loss cannot take); Bamba's z-loss on the logits' logsumexp
+#: (None, 0). Others are refused at their first forward with labels.
+_LOGIT_TRANSFORMS: dict[str, tuple] = {
+    **dict.fromkeys(("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale",
+                     "output_logit_soft_cap", "logits_soft_cap", "output_multiplier"), (None,)),
+    "z_loss_coefficient": (None, 0, 0.0),
+}
 
 
 def logit_transform(model: nn.Module) -> str | None:
     """Which transform of the logits a transformers model's config names (``"config.name =
     value"``, also in its text config), or None: such models cannot take the fused loss
-    (:func:`patch_causal_lm_` refuses them; ``fewbit.plan`` does not choose it for them)."""
+    (:func:`patch_causal_lm_` refuses them; ``fewbit.plan`` does not choose it for them),
+    or that computes more than the cross-entropy from them (Bamba's ``z_loss_coefficient``)."""
     config = getattr(model, "config", None)
     get_text = getattr(config, "get_text_config", None)
     configs = [("config", config)]
@@ -764,9 +825,9 @@ def logit_transform(model: nn.Module) -> str | None:
     if text is not None and text is not config:
         configs.append(("config.text_config", text))
     for where, cfg in configs:
-        for name in _LOGIT_TRANSFORMS:
+        for name, neutral in _LOGIT_TRANSFORMS.items():
             value = getattr(cfg, name, None)
-            if value not in (None, 1, 1.0):
+            if not any(value is v or (v is not None and value == v) for v in neutral):
                 return f"{where}.{name} = {value!r}"
     return None
 

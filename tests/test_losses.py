@@ -20,6 +20,7 @@ from fewbit.losses import (
     DEFAULT_CHUNK_LOGITS,
     linear_cross_entropy,
     linear_cross_entropy_reference,
+    logit_transform,
     patch_causal_lm_,
     unpatch_causal_lm_,
 )
@@ -229,7 +230,7 @@ def test_double_backward_raises():
         (dict(target=torch.full((N,), V)), ValueError, rf"target must be in \[0, {V - 1}\] or ignore_index .*got {V}"),
         (dict(target=torch.full((N,), -1)), ValueError, r"target must be in .*got -1"),
         (dict(reduction="avg"), ValueError, "reduction must be one of"),
-        (dict(label_smoothing=1.5), ValueError, r"label_smoothing must be a float in \[0.0, 1.0\], got 1.5"),
+        (dict(label_smoothing=1.5), ValueError, r"label_smoothing must be a real number in \[0.0, 1.0\], got 1.5"),
         (dict(label_smoothing=-0.1), ValueError, "label_smoothing must be"),
         (dict(chunk_size=0), ValueError, "chunk_size must be an integer >= 1, got 0"),
         (dict(chunk_size=2.0), ValueError, "chunk_size must be an integer >= 1, got 2.0"),
@@ -929,6 +930,77 @@ def test_models_whose_config_transforms_the_logits_are_refused_up_front():
     assert not prof.fused_cross_entropy
 
 
+def _bamba(z_loss_coefficient):
+    cfg = transformers.BambaConfig(
+        vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2, attn_layer_indices=[0], mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8,
+        mamba_n_groups=1, mamba_chunk_size=8, z_loss_coefficient=z_loss_coefficient)
+    return transformers.BambaForCausalLM(cfg)
+
+
+def test_a_z_loss_or_a_neutral_looking_scale_is_refused_up_front():
+    """Bamba adds ``z_loss_coefficient * logsumexp(logits)**2`` after its loss function: with
+    the fused loss it was taken over the hidden states (loss 5.4676 against 5.4306, weight
+    gradients 0.60 off, and fewbit.plan chose it by default). Granite's ``logits / 1.0`` and
+    Cohere's ``logits * 1.0`` are new tensors: accepted, then refused at every forward."""
+    torch.manual_seed(0)
+    model = _bamba(0.1)
+    assert logit_transform(model) == "config.z_loss_coefficient = 0.1"
+    with pytest.raises(ValueError, match="z_loss_coefficient = 0.1"):
+        patch_causal_lm_(model)
+    ids = torch.randint(0, 50, (2, 8))
+    assert not fewbit.planner.profile(model, {"input_ids": ids, "labels": ids}, repeats=1).fused_cross_entropy
+    plain = _bamba(0.0)  # no z-loss: the fused loss is the model's
+    assert logit_transform(plain) is None
+    expected = plain(input_ids=ids, labels=ids).loss
+    torch.testing.assert_close(patch_causal_lm_(plain)(input_ids=ids, labels=ids).loss, expected)
+    granite = transformers.GraniteForCausalLM(transformers.GraniteConfig(
+        vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2, logits_scaling=1.0))
+    with pytest.raises(ValueError, match="logits_scaling = 1.0"):
+        patch_causal_lm_(granite)
+
+
+def test_a_loss_computed_from_the_logits_beside_the_loss_function_is_refused():
+    """A forward that adds its own term of the logits (here a z-loss, unnamed by the config)
+    got the hidden states for them: refused at the forward, and fewbit.plan falls back on
+    the unfused loss."""
+    class ZLoss(transformers.GPT2LMHeadModel):
+        def forward(self, input_ids=None, labels=None, **kwargs):
+            out = super().forward(input_ids=input_ids, labels=labels, **kwargs)
+            if labels is not None:  # patched, out.logits holds the hidden states here
+                out.loss = out.loss + 0.1 * out.logits.logsumexp(-1).pow(2).mean()
+            return out
+
+    torch.manual_seed(0)
+    model = ZLoss(_gpt2().config)
+    ids = torch.randint(0, 97, (2, 8))
+    patched = patch_causal_lm_(copy.deepcopy(model))
+    with pytest.raises(RuntimeError, match="from the logits besides self.loss_function"):
+        patched(input_ids=ids, labels=ids)
+    assert not fewbit.planner.profile(model, {"input_ids": ids, "labels": ids}, repeats=1).fused_cross_entropy
+    plain = _gpt2()  # GPT-2's own uses of its hidden states are not the logits'
+    expected = plain(input_ids=ids, labels=ids).loss
+    torch.testing.assert_close(patch_causal_lm_(plain)(input_ids=ids, labels=ids).loss, expected)
+
+
+def test_a_vocab_size_taken_from_the_logits_width_is_the_hidden_size_when_patched():
+    """Inkling passes ``vocab_size=logits.shape[-1]``: patched, that is the hidden size, and
+    every forward with labels raised (fewbit.plan too)."""
+    torch.manual_seed(0)
+    cfg = transformers.InklingTextConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+        head_dim=16, swa_num_attention_heads=2, swa_num_key_value_heads=2, swa_head_dim=16, intermediate_size=64,
+        moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+        mlp_layer_types=["dense"], layer_types=["full_attention"], d_rel=4, rel_extent=16,
+        logits_mup_width_multiplier=1.0)
+    model = transformers.InklingForCausalLM(cfg)
+    ids = torch.randint(0, 64, (2, 8))
+    expected = model(input_ids=ids, labels=ids).loss
+    patched = patch_causal_lm_(copy.deepcopy(model))
+    torch.testing.assert_close(patched(input_ids=ids, labels=ids).loss, expected)
+
+
 @pytest.mark.slow
 def test_benchmark_script_runs_at_tiny_sizes():
     """scripts/bench_linear_cross_entropy.py (README, docs/compression.md §5) at tiny sizes."""
@@ -1117,3 +1189,49 @@ def test_the_hidden_states_of_an_interrupted_forward_go_before_the_next_forward(
     model(ids, labels=ids)
     probe.remove()
     assert alive_during == [False]
+
+
+def test_label_smoothing_takes_numpy_reals():
+    """torch takes ``label_smoothing=np.float32(0.1)``; it was refused as "not a float in
+    [0.0, 1.0]" (review h54)."""
+    np = pytest.importorskip("numpy")
+    torch.manual_seed(0)
+    x, w, t = torch.randn(6, 4), torch.randn(9, 4), torch.randint(0, 9, (6,))
+    for eps in (np.float32(0.1), np.float64(0.25)):
+        torch.testing.assert_close(linear_cross_entropy(x, w, t, label_smoothing=eps),
+                                   F.cross_entropy(F.linear(x, w), t, label_smoothing=float(eps)))
+
+
+@pytest.mark.parametrize("changed", ["weight", "input"])
+def test_grad_in_forward_detects_an_inplace_change_before_backward(changed):
+    """The gradients stored in forward are those of the weight and input of the forward: a
+    change in place before backward (an optimizer step before a delayed backward) raises as
+    torch and the default mode do; it had returned the old weight's gradients (review h54)."""
+    torch.manual_seed(0)
+    w = torch.randn(10, 4, requires_grad=True)
+    h = torch.randn(4, 4, requires_grad=True)
+    t = torch.tensor([2, 4, 6, 8])
+    for grad_in_forward in (False, True):
+        x = h * 1.0  # a non-leaf input, changeable in place
+        loss = linear_cross_entropy(x, w, t, grad_in_forward=grad_in_forward)
+        with torch.no_grad():
+            (w if changed == "weight" else x).mul_(2)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            loss.backward()
+        if changed == "weight":
+            with torch.no_grad():
+                w.div_(2)
+
+
+def test_label_smoothing_over_logits_with_a_large_common_offset():
+    """The smoothing term summed the raw logits and took ``lse`` away after: with a bias of
+    1e3 on every class it lost 2.9e-5 to cancellation against torch's 2.1e-6 (1e4: 3.7e-4
+    against 4.1e-5). It sums the log-probabilities now (review h54)."""
+    torch.manual_seed(0)
+    n, v, h = 64, 32000, 16
+    x, w, t = torch.randn(n, h), torch.randn(v, h) * 0.1, torch.randint(0, v, (n,))
+    b = torch.full((v,), 1e3)
+    truth = F.cross_entropy(F.linear(x.double(), w.double(), b.double()), t, label_smoothing=0.1)
+    torch_err = (F.cross_entropy(F.linear(x, w, b), t, label_smoothing=0.1).double() - truth).abs().item()
+    fused_err = (linear_cross_entropy(x, w, t, b, label_smoothing=0.1, chunk_size=16).double() - truth).abs().item()
+    assert fused_err <= max(3 * torch_err, 1e-6), (fused_err, torch_err)
