@@ -225,9 +225,11 @@ def _fmax(stats_dtype: torch.dtype) -> float:
 
 
 def stats(x, bits, group_size, stats_dtype, *, block_elems=4096):
-    """Launch the stats kernel on a flat contiguous ``x``: float32 ``(mins, scales)`` of its
-    groups of ``group_size`` on the ``stats_dtype`` grid (docs/method.md §7 steps 2-3; NaN for
-    a group with a non-finite value). ``block_elems``: elements per stats tile."""
+    """Launch the stats kernel on a flat ``x`` (copied if not contiguous: the kernels read a
+    pointer): float32 ``(mins, scales)`` of its groups of ``group_size`` on the
+    ``stats_dtype`` grid (docs/method.md §7 steps 2-3; NaN for a group with a non-finite
+    value). ``block_elems``: elements per stats tile."""
+    x = x.contiguous()
     n = x.numel()
     G = group_size
     n_groups = -(-n // G)
@@ -246,11 +248,13 @@ def stats(x, bits, group_size, stats_dtype, *, block_elems=4096):
 
 
 def quantize(x, bits, group_size, seed, stochastic, stats_dtype, *, block_w=256, block_elems=4096):
-    """Launch the stats and codes kernels on a flat contiguous ``x`` (float16/bfloat16/float32).
+    """Launch the stats and codes kernels on a flat ``x`` (float16/bfloat16/float32; copied
+    if not contiguous).
 
     Returns ``(packed uint8, mins, scales)`` as the reference does. ``block_w`` (words of 8
     elements per program) and ``block_elems`` (elements per stats tile) are tuning knobs.
     """
+    x = x.contiguous()
     n = x.numel()
     G = group_size
     packed = torch.empty(packed_nbytes(n, bits), dtype=torch.uint8, device=x.device)
@@ -385,7 +389,11 @@ def _block_mean_kernel(x_ptr, out_ptr, n_out, H, W, I, Hb, Wb,
 
 
 def affine_codes(x, mins, scales, bits, rowlen, per_col, offset, seed, stochastic, *, block_w=256):
-    """Launch :func:`_affine_codes_kernel` on a flat contiguous ``x`` (float16/bfloat16/float32)."""
+    """Launch :func:`_affine_codes_kernel` on a flat ``x`` (float16/bfloat16/float32), copied
+    if not contiguous: ``x.reshape(-1)`` of every other element of a last dim is a strided
+    view, which the kernel had read as contiguous (ChannelWise and Softmax codes of other
+    elements)."""
+    x = x.contiguous()
     n = x.numel()
     packed = torch.empty(packed_nbytes(n, bits), dtype=torch.uint8, device=x.device)
     if n:
