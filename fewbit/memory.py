@@ -391,9 +391,10 @@ class Report:
         if hist:
             avg = self.average_bits()
             shown = f"average {avg:.2f} bits per element, 1-bit masks excluded" if avg is not None else "masks only"
-            lines.append(f"compressed saved tensors by bits ({shown}):")
+            lines.append(f"compressed saved tensors by bits ({shown}; held: bits per element with statistics):")
             for (name, bits), (n, e, b) in hist.items():
-                lines.append(f"  {name:<11} {bits:>2} bits {n:5d} tensors {e:12d} elements {b / mib:10.3f} MiB")
+                held = f" {8 * b / e:6.2f} held" if e else ""
+                lines.append(f"  {name:<11} {bits:>2} bits {n:5d} tensors {e:12d} elements {b / mib:10.3f} MiB{held}")
         mods = sorted(self.by_module.items(), key=lambda kv: -kv[1])[:top]
         if mods:
             lines.append("largest modules:")

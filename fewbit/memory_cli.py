@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 import sys
 from dataclasses import dataclass
@@ -286,15 +287,18 @@ def _format_bits(d: dict) -> str:
     """fewbit+quant's compressed saved tensors by (compressor, bits): count and MiB."""
     hist: dict = {}
     for r in d.get("saved_tensors", []):
-        n, b = hist.get((r["compressor"], r["bits"]), (0, 0))
-        hist[(r["compressor"], r["bits"])] = (n + 1, b + r["bytes"])
+        n, e, b = hist.get((r["compressor"], r["bits"]), (0, 0, 0))
+        hist[(r["compressor"], r["bits"])] = (n + 1, e + math.prod(r["shape"]), b + r["bytes"])
     if not hist:
         return "fewbit+quant: no saved tensor compressed"
     avg = d.get("average_bits")
     shown = f"average {avg:.2f} bits per element, stats and 1-bit masks excluded" if avg is not None else "masks only"
-    lines = [f"fewbit+quant saved tensors by bits ({shown}):"]
-    for (name, bits), (n, b) in sorted(hist.items(), key=lambda kv: (kv[0][1], kv[0][0])):
-        lines.append(f"  {name:<12}{bits:>3} bits {n:>5} tensors {b / _MIB:>10.2f} MiB")
+    # "held": every byte held per element, statistics and exact parts included (DIVISION's
+    # block means, the outlier compressor's exact channels), where "bits" is the codes' width
+    lines = [f"fewbit+quant saved tensors by bits ({shown}; held: bits per element with statistics):"]
+    for (name, bits), (n, e, b) in sorted(hist.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        held = f"{8 * b / e:>6.2f} held" if e else ""
+        lines.append(f"  {name:<12}{bits:>3} bits {n:>5} tensors {b / _MIB:>10.2f} MiB {held}")
     return "\n".join(lines)
 
 

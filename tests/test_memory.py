@@ -142,6 +142,10 @@ def test_the_rows_by_bits_add_up_to_the_compressed_bytes_masks_included():
     quantized = {k: v for k, v in hist.items() if k[0] != "mask"}
     assert rep.average_bits() == 2.0 and set(quantized) == {("group", 2)}
     assert "1-bit masks excluded" in rep.format() and "mask" in rep.format()
+    # every byte held per element: the 2-bit codes and their statistics (h55: DIVISION's
+    # "2 bits" held 6.25 with its block means, which no column showed)
+    (n, e, b), = quantized.values()
+    assert f"{8 * b / e:6.2f} held" in rep.format() and 8 * b / e > 2
 
 
 def _tiny_gpt2():
@@ -457,3 +461,18 @@ def test_report_matches_the_memory_a_step_really_holds(config):
     loss.backward()
     # beyond the report: the loss, small bookkeeping (0.07 MiB here); before the fix +4 MiB
     assert abs(held - report.saved_bytes) < 0.5 * 2**20, (held / 2**20, report.saved_bytes / 2**20)
+
+
+def test_the_cli_table_by_bits_shows_masks_and_the_bits_held():
+    """``fewbit memory``'s table by bits: the 1-bit masks as a row of their own, and each
+    row's bits held per element with its statistics beside the codes' width."""
+    from fewbit.memory_cli import _format_bits
+
+    rows = [{"compressor": "division", "bits": 2, "shape": [64, 128], "bytes": 6400},
+            {"compressor": "division", "bits": 2, "shape": [64, 128], "bytes": 6400},
+            {"compressor": "mask", "bits": 1, "shape": [1000], "bytes": 125}]
+    text = _format_bits({"saved_tensors": rows, "average_bits": 2.0})
+    lines = text.splitlines()
+    assert "average 2.00 bits per element, stats and 1-bit masks excluded" in lines[0]
+    assert lines[1].split()[:4] == ["mask", "1", "bits", "1"] and lines[1].endswith("1.00 held")
+    assert lines[2].split()[:4] == ["division", "2", "bits", "2"] and lines[2].endswith("6.25 held")
