@@ -509,6 +509,61 @@ def _is_parameter(t: torch.Tensor) -> bool:
     return False
 
 
+def _weight_positions() -> dict:
+    """torch function -> position of its ``weight`` argument (also taken by keyword)."""
+    F = torch.nn.functional
+    out = dict.fromkeys((F.linear, F.conv1d, F.conv2d, F.conv3d, F.conv_transpose1d, F.conv_transpose2d,
+                         F.conv_transpose3d, F.prelu, torch.conv1d, torch.conv2d, torch.conv3d,
+                         torch.conv_transpose1d, torch.conv_transpose2d, torch.conv_transpose3d, torch.prelu), 1)
+    out.update(dict.fromkeys((F.bilinear, torch.bilinear, F.layer_norm, torch.layer_norm, F.group_norm,
+                              torch.group_norm, F.rms_norm, torch.rms_norm), 2))
+    out.update({F.batch_norm: 3, F.instance_norm: 3, torch.batch_norm: 1, torch.instance_norm: 1})
+    return out
+
+
+#: The calls whose ``weight`` argument is a weight whatever computed it (:func:`_is_call_weight`).
+_WEIGHT_POSITIONS = _weight_positions()
+
+
+def _is_call_weight(t: torch.Tensor, call) -> bool:
+    """Whether ``t``, saved by the torch call ``call`` (``(args, kwargs, serial, func)`` of
+    :class:`fewbit.quant.mode.CompressionMode`), is that call's ``weight`` argument (a
+    Linear's, a convolution's, a norm's), a view of it or a cast copy of it (autocast's).
+
+    A weight computed in the forward from parameters is not a parameter but is one for
+    backward: quantized like an activation, each weight gradient before it took its noise
+    (at 2 bits the first layer's weight gradient 0.45 off its norm with the old
+    ``torch.nn.utils.weight_norm``, 0.47 with ``spectral_norm``, 0.56 with ``prune``, 0.44
+    with an equalized learning rate's ``F.linear(x, W * c)``, and 0.46-0.84 with a
+    parametrization added after ``fewbit.convert_``). Kept exact whatever computed it: a
+    weight an input generates (a hypernetwork's) is kept exact too, which costs memory, not
+    accuracy."""
+    if call is None or len(call) < 4:
+        return False
+    pos = _WEIGHT_POSITIONS.get(call[3])
+    if pos is None:
+        return False
+    args, kwargs = call[0], call[1]
+    w = args[pos] if len(args) > pos else kwargs.get("weight")
+    if not isinstance(w, torch.Tensor) or t.numel() > w.numel():
+        return False
+    if t.untyped_storage().data_ptr() == w.untyped_storage().data_ptr() and t.device == w.device:
+        return True
+    goal, fn = w.grad_fn, t.grad_fn
+    for _ in range(8):  # autocast's cast copy (and views of it): a short chain to the weight's node
+        if fn is None or goal is None:
+            return False
+        if fn is goal:
+            return True
+        if type(fn).__name__ not in _VIEW_OR_CAST_NODES:
+            return False
+        inputs = [f for f, _ in fn.next_functions if f is not None]
+        if len(inputs) != 1:
+            return False
+        fn = inputs[0]
+    return False
+
+
 def _dense_non_overlapping(t: torch.Tensor) -> bool:
     """True if the elements of ``t`` occupy ``numel`` distinct, adjacent memory slots."""
     dims = sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz != 1)
@@ -695,7 +750,7 @@ class ActivationCompressor:
         self._keep_depth = 0
         # (input, scope) of the per-sample norm calls running (_within_norm), innermost last
         self._norm_inputs: list = []
-        # .call: (args, kwargs, serial) of the torch call running under CompressionMode, or None
+        # .call: (args, kwargs, serial, func) of the torch call running under CompressionMode, or None
         self._local = threading.local()
 
     def __repr__(self) -> str:
@@ -988,7 +1043,7 @@ class ActivationCompressor:
         self._ordinals[fqn] = ordinal + 1
         if t.layout != torch.strided or t.device.type == "meta":
             return self._skip(t, "layout")
-        if _is_parameter(t):
+        if _is_parameter(t) or _is_call_weight(t, getattr(self._local, "call", None)):
             return self._skip(t, "parameter")
         is_bool = t.dtype == torch.bool
         if not (is_bool or t.dtype in _COMPRESSIBLE_DTYPES):  # ints, complex, float8: exact

@@ -92,7 +92,7 @@ class CompressionMode(TorchFunctionMode):
         # tensor and the copy was not made by this same call
         local = self._local
         outer = getattr(local, "call", None)
-        local.call = (args, kwargs, next(_SERIAL))
+        local.call = (args, kwargs, next(_SERIAL), func)
         try:
             if not torch.is_grad_enabled() or under_checkpoint():
                 # inside a checkpoint (its hooks innermost) what is saved is the checkpoint's:
