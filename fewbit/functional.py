@@ -108,6 +108,10 @@ def _registry(
     inplace: bool,
     torch_call: Callable[[], torch.Tensor],
 ) -> torch.Tensor:
+    if isinstance(input, torch.fx.Proxy):
+        # torch.fx.symbolic_trace (torchvision's feature extractors, quantize_fx): the
+        # graph records torch's function, as torch.export's does
+        return torch_call()
     # A gradient call of a setting (name, params, bits, dtype, device) already checked and
     # resolved once goes straight to the op with its cached plan: the checks of the first
     # call hold for it (dtype and device are in the key; bits must be an int, so 3.0 or
@@ -195,6 +199,10 @@ def activation(
     Gradient semantics (NaN/inf inputs, selects, double backward, ``torch.func``) as in
     :func:`gelu`, for user functions too.
     """
+    if isinstance(input, torch.fx.Proxy):  # torch.fx.symbolic_trace: torch's function, as in _registry
+        f = _resolve_fn(fn)
+        out = f(input, f.full_params(params))
+        return input.copy_(out) if inplace else out
     check_float_tensor(input)
     if bits is not None:
         bits = check_bits(bits)

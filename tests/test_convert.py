@@ -1448,6 +1448,28 @@ def test_a_converted_model_records_torchs_functions(how):
     assert r.returncode == 0 and r.stdout.strip().endswith("OK"), (r.returncode, r.stderr[-3000:])
 
 
+def test_fx_symbolic_trace_of_a_converted_model_records_torchs_functions():
+    """``torch.fx.symbolic_trace`` (torchvision's feature extractors, ``quantize_fx``) steps
+    into fewbit's modules, which are not torch.nn leaves: their functions got a Proxy and
+    raised "input must be a torch.Tensor, got Proxy" (review h56). The graph records
+    torch's functions, outputs bit for bit."""
+    import copy
+
+    torch.manual_seed(0)
+    vanilla = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.SiLU(), nn.ELU(alpha=0.5), nn.Linear(32, 4))
+    model = copy.deepcopy(vanilla)
+    fewbit.convert_(model, fewbit.Config(saved_bits=2, min_numel=0))
+    assert type(model[1]).__module__.startswith("fewbit")
+    traced = torch.fx.symbolic_trace(model)
+    targets = {n.target for n in traced.graph.nodes if n.op == "call_function"}
+    assert {F.gelu, F.silu, F.elu} <= targets, targets
+    x = torch.randn(8, 16)
+    torch.testing.assert_close(traced(x), vanilla(x), rtol=0, atol=0)
+    y = FF.activation(torch.randn(3, requires_grad=True), "gelu")  # the generic entry point too
+    g = torch.fx.symbolic_trace(lambda t: FF.activation(t, "gelu"))
+    torch.testing.assert_close(g(y.detach()), F.gelu(y.detach()), rtol=0, atol=0)
+
+
 def test_a_module_shared_with_another_converted_model_is_refused():
     """Two models sharing a backbone, converted with different Configs: the second
     conversion took the backbone's hooks over (the first model's forward compressed it at
