@@ -97,7 +97,7 @@ def affine_codes_cpu(x, mins, scales, bits, rowlen, per_col, offset, seed, stoch
     if n == 0:
         return packed
     cdt = compute_dtype(x.dtype)
-    consts = np.array([float((1 << bits) - 1), 0.5, 0.0, float(offset)], dtype=_np_dtype(cdt))
+    consts = np.array([float(ref.affine_levels(bits, offset)), 0.5, 0.0, float(offset)], dtype=_np_dtype(cdt))
     _set_threads()
     _numba.affine_codes_kernel(
         x.detach().reshape(-1).to(cdt).contiguous().numpy(), mins.to(cdt).contiguous().numpy(),

@@ -364,14 +364,23 @@ def stats_index(numel: int, rowlen: int, per_col: bool, device=None) -> torch.Te
     return e % rowlen if per_col else e // rowlen
 
 
+def affine_levels(bits: int, offset: int) -> int:
+    """The largest affine code: ``2**bits - 1``, or ``2 * offset`` for signed codes shifted by
+    ``offset`` (a symmetric quantizer's ``[-L, L]``: the channel maximum's ``L + u`` can round
+    up to ``L + 1`` in float32 for ``u`` near 1, which decoded past the range, to inf at
+    float32's maximum)."""
+    return 2 * offset if offset else (1 << bits) - 1
+
+
 def affine_codes_reference(
     x: torch.Tensor, mins: torch.Tensor, scales: torch.Tensor, bits: int, rowlen: int,
     per_col: bool, offset: int, seed: int | None,
 ) -> torch.Tensor:
-    """Packed codes ``q = clamp(floor((x - m) * s + u) + offset, 0, 2**bits - 1)`` of a flat
-    ``x`` with the stats ``(m, s)`` of :func:`stats_index` (float32, or float64 for float64
-    ``x``); a NaN stat gives code 0. ``offset`` shifts signed codes (symmetric quantizers)
-    into ``[0, 2**bits)``. Returns ``(ceil(numel * bits / 8),)`` uint8 (docs/method.md §6)."""
+    """Packed codes ``q = clamp(floor((x - m) * s + u) + offset, 0, affine_levels(bits, offset))``
+    of a flat ``x`` with the stats ``(m, s)`` of :func:`stats_index` (float32, or float64 for
+    float64 ``x``); a NaN stat gives code 0. ``offset`` shifts signed codes (symmetric
+    quantizers) into ``[0, 2 * offset]``. Returns ``(ceil(numel * bits / 8),)`` uint8
+    (docs/method.md §6)."""
     cdt = compute_dtype(x.dtype)
     n = x.numel()
     g = stats_index(n, rowlen, per_col, x.device)
@@ -380,7 +389,7 @@ def affine_codes_reference(
          else uniform_noise(n, seed, device=x.device).to(cdt))
     v = torch.floor((x.reshape(-1).to(cdt) - m) * s + u) + offset
     v = torch.where(torch.isnan(v), torch.zeros_like(v), v)
-    return pack_reference(v.clamp(0, (1 << bits) - 1).to(torch.int64), bits)
+    return pack_reference(v.clamp(0, affine_levels(bits, offset)).to(torch.int64), bits)
 
 
 def affine_decode_reference(

@@ -28,6 +28,7 @@ from torch.library import triton_op
 from fewbit._checks import packed_nbytes
 from fewbit.ops._triton import _groups, _load_unpack, _pack_store  # the one Triton packer; imports triton
 from fewbit.ops._triton import cdiv, wrap_triton
+from fewbit.quant._reference import affine_levels
 
 import triton  # noqa: E402  (fewbit.ops._triton above raises NotImplementedError without it)
 import triton.language as tl  # noqa: E402
@@ -399,7 +400,7 @@ def affine_codes(x, mins, scales, bits, rowlen, per_col, offset, seed, stochasti
     if n:
         wrap_triton(_affine_codes_kernel)[(cdiv(-(-n // 8), block_w),)](
             x, mins.to(torch.float32).contiguous(), scales.to(torch.float32).contiguous(), packed, n, rowlen,
-            _as_int32(seed), _as_int32(seed >> 32), float((1 << bits) - 1), float(offset),
+            _as_int32(seed), _as_int32(seed >> 32), float(affine_levels(bits, offset)), float(offset),
             PER_COL=bool(per_col), STOCHASTIC=bool(stochastic), BITS=bits, BLOCK_W=block_w,
             enable_fp_fusion=False,
         )

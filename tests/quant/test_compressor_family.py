@@ -545,3 +545,19 @@ def test_channelwise_holds_the_bytes_it_reports():
     held = sum(getattr(codes, n).untyped_storage().nbytes() for n in type(codes).__slots__
                if isinstance(getattr(codes, n), torch.Tensor))
     assert held == h.nbytes == 16 * 1024 + 4 * 1024
+
+
+def test_channelwise_codes_stay_in_the_symmetric_range():
+    """The channel maximum's ``L + u`` rounds up to ``L + 1`` in float32 for ``u`` near 1:
+    the clamp at ``2**bits - 1`` let code ``2L + 1`` through, which decodes past the channel
+    maximum, to inf at a dtype's maximum (bfloat16, seed 50: review h55). Codes are
+    clamped at ``2L`` on every backend (the interpreted Triton test compares them)."""
+    from fewbit.quant.compressors import ChannelWise
+
+    comp = ChannelWise(8)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.full((3, 13, 17), torch.finfo(dtype).max, dtype=dtype)
+        for seed in range(40, 60):
+            y = comp.compress(x, generator=torch.Generator().manual_seed(seed)).decompress()
+            assert torch.isfinite(y).all(), (dtype, seed)
+            assert torch.equal(y, x), (dtype, seed)  # the maximum itself decodes exactly
