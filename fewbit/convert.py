@@ -774,7 +774,8 @@ def normalization_size(module: nn.Module, shape: tuple[int, ...]) -> int | _norm
       draws 9.3x; groups inside planes, 0.03x and 0.0016x (``tests/quant/test_norm_rows.py``).
       ``(N, C)`` inputs and planes under ``fewbit._norm_rows.MIN_PLANE`` (32) elements have
       no useful contiguous run per channel: :class:`fewbit._norm_rows.Channels` (the
-      compressor groups the ``(C, N, *spatial)`` copy inside each channel).
+      compressor groups the ``(C, N, *spatial)`` copy inside each channel, at the norm
+      inputs' 8 bits where a channel has fewer than ``fewbit._norm_rows.MIN_CHANNEL``).
       In eval mode (running statistics) the backward is linear in the input: None.
 
     Used for :attr:`fewbit.quant.policies.SavedTensorInfo.norm_size`.

@@ -1261,6 +1261,8 @@ class ActivationCompressor:
             role, norm_size = "result", _softmax_rows(t)
         elif norm_input and not forced and not channels:
             role = "norm_input"
+        elif channels and not forced and norm_size < _norm_rows.MIN_CHANNEL:
+            role = "norm_input"  # a BatchNorm channel of few elements (_norm_rows.MIN_CHANNEL)
         info = SavedTensorInfo(self._index, tuple(t.shape), t.dtype, fqn, kind, role, norm_size, (fqn, ordinal))
         self._index += 1
         self.policy.observe(info)
@@ -1291,7 +1293,7 @@ class ActivationCompressor:
         else:
             generator = self.policy.generator(info) or self.generator
             with torch.no_grad():
-                if channels and role is None:
+                if channels and role in (None, "norm_input"):
                     qt = _ChannelMajor(compressor.compress(t.detach().movedim(1, 0).contiguous(), generator=generator))
                 elif qk_channels:
                     qt = _TokenMajor(compressor.compress(t.detach().transpose(-1, -2).contiguous(), generator=generator))
