@@ -249,9 +249,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
             # backward (an optimizer step before a delayed backward) had given the gradients
             # of the old weight. x is often a reshape's view, gone after the call: its base.
             # (not while traced: a compiled graph's versions are symbols it cannot return)
+            # (inference tensors keep no version: no in-place change of them is allowed anyway)
             ctx.versions = [] if _compiling_or_recording() else [
                 (weakref.ref(t if t._base is None else t._base), t._version) for t in (x, weight, bias)
-                if t is not None]
+                if t is not None and not t.is_inference()]
         else:
             # Cut Cross-Entropy's way: keep the inputs, recompute each chunk's logits in backward.
             loss, *_ = _chunked(x, weight, bias, target, ignore_index=ignore_index,
@@ -535,7 +536,8 @@ class _Patch:
 class _Running:
     """A thread's forwards of a patched model."""
 
-    #: per running forward, innermost last: [labels given?, the fused loss or None, the frame
+    #: per running forward, innermost last: [labels given?, (the fused loss, its grad_fn
+    #: when made) or None, the frame
     #: of its module call (fewbit._interrupted: a KeyboardInterrupt skips the hook that pops it),
     #: its output embedding (the patched head, or an nn.DataParallel replica's copy of it)]
     active: list = field(default_factory=list)
@@ -657,7 +659,9 @@ class _LossFunction:
                     "fewbit.plan(..., fused_cross_entropy=False)) or call fewbit.losses.unpatch_causal_lm_(model)")
             loss = _causal_lm_fused_loss(patch, running.head(patch), logits, labels, vocab_size,
                                          num_items_in_batch, ignore_index, shift_labels)
-            running.active[-1][1] = loss  # the forward's loss must come from it (_PostHook)
+            # the forward's loss must come from it (_PostHook), and nothing else from the
+            # logits: its node as made here (an in-place `loss += aux` moves loss.grad_fn)
+            running.active[-1][1] = (loss, loss.grad_fn)
             return loss
         return patch.fallback(logits, labels, vocab_size, num_items_in_batch=num_items_in_batch,
                               ignore_index=ignore_index, shift_labels=shift_labels, **kwargs)
@@ -726,10 +730,10 @@ def _computed_from(returned: torch.Tensor, loss: torch.Tensor, depth: int = 16) 
     return False
 
 
-def _reaches_beside(returned: torch.Tensor, loss: torch.Tensor, target: torch.Tensor, depth: int = 16) -> bool:
+def _reaches_beside(returned: torch.Tensor, skip, target: torch.Tensor, depth: int = 16) -> bool:
     """Whether ``returned``'s graph reaches ``target``'s node within ``depth`` autograd nodes
-    other than through ``loss``'s (breadth first, as :func:`_computed_from`)."""
-    goal, skip = target.grad_fn, loss.grad_fn
+    other than through the node ``skip`` (breadth first, as :func:`_computed_from`)."""
+    goal = target.grad_fn
     if returned.grad_fn is None or goal is None or skip is None:
         return False
     level, seen = [returned.grad_fn], set()
@@ -744,18 +748,20 @@ def _reaches_beside(returned: torch.Tensor, loss: torch.Tensor, target: torch.Te
     return False
 
 
-def _check_returned_loss(module: nn.Module, output: Any, computed: torch.Tensor | None,
+def _check_returned_loss(module: nn.Module, output: Any, computed: tuple | None,
                          logits: torch.Tensor | None = None) -> None:
     """Raise if a forward with labels returned a loss other than (or not computed from) the
-    fused loss its ``self.loss_function`` gave, or one that also used the ``logits`` (what
-    the lm_head returned: the hidden states) otherwise: the lm_head gave it the hidden
-    states, so a loss it computed otherwise is wrong."""
+    fused loss its ``self.loss_function`` gave (``computed``: that loss and its node when
+    made), or one that also used the ``logits`` (what the lm_head returned: the hidden
+    states) otherwise: the lm_head gave it the hidden states, so a loss it computed
+    otherwise is wrong."""
     how = "fewbit.losses.unpatch_causal_lm_(model) (fewbit.Config(fused_cross_entropy=False))"
     if computed is None:  # the head's output went to a cross-entropy of the model's own
         raise RuntimeError(
             f"{type(module).__name__}'s forward ran its lm_head with labels but did not compute its loss with "
             "self.loss_function, so the fused cross-entropy could not compute it and the loss it returned "
             f"was computed from the hidden states; call {how}")
+    computed, node = computed
     returned = output[0] if isinstance(output, tuple) and output else getattr(output, "loss", None)
     if torch.is_tensor(returned) and not _computed_from(returned, computed):
         # a subclass that calls super().forward, then computes a loss of its own from the
@@ -764,7 +770,7 @@ def _check_returned_loss(module: nn.Module, output: Any, computed: torch.Tensor 
             f"{type(module).__name__}'s forward returned a loss not computed from what its self.loss_function "
             f"returned (a loss of its own from the logits, which the fused cross-entropy leaves as hidden "
             f"states); call {how}")
-    if torch.is_tensor(returned) and logits is not None and _reaches_beside(returned, computed, logits):
+    if torch.is_tensor(returned) and logits is not None and _reaches_beside(returned, node, logits):
         # more than the cross-entropy from the logits (Bamba's z-loss on their logsumexp):
         # computed from the hidden states, the loss would be silently wrong
         raise _TransformedLogits(
@@ -798,13 +804,16 @@ class _PostHook:
 
 #: Config fields of transformers models that transform the logits between the ``lm_head``
 #: and the loss, or compute more from them than the cross-entropy, with the values that do
-#: not: Gemma 2/3's soft cap, Cohere's scale, Granite's and HyperCLOVA X's divisor and
-#: multiplier, xLSTM's soft cap (applied in place in eval mode), RecurrentGemma's soft cap,
-#: MuseGlimmer's multiplier (None only: transformers 5.24 applies a scale or divisor of 1
-#: too, a new tensor the fused loss cannot take); Bamba's z-loss on the logits' logsumexp
-#: (None, 0). Others are refused at their first forward with labels.
+#: not: Gemma 2/3's soft cap, Cohere's scale, xLSTM's soft cap (applied in place in eval
+#: mode), RecurrentGemma's soft cap, MuseGlimmer's multiplier (None only: transformers 5.24
+#: applies a scale of 1 too, a new tensor the fused loss cannot take); Bamba's z-loss on the
+#: logits' logsumexp (None, 0). Not ``logits_scaling``: Granite and HyperCLOVA X scale the
+#: logits by it, but MiniCPM3 the hidden states before the head, which the fused loss takes.
+#: Those and others are refused at their first forward with labels (a new tensor between the
+#: head and the loss, or a further use of the logits: :func:`_check_returned_loss`), where
+#: ``fewbit.plan`` falls back on the unfused loss.
 _LOGIT_TRANSFORMS: dict[str, tuple] = {
-    **dict.fromkeys(("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale",
+    **dict.fromkeys(("final_logit_softcapping", "logit_scale", "output_multiplier_scale",
                      "output_logit_soft_cap", "logits_soft_cap", "output_multiplier"), (None,)),
     "z_loss_coefficient": (None, 0, 0.0),
 }

@@ -938,11 +938,12 @@ def _bamba(z_loss_coefficient):
     return transformers.BambaForCausalLM(cfg)
 
 
-def test_a_z_loss_or_a_neutral_looking_scale_is_refused_up_front():
+def test_a_z_loss_is_refused_up_front_and_a_logits_scaling_where_it_acts():
     """Bamba adds ``z_loss_coefficient * logsumexp(logits)**2`` after its loss function: with
     the fused loss it was taken over the hidden states (loss 5.4676 against 5.4306, weight
-    gradients 0.60 off, and fewbit.plan chose it by default). Granite's ``logits / 1.0`` and
-    Cohere's ``logits * 1.0`` are new tensors: accepted, then refused at every forward."""
+    gradients 0.60 off, and fewbit.plan chose it by default). ``logits_scaling`` divides
+    Granite's logits (refused at the forward, where fewbit.plan falls back) but MiniCPM3's
+    hidden states before the head (exact: accepted, at every value)."""
     torch.manual_seed(0)
     model = _bamba(0.1)
     assert logit_transform(model) == "config.z_loss_coefficient = 0.1"
@@ -957,8 +958,16 @@ def test_a_z_loss_or_a_neutral_looking_scale_is_refused_up_front():
     granite = transformers.GraniteForCausalLM(transformers.GraniteConfig(
         vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
         num_key_value_heads=2, logits_scaling=1.0))
-    with pytest.raises(ValueError, match="logits_scaling = 1.0"):
-        patch_causal_lm_(granite)
+    with pytest.raises(RuntimeError, match="did not get the output of its lm_head unchanged"):
+        patch_causal_lm_(copy.deepcopy(granite))(input_ids=ids, labels=ids)
+    assert not fewbit.planner.profile(granite, {"input_ids": ids, "labels": ids}, repeats=1).fused_cross_entropy
+    for base in (None, 32):  # logits_scaling 1.0 and 2.0
+        minicpm = transformers.MiniCPM3ForCausalLM(transformers.MiniCPM3Config(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+            num_key_value_heads=4, vocab_size=50, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=8,
+            qk_rope_head_dim=8, v_head_dim=16, dim_model_base=base))
+        expected = minicpm(input_ids=ids, labels=ids).loss
+        torch.testing.assert_close(patch_causal_lm_(minicpm)(input_ids=ids, labels=ids).loss, expected)
 
 
 def test_a_loss_computed_from_the_logits_beside_the_loss_function_is_refused():
@@ -966,18 +975,26 @@ def test_a_loss_computed_from_the_logits_beside_the_loss_function_is_refused():
     got the hidden states for them: refused at the forward, and fewbit.plan falls back on
     the unfused loss."""
     class ZLoss(transformers.GPT2LMHeadModel):
+        inplace = False
+
         def forward(self, input_ids=None, labels=None, **kwargs):
             out = super().forward(input_ids=input_ids, labels=labels, **kwargs)
             if labels is not None:  # patched, out.logits holds the hidden states here
-                out.loss = out.loss + 0.1 * out.logits.logsumexp(-1).pow(2).mean()
+                z = 0.1 * out.logits.logsumexp(-1).pow(2).mean()
+                if self.inplace:  # moves the loss's grad_fn: it had slipped through (h58)
+                    out.loss += z
+                else:
+                    out.loss = out.loss + z
             return out
 
     torch.manual_seed(0)
     model = ZLoss(_gpt2().config)
     ids = torch.randint(0, 97, (2, 8))
-    patched = patch_causal_lm_(copy.deepcopy(model))
-    with pytest.raises(RuntimeError, match="from the logits besides self.loss_function"):
-        patched(input_ids=ids, labels=ids)
+    for inplace in (False, True):
+        patched = patch_causal_lm_(copy.deepcopy(model))
+        patched.inplace = inplace
+        with pytest.raises(RuntimeError, match="from the logits besides self.loss_function"):
+            patched(input_ids=ids, labels=ids)
     assert not fewbit.planner.profile(model, {"input_ids": ids, "labels": ids}, repeats=1).fused_cross_entropy
     plain = _gpt2()  # GPT-2's own uses of its hidden states are not the logits'
     expected = plain(input_ids=ids, labels=ids).loss
@@ -1235,3 +1252,17 @@ def test_label_smoothing_over_logits_with_a_large_common_offset():
     torch_err = (F.cross_entropy(F.linear(x, w, b), t, label_smoothing=0.1).double() - truth).abs().item()
     fused_err = (linear_cross_entropy(x, w, t, b, label_smoothing=0.1, chunk_size=16).double() - truth).abs().item()
     assert fused_err <= max(3 * torch_err, 1e-6), (fused_err, torch_err)
+
+
+def test_grad_in_forward_takes_inference_mode_inputs():
+    """Features made under ``torch.inference_mode`` with a trainable head: reading their
+    version counter (there is none) had raised (review h58)."""
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        x = torch.randn(8, 4)
+    w = torch.randn(10, 4, requires_grad=True)
+    t = torch.randint(0, 10, (8,))
+    linear_cross_entropy(x, w, t, grad_in_forward=True).backward()
+    wr = w.detach().clone().requires_grad_()
+    F.cross_entropy(F.linear(x.clone(), wr), t).backward()
+    torch.testing.assert_close(w.grad, wr.grad)
