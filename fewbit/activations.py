@@ -45,6 +45,7 @@ __all__ = [
     "get_formula",
     "canonical_params",
     "checked_params",
+    "check_table_params",
     "merge_params",
     "non_default_params",
     "exact_table",
@@ -474,9 +475,26 @@ def _softplus_rule(p: Mapping[str, float]) -> None:
 PARAM_RULES: dict[str, Callable[[Mapping[str, float]], None]] = {
     "celu": _celu_rule,
     "softplus": _softplus_rule,
+}
+
+#: Rules on what a table can hold, checked where a table is made or a module built for
+#: one (:func:`checked_params`, :func:`check_table_params`), not on forward-only calls
+#: (a functional call without grad runs torch's function, as torch takes it).
+TABLE_RULES: dict[str, Callable[[Mapping[str, float]], None]] = {
     "elu": _level_scale_rule("alpha", "elu"),
     "leaky_relu": _level_scale_rule("negative_slope", "leaky_relu"),
 }
+
+
+def check_table_params(name: str, full: Mapping[str, float]) -> None:
+    """:data:`TABLE_RULES` of the registry function ``name`` on its full parameters.
+
+    Raises:
+        ValueError: naming the parameter, for a value past what a table holds.
+    """
+    rule = TABLE_RULES.get(name)
+    if rule is not None:
+        rule(full)
 
 
 def merge_params(name: str, defaults: Mapping[str, float], params: Mapping[str, float] | None) -> dict[str, float]:
@@ -486,8 +504,7 @@ def merge_params(name: str, defaults: Mapping[str, float], params: Mapping[str, 
         TypeError: ``params`` is not a mapping, (name, value) pairs or None.
         ValueError: for a parameter the function does not take, a non-numeric or
             non-finite value, or a value :data:`PARAM_RULES` refuses (``celu``: alpha > 0;
-            ``softplus``: beta != 0; ``elu``'s alpha and ``leaky_relu``'s negative_slope
-            within float32's range).
+            ``softplus``: beta != 0).
     """
     try:  # a mapping, or (name, value) pairs as dict() takes them
         params = {} if params is None else dict(params)
@@ -530,14 +547,16 @@ def canonical_params(act: Activation, params: Mapping[str, float] | None) -> dic
 
 def checked_params(name: str, params: Mapping[str, float] | None) -> dict[str, float]:
     """The full parameters of activation ``name`` if fewbit takes them (a table exists for
-    them): :func:`canonical_params` and, for a stepwise function, its exact table's rules
-    (``hardtanh``'s ``min_val < max_val``, the shrinks' ``lambd >= 0``).
+    them): :func:`canonical_params`, :data:`TABLE_RULES` (``elu``'s alpha and
+    ``leaky_relu``'s negative_slope within float32's range) and, for a stepwise function,
+    its exact table's rules (``hardtanh``'s ``min_val < max_val``, the shrinks' ``lambd >= 0``).
 
     Raises:
         ValueError: naming the parameter, for a value fewbit refuses (or an unknown name).
     """
     act = get_activation(name)
     full = canonical_params(act, params)
+    check_table_params(act.name, full)
     if act.exact is not None:
         act.exact(full)
     return full

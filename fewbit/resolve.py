@@ -52,6 +52,7 @@ from fewbit.activations import (
     Activation,
     callable_params,
     canonical_params,
+    check_table_params,
     exact_table,
     forward_callable,
     get_activation,
@@ -176,9 +177,14 @@ class ResolvedFn:
         """
         if dtype is None or self.act is None or not self.act.stepwise:
             return full
+        rounded = stepwise_params_for(self.name, full, dtype)
         if self.act.exact is not None:
-            self.act.exact(full)  # its rules on the value given, not on a rounded one
-        return stepwise_params_for(self.name, full, dtype)
+            try:  # the rules on the value torch compares with (-1e-46 is float32's -0.0)
+                self.act.exact(rounded)
+            except ValueError:
+                self.act.exact(full)  # named with the value given where that is refused too
+                raise
+        return rounded
 
     def __call__(self, input: torch.Tensor, params: Mapping[str, float]) -> torch.Tensor:
         return self.forward(input, **params)
@@ -797,6 +803,8 @@ def table_for(f: ResolvedFn, bits: int | None, full: dict[str, float], dtype: to
 def _table(f: ResolvedFn, bits: int | None, full: dict[str, float], dtype: torch.dtype | None) -> Table:
     """:func:`table_for` outside a trace."""
     bits = bits if bits is not None else f.default_bits
+    if f.act is not None:
+        check_table_params(f.name, full)  # named here, not by the table's own check
     nd = f.table_params(full)
     bp = f.border_params(full, dtype)
     key = (f.name, _params_tuple(nd), bits, _params_tuple(bp))

@@ -1549,10 +1549,12 @@ def _weight_hook_api(name):
         "prune": lambda layer: nn.utils.prune.l1_unstructured(layer, "weight", 0.5),
         "after_convert": lambda layer: layer,
         "equalized_lr": lambda layer: layer,
+        "conv1d_pruned": lambda layer: nn.utils.prune.l1_unstructured(layer, "weight", 0.5),
     }[name]
 
 
-@pytest.mark.parametrize("how", ["weight_norm_hook", "spectral_norm_hook", "prune", "after_convert", "equalized_lr"])
+@pytest.mark.parametrize("how", ["weight_norm_hook", "spectral_norm_hook", "prune", "after_convert", "equalized_lr",
+                                 "conv1d_pruned"])
 @pytest.mark.parametrize("autocast", [False, True])
 def test_a_weight_computed_in_the_forward_is_kept_exact(how, autocast):
     """A Linear's weight computed in the forward from parameters, by the hook-based
@@ -1564,7 +1566,12 @@ def test_a_weight_computed_in_the_forward_is_kept_exact(how, autocast):
 
     def build():  # twice alike: the hook-based APIs' modules cannot be deep-copied
         torch.manual_seed(0)
-        middle = _EqualLinear(256, 256) if how == "equalized_lr" else nn.Linear(256, 256)
+        if how == "conv1d_pruned":  # transformers' Conv1D (GPT-2): torch.addmm(bias, x, weight)
+            from transformers.pytorch_utils import Conv1D
+
+            middle = Conv1D(256, 256)
+        else:
+            middle = _EqualLinear(256, 256) if how == "equalized_lr" else nn.Linear(256, 256)
         m = nn.Sequential(nn.Linear(128, 256), nn.ReLU(), _weight_hook_api(how)(middle), nn.ReLU(), nn.Linear(256, 8))
         return m.eval()  # spectral_norm's power iteration frozen: the two models compute one weight
 

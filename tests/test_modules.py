@@ -206,6 +206,24 @@ def test_functional_stepwise_errors_name_the_value_given(fn, params, match):
         fn(x, **params)
 
 
+def test_values_torch_takes_without_a_table_are_taken():
+    """A range rule of fewbit's tables is not one of the function: a forward-only functional
+    call runs torch's function (``leaky_relu(x, 1e39)`` in float64), and a border is judged
+    as torch compares with it (``lambd=-1e-46`` is float32's -0.0; review h58)."""
+    x = torch.tensor([-2.0, 0.5], dtype=torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(FF.leaky_relu(x, 1e39), F.leaky_relu(x, 1e39), rtol=0, atol=0)
+        torch.testing.assert_close(FF.elu(x, 1e39), F.elu(x, 1e39), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="negative_slope of leaky_relu must be within float32's range"):
+        FF.leaky_relu(x.clone().requires_grad_(), 1e39)  # a table is needed: refused, named
+    xf = torch.tensor([-2.0, 0.0, 0.5], requires_grad=True)
+    y = FF.hardshrink(xf, -1e-46)
+    y.backward(torch.ones_like(y))
+    xr = xf.detach().clone().requires_grad_()
+    F.hardshrink(xr, -1e-46).backward(torch.ones_like(y))
+    assert torch.equal(y, F.hardshrink(xf.detach(), -1e-46)) and torch.equal(xf.grad, xr.grad)
+
+
 def test_a_border_past_float32_is_taken_for_float64_inputs():
     """torch compares float64 inputs with lambd in float64: fewbit's exact table too."""
     x = torch.tensor([-2e39, 0.5, 3e39], dtype=torch.float64, requires_grad=True)

@@ -518,6 +518,8 @@ def _weight_positions() -> dict:
     out.update(dict.fromkeys((F.bilinear, torch.bilinear, F.layer_norm, torch.layer_norm, F.group_norm,
                               torch.group_norm, F.rms_norm, torch.rms_norm), 2))
     out.update({F.batch_norm: 3, F.instance_norm: 3, torch.batch_norm: 1, torch.instance_norm: 1})
+    # transformers' Conv1D (GPT-2): torch.addmm(bias, x, weight), its weight as mat2
+    out.update({torch.addmm: 2})
     return out
 
 
@@ -536,8 +538,8 @@ def _is_call_weight(t: torch.Tensor, call) -> bool:
     ``torch.nn.utils.weight_norm``, 0.47 with ``spectral_norm``, 0.56 with ``prune``, 0.44
     with an equalized learning rate's ``F.linear(x, W * c)``, and 0.46-0.84 with a
     parametrization added after ``fewbit.convert_``). Kept exact whatever computed it: a
-    weight an input generates (a hypernetwork's) is kept exact too, which costs memory, not
-    accuracy."""
+    weight an input generates (a hypernetwork's, StyleGAN2's modulated convolution, 2.9x
+    the bytes held at 2 bits) is kept exact too, which costs memory, not accuracy."""
     if call is None or len(call) < 4:
         return False
     pos = _WEIGHT_POSITIONS.get(call[3])
