@@ -2,11 +2,11 @@
 
 Builds the model from its transformers config class defaults (random weights; nothing is
 downloaded), plans it with :func:`fewbit.plan` (profile + MILP, docs/compression.md §4), prints
-the plan, applies it and runs one measured training step: on CPU the peak is static memory +
-the bytes saved for backward (:class:`fewbit.memory.SavedTensorRecorder`), a lower bound (a
-recomputed block's saves during backward are not counted), so the budget is checked only on
-CUDA, where it is ``torch.cuda.max_memory_allocated`` over an AdamW/SGD step (optimizer
-state included).
+the plan, applies it and runs two training steps, the second measured (AdamW/SGD, optimizer
+state included): on CUDA ``torch.cuda.max_memory_allocated``; on the CPU the tensors held when
+the step starts (parameters, gradients, buffers, optimizer state, the batch) plus the most
+the step's own tensors held at once, from ``torch.profiler``'s memory timeline
+(:func:`fewbit.memory.peak_allocated_bytes`).
 
 Imports only click and the standard library at import time.
 """
@@ -28,27 +28,42 @@ __all__ = ["plan"]
 _OPTIMIZERS = [name for name in OPTIMIZER_STATES if name != "none"]
 
 
-def _measure(model, batch, optimizer: str, device) -> tuple[int, int, float]:
-    """One planned training step: ``(peak bytes, saved bytes, loss)``."""
+def _measure(model, batch, optimizer: str, device) -> tuple[int | None, int, float]:
+    """One planned training step after a first one (which allocates the optimizer state):
+    ``(peak bytes or None, saved bytes, loss)``. The peak: on CUDA
+    ``torch.cuda.max_memory_allocated``; on the CPU what the step's tensors held at most
+    (:func:`fewbit.memory.peak_allocated_bytes`, torch.profiler's memory timeline) beside
+    what is held when it starts (:func:`fewbit.memory.held_bytes`: parameters, gradients,
+    buffers, optimizer state, the batch); None where the profiler gives no timeline."""
     import torch
 
-    from fewbit.memory import saved_tensor_report
+    from fewbit.memory import held_bytes, peak_allocated_bytes, saved_tensor_report
 
-    if device.type != "cuda":
-        rep = saved_tensor_report(model, batch)
-        model.zero_grad(set_to_none=True)
-        return -1, rep.saved_bytes, rep.loss
     params = [p for p in model.parameters() if p.requires_grad]
     opt = (torch.optim.AdamW(params, lr=1e-5) if optimizer in ("adamw", "adam")
            else torch.optim.SGD(params, lr=1e-5, momentum=0.9 if optimizer == "sgd_momentum" else 0.0))
-    for _ in range(2):  # the first step allocates the optimizer state
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        rep = saved_tensor_report(model, batch)
+    reports = []
+
+    def step():
+        reports.append(saved_tensor_report(model, batch))
         opt.step()
         opt.zero_grad(set_to_none=False)
+
+    step()  # the optimizer state and the gradients, held from then on
+    if device.type == "cuda":
         torch.cuda.synchronize(device)
-    return int(torch.cuda.max_memory_allocated(device)), rep.saved_bytes, rep.loss
+        torch.cuda.reset_peak_memory_stats(device)
+        step()
+        torch.cuda.synchronize(device)
+        peak = int(torch.cuda.max_memory_allocated(device))
+    else:
+        start = held_bytes(model, opt, batch)
+        try:
+            peak = start + peak_allocated_bytes(step, device)
+        except RuntimeError:
+            peak = None
+    rep = reports[-1]
+    return peak, rep.saved_bytes, rep.loss
 
 
 @click.command("plan")
@@ -131,15 +146,17 @@ def plan(model_name, budget, seq_len, batch, layers, hidden, device, optimizer, 
     fewbit.convert_(model, p)
     peak, saved, loss = _measure(model, inputs, optimizer, dev)
     mib = 2.0**20
-    if peak < 0:
+    if peak is None:
         # a lower bound only: a recomputed block's saves during backward and the
         # temporaries are not counted (it had printed "within" for such plans unchecked)
         peak = p.static_bytes + saved
-        how = "static + saved for backward (fewbit.memory counter); a lower bound on the CPU"
-        verdict = "OVER" if peak > p.budget_bytes else "not checked on the CPU (run with --device cuda)"
+        how = "static + saved for backward (fewbit.memory counter); a lower bound: the profiler gave no timeline"
+        verdict = "OVER" if peak > p.budget_bytes else "not checked"
     else:
-        how = "torch.cuda.max_memory_allocated"
-        verdict = "within" if peak <= p.budget_bytes else "OVER"
+        how = "torch.cuda.max_memory_allocated" if dev.type == "cuda" else "torch.profiler's memory timeline"
+        over = peak - p.budget_bytes
+        by = f"{over / mib:.2f} MiB" if over >= 2**20 else f"{over / 1024:.1f} KiB"
+        verdict = "within" if over <= 0 else f"OVER by {by} ({100 * over / p.budget_bytes:.2f} %)"
     click.echo(f"measured peak {peak / mib:.2f} MiB ({how}) vs predicted {p.predicted_peak_bytes / mib:.2f} MiB; "
                f"budget {p.budget_bytes / mib:.2f} MiB: {verdict}; loss {loss:.4f}")
 

@@ -58,8 +58,8 @@ variance of a b-bit rounding step) breaks ties towards more bits.
 Static memory is measured, not guessed: parameters + gradients + optimizer state
 (``optimizer="adamw"``: two fp32-sized tensors per parameter, as ``torch.optim.AdamW``;
 ``"sgd"``: none; ``"sgd_momentum"``: one) + what is saved outside the blocks (embeddings,
-final norm, loss) + on CUDA the transient memory of a step (its ``max_memory_allocated``
-above the static and saved bytes).
+final norm, loss) + the transient memory of a step (its peak allocation above the static and
+saved bytes: on CUDA ``max_memory_allocated``, on the CPU torch.profiler's memory timeline).
 
 Policy evolution (Adacc): :class:`Replanner` re-profiles at steps 1, 2, 4, 8, ... and
 re-plans when a measured compression rate drifts by more than a tolerance.
@@ -339,8 +339,11 @@ class ModelProfile:
         parameter_bytes / gradient_bytes / optimizer_bytes: static memory (optimizer state
             from :data:`OPTIMIZER_STATES`).
         outside_bytes: saved for backward outside the blocks (embeddings, final norm, loss).
-        transient_bytes: on CUDA, the step's ``max_memory_allocated`` above static + saved
-            (workspaces, gradients in flight); 0 on CPU.
+        transient_bytes: the step's peak allocation above static + saved (workspaces,
+            gradients in flight, a loss's temporaries): on CUDA from ``max_memory_allocated``,
+            on the CPU from torch.profiler's memory timeline
+            (:func:`fewbit.memory.peak_allocated_bytes`); and the example batch's tensors,
+            held through the step.
         saved_bytes: everything saved for backward by the unplanned step.
         step_time: median seconds of an unplanned forward + backward.
         shared: tensors several groups of the blocks save (:class:`SharedSaved`); those that a
@@ -1034,6 +1037,33 @@ def _step(model: nn.Module, batch: Any, loss_fn: Callable) -> torch.Tensor:
     return loss.detach()
 
 
+def _measured_step(model: nn.Module, batch: Any, loss_fn: Callable, device: torch.device):
+    """``(recorder, peak)`` of one unplanned step (:func:`_recorded_step`): the most bytes
+    it allocated above those allocated when it started (on the CPU from torch.profiler's
+    memory timeline, :func:`fewbit.memory.peak_allocated_bytes`, which runs it twice: the
+    second run's recorder; 0 where the profiler gives no timeline). The gradients are
+    allocated first, so that the peak holds them wherever it falls (before backward, in a
+    fused loss's forward, it had held none of them, and a training loop that keeps its
+    gradients between steps measured that much above the prediction)."""
+    from fewbit.memory import peak_allocated_bytes
+
+    runs: list = []
+
+    def run():
+        for p in model.parameters():
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
+        runs.append(_recorded_step(model, batch, loss_fn))
+
+    try:
+        peak = peak_allocated_bytes(run, device)
+    except RuntimeError:
+        if device.type == "cuda" or not runs:
+            raise
+        peak = 0
+    return runs[-1], int(peak)
+
+
 def _recorded_step(model: nn.Module, batch: Any, loss_fn: Callable):
     from fewbit.memory import SavedTensorRecorder, check_loss
 
@@ -1352,12 +1382,8 @@ def _profile(model, example_batch, loss_fn, options, optimizer, fused_cross_entr
     named = dict(work.named_modules())
 
     # 1. the unplanned step: saved bytes per module, peak
-    if device.type == "cuda":
-        _sync(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        base_alloc = torch.cuda.memory_allocated(device)
     try:
-        rec = _recorded_step(work, example_batch, loss_fn)
+        rec, peak = _measured_step(work, example_batch, loss_fn, device)
     except _TransformedLogits:
         if not (fused_by_default and fused_cross_entropy):
             raise
@@ -1367,17 +1393,12 @@ def _profile(model, example_batch, loss_fn, options, optimizer, fused_cross_entr
 
         unpatch_causal_lm_(work)
         fused_cross_entropy = False
-        if device.type == "cuda":
-            _sync(device)
-            torch.cuda.reset_peak_memory_stats(device)
-            base_alloc = torch.cuda.memory_allocated(device)
-        rec = _recorded_step(work, example_batch, loss_fn)
-    transient = 0
+        rec, peak = _measured_step(work, example_batch, loss_fn, device)
+    from fewbit.memory import held_bytes
+
     n_params = _parameter_bytes(work)
-    if device.type == "cuda":
-        _sync(device)
-        peak = torch.cuda.max_memory_allocated(device) - base_alloc
-        transient = max(0, int(peak) - rec.saved_bytes - n_params)  # gradients are allocated in the step
+    # gradients are allocated in the step (_measured_step); the batch is held through it
+    transient = max(0, peak - rec.saved_bytes - n_params) + held_bytes(example_batch)
     # each saved storage: the one module that saves it (own bytes), or several (shared)
     block_at = {fqn: btype for btype, fqns in blocks for fqn in fqns}
     locate = functools.partial(_locate, block_at)

@@ -43,52 +43,13 @@ from train_lm import build_lm, lm_loss
 import fewbit
 from fewbit._checks import check_device
 from fewbit.convert import compressor_of
+from fewbit.memory import peak_allocated_bytes
 
 
 def peak_bytes(fn, device: torch.device) -> int:
-    """Peak bytes allocated during ``fn()`` above those allocated when it starts (see the
-    module docstring for how, per device)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        start = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        fn()
-        torch.cuda.synchronize(device)
-        return int(torch.cuda.max_memory_allocated(device)) - start
-    from torch.profiler import ProfilerActivity, profile
-
-    # fn runs twice under the profiler and the second run is measured: the CPU allocator
-    # reports no free of a block allocated before profiling began (the gradients a step's
-    # zero_grad drops, the previous re-plan's probe gradient), and after a first run those
-    # are the first run's; a sentinel allocation of an odd size marks the second run's start
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
-        fn()
-        sentinel = torch.empty(_SENTINEL, dtype=torch.uint8)
-        del sentinel
-        fn()
-    # the profiler's memory timeline (what Profiler.export_memory_timeline draws): each
-    # tensor's creation and destruction in order, frees inside composite ops included (a
-    # sum of the ops' self memory put them at the op's start: F.cross_entropy's
-    # log-softmax counted 0 bytes)
-    held, start, top, seen = 0, None, 0, 0
-    for _, action, _, size in prof._memory_profile().timeline:
-        if action.name not in ("CREATE", "DESTROY"):
-            continue
-        held += size if action.name == "CREATE" else -size
-        if start is None:
-            seen += size == _SENTINEL and action.name == "DESTROY"
-            if seen:
-                start = top = held
-        else:
-            top = max(top, held)
-    if start is None:
-        raise RuntimeError("bench_adapt: the sentinel allocation is missing from the profiler's memory timeline")
-    return top - start
-
-
-#: Bytes of the sentinel allocation between the two runs of :func:`peak_bytes` (an odd size
-#: no tensor of the benchmark has).
-_SENTINEL = 1_234_567
+    """Peak bytes allocated during ``fn()`` above those allocated when it starts
+    (:func:`fewbit.memory.peak_allocated_bytes`; see the module docstring)."""
+    return peak_allocated_bytes(fn, device)
 
 
 def main(argv=None) -> int:

@@ -22,13 +22,13 @@ def test_plan_cli_prints_plan_and_measured_peak(tmp_path):
     r = run("plan", *TINY, "--budget", "100%", "--output", out)
     assert r.exit_code == 0, r.output
     assert "fewbit plan: budget" in r.stdout and "transformer.h.0" in r.stdout and "mlp.act" in r.stdout
-    # on the CPU a lower bound (a recomputed block's saves in backward are not counted):
-    # the budget is not called met there (it had printed "within" unchecked)
-    m = re.search(r"measured peak ([\d.]+) MiB .* vs predicted ([\d.]+) MiB; budget ([\d.]+) MiB: not checked on the CPU",
-                  r.stdout)
+    # on the CPU torch.profiler's memory timeline: a real peak (it had printed static +
+    # saved for backward, a lower bound, "not checked"), held to the prediction
+    m = re.search(r"measured peak ([\d.]+) MiB \(torch.profiler's memory timeline\) vs predicted ([\d.]+) MiB; "
+                  r"budget ([\d.]+) MiB: (within|OVER by [\d.]+ KiB)", r.stdout)
     assert m, r.stdout
-    measured, predicted, budget = map(float, m.groups())
-    assert measured <= budget and measured <= predicted + 0.01
+    measured, predicted, budget = map(float, m.groups()[:3])
+    assert predicted <= budget and abs(measured - predicted) <= 0.01 * predicted, r.stdout
     p = fewbit.Plan.load(out)
     assert p.blocks[0].blocks == ["transformer.h.0"]
     # an existing --output is never overwritten
