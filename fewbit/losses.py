@@ -805,8 +805,9 @@ class _PostHook:
 #: Config fields of transformers models that transform the logits between the ``lm_head``
 #: and the loss, or compute more from them than the cross-entropy, with the values that do
 #: not: Gemma 2/3's soft cap, Cohere's scale, xLSTM's soft cap (applied in place in eval
-#: mode), RecurrentGemma's soft cap, MuseGlimmer's multiplier (None only: transformers 5.24
-#: applies a scale of 1 too, a new tensor the fused loss cannot take); Bamba's z-loss on the
+#: mode), RecurrentGemma's soft cap, MuseGlimmer's multiplier, Falcon-H1's head multiplier
+#: (None only: transformers 5.24 applies a scale of 1 too, a new tensor the fused loss
+#: cannot take); Bamba's z-loss on the
 #: logits' logsumexp (None, 0). Not ``logits_scaling``: Granite and HyperCLOVA X scale the
 #: logits by it, but MiniCPM3 the hidden states before the head, which the fused loss takes.
 #: Those and others are refused at their first forward with labels (a new tensor between the
@@ -814,7 +815,8 @@ class _PostHook:
 #: ``fewbit.plan`` falls back on the unfused loss.
 _LOGIT_TRANSFORMS: dict[str, tuple] = {
     **dict.fromkeys(("final_logit_softcapping", "logit_scale", "output_multiplier_scale",
-                     "output_logit_soft_cap", "logits_soft_cap", "output_multiplier"), (None,)),
+                     "output_logit_soft_cap", "logits_soft_cap", "output_multiplier", "lm_head_multiplier"),
+                    (None,)),
     "z_loss_coefficient": (None, 0, 0.0),
 }
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import io
+import types
 
 import pytest
 import torch
@@ -922,6 +923,9 @@ def test_models_whose_config_transforms_the_logits_are_refused_up_front():
     text.config.get_text_config = lambda *a, **k: transformers.Gemma2Config(final_logit_softcapping=30.0)
     assert logit_transform(text) == "config.text_config.final_logit_softcapping = 30.0"
     assert logit_transform(_gpt2()) is None
+    # Falcon-H1 multiplies its head's output by lm_head_multiplier, 1.0 included (h57's scan)
+    falcon = types.SimpleNamespace(config=transformers.FalconH1Config())
+    assert logit_transform(falcon) == "config.lm_head_multiplier = 1.0"
     assert logit_transform(transformers.RecurrentGemmaForCausalLM(transformers.RecurrentGemmaConfig(
         num_hidden_layers=1, vocab_size=64, hidden_size=32, intermediate_size=64, num_attention_heads=2,
         lru_width=32, attention_window_size=8))) == "config.logits_soft_cap = 30.0"
