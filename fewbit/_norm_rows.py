@@ -54,12 +54,15 @@ def instance_norm(shape: tuple[int, ...]) -> int | None:
 
 def batch_norm(shape: tuple[int, ...]) -> int | Channels | None:
     """BatchNorm on batch statistics of ``(N, C, *spatial)``: one channel plane,
-    ``prod(spatial)``, where it has at least :data:`MIN_PLANE` elements; else (``(N, C)``
-    inputs, small planes) the channel's elements, channel-major (:class:`Channels`)."""
+    ``prod(spatial)``, where it has at least :data:`MIN_PLANE` elements and the channel at
+    least :data:`MIN_CHANNEL`; else (``(N, C)`` inputs, small planes, small channels) the
+    channel's elements, channel-major (:class:`Channels`)."""
     if len(shape) < 2:
         return None
     plane = math.prod(shape[2:])
-    if plane >= MIN_PLANE:
-        return plane
     size = shape[0] * plane
+    if plane >= MIN_PLANE and size >= MIN_CHANNEL:
+        return plane
+    # small planes, and channels of fewer than MIN_CHANNEL elements (which the compressor
+    # keeps at 8 bits: a batch of 1 or 2 with 6 x 6 planes was biased too, h59)
     return Channels(size) if size > 0 else None
