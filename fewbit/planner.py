@@ -1070,8 +1070,12 @@ def _recorded_step(model: nn.Module, batch: Any, loss_fn: Callable):
     rec = SavedTensorRecorder(model)
     with torch.enable_grad():
         with rec:
-            loss = check_loss(loss_fn(_call(model, batch)))
+            # the output held through backward, as a training loop's ``out = model(...)``
+            # holds it (an unfused LM's logits: the peak had been one logits tensor short)
+            out = _call(model, batch)
+            loss = check_loss(loss_fn(out))
         loss.backward()
+    del out, loss
     model.zero_grad(set_to_none=True)
     return rec
 
@@ -1397,8 +1401,10 @@ def _profile(model, example_batch, loss_fn, options, optimizer, fused_cross_entr
     from fewbit.memory import held_bytes
 
     n_params = _parameter_bytes(work)
-    # gradients are allocated in the step (_measured_step); the batch is held through it
-    transient = max(0, peak - rec.saved_bytes - n_params) + held_bytes(example_batch)
+    # the gradients (of the parameters that take one) are allocated in the step
+    # (_measured_step): counted as gradient_bytes; the batch is held through it
+    n_grads = sum(p.numel() * p.element_size() for p in work.parameters() if p.requires_grad)
+    transient = max(0, peak - rec.saved_bytes - n_grads) + held_bytes(example_batch)
     # each saved storage: the one module that saves it (own bytes), or several (shared)
     block_at = {fqn: btype for btype, fqns in blocks for fqn in fqns}
     locate = functools.partial(_locate, block_at)
