@@ -1592,6 +1592,32 @@ def test_a_weight_computed_in_the_forward_is_kept_exact(how, autocast):
     assert all(r.shape == (64, 256) for r in comp.records.values())
 
 
+class _GraphLayer(nn.Module):
+    """A graph network's aggregation: ``addmm(b, attention, h)``, ``h`` an activation."""
+
+    def __init__(self, features: int):
+        super().__init__()
+        self.lin, self.b = nn.Linear(features, 128), nn.Parameter(torch.zeros(128))
+
+    def forward(self, x):
+        h = torch.tanh(self.lin(x))
+        attention = torch.softmax(h @ h.t(), dim=-1)
+        return torch.addmm(self.b, attention, h)
+
+
+def test_an_activation_as_addmm_mat2_is_still_compressed():
+    """``addmm``'s mat2 is a weight only where it derives from a parameter at least its
+    size (a pruned Conv1D's): a graph network's node features (512 x 128, from a 16 x 128
+    weight) stay compressed at 2 bits (kept exact, 256 KiB a layer, after b68e7e7; h59)."""
+    model = nn.Sequential(_GraphLayer(16), _GraphLayer(128), _GraphLayer(128))
+    summary = fewbit.convert_(model, fewbit.Config(activation_bits=None, saved_bits=2, layers=("block",)))
+    x = torch.randn(512, 16)
+    model(x).sum().backward()
+    mat2 = [r for r in summary.compressor.records.values() if r.shape == (512, 128) and r.compressor == "group"]
+    assert len(mat2) >= 2, summary.compressor.records
+    assert summary.compressor.stats.skipped.get("parameter", 0) <= 4  # the Linear weights and biases only
+
+
 def test_a_converted_parametrized_model_compiles_with_fullgraph():
     """The hook marking a parametrization's weight stands aside while torch.compile traces
     (it read ``grad_fn`` inside the trace: "Tensor with grad_fn()", fullgraph=True failed)."""

@@ -518,13 +518,39 @@ def _weight_positions() -> dict:
     out.update(dict.fromkeys((F.bilinear, torch.bilinear, F.layer_norm, torch.layer_norm, F.group_norm,
                               torch.group_norm, F.rms_norm, torch.rms_norm), 2))
     out.update({F.batch_norm: 3, F.instance_norm: 3, torch.batch_norm: 1, torch.instance_norm: 1})
-    # transformers' Conv1D (GPT-2): torch.addmm(bias, x, weight), its weight as mat2
-    out.update({torch.addmm: 2})
     return out
 
 
 #: The calls whose ``weight`` argument is a weight whatever computed it (:func:`_is_call_weight`).
 _WEIGHT_POSITIONS = _weight_positions()
+
+#: Calls whose argument at this position (or keyword) is a weight only where it derives from
+#: a parameter at least its size (:func:`_from_a_larger_parameter`): transformers' Conv1D
+#: (GPT-2) computes ``torch.addmm(bias, x, weight)``, but ``addmm``'s ``mat2`` is an
+#: activation elsewhere (a graph network's ``addmm(b, attention, h)``, h59).
+_MAYBE_WEIGHT_POSITIONS = {torch.addmm: (2, "mat2")}
+
+
+def _from_a_larger_parameter(w: torch.Tensor) -> bool:
+    """Whether ``w`` is computed, within 8 autograd nodes, from a parameter of at least its
+    elements (a pruned or scaled weight), breadth first."""
+    level, seen = [w.grad_fn], set()
+    for _ in range(8):
+        nxt = []
+        for fn in level:
+            if fn is None or fn in seen:
+                continue
+            seen.add(fn)
+            if type(fn).__name__ == "AccumulateGrad":
+                variable = getattr(fn, "variable", None)
+                if variable is not None and variable.numel() >= w.numel():
+                    return True
+                continue
+            nxt.extend(f for f, _ in fn.next_functions if f is not None)
+        if not nxt:
+            return False
+        level = nxt
+    return False
 
 
 def _is_call_weight(t: torch.Tensor, call) -> bool:
@@ -542,12 +568,17 @@ def _is_call_weight(t: torch.Tensor, call) -> bool:
     the bytes held at 2 bits) is kept exact too, which costs memory, not accuracy."""
     if call is None or len(call) < 4:
         return False
-    pos = _WEIGHT_POSITIONS.get(call[3])
+    func, args, kwargs = call[3], call[0], call[1]
+    pos, name, maybe = _WEIGHT_POSITIONS.get(func), "weight", False
+    if pos is None:
+        pos, name = _MAYBE_WEIGHT_POSITIONS.get(func, (None, None))
+        maybe = True
     if pos is None:
         return False
-    args, kwargs = call[0], call[1]
-    w = args[pos] if len(args) > pos else kwargs.get("weight")
+    w = args[pos] if len(args) > pos else kwargs.get(name)
     if not isinstance(w, torch.Tensor) or t.numel() > w.numel():
+        return False
+    if maybe and not _from_a_larger_parameter(w):
         return False
     if t.untyped_storage().data_ptr() == w.untyped_storage().data_ptr() and t.device == w.device:
         return True
