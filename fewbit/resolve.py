@@ -676,6 +676,14 @@ def _fit_and_cache_grad(f: ResolvedFn, solver, symmetric: bool, bits: int, param
         if exc.name and exc.name.split(".")[0] in {"scipy", "numba"}:
             raise _solver_missing(exc) from exc
         raise
+    except ValueError as exc:
+        if params and "finite in float32" in str(exc):
+            # a derivative past float32's range (a user function's scale parameter): the
+            # table's own check names a level, not the parameter that put it there
+            shown = ", ".join(f"{k}={v!r}" for k, v in params.items())
+            raise ValueError(f"{f.name}({shown}): its derivative reaches past float32's range, which "
+                             f"fewbit's tables cannot hold ({exc})") from exc
+        raise
     check_table_matches(table, f.name, params, "fewbit.solver.fit")
     if table.bits != bits:
         raise RuntimeError(f"fewbit.solver.fit returned a {table.bits}-bit table for bits={bits}")
