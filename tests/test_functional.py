@@ -5,6 +5,7 @@ stepwise functions, table resolution (exact / shipped / cache / fit) and validat
 
 from __future__ import annotations
 
+import gc
 import inspect
 import json
 import warnings
@@ -723,10 +724,16 @@ def test_a_parameter_changed_at_every_call_does_not_grow_the_caches(monkeypatch)
         torch.testing.assert_close(x.grad, torch.where(x > 0, 1.0, slope), rtol=0, atol=0)
         x.grad = None
     assert len(CALLS) <= 8 and len(_TABLES) <= 8
+    del y
+    gc.collect()
     # every cache of the module, the patches of torch's non-finite rules too (they hold NaN:
     # keyed by the NaN tuples, each setting had added a row and a tensor of its own)
     caches = sizes()
     assert {"_table_cache", "_prepared", "_patch_cache", "_plans"} <= set(caches)
+    # _plans holds an entry per table alive (a weak reference): those of the call and table
+    # caches here, beside what earlier tests' objects keep alive
+    plans = caches.pop("_plans")
+    assert plans <= before["_plans"] + 8, (before, plans)
     assert all(n <= max(8, before.get(k, 0)) for k, n in caches.items()), (before, caches)
 
 
