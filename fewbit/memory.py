@@ -468,8 +468,8 @@ def held_bytes(*objects: Any) -> int:
     def add(t: Any) -> None:
         nonlocal total
         if isinstance(t, torch.Tensor) and t.layout == torch.strided and t.device.type != "meta":
-            key = (t.device, t.untyped_storage().data_ptr())
-            if key not in seen:
+            key = _storage_key(t)
+            if key is not None and key not in seen:
                 seen.add(key)
                 total += t.untyped_storage().nbytes()
 

@@ -1497,10 +1497,8 @@ def _profile(model, example_batch, loss_fn, options, optimizer, fused_cross_entr
     del saved, act_in, work
 
     return ModelProfile(
-        blocks=block_profiles, parameter_bytes=n_params, gradient_bytes=sum(
-            p.numel() * p.element_size() for p in model.parameters() if p.requires_grad),
-        optimizer_bytes=OPTIMIZER_STATES[optimizer] * sum(
-            p.numel() * p.element_size() for p in model.parameters() if p.requires_grad),
+        blocks=block_profiles, parameter_bytes=n_params, gradient_bytes=n_grads,
+        optimizer_bytes=OPTIMIZER_STATES[optimizer] * n_grads,
         outside_bytes=max(0, outside), transient_bytes=transient, saved_bytes=rec.saved_bytes,
         step_time=step_time, optimizer=optimizer, device=str(device),
         fused_cross_entropy=bool(fused_cross_entropy), options=[o.name for o in opts],
