@@ -442,6 +442,23 @@ _VIEW_OR_CAST_NODES = frozenset({
 })
 
 
+def _view_or_cast_chain(fn, steps: int = 9):
+    """The autograd nodes from ``fn`` back through views, layout copies and casts
+    (:data:`_VIEW_OR_CAST_NODES`, each with one input): ``fn``, its input, ..., up to the first
+    node of another kind (included: a parameter's ``AccumulateGrad``), at most ``steps`` nodes
+    (chains are short; an activation stops at its first node)."""
+    for _ in range(steps):
+        if fn is None:
+            return
+        yield fn
+        if type(fn).__name__ not in _VIEW_OR_CAST_NODES:
+            return
+        inputs = [f for f, _ in fn.next_functions if f is not None]
+        if len(inputs) != 1:
+            return
+        fn = inputs[0]
+
+
 #: ``id(grad_fn)`` -> weak reference to a tensor a parametrization computed from
 #: parameters alone (``torch.nn.utils.parametrize``: ``weight_norm``, ``spectral_norm``,
 #: ``orthogonal``), registered by :func:`mark_parametrized`; an entry goes with its tensor.
@@ -484,19 +501,12 @@ def _is_parameter(t: torch.Tensor) -> bool:
             continue
         if isinstance(u, torch.nn.Parameter) or (u.is_leaf and u.requires_grad):
             return True
-        fn = u.grad_fn
-        for _ in range(8):  # chains are short; an activation stops at its first node
-            source = _parametrized(fn) if fn is not None and _PARAMETRIZED else None
+        for fn in _view_or_cast_chain(u.grad_fn):
+            source = _parametrized(fn) if _PARAMETRIZED else None
             if source is not None:
                 if u.numel() <= source.numel():
                     return True
                 break
-            if fn is None or type(fn).__name__ not in _VIEW_OR_CAST_NODES:
-                break
-            inputs = [f for f, _ in fn.next_functions if f is not None]
-            if len(inputs) != 1:
-                break
-            fn = inputs[0]
             if type(fn).__name__ == "AccumulateGrad":
                 # a copy no larger than the parameter. A batch-sized copy (learned queries
                 # expanded over the batch and reshaped, or a weight so expanded and cast by
@@ -582,19 +592,8 @@ def _is_call_weight(t: torch.Tensor, call) -> bool:
         return False
     if t.untyped_storage().data_ptr() == w.untyped_storage().data_ptr() and t.device == w.device:
         return True
-    goal, fn = w.grad_fn, t.grad_fn
-    for _ in range(8):  # autocast's cast copy (and views of it): a short chain to the weight's node
-        if fn is None or goal is None:
-            return False
-        if fn is goal:
-            return True
-        if type(fn).__name__ not in _VIEW_OR_CAST_NODES:
-            return False
-        inputs = [f for f, _ in fn.next_functions if f is not None]
-        if len(inputs) != 1:
-            return False
-        fn = inputs[0]
-    return False
+    goal = w.grad_fn  # autocast's cast copy (and views of it): a short chain to the weight's node
+    return goal is not None and any(fn is goal for fn in _view_or_cast_chain(t.grad_fn))
 
 
 def _dense_non_overlapping(t: torch.Tensor) -> bool:
