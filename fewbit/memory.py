@@ -360,12 +360,7 @@ class Report:
 
     def bits_histogram(self) -> dict[tuple[str, int], tuple[int, int, int]]:
         """``{(compressor, bits): (tensors, elements, bytes)}`` over :attr:`saved_tensors`."""
-        out: dict[tuple[str, int], tuple[int, int, int]] = {}
-        for r in self.saved_tensors:
-            key = (r["compressor"], r["bits"])
-            n, e, b = out.get(key, (0, 0, 0))
-            out[key] = (n + 1, e + math.prod(r["shape"]), b + r["bytes"])
-        return dict(sorted(out.items(), key=lambda kv: (kv[0][1], kv[0][0])))
+        return bits_histogram(self.saved_tensors)
 
     def average_bits(self) -> float | None:
         """Bits per element of the compressed tensors' codes, weighted by elements (stats
@@ -389,20 +384,42 @@ class Report:
             lines.append(f"  {c:<11} {self.by_category[c] / mib:10.3f} MiB")
         if self.peak_bytes is not None:
             lines.append(f"  peak CUDA   {self.peak_bytes / mib:10.3f} MiB")
-        hist = self.bits_histogram()
-        if hist:
-            avg = self.average_bits()
-            shown = f"average {avg:.2f} bits per element, 1-bit masks excluded" if avg is not None else "masks only"
-            lines.append(f"compressed saved tensors by bits ({shown}; held: bits per element with statistics):")
-            for (name, bits), (n, e, b) in hist.items():
-                held = f" {8 * b / e:6.2f} held" if e else ""
-                lines.append(f"  {name:<11} {bits:>2} bits {n:5d} tensors {e:12d} elements {b / mib:10.3f} MiB{held}")
+        if self.saved_tensors:
+            lines.extend(format_bits_histogram(self.saved_tensors, self.average_bits(), "compressed saved tensors"))
         mods = sorted(self.by_module.items(), key=lambda kv: -kv[1])[:top]
         if mods:
             lines.append("largest modules:")
             for name, b in mods:
                 lines.append(f"  {name or '<model>':<40} {b / mib:10.3f} MiB")
         return "\n".join(lines)
+
+
+def bits_histogram(saved_tensors: list[dict[str, Any]]) -> dict[tuple[str, int], tuple[int, int, int]]:
+    """``{(compressor, bits): (tensors, elements, bytes)}`` over rows of
+    :attr:`Report.saved_tensors` (``compressor``, ``bits``, ``shape``, ``bytes``), by bits."""
+    out: dict[tuple[str, int], tuple[int, int, int]] = {}
+    for r in saved_tensors:
+        key = (r["compressor"], r["bits"])
+        n, e, b = out.get(key, (0, 0, 0))
+        out[key] = (n + 1, e + math.prod(r["shape"]), b + r["bytes"])
+    return dict(sorted(out.items(), key=lambda kv: (kv[0][1], kv[0][0])))
+
+
+def format_bits_histogram(saved_tensors: list[dict[str, Any]], average_bits: float | None, what: str) -> list[str]:
+    """The lines of :func:`bits_histogram`'s table: a header naming ``what`` and
+    ``average_bits`` (:meth:`Report.average_bits`), then a row per (compressor, bits) with its
+    tensors, elements, MiB and the bits held per element with statistics (DIVISION's block
+    means, the outlier compressor's exact channels) beside the codes' width."""
+    hist = bits_histogram(saved_tensors)
+    if not hist:
+        return [f"{what}: none compressed"]
+    shown = (f"average {average_bits:.2f} bits per element, stats and 1-bit masks excluded"
+             if average_bits is not None else "masks only")
+    lines = [f"{what} by bits ({shown}; held: bits per element with statistics):"]
+    for (name, bits), (n, e, b) in hist.items():
+        held = f" {8 * b / e:6.2f} held" if e else ""
+        lines.append(f"  {name:<11} {bits:>2} bits {n:5d} tensors {e:12d} elements {b / 2.0**20:10.3f} MiB{held}")
+    return lines
 
 
 #: Bytes of the sentinel allocation between the two runs of :func:`peak_allocated_bytes`'s

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 import os
 import sys
 from dataclasses import dataclass
@@ -78,8 +77,6 @@ def _model_setup(key: str, layers: int | None, hidden: int | None, seq_len: int,
     """The checks and the config shared by ``fewbit memory`` and ``fewbit plan``:
     ``(torch device, spec, config, tokens per example, model class)``; a bad ``--device``
     or a ``--seq-len`` above the model's positions is a one-line error."""
-    import torch
-
     from fewbit._checks import check_device
 
     try:
@@ -284,22 +281,12 @@ class _CopyFactory:
 
 
 def _format_bits(d: dict) -> str:
-    """fewbit+quant's compressed saved tensors by (compressor, bits): count and MiB."""
-    hist: dict = {}
-    for r in d.get("saved_tensors", []):
-        n, e, b = hist.get((r["compressor"], r["bits"]), (0, 0, 0))
-        hist[(r["compressor"], r["bits"])] = (n + 1, e + math.prod(r["shape"]), b + r["bytes"])
-    if not hist:
-        return "fewbit+quant: no saved tensor compressed"
-    avg = d.get("average_bits")
-    shown = f"average {avg:.2f} bits per element, stats and 1-bit masks excluded" if avg is not None else "masks only"
-    # "held": every byte held per element, statistics and exact parts included (DIVISION's
-    # block means, the outlier compressor's exact channels), where "bits" is the codes' width
-    lines = [f"fewbit+quant saved tensors by bits ({shown}; held: bits per element with statistics):"]
-    for (name, bits), (n, e, b) in sorted(hist.items(), key=lambda kv: (kv[0][1], kv[0][0])):
-        held = f"{8 * b / e:>6.2f} held" if e else ""
-        lines.append(f"  {name:<12}{bits:>3} bits {n:>5} tensors {b / _MIB:>10.2f} MiB {held}")
-    return "\n".join(lines)
+    """fewbit+quant's compressed saved tensors by (compressor, bits)
+    (:func:`fewbit.memory.format_bits_histogram`)."""
+    from fewbit.memory import format_bits_histogram
+
+    return "\n".join(format_bits_histogram(d.get("saved_tensors", []), d.get("average_bits"),
+                                           "fewbit+quant saved tensors"))
 
 
 def _choice(option: str, value: str, allowed: tuple[str, ...]) -> str:
