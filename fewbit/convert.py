@@ -630,7 +630,8 @@ def _carry_over(old: nn.Module, new: nn.Module) -> None:
     still remove them; hooks then receive ``new`` as the module), the parameters, buffers
     (persistent or not) and submodules registered on it (so ``state_dict()`` keys and
     ``parameters()`` are unchanged; the same tensors, not copies) and its own attributes
-    (those that are neither its constructor's arguments nor something ``new`` has)."""
+    (those that are neither its constructor's arguments, nor something ``new`` has, nor
+    ``old``'s own bound methods)."""
     for name, p in old._parameters.items():
         if not hasattr(new, name):
             new.register_parameter(name, p)
@@ -651,6 +652,10 @@ def _carry_over(old: nn.Module, new: nn.Module) -> None:
         fields = set()
     for key, value in vars(old).items():
         if key.startswith("_") or key in fields or key == "training" or hasattr(new, key):
+            continue
+        if inspect.ismethod(value) and value.__self__ is old:
+            # old's own method (transformers' GELUActivation sets ``self.act = self._gelu_python``):
+            # it would call the replaced module, keep it alive and pickle it with the model
             continue
         object.__setattr__(new, key, value)
 

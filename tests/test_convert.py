@@ -1315,6 +1315,26 @@ def test_parameters_buffers_and_submodules_of_replaced_activations_carry_over():
     assert model[1] is act and s.unsupported == {"1": "GELU (it holds 'bits', a name its fewbit replacement uses)"}
 
 
+def test_a_replaced_activation_is_not_kept_alive_by_its_own_methods():
+    """transformers' ``GELUActivation(use_gelu_python=True)`` sets ``self.act =
+    self._gelu_python``. Carried over as an attribute, that bound method kept the replaced
+    module alive, and pickled it with the converted model."""
+    import gc
+    import pickle
+    import weakref
+
+    transformers = pytest.importorskip("transformers")
+    act = transformers.activations.GELUActivation(use_gelu_python=True)
+    act.tag = "mlp act"  # what the user set still carries over
+    model = nn.Sequential(nn.Linear(4, 4), act)
+    replaced = weakref.ref(act)
+    del act
+    convert_(model, bits=3)
+    gc.collect()
+    assert replaced() is None and model[1].tag == "mlp act" and not hasattr(model[1], "act")
+    assert b"GELUActivation" not in pickle.dumps(model)
+
+
 @pytest.mark.parametrize("bits", [0, 9, 2.5, True])
 def test_convert_bits_shorthand_names_its_own_argument(bits):
     """``convert_(model, bits=0)`` named ``activation_bits`` (Config's field) in its error."""
