@@ -26,6 +26,8 @@ import collections
 import copy
 import heapq
 import math
+import os
+import sys
 import warnings
 from collections.abc import Sequence
 
@@ -384,6 +386,24 @@ def _dense_grad(p: torch.Tensor) -> torch.Tensor:
 #: How many SGD-variance estimates :class:`GACTPolicy` keeps (the alert reads the last).
 _VARIANCE_HISTORY = 64
 
+#: Seed offset between the forwards of one probe run's closure (a large odd constant: the
+#: forwards' seeds fall far apart).
+_PASS_STRIDE = 0x9E3779B97F4A7C15
+
+_FEWBIT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
+
+
+def _outside_stacklevel() -> int:
+    """``warnings.warn``'s ``stacklevel``, for a call in the function that calls this one,
+    that names the first frame outside fewbit and torch: the user's ``adapt`` call however
+    many fewbit frames are between (a :class:`~fewbit.quant.policies.WarmupPolicy` adds one),
+    the user's forward for a warning from a saved-tensor hook."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith((_FEWBIT_DIR, _TORCH_DIR)):
+        frame, level = frame.f_back, level + 1
+    return level
+
 
 def _backward(loss: torch.Tensor, params: list[torch.Tensor], aside: dict) -> None:
     """``loss.backward()`` for a measuring run of :meth:`GACTPolicy.adapt`, leaving alone
@@ -630,6 +650,7 @@ class GACTPolicy(Policy):
         self._gen = torch.Generator().manual_seed(int(seed))
         self.bits: dict[int, int] = {}
         self._by_key: dict[tuple, int] = {}  # SavedTensorInfo.key -> planned bits
+        self._key_numel: dict[tuple, int] = {}  # SavedTensorInfo.key -> elements when last planned
         self.sensitivity: dict[int, float] = {}
         self.numel: dict[int, int] = {}
         self.compression_variance = math.nan
@@ -645,6 +666,11 @@ class GACTPolicy(Policy):
         self._last_g0: tuple[int, torch.Tensor, torch.Tensor | None, float] | None = None
         self._variance_pairs: list[float] = []  # the SGD-variance estimates of the last pairs of calls
         self._warned = False
+        self._pass = 0  # the forward of the closure a probe run is in (1, 2, ...)
+
+    #: Training forwards that packed tensors before the first :meth:`adapt` (a class default:
+    #: a policy pickled by an earlier build has none).
+    _unplanned_passes = 0
 
     @property
     def default(self):
@@ -656,10 +682,14 @@ class GACTPolicy(Policy):
 
     # pack time ---------------------------------------------------------------------------
     def observe(self, info):
+        if self._probe is not None and info.index == 0:  # a forward of the closure starts (it may run several)
+            self._pass += 1
         if self._probe is not None and info.role is None:  # q, k, nonlinear results, norm inputs: fixed 8 bits
             self._seen[info.index] = info
 
     def choose(self, x, info):
+        if self._calls == 0 and self._probe is None and info.index == 0:
+            self._unplanned_pass()
         if info.role is not None:  # q, k, nonlinear results, norm inputs: not allocated, 8 bits, also in the sensitivity runs
             return self._quantizers[8]
         if self._probe is not None:
@@ -676,8 +706,24 @@ class GACTPolicy(Policy):
         if self._probe is None:
             return None
         base, flipped = self._probe
-        seed = (base + 2 * info.index + (info.index == flipped)) % (1 << 63)
+        # each forward of a closure that runs the model twice (R-Drop, a consistency loss)
+        # draws its own noise, as training does: with one seed per index the two forwards'
+        # noise was the same, and every sensitivity 4x a single forward's where training's
+        # variance is 2x (h62). The first forward's seeds are those of a one-forward closure.
+        seed = (base + 2 * info.index + (info.index == flipped) + (self._pass - 1) * _PASS_STRIDE) % (1 << 63)
         return torch.Generator().manual_seed(seed)
+
+    def _unplanned_pass(self) -> None:
+        """A training forward packed tensors and :meth:`adapt` never ran: warn once, at the
+        second such forward (the first may precede a loop's first ``adapt``)."""
+        self._unplanned_passes += 1
+        if self._unplanned_passes == 2:
+            warnings.warn(
+                f"GACT: saved_bits='auto' has planned nothing: adapt() was never called, so every saved tensor "
+                f"gets the starting {self.initial_bits} bits, not bits by sensitivity under "
+                f"average_bits={self.average_bits:g}; call fewbit.convert.compressor_of(model).adapt(model, closure, "
+                "optimizer) once per training step, before its forward",
+                RuntimeWarning, stacklevel=_outside_stacklevel())
 
     # sensitivity ---------------------------------------------------------------------------
     def adapt(self, model: torch.nn.Module, closure,
@@ -791,6 +837,7 @@ class GACTPolicy(Policy):
                     for p in params:
                         p.grad = None
                     self._probe = (base, flipped)
+                    self._pass = 0
                     try:
                         with torch.enable_grad():
                             loss = closure()
@@ -833,6 +880,18 @@ class GACTPolicy(Policy):
             _restore_hooks(aside)
             for p, g in zip(params, grads):
                 p.grad = g
+        if finite and replan and not seen:
+            # every save of the forward was kept exact or held at fixed bits (inputs that
+            # do not require grad, tensors under min_numel): nothing was measured. It had
+            # counted as a re-plan, set an empty plan and moved the schedule on (h62)
+            self._next_plan, self._gap = self._calls + 1, schedule[1]
+            self._last_g0 = None
+            warnings.warn(
+                "GACT: the closure's forward saved no tensor whose bits GACT allocates (every save was kept exact "
+                "or held at fixed bits: inputs that do not require grad, tensors under min_numel), so nothing was "
+                "measured; the re-plan is tried again at the next call", RuntimeWarning,
+                stacklevel=_outside_stacklevel())
+            return False
         if finite and replan and sens and not any(v > 0 for v in sens.values()):
             # a zero gradient (a zero loss, a batch masked out) measures nothing either: a
             # plan from all-zero sensitivities would be ties broken by position
@@ -864,7 +923,7 @@ class GACTPolicy(Policy):
         self._calls, self._next_plan, self._gap, self._last_g0 = state
 
     #: The attributes :meth:`state_dict` saves (the plan, the schedule, the estimates).
-    _STATE = ("bits", "_by_key", "sensitivity", "numel", "compression_variance", "gradient_variance",
+    _STATE = ("bits", "_by_key", "_key_numel", "sensitivity", "numel", "compression_variance", "gradient_variance",
               "skipped_nonfinite", "skipped_zero", "_calls", "_next_plan", "_gap", "_last_g0",
               "_variance_pairs", "_warned")
 
@@ -890,6 +949,8 @@ class GACTPolicy(Policy):
                 state torch refuses), or one of a policy with other settings
                 (``average_bits``, ``adapt_interval``, ...). Nothing is changed then.
         """
+        if isinstance(state, dict) and "_key_numel" not in state:  # saved by an earlier build
+            state = {**state, "_key_numel": {}}
         missing = [k for k in (*self._STATE, "generator", "settings") if not isinstance(state, dict) or k not in state]
         if missing:
             raise ValueError(f"state is not a GACTPolicy.state_dict(): it lacks {', '.join(missing)}")
@@ -913,12 +974,22 @@ class GACTPolicy(Policy):
     def _plan(self, seen: dict[int, SavedTensorInfo], sens: dict[int, float], alert: dict[int, float]) -> None:
         order = sorted(sens)
         numel = [seen[i].numel for i in order]
-        budget = self.average_bits * sum(numel)
+        # Tensors of the last plans this pass did not save (a short batch's, under min_numel;
+        # an expert no token reached) keep their bits, and the budget is over them too: a
+        # re-plan on a short batch had sent them back to the starting bits until the next
+        # one, up to adapt_interval calls (2.2 bits held at average_bits=3, h62)
+        seen_keys = {seen[i].key for i in order}
+        earlier = {k: b for k, b in self._by_key.items() if k not in seen_keys and k in self._key_numel}
+        earlier_numel = sum(self._key_numel[k] for k in earlier)
+        budget = (self.average_bits * (sum(numel) + earlier_numel)
+                  - sum(b * self._key_numel[k] for k, b in earlier.items()))
         keep = [_keep_bits(seen[i].dtype) for i in order]
         floor = [self.norm_min_bits if seen[i].norm_size is not None else CANDIDATE_BITS[0] for i in order]
         bits = allocate_bits([sens[i] for i in order], numel, budget, keep, floor)
         self.bits = dict(zip(order, bits))
-        self._by_key = {seen[i].key: b for i, b in zip(order, bits) if seen[i].key is not None}
+        self._by_key = {**earlier, **{seen[i].key: b for i, b in zip(order, bits) if seen[i].key is not None}}
+        self._key_numel = {**{k: self._key_numel[k] for k in earlier},
+                           **{seen[i].key: seen[i].numel for i in order if seen[i].key is not None}}
         self.sensitivity = sens
         self.numel = {i: seen[i].numel for i in seen}
         self.compression_variance = sum(alert[i] * variance_factor(b) for i, b in self.bits.items())
@@ -948,5 +1019,5 @@ class GACTPolicy(Policy):
                 f"SGD gradient variance {self.gradient_variance:.3g}: compression noise dominates the gradient "
                 f"noise at average_bits={self.average_bits:g}; consider more bits",
                 RuntimeWarning,
-                stacklevel=4,
+                stacklevel=_outside_stacklevel(),
             )
