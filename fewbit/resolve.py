@@ -90,8 +90,9 @@ FIT_OPTIONS: dict[str, Any] = {"domain": (-10.0, 10.0), "weight": "uniform", "gr
 #: gets (``"cache_revision"``); a cached table of another revision is fitted again instead of
 #: served. Bumped when a solver fix changes some function's table: 2, user functions' jumps
 #: of f' and softplus at extreme parameters (their earlier tables had misplaced borders or
-#: levels of 0).
-CACHE_REVISION = 2
+#: levels of 0); 3, user functions with an even f' mirrored (they had been fitted unmirrored,
+#: 3.1-3.6x the error).
+CACHE_REVISION = 3
 
 
 class TableFittedWarning(UserWarning):
@@ -652,12 +653,13 @@ def _fit_and_cache(f: ResolvedFn, bits: int, params: dict[str, float], note: str
         raise _solver_missing(exc) from exc
     if not hasattr(solver, "fit"):
         raise ImportError('fewbit.solver.fit is not available: pip install "fewbit[solver]"')
-    symmetric = bool(f.act.even) if f.act is not None else False
+    # None: the solver mirrors a table when f' is even (a user function's checked numerically)
+    symmetric = bool(f.act.even) if f.act is not None else None
     with torch.inference_mode(False), torch.enable_grad():  # the fit differentiates the function
         return _fit_and_cache_grad(f, solver, symmetric, bits, params, note)
 
 
-def _fit_and_cache_grad(f: ResolvedFn, solver, symmetric: bool, bits: int, params: dict[str, float],
+def _fit_and_cache_grad(f: ResolvedFn, solver, symmetric: bool | None, bits: int, params: dict[str, float],
                         note: str) -> Table:
     """:func:`_fit_and_cache` with autograd on (a first call under ``torch.inference_mode``)."""
     if f.act is None:

@@ -43,6 +43,19 @@ def test_fit_validation(kwargs, match):
         fit("gelu", **kwargs)
 
 
+@pytest.mark.parametrize("name, params, match", [
+    ("elu", {"alpha": 1e300}, "alpha of elu must be within float32's range"),
+    ("elu", {"alpha": 1e39}, "alpha of elu must be within float32's range"),
+    ("leaky_relu", {"negative_slope": 1e300}, "negative_slope of leaky_relu must be within float32's range"),
+])
+def test_fit_refuses_parameters_no_table_holds(name, params, match):
+    """The runtime's rule for what a table holds: ``fit("elu", params={"alpha": 1e300})``
+    failed with "prefix integrals must be finite" (no parameter named), and alpha=1e39 wrote
+    a table that fewbit and torch then refused."""
+    with pytest.raises(ValueError, match=match):
+        fit(name, 1, grid=200, params=params)
+
+
 def test_fit_validation_other():
     with pytest.raises(ValueError, match="unknown activation"):
         fit("gelux", 2)
