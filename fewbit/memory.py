@@ -442,7 +442,9 @@ def peak_allocated_bytes(fn: Callable[[], Any], device: torch.device | str) -> i
 
     Raises:
         RuntimeError: the profiler's memory timeline lacks the marker between the runs
-            (a torch whose private ``_memory_profile`` changed).
+            (a torch whose private ``_memory_profile`` changed); on the CPU, a
+            ``torch.profiler`` session is already running (``fn`` is not run): a second one
+            ends it, and the caller's trace came back empty.
     """
     device = torch.device(device)
     if device.type == "cuda":
@@ -454,6 +456,9 @@ def peak_allocated_bytes(fn: Callable[[], Any], device: torch.device | str) -> i
         return int(torch.cuda.max_memory_allocated(device)) - start
     from torch.profiler import ProfilerActivity, profile
 
+    if torch._C._autograd._profiler_enabled():
+        raise RuntimeError("a torch.profiler session is running: the CPU peak is measured with a profiler "
+                           "of its own, which would end that session")
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
         fn()
         sentinel = torch.empty(_SENTINEL, dtype=torch.uint8)  # marks the second run's start

@@ -1099,7 +1099,7 @@ def test_planning_a_planned_model_leaves_it_untouched(prof, batch):
     hooks = dict(model.transformer.h[0].ln_1._forward_pre_hooks)
     block_forward = vars(model.transformer.h[0])["forward"]
     patch = model._fewbit_fused_cross_entropy
-    fewbit.plan(model, batch, memory_budget="60%", repeats=1, options=("keep", "quant4", "recompute"))
+    fewbit.plan(model, batch, memory_budget="70%", repeats=1, options=("keep", "quant4", "recompute"))
     assert dict(model.transformer.h[0].ln_1._forward_pre_hooks) == hooks
     assert vars(model.transformer.h[0])["forward"] is block_forward
     assert model._fewbit_fused_cross_entropy is patch
@@ -1202,8 +1202,9 @@ def test_plan_end_to_end_and_argument_errors(batch):
     before = {k: v.clone() for k, v in model.state_dict().items()}
     # 50 %: GPT-2's Python GELU saves its tanh result (kept at 8 bits under quant4, the
     # nonlinear-result rule) and its input for x ** 3 (kept exact: fewbit.quant.nonlinear),
-    # so 45 % is now below the smallest feasible plan without fewbit activations (48 %)
-    p = fewbit.plan(model, batch, memory_budget="60%", repeats=1, options=("keep", "quant4", "recompute"))
+    # so 45 % is now below the smallest feasible plan without fewbit activations (48 %); a
+    # planned step's own transient memory, measured, puts 60 % below it too (64-68 %)
+    p = fewbit.plan(model, batch, memory_budget="70%", repeats=1, options=("keep", "quant4", "recompute"))
     assert isinstance(p, fewbit.Plan)
     assert all(g.option in ("keep", "quant4", "recompute") for g in p.blocks[0].groups)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # model untouched
@@ -1231,7 +1232,7 @@ def test_profile_and_plan_leave_torch_and_fewbit_random_streams(batch, monkeypat
     fewbit_state = fewbit.get_rng_state()
     planner.profile(model, batch, repeats=1, options=("keep", "quant2", "recompute"))
     assert torch.equal(torch.get_rng_state(), torch_state) and fewbit.get_rng_state() == fewbit_state
-    fewbit.plan(model, batch, "60%", repeats=1, options=("keep", "quant2"))
+    fewbit.plan(model, batch, "70%", repeats=1, options=("keep", "quant2"))  # its steps measured too
     assert torch.equal(torch.get_rng_state(), torch_state) and fewbit.get_rng_state() == fewbit_state
 
     def no_profile(*args, **kwargs):
@@ -1268,7 +1269,7 @@ def test_plan_of_a_model_that_changes_its_logits_unannounced_uses_the_unfused_lo
     torch.manual_seed(0)
     model = MaskedLMHeadModel(transformers.GPT2Config(**CFG))
     assert fewbit.convert._is_causal_lm(model)
-    p = fewbit.plan(model, batch, memory_budget="60%", repeats=1, options=("keep", "quant4", "recompute"))
+    p = fewbit.plan(model, batch, memory_budget="70%", repeats=1, options=("keep", "quant4", "recompute"))
     assert not p.fused_cross_entropy
     assert not hasattr(model, "_fewbit_fused_cross_entropy")
     fewbit.convert_(model, p)
@@ -1737,3 +1738,63 @@ def test_replanner_warns_and_keeps_its_plan_when_no_plan_fits_any_more(prof, bat
     with pytest.warns(RuntimeWarning, match="no plan fits the budget any more"):
         assert r.step(1) is None
     assert r.plan is p and vars(model)[planner._STATE_ATTR].plan is p
+
+
+def _planned_step_peak(model, batch, loss_fn):
+    """What a training loop with AdamW holds at most in its second step: the tensors held
+    when it starts plus the most the step's own tensors held at once."""
+    from fewbit.memory import held_bytes, peak_allocated_bytes
+
+    opt = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=1e-5)
+
+    def step():
+        out = model(**batch) if isinstance(batch, dict) else model(batch)
+        loss = loss_fn(out)
+        loss.backward()
+        del out, loss
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+
+    step()
+    return held_bytes(model, opt, batch) + peak_allocated_bytes(step, "cpu")
+
+
+@pytest.mark.parametrize("arch", ["cnn", "gpt2"])
+@pytest.mark.parametrize("budget", ["70%", "85%", "100%"])
+def test_planned_steps_fit_their_budget(arch, budget):
+    """The MILP's memory row holds the unplanned step's transient memory, not a compressed
+    step's (quantizer and few-bit temporaries; the peak moves into the forward once little
+    is saved): planned steps went 9-18 % over budgets of 50-70 %, and 100 % budgets over by
+    the model's buffers and Adam's step counts. Each plan is now measured and solved again
+    with what it held beyond its prediction: the measured step fits, and its prediction is
+    what it holds."""
+    fewbit.manual_seed(0)
+    if arch == "cnn":
+        make, loss_fn = _conv_net, (lambda out: out.float().pow(2).mean())
+        batch = torch.randn(16, 3, 8, 8, generator=torch.Generator().manual_seed(0))
+    else:
+        make, loss_fn = make_model, (lambda out: out.loss)
+        ids = torch.randint(0, CFG["vocab_size"], (8, 32), generator=torch.Generator().manual_seed(0))
+        batch = {"input_ids": ids, "labels": ids}
+    p = fewbit.plan(make(), batch, budget, loss_fn=loss_fn, repeats=1)
+    model = make()
+    fewbit.convert_(model, p)
+    peak = _planned_step_peak(model, batch, loss_fn)
+    assert peak <= p.budget_bytes, (peak, p.budget_bytes, p.predicted_peak_bytes)
+    assert abs(peak - p.predicted_peak_bytes) <= 256, (peak, p.predicted_peak_bytes)
+
+
+def test_planning_inside_the_users_profiler_session_keeps_the_session(batch):
+    """The CPU peak is measured with torch.profiler: a plan made inside the user's own
+    session ended it (its trace came back with no events) and silently left the step's
+    transient memory out. The session keeps its events, and the plan says what it left out."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model = make_model()
+    with profile(activities=[ProfilerActivity.CPU]) as session:
+        torch.randn(64, 64) @ torch.randn(64, 64)
+        with pytest.warns(RuntimeWarning, match="could not measure a step's peak on the CPU"):
+            planner.profile(model, batch, optimizer="sgd", repeats=1, options=("keep", "quant4"))
+        torch.randn(64, 64) @ torch.randn(64, 64)
+    names = [e.name for e in session.events()]
+    assert names.count("aten::mm") >= 2
