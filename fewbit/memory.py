@@ -743,7 +743,7 @@ def compare(
                 from fewbit.convert import compressor_of
 
                 step_loss = loss_fn or _default_loss
-                compressor_of(model).adapt(model, lambda: step_loss(_call(model, inputs)))
+                compressor_of(model).adapt(model, lambda m=model: step_loss(_call(m, inputs)))
         with warnings.catch_warnings():  # reported as layer_bits_tensors instead
             warnings.filterwarnings("ignore", message="layer_bits for .* changed nothing")
             rep = saved_tensor_report(model, inputs, loss_fn=loss_fn)
