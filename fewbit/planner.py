@@ -2108,7 +2108,9 @@ def plan(
         example_batch: a batch as the model takes it (tensor, tuple or mapping, e.g.
             ``{"input_ids", "labels"}``).
         memory_budget: bytes (int), a string (``"2GiB"``, ``"512MB"``) or a percentage of the
-            unplanned peak (``"50%"``).
+            unplanned peak (``"50%"``): the profiled step's, so with the fused loss where
+            ``fused_cross_entropy`` applies (a causal LM with labels, by default), which holds
+            no logits (a 2-layer LLaMA, batch 8 x 64: 8.25 MB against 9.09 MB unfused).
         loss_fn, options, optimizer, fused_cross_entropy, group_size, min_numel, repeats: as
             :func:`profile`.
         accuracy_weight: weight (>= 0) of the tie-break towards more bits (module docstring).
