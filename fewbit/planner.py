@@ -1317,7 +1317,8 @@ def profile(
 
     The model is not changed: the measurements run on a deep copy (gradients land there),
     in training mode whatever mode ``model`` is in (dropout's masks and BatchNorm's batch
-    statistics are a training step's).
+    statistics are a training step's). The copy keeps the model's hooks, which may change
+    what a step computes: a logging hook sees the profile's steps too (about 10 forwards).
     Saved bytes come from :class:`fewbit.memory.SavedTensorRecorder` (exact, deduplicated), per
     option from a step with every group under that option; recompute times from forward hooks
     (end of each module's forward, from the block's start; median of ``repeats`` steps);
