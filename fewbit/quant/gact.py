@@ -668,9 +668,11 @@ class GACTPolicy(Policy):
         self._warned = False
         self._pass = 0  # the forward of the closure a probe run is in (1, 2, ...)
 
-    #: Training forwards that packed tensors before the first :meth:`adapt` (a class default:
-    #: a policy pickled by an earlier build has none).
+    #: Training forwards that packed tensors before the first :meth:`adapt`, and whether a
+    #: re-plan that measured nothing was reported (class defaults: a policy pickled by an
+    #: earlier build has neither).
     _unplanned_passes = 0
+    _warned_empty = False
 
     @property
     def default(self):
@@ -883,14 +885,17 @@ class GACTPolicy(Policy):
         if finite and replan and not seen:
             # every save of the forward was kept exact or held at fixed bits (inputs that
             # do not require grad, tensors under min_numel): nothing was measured. It had
-            # counted as a re-plan, set an empty plan and moved the schedule on (h62)
-            self._next_plan, self._gap = self._calls + 1, schedule[1]
+            # counted as a re-plan and set an empty plan (h62). The plan stays; the schedule
+            # keeps its back-off (retried at every call, a model with nothing to allocate
+            # paid a forward and backward more each step, h64)
             self._last_g0 = None
-            warnings.warn(
-                "GACT: the closure's forward saved no tensor whose bits GACT allocates (every save was kept exact "
-                "or held at fixed bits: inputs that do not require grad, tensors under min_numel), so nothing was "
-                "measured; the re-plan is tried again at the next call", RuntimeWarning,
-                stacklevel=_outside_stacklevel())
+            if not self._warned_empty:
+                self._warned_empty = True
+                warnings.warn(
+                    "GACT: the closure's forward saved no tensor whose bits GACT allocates (every save was kept "
+                    "exact or held at fixed bits: inputs that do not require grad, tensors under min_numel), so "
+                    "nothing was measured; the plan stays until a re-plan measures something", RuntimeWarning,
+                    stacklevel=_outside_stacklevel())
             return False
         if finite and replan and sens and not any(v > 0 for v in sens.values()):
             # a zero gradient (a zero loss, a batch masked out) measures nothing either: a
@@ -973,23 +978,27 @@ class GACTPolicy(Policy):
 
     def _plan(self, seen: dict[int, SavedTensorInfo], sens: dict[int, float], alert: dict[int, float]) -> None:
         order = sorted(sens)
-        numel = [seen[i].numel for i in order]
         # Tensors of the last plans this pass did not save (a short batch's, under min_numel;
         # an expert no token reached) keep their bits, and the budget is over them too: a
         # re-plan on a short batch had sent them back to the starting bits until the next
         # one, up to adapt_interval calls (2.2 bits held at average_bits=3, h62)
+        # Sizes on one scale: each tensor's largest seen (a short batch's seen tensors at their
+        # full-batch sizes, as the earlier tensors are; mixing the scales gave the seen ones a
+        # negative budget and 1 bit each, h64)
+        size = [max(seen[i].numel, self._key_numel.get(seen[i].key, 0)) if seen[i].key is not None
+                else seen[i].numel for i in order]
         seen_keys = {seen[i].key for i in order}
         earlier = {k: b for k, b in self._by_key.items() if k not in seen_keys and k in self._key_numel}
         earlier_numel = sum(self._key_numel[k] for k in earlier)
-        budget = (self.average_bits * (sum(numel) + earlier_numel)
+        budget = (self.average_bits * (sum(size) + earlier_numel)
                   - sum(b * self._key_numel[k] for k, b in earlier.items()))
         keep = [_keep_bits(seen[i].dtype) for i in order]
         floor = [self.norm_min_bits if seen[i].norm_size is not None else CANDIDATE_BITS[0] for i in order]
-        bits = allocate_bits([sens[i] for i in order], numel, budget, keep, floor)
+        bits = allocate_bits([sens[i] for i in order], size, budget, keep, floor)
         self.bits = dict(zip(order, bits))
         self._by_key = {**earlier, **{seen[i].key: b for i, b in zip(order, bits) if seen[i].key is not None}}
         self._key_numel = {**{k: self._key_numel[k] for k in earlier},
-                           **{seen[i].key: seen[i].numel for i in order if seen[i].key is not None}}
+                           **{seen[i].key: n for i, n in zip(order, size) if seen[i].key is not None}}
         self.sensitivity = sens
         self.numel = {i: seen[i].numel for i in seen}
         self.compression_variance = sum(alert[i] * variance_factor(b) for i, b in self.bits.items())

@@ -1431,10 +1431,21 @@ def test_adapt_that_measures_no_allocated_tensor_is_not_a_replan():
     model = nn.Linear(128, 128)
     comp = fewbit.convert_(model, fewbit.Config(saved_bits="auto", average_bits=2, min_numel=0)).compressor
     x = torch.randn(64, 128)
+    runs = []
+
+    def closure():
+        runs.append(1)
+        return model(x).square().mean()
+
     with pytest.warns(RuntimeWarning, match="saved no tensor whose bits GACT allocates") as caught:
-        assert comp.adapt(model, lambda: model(x).square().mean()) is False
+        assert comp.adapt(model, closure) is False
     assert caught[0].filename == __file__
     assert comp.policy.schedule()[1] == 2  # the next call re-plans
+    with warnings.catch_warnings(record=True) as again:
+        warnings.simplefilter("always")
+        for _ in range(31):  # calls 2..32: re-plans at 2, 4, 8, 16, 32 as ever, not at every call
+            assert comp.adapt(model, closure) is False
+    assert len(runs) == 6 and not [w for w in again if "saved no tensor" in str(w.message)]
     deep = nn.Sequential(nn.Linear(128, 128), nn.GELU(), nn.Linear(128, 8))
     comp = fewbit.convert_(deep, fewbit.Config(saved_bits="auto", average_bits=2, min_numel=0)).compressor
     assert comp.adapt(deep, lambda: deep(x).square().mean()) is True and comp.policy.bits
@@ -1459,3 +1470,26 @@ def test_the_alert_names_the_users_adapt_call_under_a_warm_up():
             optimizer.zero_grad()
     alerts = [w for w in caught if "compression variance" in str(w.message)]
     assert alerts and all(w.filename == __file__ for w in alerts)
+
+
+def test_a_short_batch_replan_budgets_its_tensors_at_their_full_sizes():
+    """The merged budget had counted the tensors a short batch saw at the short batch's
+    sizes and the others at their full-batch sizes: at average_bits=3 the seen tensors got
+    a negative budget and 1 bit each (1.54 bits on the next full batch). Sizes are each
+    tensor's largest seen, so the short-batch re-plan keeps the full batch's average."""
+    from fewbit.quant.policies import SavedTensorInfo
+
+    policy = GACTPolicy(average_bits=3)
+
+    def info(i, key, rows):
+        return SavedTensorInfo(i, (rows, 125), torch.float32, key, "linear", None, None, (key, 0))
+
+    full = {0: info(0, "A", 8), 1: info(1, "B", 32), 2: info(2, "C", 32), 3: info(3, "D", 32)}
+    policy._plan(full, {0: 1e3, 1: 1.0, 2: 1.0, 3: 1.0}, dict.fromkeys(range(4), 0.0))
+    before = dict(policy._by_key)
+    short = {0: info(0, "B", 4), 1: info(1, "C", 4), 2: info(2, "D", 4)}  # A under min_numel
+    policy._plan(short, dict.fromkeys(range(3), 1.0), dict.fromkeys(range(3), 0.0))
+    assert policy._by_key == before  # 1 bit each for B, C, D before
+    sizes = {("A", 0): 1000, ("B", 0): 4000, ("C", 0): 4000, ("D", 0): 4000}
+    assert policy._key_numel == sizes
+    assert sum(policy._by_key[k] * n for k, n in sizes.items()) <= 3 * sum(sizes.values())
