@@ -292,7 +292,9 @@ def fit(
             (e.g. :func:`fewbit.solver.weights.histogram`).
         grid: DP grid cells on the fitted interval (default :data:`DEFAULT_GRID` = 8000);
             at least ``2**bits``, at most :data:`MAX_GRID` (200000). Time is O(grid^2 * 2**bits).
-        symmetric: ``None`` mirrors when ``f'`` is even (registry flag) and ``A < 0 < B``;
+        symmetric: ``None`` mirrors when ``f'`` is even (the registry's flag; a user
+            function's ``f'`` checked numerically on ``[-max(-A, B), max(-A, B)]``, to 1e-9
+            of its largest value) and ``A < 0 < B``;
             ``True`` forces it (``ValueError`` if ``f'`` is not even); ``False`` never.
         params: the function's parameters, merged over its defaults.
         refine: refine the DP borders continuously (docs/method.md §5).
