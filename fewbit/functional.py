@@ -117,9 +117,11 @@ def _registry(
     # call hold for it (dtype and device are in the key; bits must be an int, so 3.0 or
     # True are checked as the first time).
     if (type(bits) is int and torch.is_grad_enabled() and type(input) is torch.Tensor and input.requires_grad
-            and input.layout == torch.strided and not torch.compiler.is_compiling()):
+            and input.layout == torch.strided and not torch.compiler.is_compiling() and not torch.jit.is_tracing()):
         # (not while compiling: torch.compile guarded on the cache's contents, and an eager
-        # call of the same setting made the compiled model compile again)
+        # call of the same setting made the compiled model compile again; not while tracing:
+        # torch.jit.trace's check traces again under no_grad, which takes the slow path, and a
+        # trace after a training step failed "Graphs differed across invocations")
         try:
             # a tensor parameter (alpha=torch.tensor(0.5)) hashes by identity: a key per call
             # would grow the cache without bound, so such calls are resolved every time

@@ -1442,8 +1442,11 @@ model = nn.Sequential(*[m for m in __import__("copy").deepcopy(vanilla)])
 fewbit.convert_(model, fewbit.Config(saved_bits=2, min_numel=0))
 assert type(model[1]).__module__.startswith("fewbit")
 x = torch.randn(8, 16)
+if len(sys.argv) > 2:  # a training step first: its calls are cached for the fast path
+    model(x.requires_grad_()).sum().backward()
+    x = x.detach()
 if sys.argv[1] == "trace":
-    program = torch.jit.trace(model, (x,))
+    program = torch.jit.trace(model, (x,))  # torch's check traces again under no_grad
     ops = str(program.inlined_graph)
     y = program(x)
 else:
@@ -1456,15 +1459,19 @@ print("OK")
 """
 
 
+@pytest.mark.parametrize("trained", [False, True], ids=["fresh", "after a training step"])
 @pytest.mark.parametrize("how", ["trace", "export"])
-def test_a_converted_model_records_torchs_functions(how):
+def test_a_converted_model_records_torchs_functions(how, trained):
     """``torch.jit.trace`` of a converted model crashed the process (SIGSEGV) and
     ``torch.export.export`` failed in a fresh process (data-dependent probes of fewbit's
-    table set-up): a recorded program now holds torch's functions, outputs bit for bit."""
+    table set-up): a recorded program now holds torch's functions, outputs bit for bit.
+    After a training step, the trace took the cached fast path and its check (traced again
+    under no_grad) did not: "Graphs differed across invocations"."""
     import subprocess
     import sys
 
-    r = subprocess.run([sys.executable, "-c", _RECORD, how], capture_output=True, text=True, timeout=300)
+    args = [how] + (["trained"] if trained else [])
+    r = subprocess.run([sys.executable, "-c", _RECORD, *args], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and r.stdout.strip().endswith("OK"), (r.returncode, r.stderr[-3000:])
 
 
