@@ -20,7 +20,9 @@ MIN_PLANE = 32
 #: :class:`Channels` case) keep its input at the norm inputs' 8 bits, inside the channel:
 #: its backward is quadratic in the input, ``x_hat_i * mean_j(g_j x_hat_j)``, so a rounding
 #: error's variance ``v`` comes back as a bias ``g_i v / n`` (2 bits, n = 4: 2.1 % of the
-#: previous layer's weight gradient, z = 11.6 over 2000 draws; n = 32: z = 3.3).
+#: previous layer's weight gradient, z = 11.6 over 2000 draws; n = 32: z = 3.3). Above it the
+#: 2-bit bias goes on as about c / n of that gradient (c = 1 for an MLP, 1-26 for conv nets:
+#: 0.5-1.2 % at n = 256; docs/compression.md §1).
 MIN_CHANNEL = 256
 
 
