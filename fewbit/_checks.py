@@ -22,6 +22,7 @@ __all__ = [
     "check_bits",
     "check_device",
     "check_float_tensor",
+    "check_group_size",
     "check_noise_norm",
     "check_optimizer",
     "check_positive_int",
@@ -76,11 +77,27 @@ def check_bits(bits: Any, name: str = "bits", allowed: Iterable[int] = TABLE_BIT
     return int(bits)
 
 
-def check_positive_int(value: Any, name: str, minimum: int = 1) -> int:
-    """``value`` as a plain ``int`` if it is an integer ``>= minimum``; else ``ValueError``."""
+def check_positive_int(value: Any, name: str, minimum: int = 1, maximum: int | None = None) -> int:
+    """``value`` as a plain ``int`` if it is an integer ``>= minimum`` (and ``<= maximum``,
+    where given); else ``ValueError``."""
+    if maximum is not None:
+        if not is_int(value) or not minimum <= int(value) <= maximum:
+            raise ValueError(f"{name} must be an integer in {minimum}..{maximum}, got {value!r}")
+        return int(value)
     if not is_int(value) or int(value) < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
     return int(value)
+
+
+#: The largest quantizer group: the kernels take sizes as 32-bit integers
+#: (``group_size=2**63`` was accepted, then failed inside the first step).
+MAX_GROUP_SIZE = 2**31 - 1
+
+
+def check_group_size(value: Any) -> int:
+    """``value`` as a plain ``int`` if it is an integer in ``1..MAX_GROUP_SIZE``; else
+    ``ValueError`` naming ``group_size``."""
+    return check_positive_int(value, "group_size", maximum=MAX_GROUP_SIZE)
 
 
 def check_average_bits(value: Any, context: str = "") -> float:

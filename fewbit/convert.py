@@ -105,7 +105,7 @@ from torch import nn
 
 from fewbit import _norm_rows
 from fewbit import modules as fm
-from fewbit._checks import check_average_bits, check_bits, check_bool, check_noise_norm, check_positive_int
+from fewbit._checks import check_average_bits, check_bits, check_bool, check_group_size, check_noise_norm, check_positive_int
 from fewbit._interrupted import caller_frame, finished, leave_mode, sweep_modes
 from fewbit._saved import under_users_checkpoint
 from fewbit.activations import ACTIVATIONS, get_activation
@@ -253,7 +253,7 @@ class Config:
                              "quantizer of values is symmetric), got 1")
         object.__setattr__(self, "adapt_interval", check_positive_int(self.adapt_interval, "adapt_interval"))
         check_noise_norm(self.noise_norm)
-        object.__setattr__(self, "group_size", check_positive_int(self.group_size, "group_size"))
+        object.__setattr__(self, "group_size", check_group_size(self.group_size))
         object.__setattr__(self, "min_numel", check_positive_int(self.min_numel, "min_numel", minimum=0))
         object.__setattr__(self, "stochastic", check_bool(self.stochastic, "stochastic"))
         if not self.stochastic and self.saved_bits == "auto":

@@ -42,7 +42,7 @@ from typing import Any, Callable, Iterable, Mapping
 import torch
 from torch import nn
 
-from fewbit._checks import check_bits, check_positive_int
+from fewbit._checks import check_bits, check_group_size, check_positive_int
 from fewbit._saved import Kept, keep, unpack
 
 __all__ = [
@@ -703,7 +703,7 @@ def compare(
     import fewbit
 
     bits = check_bits(bits, "bits")
-    group_size = check_positive_int(group_size, "group_size")
+    group_size = check_group_size(group_size)
     quant_config = fewbit.Config(  # validates saved_bits, average_bits, compressor
         activation_bits=bits, saved_bits=saved_bits, group_size=group_size, average_bits=average_bits,
         compressor=compressor, fused_cross_entropy=fused_cross_entropy, layer_bits=layer_bits,

@@ -301,6 +301,17 @@ def _positive(ctx, param, value):
     return value
 
 
+#: The widest ``--hidden``: a head-size search steps down from ``hidden // 64``, and
+#: ``--hidden 99999999999999999999`` spun there without end before any memory check.
+MAX_HIDDEN = 65536
+
+
+def _hidden(ctx, param, value):
+    if value is not None and not 1 <= value <= MAX_HIDDEN:
+        raise click.BadParameter(f"must be in 1..{MAX_HIDDEN}, got {value}")
+    return value
+
+
 def _layer_bits(ctx, param, values):
     """``("block=4", ...)`` -> ``{"block": 4}`` (None when not given); kinds and bits are
     checked by ``fewbit.Config``."""
@@ -346,7 +357,7 @@ def _layer_bits(ctx, param, values):
                    "cross-entropy, so the logits are not saved.")
 @click.option("--layers", default=None, type=int, callback=_positive,
               help="Override the number of layers of the default config.")
-@click.option("--hidden", default=None, type=int, callback=_positive,
+@click.option("--hidden", default=None, type=int, callback=_hidden,
               help="Override the hidden size (MLP width and heads follow).")
 @click.option("--device", default="cpu", show_default=True, help="torch device (cpu, cuda).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")

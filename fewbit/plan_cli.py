@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
 
 import click
 
 from fewbit._optimizers import OPTIMIZER_STATES
-from fewbit.memory_cli import MODELS, OutputFile, _check_fits, _fail, _inputs, _model_setup, _positive
+from fewbit.memory_cli import MODELS, OutputFile, _check_fits, _fail, _hidden, _inputs, _model_setup, _positive
 
 __all__ = ["plan"]
 
@@ -76,7 +75,7 @@ def _measure(model, batch, optimizer: str, device) -> tuple[int | None, int, flo
 @click.option("--batch", default=1, show_default=True, type=int, callback=_positive)
 @click.option("--layers", default=None, type=int, callback=_positive,
               help="Override the number of layers of the default config.")
-@click.option("--hidden", default=None, type=int, callback=_positive,
+@click.option("--hidden", default=None, type=int, callback=_hidden,
               help="Override the hidden size (MLP width and heads follow).")
 @click.option("--device", default="cpu", show_default=True, help="torch device (cpu, cuda).")
 @click.option("--optimizer", default="adamw", show_default=True,

@@ -96,7 +96,7 @@ import torch
 from torch import nn
 
 from fewbit import _optimizers
-from fewbit._checks import check_positive_int, is_int
+from fewbit._checks import check_group_size, check_positive_int, is_int
 from fewbit._interrupted import caller_frame, finished, remove_saved_tensors_hooks
 from fewbit._blocks import find_blocks
 from fewbit._saved import keep, under_users_checkpoint, unpack
@@ -1359,7 +1359,7 @@ def profile(
         raise ValueError(f"optimizer must be one of {tuple(OPTIMIZER_STATES)}, got {optimizer!r}")
     options = _options(options)
     repeats = check_positive_int(repeats, "repeats")
-    group_size = check_positive_int(group_size, "group_size")
+    group_size = check_group_size(group_size)
     min_numel = check_positive_int(min_numel, "min_numel", minimum=0)
     with _callers_streams_kept():
         return _profile(model, example_batch, loss_fn, options, optimizer, fused_cross_entropy, group_size,

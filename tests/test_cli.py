@@ -772,3 +772,16 @@ def test_plot_legend_gives_the_tables_own_error(tmp_path):
         r = run("plot", "gelu", "--table", tmp_path / name, "-o", tmp_path / f"{name}.svg")
         assert r.exit_code == 0, r.output
         assert f"2 bits: error {want}" in (tmp_path / f"{name}.svg").read_text()
+
+
+@pytest.mark.parametrize("command", ["memory", "plan"])
+def test_sizes_past_their_range_are_one_line_errors(command):
+    """``--hidden 99999999999999999999`` spun without end in the head-size search, and a
+    ``--group-size`` of 20 digits passed Config, then printed a traceback of 146 lines from
+    inside the first step."""
+    assert_one_line_error(run(command, "--model", "gpt2", "--hidden", "99999999999999999999"),
+                          "'--hidden': must be in 1..65536, got 99999999999999999999")
+    if command == "memory":
+        assert_one_line_error(run("memory", "--model", "gpt2", "--layers", "1", "--hidden", "64", "--seq-len", "8",
+                                  "--saved-bits", "4", "--group-size", "99999999999999999999", "--no-progress"),
+                              "group_size must be an integer in 1..2147483647")

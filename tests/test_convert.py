@@ -496,7 +496,7 @@ def test_bad_input():
 
 @pytest.mark.parametrize("field,value", [
     ("activation_bits", 0), ("activation_bits", 9), ("activation_bits", 2.0), ("activation_bits", True),
-    ("saved_bits", 3), ("saved_bits", 16), ("group_size", 0), ("min_numel", -1),
+    ("saved_bits", 3), ("saved_bits", 16), ("group_size", 0), ("group_size", 2**63), ("min_numel", -1),
     ("layers", ("linear", "mlp")), ("layers", 5), ("stochastic", "yes"),
 ])
 def test_config_validation(field, value):

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fewbit._checks import check_bits, check_bool, check_float64_range, check_float_tensor, check_positive_int
+from fewbit._checks import check_bits, check_bool, check_float64_range, check_float_tensor, check_group_size
 from fewbit.quant import _reference as _ref
 from fewbit.quant._reference import SUPPORTED_BITS
 from fewbit.quant.compressor import (ActivationCompressor, CompressionStats, compress_activations,
@@ -141,7 +141,7 @@ def _validate_options(bits, group_size, stats_dtype, generator, stochastic=True)
     """The checks :func:`quantize` and :class:`ActivationCompressor` share (ValueError /
     TypeError naming the argument, the allowed values and the value given)."""
     check_bits(bits, allowed=SUPPORTED_BITS)
-    check_positive_int(group_size, "group_size")
+    check_group_size(group_size)
     check_bool(stochastic, "stochastic")
     if stats_dtype not in SUPPORTED_STATS_DTYPES:
         raise ValueError(
