@@ -295,3 +295,17 @@ def test_a_histogram_weighted_fit_records_a_command_that_runs_again():
     t = fit("gelu", 2, weight=weights.histogram(e, d), grid=500)
     again = eval(t.provenance["command"])  # noqa: S307 - our own provenance
     assert again.borders == t.borders and again.values == t.values
+
+
+def test_more_bits_are_never_worse_on_a_coarse_grid():
+    """On a grid too coarse for 16 pieces the DP's borders are a poor start, and the
+    refinement is local: ``fit_many("gelu", [3, 4], grid=17)`` gave 4 bits 1.54e-2 against
+    3 bits' 1.19e-2. The narrower table's pieces, split, are a start no worse."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tables = fit_many("gelu", [1, 2, 3, 4], grid=17)
+    errors = [tables[b].objective for b in (1, 2, 3, 4)]
+    assert errors == sorted(errors, reverse=True), errors
+    assert tables[4].error < 0.5 * tables[3].error  # 3.82e-3 against 1.19e-2
