@@ -105,7 +105,9 @@ from torch import nn
 
 from fewbit import _norm_rows
 from fewbit import modules as fm
-from fewbit._checks import check_average_bits, check_bits, check_bool, check_group_size, check_noise_norm, check_positive_int
+from fewbit._checks import (
+    check_average_bits, check_bits, check_bool, check_group_size, check_noise_norm, check_positive_int,
+)
 from fewbit._interrupted import caller_frame, finished, leave_mode, sweep_modes
 from fewbit._saved import under_users_checkpoint
 from fewbit.activations import ACTIVATIONS, get_activation

@@ -2017,8 +2017,8 @@ def _plan_measured(model: nn.Module, batch: Any, loss_fn: Callable | None, prof:
     (GPT-2, LLaMA and a BatchNorm CNN). Where the measured step is over the budget, the
     excess over the prediction (the largest seen) is taken off the budget solved for, and the
     solve repeated (:data:`_MEASURED_ROUNDS` rounds; then, if none fit, the row's smallest
-    plan). Of the plans measured within the budget, the fastest is returned, with the user's budget and, as ``predicted_peak_bytes``,
-    its measured peak; ``static_bytes`` holds the difference from the row's (the planned
+    plan). Of the plans measured within the budget, the fastest is returned, with the user's
+    budget and, as ``predicted_peak_bytes``, its measured peak; ``static_bytes`` holds the difference from the row's (the planned
     step's transient memory). Each plan measured is a copy of the model and two steps on the
     CPU (one on CUDA): :func:`plan` took 1.4-3.5x a profile's time on a small GPT-2 and CNN.
 
