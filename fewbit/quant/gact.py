@@ -982,16 +982,19 @@ class GACTPolicy(Policy):
         # an expert no token reached) keep their bits, and the budget is over them too: a
         # re-plan on a short batch had sent them back to the starting bits until the next
         # one, up to adapt_interval calls (2.2 bits held at average_bits=3, h62)
-        # Sizes on one scale: each tensor's largest seen (a short batch's seen tensors at their
-        # full-batch sizes, as the earlier tensors are; mixing the scales gave the seen ones a
-        # negative budget and 1 bit each, h64)
-        size = [max(seen[i].numel, self._key_numel.get(seen[i].key, 0)) if seen[i].key is not None
-                else seen[i].numel for i in order]
+        # Tensors of the last plans this pass did not save keep their bits, and the budget is
+        # over them too, at their stored sizes scaled to this pass (by the seen tensors' sizes
+        # now against stored): a short batch's seen tensors beside the others' full-batch
+        # sizes had a negative budget and 1 bit each, and each tensor's largest size kept for
+        # good broke the budget of every later pass on shorter sequences (h64, h67)
+        size = [seen[i].numel for i in order]
         seen_keys = {seen[i].key for i in order}
         earlier = {k: b for k, b in self._by_key.items() if k not in seen_keys and k in self._key_numel}
-        earlier_numel = sum(self._key_numel[k] for k in earlier)
-        budget = (self.average_bits * (sum(size) + earlier_numel)
-                  - sum(b * self._key_numel[k] for k, b in earlier.items()))
+        both = [(n, self._key_numel[seen[i].key]) for i, n in zip(order, size) if seen[i].key in self._key_numel]
+        scale = sum(n for n, _ in both) / sum(m for _, m in both) if both and sum(m for _, m in both) else 1.0
+        earlier_size = {k: self._key_numel[k] * scale for k in earlier}
+        budget = (self.average_bits * (sum(size) + sum(earlier_size.values()))
+                  - sum(b * earlier_size[k] for k, b in earlier.items()))
         keep = [_keep_bits(seen[i].dtype) for i in order]
         floor = [self.norm_min_bits if seen[i].norm_size is not None else CANDIDATE_BITS[0] for i in order]
         bits = allocate_bits([sens[i] for i in order], size, budget, keep, floor)

@@ -1472,11 +1472,12 @@ def test_the_alert_names_the_users_adapt_call_under_a_warm_up():
     assert alerts and all(w.filename == __file__ for w in alerts)
 
 
-def test_a_short_batch_replan_budgets_its_tensors_at_their_full_sizes():
+def test_a_short_batch_replan_budgets_its_tensors_on_one_scale():
     """The merged budget had counted the tensors a short batch saw at the short batch's
     sizes and the others at their full-batch sizes: at average_bits=3 the seen tensors got
-    a negative budget and 1 bit each (1.54 bits on the next full batch). Sizes are each
-    tensor's largest seen, so the short-batch re-plan keeps the full batch's average."""
+    a negative budget and 1 bit each (1.54 bits on the next full batch). The unseen ones'
+    sizes are scaled to the pass. (Each tensor's largest size, kept for good, broke the
+    budget of every later pass on shorter sequences: 7.2 bits at average_bits=2.)"""
     from fewbit.quant.policies import SavedTensorInfo
 
     policy = GACTPolicy(average_bits=3)
@@ -1490,6 +1491,15 @@ def test_a_short_batch_replan_budgets_its_tensors_at_their_full_sizes():
     short = {0: info(0, "B", 4), 1: info(1, "C", 4), 2: info(2, "D", 4)}  # A under min_numel
     policy._plan(short, dict.fromkeys(range(3), 1.0), dict.fromkeys(range(3), 0.0))
     assert policy._by_key == before  # 1 bit each for B, C, D before
-    sizes = {("A", 0): 1000, ("B", 0): 4000, ("C", 0): 4000, ("D", 0): 4000}
-    assert policy._key_numel == sizes
-    assert sum(policy._by_key[k] * n for k, n in sizes.items()) <= 3 * sum(sizes.values())
+    assert policy._key_numel == {("A", 0): 1000, ("B", 0): 500, ("C", 0): 500, ("D", 0): 500}
+    for sizes in ({("A", 0): 1000, ("B", 0): 4000, ("C", 0): 4000, ("D", 0): 4000},
+                  {("A", 0): 125, ("B", 0): 500, ("C", 0): 500, ("D", 0): 500}):
+        assert sum(policy._by_key[k] * n for k, n in sizes.items()) <= 3 * sum(sizes.values())
+    # every tensor seen at a length of 256, then at 4: the budget is the short pass's own
+    policy = GACTPolicy(average_bits=2)
+    for rows in (256, 4):
+        seen = {0: info(0, "A", rows), 1: info(1, "B", rows), 2: info(2, "C", 1)}
+        policy._plan(seen, {0: 1.0, 1: 10.0, 2: 100.0}, dict.fromkeys(range(3), 0.0))
+    elements = {("A", 0): 4 * 125, ("B", 0): 4 * 125, ("C", 0): 125}
+    assert policy._key_numel == elements
+    assert sum(policy._by_key[k] * n for k, n in elements.items()) <= 2 * sum(elements.values())
