@@ -2017,7 +2017,8 @@ def _plan_measured(model: nn.Module, batch: Any, loss_fn: Callable | None, prof:
     (GPT-2, LLaMA and a BatchNorm CNN). Where the measured step is over the budget, the
     excess over the prediction (the largest seen) is taken off the budget solved for, and the
     solve repeated (:data:`_MEASURED_ROUNDS` rounds; then, if none fit, the row's smallest
-    plan). Of the plans measured within the budget, the fastest is returned, with the user's
+    plan, and if that fits, a bisection of the budget solved for between its row and the
+    last, :data:`_MEASURED_ROUNDS` steps). Of the plans measured within the budget, the fastest is returned, with the user's
     budget and, as ``predicted_peak_bytes``, its measured peak; ``static_bytes`` holds the difference from the row's (the planned
     step's transient memory). Each plan measured is a copy of the model and two steps on the
     CPU (one on CUDA): :func:`plan` took 1.4-3.5x a profile's time on a small GPT-2 and CNN.
@@ -2041,6 +2042,14 @@ def _plan_measured(model: nn.Module, batch: Any, loss_fn: Callable | None, prof:
                                              static_bytes=q.static_bytes + measured - q.predicted_peak_bytes))
         return measured
 
+    def fits(q: Plan) -> bool:  # measured within the budget (a plan tried before: its measure)
+        for t in tried:
+            if t.blocks == q.blocks:
+                return t.predicted_peak_bytes <= budget
+        measured = measure(q)
+        return measured is not None and measured <= budget
+
+    solve_for = budget
     for _ in range(_MEASURED_ROUNDS):
         measured = measure(p)
         if measured is None:
@@ -2048,23 +2057,39 @@ def _plan_measured(model: nn.Module, batch: Any, loss_fn: Callable | None, prof:
         if measured <= budget:
             break
         margin = max(margin, measured - p.predicted_peak_bytes)  # never less than an excess seen
-        sol = solve(prof, budget - margin, accuracy_weight=accuracy_weight)
+        solve_for = budget - margin
+        sol = solve(prof, solve_for, accuracy_weight=accuracy_weight)
         if sol is None:
             break
         p = _make_plan(prof, sol[0], budget, accuracy_weight)
         if any(t.blocks == p.blocks for t in tried):
             break
-    if not any(t.predicted_peak_bytes <= budget for t in tried):
-        # each round compressed more and its temporaries grew more (a small GPT-2 at 70 %):
-        # the row's smallest plan (recomputation holds fewer temporaries) is the last chance
+    if not any(t.predicted_peak_bytes <= budget for t in tried) and not fits(p):
+        # Each round compressed more and its temporaries grew more (a small GPT-2 at 70 %).
+        # The row's smallest plan (recomputation holds fewer temporaries) is the floor; if it
+        # fits, the budget solved for is bisected between its row and the last one tried
+        # (the row's plans in between: at 70 % the smallest alone, the slowest, had been
+        # taken where plans made for 60-65 % fit and ran faster, h67)
         sol = solve(prof, None)
         if sol is not None:
-            smallest = _make_plan(prof, sol[0], budget, accuracy_weight)
-            if not any(t.blocks == smallest.blocks for t in tried):
-                measure(smallest)
-    fits = [t for t in tried if t.predicted_peak_bytes <= budget]
-    if fits:
-        return min(fits, key=lambda t: t.predicted_step_time)
+            low = _make_plan(prof, sol[0], budget, accuracy_weight)
+            if fits(low):
+                lo, hi = low.predicted_peak_bytes, solve_for
+                for _ in range(_MEASURED_ROUNDS):
+                    if hi - lo <= max(1, budget // 1000):
+                        break
+                    mid = (lo + hi) // 2
+                    sol = solve(prof, mid, accuracy_weight=accuracy_weight)
+                    if sol is None:
+                        lo = mid
+                        continue
+                    if fits(_make_plan(prof, sol[0], budget, accuracy_weight)):
+                        lo = mid
+                    else:
+                        hi = mid
+    within = [t for t in tried if t.predicted_peak_bytes <= budget]
+    if within:
+        return min(within, key=lambda t: t.predicted_step_time)
     closest = min(tried, key=lambda t: t.predicted_peak_bytes)
     raise ValueError(
         f"memory_budget {_fmt_bytes(budget)} ({budget} bytes) is below what the plans tried achieve once a planned "
