@@ -1008,16 +1008,19 @@ def _parameter_bytes(model: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def _copy_unplanned(model: nn.Module) -> nn.Module:
-    """A deep copy of ``model`` in training mode, without its plan and without a fused-loss
-    patch; ``model`` itself is not touched (both undo on a deep copy, which carries its own
-    hooks and patch)."""
-    from fewbit.losses import unpatch_causal_lm_
+def _copy_unplanned(model: nn.Module, fused_cross_entropy: bool = False) -> nn.Module:
+    """A deep copy of ``model`` in training mode, without its plan, its loss computed by the
+    fused loss if ``fused_cross_entropy`` (:func:`fewbit.losses.patch_causal_lm_`) and by its
+    own otherwise; ``model`` itself is not touched (both undo on a deep copy, which carries
+    its own hooks and patch)."""
+    from fewbit.losses import patch_causal_lm_, unpatch_causal_lm_
 
     work = copy.deepcopy(model)
     remove_plan(work)
     if hasattr(work, "_fewbit_fused_cross_entropy"):
         unpatch_causal_lm_(work)
+    if fused_cross_entropy:
+        patch_causal_lm_(work)
     # a training step is planned whatever mode ``model`` is in: a model in eval mode (as
     # transformers' from_pretrained returns it) was profiled without its dropout masks, and
     # its plan went 17 % over budget once trained (h61)
@@ -1046,7 +1049,8 @@ def _step(model: nn.Module, batch: Any, loss_fn: Callable) -> torch.Tensor:
 
 
 def _measured_step(model: nn.Module, batch: Any, loss_fn: Callable, device: torch.device):
-    """``(recorder, peak)`` of one unplanned step (:func:`_recorded_step`): the most bytes
+    """``(recorder, peak)`` of one step (:func:`_recorded_step`; unplanned in the profile, a
+    plan's in :func:`_planned_step_bytes`): the most bytes
     it allocated above those allocated when it started (on the CPU from torch.profiler's
     memory timeline, :func:`fewbit.memory.peak_allocated_bytes`, which runs it twice: the
     second run's recorder; 0 where the profiler gives no timeline). The gradients are
@@ -1077,6 +1081,17 @@ def _measured_step(model: nn.Module, batch: Any, loss_fn: Callable, device: torc
             run()
         peak = 0
     return runs[-1], int(peak)
+
+
+def _transient_bytes(peak: int, saved_bytes: int, gradient_bytes: int, batch: Any, model: nn.Module) -> int:
+    """A measured step's transient memory (:attr:`ModelProfile.transient_bytes`): its peak
+    (:func:`_measured_step`, gradients allocated first) above what it saves and the
+    gradients, plus what is held through it besides: the batch and the model's buffers
+    (BatchNorm's statistics, rotary tables; a CNN's 816 bytes of BatchNorm buffers had been
+    over a 100 % budget)."""
+    from fewbit.memory import held_bytes
+
+    return max(0, peak - saved_bytes - gradient_bytes) + held_bytes(batch, list(model.buffers()))
 
 
 def _recorded_step(model: nn.Module, batch: Any, loss_fn: Callable):
@@ -1409,11 +1424,7 @@ def _profile(model, example_batch, loss_fn, options, optimizer, fused_cross_entr
 
         load_cpu_kernels()
 
-    work = _copy_unplanned(model)
-    if fused_cross_entropy and not hasattr(work, "_fewbit_fused_cross_entropy"):
-        from fewbit.losses import patch_causal_lm_
-
-        patch_causal_lm_(work)
+    work = _copy_unplanned(model, fused_cross_entropy)
     named = dict(work.named_modules())
 
     # 1. the unplanned step: saved bytes per module, peak
@@ -1429,15 +1440,11 @@ def _profile(model, example_batch, loss_fn, options, optimizer, fused_cross_entr
         unpatch_causal_lm_(work)
         fused_cross_entropy = False
         rec, peak = _measured_step(work, example_batch, loss_fn, device)
-    from fewbit.memory import held_bytes
-
     n_params = _parameter_bytes(work)
     # the gradients (of the parameters that take one) are allocated in the step
     # (_measured_step): counted as gradient_bytes; the batch is held through it
     n_grads = sum(p.numel() * p.element_size() for p in work.parameters() if p.requires_grad)
-    # the batch and the model's buffers (BatchNorm's statistics, rotary tables) are held
-    # through the step too (a CNN's 816 bytes of BatchNorm buffers had been over a 100 % budget)
-    transient = max(0, peak - rec.saved_bytes - n_grads) + held_bytes(example_batch, list(work.buffers()))
+    transient = _transient_bytes(peak, rec.saved_bytes, n_grads, example_batch, work)
     # torch's Adam and AdamW keep a float32 step count per parameter tensor, on the CPU (on
     # the device only when capturable or fused): 4 bytes each, the rest of a 100 % budget's
     # excess on the CPU (112 bytes on a 2-layer GPT-2)
@@ -1989,21 +1996,17 @@ def _planned_step_bytes(model: nn.Module, batch: Any, loss_fn: Callable | None, 
     unplanned one's (:attr:`ModelProfile.vanilla_peak_bytes`): parameters, gradients,
     optimizer state, the batch, what the step saves and its transient allocation, measured on
     a copy (``model`` is not changed); None where the CPU profiler gives no timeline."""
-    from fewbit.memory import _default_loss, held_bytes
+    from fewbit.memory import _default_loss
 
     device = next((q.device for q in model.parameters()), torch.device("cpu"))
     with _callers_streams_kept():
-        work = _copy_unplanned(model)
-        if p.fused_cross_entropy:
-            from fewbit.losses import patch_causal_lm_
-
-            patch_causal_lm_(work)
+        work = _copy_unplanned(model, p.fused_cross_entropy)
         _apply_choices(work, p)
         rec, peak = _measured_step(work, batch, loss_fn or _default_loss, device)
         del work
     if peak <= 0:
         return None
-    transient = max(0, peak - rec.saved_bytes - prof.gradient_bytes) + held_bytes(batch, list(model.buffers()))
+    transient = _transient_bytes(peak, rec.saved_bytes, prof.gradient_bytes, batch, model)
     return prof.parameter_bytes + prof.gradient_bytes + prof.optimizer_bytes + transient + rec.saved_bytes
 
 
@@ -2018,9 +2021,10 @@ def _plan_measured(model: nn.Module, batch: Any, loss_fn: Callable | None, prof:
     excess over the prediction (the largest seen) is taken off the budget solved for, and the
     solve repeated (:data:`_MEASURED_ROUNDS` rounds; then, if none fit, the row's smallest
     plan, and if that fits, a bisection of the budget solved for between its row and the
-    last, :data:`_MEASURED_ROUNDS` steps). Of the plans measured within the budget, the fastest is returned, with the user's
-    budget and, as ``predicted_peak_bytes``, its measured peak; ``static_bytes`` holds the difference from the row's (the planned
-    step's transient memory). Each plan measured is a copy of the model and two steps on the
+    last, :data:`_MEASURED_ROUNDS` steps). Of the plans measured within the budget, the
+    fastest is returned, with the user's budget and, as ``predicted_peak_bytes``, its
+    measured peak; ``static_bytes`` holds the difference from the row's (the planned step's
+    transient memory). Each plan measured is a copy of the model and two steps on the
     CPU (one on CUDA): :func:`plan` took 1.4-3.5x a profile's time on a small GPT-2 and CNN.
 
     Raises:
@@ -2235,8 +2239,8 @@ class Replanner:
     Memory: a re-profile is :func:`profile` on a deep copy of the model, with unplanned steps,
     beside the model, its gradients and optimizer state. It needs more than the unplanned
     peak, not the budget: 2.15x the budget, 1.07x the unplanned peak for a GPT-2 (2 layers,
-    width 64, batch 8 x 64, AdamW) planned at 50 %, on the CPU. Where that does not fit on the device, re-plan
-    offline instead (:func:`plan` on a checkpoint).
+    width 64, batch 8 x 64, AdamW) planned at 50 %, on the CPU. Where that does not fit on
+    the device, re-plan offline instead (:func:`plan` on a checkpoint).
 
     Args:
         model: the model, with ``plan`` applied (it is applied here if not).
