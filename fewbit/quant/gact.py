@@ -979,19 +979,19 @@ class GACTPolicy(Policy):
     def _plan(self, seen: dict[int, SavedTensorInfo], sens: dict[int, float], alert: dict[int, float]) -> None:
         order = sorted(sens)
         # Tensors of the last plans this pass did not save (a short batch's, under min_numel;
-        # an expert no token reached) keep their bits, and the budget is over them too: a
-        # re-plan on a short batch had sent them back to the starting bits until the next
-        # one, up to adapt_interval calls (2.2 bits held at average_bits=3, h62)
-        # Tensors of the last plans this pass did not save keep their bits, and the budget is
-        # over them too, at their stored sizes scaled to this pass (by the seen tensors' sizes
-        # now against stored): a short batch's seen tensors beside the others' full-batch
-        # sizes had a negative budget and 1 bit each, and each tensor's largest size kept for
-        # good broke the budget of every later pass on shorter sequences (h64, h67)
+        # an expert no token reached) keep their bits: a re-plan on a short batch had sent
+        # them back to the starting bits until the next one, up to adapt_interval calls (2.2
+        # bits held at average_bits=3, h62). The budget is over them too, at their stored
+        # sizes scaled to this pass (by the seen tensors' sizes now against stored): a short
+        # batch's seen tensors beside the others' full-batch sizes had a negative budget and
+        # 1 bit each, and each tensor's largest size kept for good broke the budget of every
+        # later pass on shorter sequences (h64, h67)
         size = [seen[i].numel for i in order]
         seen_keys = {seen[i].key for i in order}
         earlier = {k: b for k, b in self._by_key.items() if k not in seen_keys and k in self._key_numel}
-        both = [(n, self._key_numel[seen[i].key]) for i, n in zip(order, size) if seen[i].key in self._key_numel]
-        scale = sum(n for n, _ in both) / sum(m for _, m in both) if both and sum(m for _, m in both) else 1.0
+        stored = sum(self._key_numel[seen[i].key] for i in order if seen[i].key in self._key_numel)
+        now = sum(n for i, n in zip(order, size) if seen[i].key in self._key_numel)
+        scale = now / stored if stored else 1.0
         earlier_size = {k: self._key_numel[k] * scale for k in earlier}
         budget = (self.average_bits * (sum(size) + sum(earlier_size.values()))
                   - sum(b * earlier_size[k] for k, b in earlier.items()))
