@@ -51,6 +51,74 @@ def variance_factor(bits: int) -> float:
     return 1.0 / float((1 << bits) - 1) ** 2
 
 
+#: Elements per chunk of :func:`_rounding_variances` (rounded down to whole groups): its
+#: scratch is a few float32 copies of one chunk, not of the tensor.
+_VARIANCE_CHUNK = 1 << 20
+
+
+def _rounding_variances(x: torch.Tensor, group_size: int) -> list[float]:
+    """Mean variance per element of stochastic rounding of ``x`` group-quantized at each of
+    :data:`CANDIDATE_BITS`, in ``x``'s units squared.
+
+    An element at ``f`` of its way between two levels ``s_b`` apart is rounded up with
+    probability ``f``: its variance is ``s_b² f (1 − f)``, ``s_b = (max − min) / (2^b − 1)``
+    of its group (ActNN eq. 3; groups of ``group_size`` elements of ``x`` read in C order,
+    as :func:`fewbit.quant.quantize` reads it). GACT's ``S(b) = (2^b − 1)^-2`` (Thm. 2)
+    is this up to a factor that is the same at every width only when ``f`` is spread
+    evenly between levels; at 1 bit ``f`` is the element's place in its group's range, and
+    most elements of a bell-shaped group sit mid-range where ``f (1 − f)`` is near its
+    largest, ¼, against the even spread's ⅙.
+
+    Args:
+        x: any shape, a floating dtype (read as float32); not modified.
+        group_size: elements per group, >= 1.
+
+    Returns:
+        One float per width of :data:`CANDIDATE_BITS`: ``mean(s_b² f (1 − f))`` over the
+        elements (nan where ``x`` holds a non-finite value; 0 for an empty or constant one).
+    """
+    flat = x.detach().reshape(-1)
+    n = flat.numel()
+    totals = torch.zeros(len(CANDIDATE_BITS), dtype=torch.float64, device=flat.device)
+    chunk = max(_VARIANCE_CHUNK // group_size, 1) * group_size
+    for start in range(0, n, chunk):
+        part = flat[start:start + chunk].float()
+        size = part.numel()
+        groups = -(-size // group_size)
+        if groups * group_size > size:  # the last group is short: padded with its own last element
+            part = torch.cat([part, part[-1:].expand(groups * group_size - size)])
+        part = part.view(groups, group_size)
+        lo = part.amin(1, keepdim=True)
+        span = part.amax(1, keepdim=True) - lo
+        t = (part - lo) / torch.where(span > 0, span, torch.ones_like(span))  # the place in the range, [0, 1]
+        for i, bits in enumerate(CANDIDATE_BITS):
+            levels = float((1 << bits) - 1)
+            f = torch.frac(t * levels)
+            v = (span / levels).square() * f * (1 - f)
+            totals[i] += v.reshape(-1)[:size].sum(dtype=torch.float64)
+    return (totals / max(n, 1)).tolist()
+
+
+def _variance_factors(variances: Sequence[float] | None, probe_bits: int) -> list[float]:
+    """The variance factor of each width of :data:`CANDIDATE_BITS` for one tensor, on
+    :func:`variance_factor`'s scale at the probe's width: ``S(probe) · V(b) / V(probe)``,
+    ``V`` of :func:`_rounding_variances` on the tensor the probe measured, so that the
+    sensitivity ``c_l`` measured at ``probe_bits`` prices every width by that tensor's own
+    rounding variance. ``S(b)`` itself where ``V`` is missing, 0 or not finite."""
+    standard = [variance_factor(b) for b in CANDIDATE_BITS]
+    if variances is None:
+        return standard
+    probe = variances[CANDIDATE_BITS.index(probe_bits)]
+    if not (math.isfinite(probe) and probe > 0) or not all(math.isfinite(v) for v in variances):
+        return standard
+    return [variance_factor(probe_bits) * v / probe for v in variances]
+
+
+def _factor(factors: Sequence[float], bits: int) -> float:
+    """A tensor's variance factor at ``bits`` (:func:`_variance_factors`); 0 where it is kept."""
+    return factors[CANDIDATE_BITS.index(bits)] if bits in CANDIDATE_BITS else 0.0
+
+
 def _restore_buffers(buffers: list) -> None:
     """Copy back each ``(buffer, copy)``. Every one: kernels update some in place without
     moving their version counter (BatchNorm's running mean and variance)."""
@@ -65,15 +133,18 @@ def allocate_bits(
     budget_bits: float,
     keep_bits: Sequence[int],
     min_bits: Sequence[int] | None = None,
+    factors: Sequence[Sequence[float]] | None = None,
 ) -> list[int]:
     """Greedy solution of GACT eq. 4: per-tensor bits under a total-bits budget.
 
     Every tensor starts at its ``min_bits`` (1 bit by default); the upgrade (to the next of 1, 2, 4, 8, keep) with the
     largest variance decrease per extra bit, ``c_l (S(b) - S(b')) / ((b' - b) D_l)``, is
     applied while it fits in the budget; an upgrade that does not fit ends that tensor's
-    upgrades. O(L log L) for L tensors (at most 4 upgrades each). The decrease per bit
-    shrinks from one width to the next, so for tensors of equal size the greedy choice is
-    optimal (tests/quant/test_gact.py compares it with brute force); for unequal sizes it
+    upgrades. O(L log L) for L tensors (at most 4 upgrades each). With ``S(b)`` the decrease
+    per bit shrinks from one width to the next, so for tensors of equal size the greedy
+    choice is optimal (with measured ``factors`` only where they keep that order: a
+    tensor whose elements sit mostly at its groups' ends, as a ReLU output's zeros, has a
+    1-bit factor far under ``S(1)``) (tests/quant/test_gact.py compares it with brute force); for unequal sizes it
     is the knapsack greedy, which can miss the optimum when an upgrade does not fit (5 of
     200 random 1-4 tensor cases in that test's setting, each within 1.6x of it).
 
@@ -85,6 +156,10 @@ def allocate_bits(
             bf16/fp16).
         min_bits: the fewest bits of each tensor, one of :data:`CANDIDATE_BITS` (default
             1 for all); counted in the budget first.
+        factors: each tensor's variance factor at each width of :data:`CANDIDATE_BITS`, in
+            place of ``S(b)`` (default ``S(b)`` for all; a kept tensor's is 0).
+            :class:`GACTPolicy` passes each tensor's own rounding variance, scaled to
+            ``S`` at the probe's width.
 
     Returns:
         Bits per tensor (``keep_bits[l]`` where it is kept exact). If the minimum bits
@@ -92,24 +167,31 @@ def allocate_bits(
         even 1 bit each exceeds it, every tensor gets 1 bit.
 
     Raises:
-        ValueError: lengths differ, or a ``min_bits`` entry not in :data:`CANDIDATE_BITS`.
+        ValueError: lengths differ, a ``min_bits`` entry not in :data:`CANDIDATE_BITS`, or
+            a ``factors`` entry not of one value per width.
     """
     n = len(numel)
     if min_bits is None:
         min_bits = [CANDIDATE_BITS[0]] * n
-    if not (len(sensitivity) == n == len(keep_bits) == len(min_bits)):
-        raise ValueError("sensitivity, numel, keep_bits and min_bits must have the same length")
+    if factors is None:
+        factors = [[variance_factor(b) for b in CANDIDATE_BITS]] * n
+    if not (len(sensitivity) == n == len(keep_bits) == len(min_bits) == len(factors)):
+        raise ValueError("sensitivity, numel, keep_bits, min_bits and factors must have the same length")
+    if any(len(f) != len(CANDIDATE_BITS) for f in factors):
+        raise ValueError(f"factors entries must hold one value per width of {CANDIDATE_BITS}")
     if any(b not in CANDIDATE_BITS for b in min_bits):
         raise ValueError(f"min_bits entries must be in {CANDIDATE_BITS}, got {list(min_bits)!r}")
     if sum(b * d for b, d in zip(min_bits, numel)) > budget_bits:
         min_bits = [CANDIDATE_BITS[0]] * n
     levels = [CANDIDATE_BITS + (int(k),) for k in keep_bits]
+    variance = [tuple(float(v) for v in f) + (0.0,) for f in factors]  # by level; kept: 0
     level = [CANDIDATE_BITS.index(b) for b in min_bits]
     used = float(sum(b * d for b, d in zip(min_bits, numel)))
 
     def entry(i: int):
         b, b2 = levels[i][level[i]], levels[i][level[i] + 1]
-        gain = float(sensitivity[i]) * (variance_factor(b) - variance_factor(b2)) / ((b2 - b) * max(numel[i], 1))
+        drop = variance[i][level[i]] - variance[i][level[i] + 1]
+        gain = float(sensitivity[i]) * drop / ((b2 - b) * max(numel[i], 1))
         return (-gain, i)
 
     heap = [entry(i) for i in range(n) if level[i] + 1 < len(levels[i])]
@@ -592,6 +674,14 @@ class GACTPolicy(Policy):
         sensitivity: ``{index: c_l}`` of the last plan, in the plan's weights (``noise_norm``)
             (squared gradient units for ``"absolute"``, dimensionless for ``"relative"``).
         numel: ``{index: D_l}`` of the tensors the last plan saw.
+        variance_factors: ``{index: [factor at 1, 2, 4, 8 bits]}`` of the last plan: each
+            tensor's own stochastic-rounding variance at each width, measured on the tensor
+            the probe quantized and scaled to ``S(probe_bits)`` at the probe's width
+            (:func:`_rounding_variances`), which the allocation and
+            ``compression_variance`` take in place of GACT's ``S(b)``. At 1 bit most
+            elements of a bell-shaped group sit mid-range, and ``S(1)`` under-priced 1 bit:
+            a tensor's measured gradient variance at 1 bit was 1.18-1.34x ``c_l S(1)`` on
+            ``scripts/train_lm.py``'s GPT-2 (0.93-1.04x at 2 and 4 bits).
         compression_variance: ``Σ c_l S(b_l)`` of the last plan, in the alert's weights
             (``alert_ratio``: one per parameter tensor).
         gradient_variance: the SGD gradient-variance estimate of the latest pair of
@@ -653,6 +743,7 @@ class GACTPolicy(Policy):
         self._key_numel: dict[tuple, int] = {}  # SavedTensorInfo.key -> elements when last planned
         self.sensitivity: dict[int, float] = {}
         self.numel: dict[int, int] = {}
+        self.variance_factors: dict[int, list[float]] = {}
         self.compression_variance = math.nan
         self.gradient_variance = math.nan
         self.skipped_nonfinite = 0
@@ -662,6 +753,7 @@ class GACTPolicy(Policy):
         self._gap = 1  # doubles after each re-plan, up to adapt_interval
         self._probe: tuple[int, int] | None = None  # (base seed, index whose seed changes)
         self._seen: dict[int, SavedTensorInfo] = {}
+        self._variances: dict[int, list[float]] = {}  # the probe's tensors' _rounding_variances, by index
         # (call, g0, the alert's per-tensor scales or None, Σ c_l S(probe) in them)
         self._last_g0: tuple[int, torch.Tensor, torch.Tensor | None, float] | None = None
         self._variance_pairs: list[float] = []  # the SGD-variance estimates of the last pairs of calls
@@ -673,6 +765,8 @@ class GACTPolicy(Policy):
     #: earlier build has neither).
     _unplanned_passes = 0
     _warned_empty = False
+    #: The same for the last plan's variance factors (read only: a plan sets the instance's).
+    variance_factors: dict = {}
 
     @property
     def default(self):
@@ -695,6 +789,11 @@ class GACTPolicy(Policy):
         if info.role is not None:  # q, k, nonlinear results, norm inputs: not allocated, 8 bits, also in the sensitivity runs
             return self._quantizers[8]
         if self._probe is not None:
+            if self._probe[1] == -1 and info.index not in self._variances:  # the first run: each tensor's own S(b)
+                q = self._quantizers[self.probe_bits]
+                if info.norm_size is not None:
+                    q = q.within(info.norm_size)
+                self._variances[info.index] = _rounding_variances(x, q.group_size)
             return self._quantizers[self.probe_bits]
         # by the tensor's place in its module (SavedTensorInfo.key), not its place in the
         # pass: a tensor skipped elsewhere (a smaller last batch under min_numel) would move
@@ -850,10 +949,11 @@ class GACTPolicy(Policy):
                         self._probe = None
 
 
-                self._seen = {}
+                self._seen, self._variances = {}, {}
                 run(-1)
                 g0 = _flat_grads(params)
                 seen, self._seen = self._seen, {}
+                variances, self._variances = self._variances, {}
                 s = variance_factor(self.probe_bits)
                 sens, alert = {}, {}
                 finite = bool(torch.isfinite(g0).all())
@@ -914,7 +1014,7 @@ class GACTPolicy(Policy):
         if pair:
             self._pair_variance(g0, params)
         if replan:
-            self._plan(seen, sens, alert)
+            self._plan(seen, sens, alert, {i: _variance_factors(variances.get(i), self.probe_bits) for i in seen})
             self._last_g0 = (self._calls, g0, scales, s * sum(alert.values()))
         self._check_variance()
         return replan
@@ -928,8 +1028,8 @@ class GACTPolicy(Policy):
         self._calls, self._next_plan, self._gap, self._last_g0 = state
 
     #: The attributes :meth:`state_dict` saves (the plan, the schedule, the estimates).
-    _STATE = ("bits", "_by_key", "_key_numel", "sensitivity", "numel", "compression_variance", "gradient_variance",
-              "skipped_nonfinite", "skipped_zero", "_calls", "_next_plan", "_gap", "_last_g0",
+    _STATE = ("bits", "_by_key", "_key_numel", "sensitivity", "numel", "variance_factors", "compression_variance",
+              "gradient_variance", "skipped_nonfinite", "skipped_zero", "_calls", "_next_plan", "_gap", "_last_g0",
               "_variance_pairs", "_warned")
 
     def state_dict(self) -> dict:
@@ -956,6 +1056,8 @@ class GACTPolicy(Policy):
         """
         if isinstance(state, dict) and "_key_numel" not in state:  # saved by an earlier build
             state = {**state, "_key_numel": {}}
+        if isinstance(state, dict) and "variance_factors" not in state:  # saved by an earlier build
+            state = {**state, "variance_factors": {}}
         missing = [k for k in (*self._STATE, "generator", "settings") if not isinstance(state, dict) or k not in state]
         if missing:
             raise ValueError(f"state is not a GACTPolicy.state_dict(): it lacks {', '.join(missing)}")
@@ -976,8 +1078,10 @@ class GACTPolicy(Policy):
         return {"average_bits": self.average_bits, "adapt_interval": self.adapt_interval,
                 "probe_bits": self.probe_bits, "norm_min_bits": self.norm_min_bits, "noise_norm": self.noise_norm}
 
-    def _plan(self, seen: dict[int, SavedTensorInfo], sens: dict[int, float], alert: dict[int, float]) -> None:
+    def _plan(self, seen: dict[int, SavedTensorInfo], sens: dict[int, float], alert: dict[int, float],
+              factors: dict[int, list[float]] | None = None) -> None:
         order = sorted(sens)
+        factors = {i: (factors or {}).get(i) or _variance_factors(None, self.probe_bits) for i in order}
         # Tensors of the last plans this pass did not save (a short batch's, under min_numel;
         # an expert no token reached) keep their bits: a re-plan on a short batch had sent
         # them back to the starting bits until the next one, up to adapt_interval calls (2.2
@@ -997,14 +1101,15 @@ class GACTPolicy(Policy):
                   - sum(b * earlier_size[k] for k, b in earlier.items()))
         keep = [_keep_bits(seen[i].dtype) for i in order]
         floor = [self.norm_min_bits if seen[i].norm_size is not None else CANDIDATE_BITS[0] for i in order]
-        bits = allocate_bits([sens[i] for i in order], size, budget, keep, floor)
+        bits = allocate_bits([sens[i] for i in order], size, budget, keep, floor, [factors[i] for i in order])
         self.bits = dict(zip(order, bits))
         self._by_key = {**earlier, **{seen[i].key: b for i, b in zip(order, bits) if seen[i].key is not None}}
         self._key_numel = {**{k: self._key_numel[k] for k in earlier},
                            **{seen[i].key: n for i, n in zip(order, size) if seen[i].key is not None}}
         self.sensitivity = sens
         self.numel = {i: seen[i].numel for i in seen}
-        self.compression_variance = sum(alert[i] * variance_factor(b) for i, b in self.bits.items())
+        self.variance_factors = {i: factors[i] for i in order}
+        self.compression_variance = sum(alert[i] * _factor(factors[i], b) for i, b in self.bits.items())
 
     def _pair_variance(self, g: torch.Tensor, params: list[torch.Tensor]) -> None:
         """One SGD-variance estimate from this call's probe gradient and the last re-plan's,
