@@ -17,10 +17,13 @@ def _signature(m: nn.Module) -> tuple:
 def find_blocks(model: nn.Module) -> list[tuple[str, list[str]]]:
     """The repeated blocks of ``model``: ``[(block type, [fqn, ...]), ...]``.
 
-    Blocks are the children that have submodules of an ``nn.ModuleList`` (GPT-2's
-    ``transformer.h``) or of an ``nn.Sequential`` with at least two such children (a ResNet
+    Blocks are the children that have submodules and a forward of their own, of an
+    ``nn.ModuleList`` (GPT-2's ``transformer.h``) or ``nn.ModuleDict`` (torchtitan's
+    ``layers``), or of an ``nn.Sequential`` with at least two such children (a ResNet
     stage, ViT's ``encoder.layers``), not nested in another block; the outermost container
-    wins. Blocks of one class and one structure (names, classes, parameter shapes) form a block
+    wins. A child without a forward of its own (an ``nn.ModuleList`` of a layer's parts:
+    ``ModuleList([ModuleList([norm, ff]), ...])``) is never called, so it is not a block:
+    the search goes on inside it (``ff`` is). Blocks of one class and one structure (names, classes, parameter shapes) form a block
     type, which gets one policy. Everything else runs as it is and counts as saved outside
     the blocks.
 
@@ -31,9 +34,14 @@ def find_blocks(model: nn.Module) -> list[tuple[str, list[str]]]:
     names: dict[tuple, str] = {}
     taken: list[str] = []
     for fqn, m in model.named_modules():
-        if not isinstance(m, (nn.ModuleList, nn.Sequential)) or any((fqn + ".").startswith(p) for p in taken):
+        if not isinstance(m, (nn.ModuleList, nn.ModuleDict, nn.Sequential)) or any(
+                (fqn + ".").startswith(p) for p in taken):
             continue
-        children = [(n, c) for n, c in m.named_children() if any(True for _ in c.children())]
+        # a child that is never called (no forward: a ModuleList of a layer's parts) had
+        # been taken as a block: the block kind's hooks on it never ran, and the planner's
+        # post-hook met a block no pre-hook had entered (KeyError, h72)
+        children = [(n, c) for n, c in m.named_children()
+                    if any(True for _ in c.children()) and type(c).forward is not nn.Module.forward]
         if isinstance(m, nn.Sequential) and len(children) < 2:
             continue
         for name, child in children:
@@ -43,8 +51,9 @@ def find_blocks(model: nn.Module) -> list[tuple[str, list[str]]]:
             names.setdefault(sig, type(child).__name__)
             taken.append(cfqn + ".")
     if not types:
-        raise ValueError(f"model ({type(model).__name__}) has no repeated blocks (children with submodules of an "
-                         "nn.ModuleList, or at least two of an nn.Sequential) to plan for")
+        raise ValueError(f"model ({type(model).__name__}) has no repeated blocks (children with submodules and a "
+                         "forward of an nn.ModuleList or nn.ModuleDict, or at least two of an nn.Sequential) to "
+                         "plan for")
     out = []
     seen: dict[str, int] = {}
     for sig, fqns in types.items():

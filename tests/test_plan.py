@@ -127,6 +127,39 @@ def test_find_blocks_in_sequentials():
     assert planner.find_blocks(nested) == [("Sequential", ["0", "1"])]  # the outermost container
 
 
+class _PartsNet(torch.nn.Module):
+    """Research code's layout: ``layers = ModuleList([ModuleList([norm, ff]), ...])``, the
+    parts called one by one (the inner ModuleLists never are)."""
+
+    def __init__(self, width: int = 16, depth: int = 3, container: str = "list") -> None:
+        super().__init__()
+        parts = [torch.nn.ModuleList([torch.nn.LayerNorm(width), _Res(width)]) for _ in range(depth)]
+        self.layers = (torch.nn.ModuleList(parts) if container == "list"
+                       else torch.nn.ModuleDict({f"l{i}": p for i, p in enumerate(parts)}))
+        self.out = torch.nn.Linear(width, 1)
+
+    def forward(self, x):
+        for norm, ff in self.layers if isinstance(self.layers, torch.nn.ModuleList) else self.layers.values():
+            x = ff(norm(x))
+        return self.out(x)
+
+
+@pytest.mark.parametrize("container", ["list", "dict"])
+def test_blocks_are_modules_that_run(container):
+    """Before: the inner ModuleLists were the blocks; the block kind's hooks on them never
+    ran (convert_ reported 3 blocks and compressed nothing) and fewbit.plan died in a
+    KeyError. An nn.ModuleDict of layers had no blocks at all."""
+    model = _PartsNet(container=container)
+    names = [f"layers.{k}.1" for k in (("0", "1", "2") if container == "list" else ("l0", "l1", "l2"))]
+    assert planner.find_blocks(model) == [("_Res", names)]
+    fewbit.convert_(model, fewbit.Config(activation_bits=None, saved_bits=4, layers=("block",), min_numel=0))
+    model(torch.randn(8, 16, requires_grad=True)).sum().backward()
+    assert fewbit.convert.compressor_of(model).stats.compressed > 0
+    layers = torch.nn.ModuleDict({"a": _Res(4), "b": _Res(4)})  # torchtitan's layers
+    assert planner.find_blocks(torch.nn.Sequential(collections.OrderedDict(layers=layers))) == [
+        ("_Res", ["layers.a", "layers.b"])]
+
+
 def test_plan_a_sequential_model_trains_like_vanilla_in_budget():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(512, 16, generator=g)
