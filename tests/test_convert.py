@@ -1868,3 +1868,52 @@ def test_a_compiled_converted_model_compiles_once():
         compiled(x).sum().backward()
     assert counters["stats"]["unique_graphs"] == graphs
     torch._dynamo.reset()
+
+
+def test_a_users_saved_tensor_hooks_get_what_fewbit_keeps_exact():
+    """torch applies the innermost saved-tensor hooks only: a user's pair around a converted
+    model (``save_on_cpu``) had seen none of the tensors saved inside its compressed layers,
+    2 of 12 here. What fewbit keeps exact goes through the user's pair now (packed and
+    unpacked once each); what it compresses stays its own; the gradients are those of the
+    same step without the user's pair, bit for bit (the few-bit GELU's codes are saved
+    outside the compressor: the user's pair sees them as torch's GELU's input)."""
+
+    def make():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64), nn.LayerNorm(64), nn.Linear(64, 1))
+
+    x = torch.randn(128, 64, requires_grad=True)
+    seen = []
+
+    def pack(t):
+        seen.append(t)
+        return len(seen) - 1
+
+    unpacked = []
+
+    def unpack(i):
+        unpacked.append(i)
+        return seen[i]
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        make()(x).sum().backward()
+    plain = len(seen)
+    grads = {}
+    for users in (False, True):
+        seen.clear()
+        unpacked.clear()
+        model = make()
+        comp = fewbit.convert_(model, fewbit.Config(activation_bits=3, saved_bits=4, min_numel=0)).compressor
+        fewbit.quant.manual_seed(1)  # the same noise in both runs
+        if users:
+            with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+                y = model(x)
+        else:
+            y = model(x)
+        y.sum().backward()
+        grads[users] = [p.grad for p in model.parameters()]
+    assert comp.stats.compressed > 0
+    kept = sum(comp.stats.skipped.values())
+    assert kept > 0 and len(seen) == plain - comp.stats.compressed + 1  # the GELU's codes and table for its input
+    assert sorted(unpacked) == list(range(len(seen)))
+    assert all(torch.equal(a, b) for a, b in zip(grads[False], grads[True]))

@@ -23,7 +23,7 @@ import torch
 import torch.utils.checkpoint
 from torch.utils._pytree import tree_leaves
 
-from fewbit import _norm_rows
+from fewbit import _norm_rows, _saved
 from fewbit._checks import check_optimizer, check_positive_int, float64_out_of_range
 from fewbit._interrupted import finished, leave_mode, remove_saved_tensors_hooks, sweep_modes
 from fewbit._saved import Kept, keep
@@ -759,6 +759,7 @@ class ActivationCompressor:
         self._owner: int | None = None  # the thread inside the blocks (threading.get_ident)
         #: the module call whose pre-hook entered first (:meth:`enter_from`), while inside
         self._frame = None
+        self._outer = None  # the user's saved-tensor hooks under the outermost entry (_users_hooks)
         self._where: list = []  # (fqn, kind, norm_size) of the converted modules running, innermost last
         self._index = 0
         self._ordinals: dict = {}  # fqn -> saves of that module in this pass
@@ -979,6 +980,7 @@ class ActivationCompressor:
         mode, self._mode = self._mode, None
         self._stack.clear()
         self._frame = None
+        self._outer = None
         self._where.clear()
         for _ in range(n):  # torch's saved-tensor hooks: ours, wherever they sit (hooks a user
             # entered since keep their place; popping only from the top had left ours under
@@ -1010,6 +1012,8 @@ class ActivationCompressor:
                     "(DistributedDataParallel), or give each thread its own compressor")
             self._owner = me
         try:
+            if not self._stack:
+                self._outer = _users_hooks()
             ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
             ctx.__enter__()
             if not self._stack:
@@ -1049,6 +1053,7 @@ class ActivationCompressor:
                 remove_saved_tensors_hooks(self._pack, self._unpack)
             if not self._stack:
                 self._frame = None
+                self._outer = None
                 self._owner = None  # released last: another thread may enter now
 
     @property
@@ -1065,6 +1070,16 @@ class ActivationCompressor:
         return keep(t)  # checked for in-place changes on unpack, as torch does (fewbit._saved)
 
     def _pack(self, t: torch.Tensor):
+        packed = self._pack_one(t)
+        outer = self._outer
+        if outer is not None and type(packed) is Kept:
+            # what is kept exact goes through the user's hooks (save_on_cpu around a
+            # converted model): torch applies the innermost pair only, and they had seen no
+            # tensor saved inside a compressed layer (h72)
+            return _UsersPacked(outer[0](t), outer[1])
+        return packed
+
+    def _pack_one(self, t: torch.Tensor):
         if self._frame is not None and self.check_interrupted():
             return keep(t)  # the save of a forward after an interrupted one: not ours
         # this save's place among its module's saves in the pass, every save counted (a
@@ -1355,9 +1370,37 @@ class ActivationCompressor:
             if torch.is_grad_enabled() and packed.lossy and _builds_graph_of_backward():
                 raise RuntimeError(_DOUBLE_BACKWARD)
             return packed.unpack()
-        if isinstance(packed, Kept):
+        if isinstance(packed, (Kept, _UsersPacked)):
             return packed.unpack()
         return packed
+
+
+class _UsersPacked:
+    """A tensor kept exact, packed by the user's saved-tensor hooks (:func:`_users_hooks`)."""
+
+    __slots__ = ("packed", "unpack_hook")
+
+    def __init__(self, packed, unpack_hook) -> None:
+        self.packed, self.unpack_hook = packed, unpack_hook
+
+    def unpack(self) -> torch.Tensor:
+        return self.unpack_hook(self.packed)
+
+
+def _users_hooks() -> tuple | None:
+    """The saved-tensor hooks in force around a converted forward, if they are the user's
+    (``torch.autograd.graph.save_on_cpu``, a user's own pair), not a checkpoint's (which
+    fewbit stands aside for) or fewbit's own (a memory report's recorder, the planner's
+    capture, another converted model's compressor). Torch applies only the innermost pair:
+    the tensors fewbit keeps exact are handed on to these; compressed ones stay fewbit's
+    (their codes and statistics, on the tensor's device)."""
+    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    if top is None or _saved.checkpoint_hooks() is not None:
+        return None
+    module = getattr(top[0], "__module__", None) or ""
+    if module == "fewbit" or module.startswith("fewbit."):
+        return None
+    return top
 
 
 #: The cache layout of attention's q and k copies (ActivationCompressor._pack).
