@@ -92,9 +92,14 @@ def _chunk_loss(logits: torch.Tensor, target: torch.Tensor, valid: torch.Tensor,
     ``(1 - eps) * nll + eps / V * sum_c (-log p_c)`` (0 on ignored rows). The smoothing
     term sums the log-probabilities, not ``lse - mean(z)``: logits with a large common
     offset (a bias of 1e4) had lost it to cancellation (3.7e-4 off in float32, torch 4e-5).
+    The row's maximum is taken off before the logsumexp, as torch's log_softmax does:
+    ``z - lse`` rounded the lse to the ulp of the offset, and the gradients were 2.4-4.4x
+    torch's error at a bias of 1e4 (h71).
     """
-    lse = torch.logsumexp(logits, dim=-1)
-    logp = logits.sub_(lse.unsqueeze(-1))
+    m = logits.amax(dim=-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, 0.0)
+    shifted = logits.sub_(m)  # exact (Sterbenz) near the max, as torch's log_softmax
+    logp = shifted.sub_(torch.logsumexp(shifted, dim=-1, keepdim=True))
     safe = torch.where(valid, target, 0)
     loss = logp.gather(-1, safe.unsqueeze(-1)).squeeze(-1).neg_()
     if label_smoothing:
@@ -406,7 +411,9 @@ def linear_cross_entropy(
       than torch's only when N > H tokens (768 for GPT-2). In float16 the gradients are
       rounded before a loss scale can lift them: entries below float16's range are 0
       (GradScaler's scale does not help, as it does for the default); prefer the default
-      or bfloat16 there.
+      or bfloat16 there. Under ``torch.compile`` it runs as the default: its check that no
+      input was changed in place before backward (an optimizer step before a delayed
+      backward) needs eager version counters.
 
     At most ``chunk_size`` x V logits (and their gradient, in place) exist at once.
 
@@ -484,8 +491,14 @@ def linear_cross_entropy(
             loss = F.cross_entropy(logits, t, ignore_index=int(ignore_index), reduction=reduction,
                                    label_smoothing=float(label_smoothing))
         elif torch.is_grad_enabled() and any(a is not None and a.requires_grad for a in (x, weight, bias)):
+            # traced (torch.compile), grad_in_forward runs as the default: its check that no
+            # input changed in place before backward reads version counters, which a trace
+            # does not have, and a weight stepped in place before a delayed backward gave
+            # the old weight's gradients silently (h71); the default's saved inputs are
+            # checked by autograd, compiled or not
             loss = _LinearCrossEntropy.apply(x, weight, bias, t, int(ignore_index), reduction,
-                                             float(label_smoothing), int(chunk_size), grad_in_forward)
+                                             float(label_smoothing), int(chunk_size),
+                                             grad_in_forward and not _compiling_or_recording())
         else:  # evaluation: the loss only (autograd would still ask the Function for gradients)
             rows, *_ = _chunked(x, weight, bias, t, ignore_index=int(ignore_index),
                                    label_smoothing=float(label_smoothing), chunk_size=int(chunk_size),
@@ -611,17 +624,21 @@ class _HeadForward:
                 # uses of its hidden states (_check_returned_loss)
                 hidden_states = hidden_states.view_as(hidden_states)
             running.hidden = hidden_states
-            if not _compiling_or_recording() and hidden_states.is_inference():
-                # no version counter: a copy to compare with instead (a traced graph has no
-                # inference tensors; dynamo cannot ask)
-                running.hidden_version, running.hidden_copy = None, hidden_states.clone()
-            else:
-                running.hidden_version, running.hidden_copy = hidden_states._version, None
+            _note_version(running, hidden_states)
             return hidden_states
         head = running.head(patch)
         return type(head).forward(head, hidden_states)
 
 
+@torch._dynamo.disable  # run eagerly, on the real tensor: traced, _version is the trace's own
+def _note_version(running: "_Running", hidden_states: torch.Tensor) -> None:
+    if hidden_states.is_inference():
+        running.hidden_version, running.hidden_copy = None, hidden_states.clone()
+    else:
+        running.hidden_version, running.hidden_copy = hidden_states._version, None
+
+
+@torch._dynamo.disable  # as _note_version: an in-place change in a compiled forward went unseen
 def _changed(hidden: torch.Tensor, running: _Running) -> bool:
     """Whether ``hidden`` (what the head returned) was changed in place since: its version
     counter, or for an inference tensor (``torch.inference_mode``, which keeps none) its bits

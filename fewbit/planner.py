@@ -1347,8 +1347,10 @@ def profile(
         options: option names (:data:`DEFAULT_OPTIONS`).
         optimizer: one of :data:`OPTIMIZER_STATES` (static memory of its state).
         fused_cross_entropy: compute a Hugging Face ``*ForCausalLM``'s loss with
-            :func:`fewbit.losses.patch_causal_lm_` (no saved logits); ``None``: when the model
-            is one, ``example_batch`` has ``labels``, the fused loss can compute its loss
+            :func:`fewbit.losses.patch_causal_lm_` (no saved logits; the output's
+            ``logits`` are None); ``None``: when ``loss_fn`` is the default (a loss of the
+            user's may read the logits), the model is one, ``example_batch`` has ``labels``,
+            the fused loss can compute its loss
             (:func:`fewbit.losses.fused_loss_refusal`: no transform of the logits named by
             its config, ``ForCausalLMLoss`` called by its forward, a plain Linear head) and
             its forward changes no logits between ``lm_head`` and the loss (checked on the
@@ -1407,11 +1409,15 @@ def _profile(model, example_batch, loss_fn, options, optimizer, fused_cross_entr
     from fewbit.memory import _default_loss, is_activation_module
 
     opts = options
+    own_loss = loss_fn is None
     loss_fn = loss_fn or _default_loss
     has_labels = isinstance(example_batch, Mapping) and example_batch.get("labels") is not None
     fused_by_default = fused_cross_entropy is None
-    if fused_by_default:  # not for a model whose loss it cannot compute (Gemma 2's soft cap, BART's inline loss)
-        fused_cross_entropy = _is_causal_lm(model) and has_labels and fused_loss_refusal(model) is None
+    if fused_by_default:  # not for a model whose loss it cannot compute (Gemma 2's soft cap, BART's inline loss),
+        # nor under a loss_fn of the user's, which may read the logits the fused loss leaves None (h71: a
+        # TypeError from inside the user's function)
+        fused_cross_entropy = (own_loss and _is_causal_lm(model) and has_labels
+                               and fused_loss_refusal(model) is None)
     elif fused_cross_entropy and not _is_causal_lm(model):
         raise ValueError(f"fused_cross_entropy=True needs a Hugging Face *ForCausalLM model, got {type(model).__name__}")
     blocks = find_blocks(model)

@@ -1877,3 +1877,16 @@ def test_measured_plans_search_below_the_rounds_for_a_faster_plan(prof, monkeypa
     p = planner._plan_measured(None, None, None, prof, budget, 1.0)
     assert p.predicted_peak_bytes <= budget
     assert p.blocks != smallest.blocks and p.predicted_step_time < smallest.predicted_step_time
+
+
+def test_a_loss_of_the_users_that_reads_the_logits_is_profiled_unfused(batch):
+    """The fused loss was chosen by default whenever the batch had labels, and it leaves
+    the output's logits None: a ``loss_fn`` of the user's that reads them died in a
+    TypeError inside it (review h71). With a loss of the user's the default is unfused;
+    ``fused_cross_entropy=True`` still asks for it."""
+    def loss_fn(out):
+        return torch.nn.functional.cross_entropy(out.logits[:, :-1].flatten(0, 1), batch["labels"][:, 1:].flatten())
+
+    prof = planner.profile(make_model(), batch, loss_fn=loss_fn, optimizer="sgd", repeats=1)
+    assert not prof.fused_cross_entropy
+    assert planner.profile(make_model(), batch, optimizer="sgd", repeats=1).fused_cross_entropy
