@@ -527,6 +527,11 @@ def merge_params(name: str, defaults: Mapping[str, float], params: Mapping[str, 
         if not number:
             raise ValueError(f"params: {k} of {name} must be a number, got {given!r}")
         v = float(given)
+        if torch.compiler.is_compiling():
+            # torch.compile(dynamic=True) makes it a SymFloat, which math.isfinite cannot
+            # trace (every module with a float parameter failed, h69): float.hex reads its
+            # value, which specialises it, as torch's own modules hold theirs as constants
+            v = float.fromhex(v.hex())
         if not math.isfinite(v):
             raise ValueError(f"params: {k} of {name} must be finite, got {v}")
         out[k] = v

@@ -32,7 +32,14 @@ import torch.nn.functional as F
 
 from fewbit._caches import call_key, remember
 from fewbit._checks import check_bits, check_float_tensor
-from fewbit.ops._pointwise import _apply, _apply_planned, _plan, _recording_program, _transforms_active
+from fewbit.ops._pointwise import (
+    _apply,
+    _apply_planned,
+    _plan,
+    _recording_program,
+    _requires_grad,
+    _transforms_active,
+)
 from fewbit.resolve import CALLS as _CALLS
 from fewbit.resolve import (  # noqa: F401  (re-exported: public names, and private ones tests use)
     FIT_OPTIONS,
@@ -89,7 +96,7 @@ __all__ = [
 
 
 def _needs_grad(input: torch.Tensor) -> bool:
-    return torch.is_grad_enabled() and input.requires_grad
+    return torch.is_grad_enabled() and _requires_grad(input)
 
 
 # --------------------------------------------------------------------------- core

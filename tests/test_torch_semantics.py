@@ -382,3 +382,42 @@ def test_per_sample_gradients_of_a_model_with_compressed_saves():
         got.append(vmap(grad(f), in_dims=(None, 0))(params, x))
     for n in got[0]:
         assert bits_equal(got[1][n], got[0][n]), n
+
+
+def test_vmap_of_a_tensor_that_requires_grad_keeps_the_few_bit_backward():
+    """``vmap(f)(x)`` then ``.backward()`` (ensembles over ``functional_call``): the batched
+    tensor vmap passes in reports ``requires_grad=False``, so the call ran torch's function
+    and saved the whole input, with torch's exact gradient instead of the table's (review
+    h69). The tensor under the batching is asked now."""
+    from fewbit.ops import decode_mul_reference, encode_reference
+    from fewbit.resolve import resolve_fn, table_for
+
+    torch.manual_seed(0)
+    x = torch.randn(3, 6, dtype=torch.float64) * 2
+    table = table_for(resolve_fn("gelu"), 3, {}, x.dtype)
+    expect = decode_mul_reference(torch.ones_like(x), encode_reference(x, table.borders, table.codes, 3),
+                                  table.values, 3)
+    leaf = x.clone().requires_grad_()
+    torch.func.vmap(FF.gelu)(leaf).sum().backward()
+    assert torch.equal(leaf.grad, expect)
+
+
+@pytest.mark.parametrize("module", [lambda: fewbit.ELU(alpha=0.5), lambda: fewbit.LeakyReLU(0.2),
+                                    lambda: fewbit.Softplus(beta=2.0), lambda: fewbit.Hardtanh(-2.0, 2.0),
+                                    lambda: fewbit.CELU(alpha=1.5)])
+def test_parametrised_modules_compile_with_dynamic_shapes(module):
+    """``torch.compile(dynamic=True)`` makes float parameters symbolic: ``math.isfinite`` of
+    one could not be traced (fullgraph: an error; otherwise a graph break, after which the
+    table's ``bits`` was symbolic and the fake kernel refused it). Every module with a float
+    parameter had failed; torch's own compile (review h69). The parameters are
+    specialised now: forward and gradient equal eager's."""
+    torch._dynamo.reset()
+    m = module()
+    x = torch.randn(4, 3, dtype=torch.float64)
+    leaf = x.clone().requires_grad_()
+    y = torch.compile(m, backend="aot_eager", fullgraph=True, dynamic=True)(leaf)
+    y.sum().backward()
+    ref = x.clone().requires_grad_()
+    m(ref).sum().backward()
+    assert bits_equal(y.detach(), m(x)) and bits_equal(leaf.grad, ref.grad)
+    torch._dynamo.reset()

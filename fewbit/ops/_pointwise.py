@@ -449,6 +449,22 @@ def pointwise(
     return _apply(input, table, fn, torch_fn, full, inplace)
 
 
+def _requires_grad(t: torch.Tensor) -> bool:
+    """``t.requires_grad``, also for a vmap BatchedTensor (which reports False) over a
+    tensor that requires grad at an outer level: ``vmap(f)(x)`` then ``backward()`` had run
+    torch's function, saving the whole input, with torch's gradient (h69)."""
+    if t.requires_grad:
+        return True
+    if not _transforms_active():
+        return False
+    f = torch._C._functorch
+    while f.is_batchedtensor(t):
+        t = f.get_unwrapped(t)
+        if t.requires_grad:
+            return True
+    return False
+
+
 def _apply(
     input: torch.Tensor, table: Table, fn: str, torch_fn: Callable[..., torch.Tensor], full: dict, inplace: bool
 ) -> torch.Tensor:
@@ -456,7 +472,7 @@ def _apply(
     what ``fn`` names and ``full`` its parameters with defaults filled in, ``table``
     matches them. :mod:`fewbit.functional` calls this after its own checks, so that a
     call checks its input and resolves its function once."""
-    if not (torch.is_grad_enabled() and input.requires_grad) or _recording_program():
+    if not (torch.is_grad_enabled() and _requires_grad(input)) or _recording_program():
         y = torch_fn(input, **full)
         if inplace:
             return input.copy_(y)
