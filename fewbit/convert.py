@@ -60,7 +60,10 @@ An HF module is recognised by its class and by what it computes: one whose ``act
 one of the above (``AccurateGELUActivation`` with another ``precomputed_constant``, an
 instance whose ``forward`` was replaced, e.g. by a hub kernel) is left alone and listed.
 
-Left alone and listed in :attr:`ConversionSummary.unsupported`: activations that are not
+Not replaced, and listed in :attr:`ConversionSummary.unsupported` (their forward runs as it
+is, so the torch activation functions it calls, ``F.gelu`` inside ``nn.GELU`` at the root
+or HF's ``ClippedGELUActivation``, are taken over by item 3 like any call of the model's):
+activations that are not
 one of fewbit's pointwise functions or have learnable/random parameters (``PReLU``,
 ``RReLU``, ``GLU``, ``Softmax``/``LogSoftmax``/``Softmin``/``Softmax2d``, HF
 ``ClippedGELUActivation``, ``LaplaceActivation``, ``ReLUSquaredActivation``,
@@ -352,7 +355,10 @@ class ConversionSummary:
         replaced: ``{fqn: (old class name, repr of the new module)}``.
         changed: ``{fqn: (old repr, new repr)}`` of fewbit modules already in the model
             (an earlier conversion) whose ``bits`` were set to ``activation_bits``.
-        unsupported: ``{fqn: class name (and why)}`` of activations left as they were.
+        unsupported: ``{fqn: class name (and why)}`` of activation modules not replaced. Their
+            forward runs as it is, so the torch activation functions it calls (``F.gelu``
+            inside a root ``nn.GELU`` or HF's ``ClippedGELUActivation``) run fewbit's where
+            the model's calls are converted (``functional_bits``).
         compressed: ``{fqn: kind}`` of modules whose forward runs inside the compressor.
         compressor: the shared :class:`fewbit.quant.ActivationCompressor` (its ``stats``
             count bytes before/after), or ``None`` when ``saved_bits`` is ``None``.
@@ -388,7 +394,14 @@ class ConversionSummary:
         if self.changed:
             lines.append(f"  changed {len(self.changed)} fewbit module(s) already there:")
             lines += [f"    {fqn or '<root>'}: {old} -> {new}" for fqn, (old, new) in self.changed.items()]
-        if self.unsupported:
+        if self.unsupported and self.functional_bits is not None:
+            # their own forwards' calls to torch's activation functions are the model's calls
+            # too: the summary had called them "left as they were" while their gradients
+            # were few-bit (a root nn.GELU, HF's ClippedGELUActivation, h72)
+            lines.append(f"  did not replace {len(self.unsupported)} activation module(s) (the torch activation "
+                         "functions their forward calls run fewbit's, below):")
+            lines += [f"    {fqn or '<root>'}: {name}" for fqn, name in self.unsupported.items()]
+        elif self.unsupported:
             lines.append(f"  left {len(self.unsupported)} unsupported activation(s) as they were:")
             lines += [f"    {fqn or '<root>'}: {name}" for fqn, name in self.unsupported.items()]
         if self.functional_bits is not None:
