@@ -636,12 +636,16 @@ def _replacement(m: nn.Module, model: nn.Module, factory: _Factory, bits: int) -
 
 #: nn.Module's per-instance hook registries that a replacement takes over.
 _HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
-               "_forward_hooks_always_called", "_backward_pre_hooks", "_backward_hooks")
+               "_forward_hooks_always_called", "_backward_pre_hooks", "_backward_hooks",
+               # state_dict's and load_state_dict's (h72: dropped before, while the docstring
+               # said the hooks carry over)
+               "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
+               "_load_state_dict_post_hooks")
 
 
 def _carry_over(old: nn.Module, new: nn.Module) -> None:
     """Give replacement ``new`` what the user set on activation ``old``: its forward,
-    forward-pre and backward hooks (the same registries, so the handles the user holds
+    forward-pre, backward, ``state_dict`` and ``load_state_dict`` hooks (the same registries, so the handles the user holds
     still remove them; hooks then receive ``new`` as the module), the parameters, buffers
     (persistent or not) and submodules registered on it (so ``state_dict()`` keys and
     ``parameters()`` are unchanged; the same tensors, not copies) and its own attributes
@@ -658,7 +662,11 @@ def _carry_over(old: nn.Module, new: nn.Module) -> None:
             new.add_module(name, m)
     for name in _HOOK_DICTS:
         if name in vars(old):
-            object.__setattr__(new, name, vars(old)[name])
+            hooks = vars(old)[name]
+            object.__setattr__(new, name, hooks)
+            for hook in hooks.values():  # load_state_dict's pre-hooks hold their module weakly
+                if getattr(hook, "with_module", False) and isinstance(getattr(hook, "module", None), weakref.ref):
+                    hook.module = weakref.ref(new)
     if "_is_full_backward_hook" in vars(old):
         object.__setattr__(new, "_is_full_backward_hook", old._is_full_backward_hook)
     try:

@@ -1287,6 +1287,16 @@ def test_hooks_and_attributes_of_replaced_activations_carry_over():
     assert not torch.equal(model2(x), torch.nn.functional.gelu(x)) and (model2(x) == 0).all()
     h.remove()
     assert torch.equal(model2(x), torch.nn.functional.gelu(x))
+    # state_dict's and load_state_dict's hooks too (they were dropped, review h72)
+    model3 = nn.Sequential(nn.Linear(4, 4), nn.GELU())
+    log = []
+    model3[1].register_state_dict_pre_hook(lambda mod, prefix, keep_vars: log.append("state_dict_pre"))
+    model3[1].register_state_dict_post_hook(lambda mod, sd, prefix, local: log.append("state_dict_post"))
+    model3[1].register_load_state_dict_pre_hook(lambda mod, sd, prefix, *rest: log.append(mod is model3[1]))
+    model3[1].register_load_state_dict_post_hook(lambda mod, incompatible: log.append("load_post"))
+    convert_(model3, bits=3)
+    model3.load_state_dict(model3.state_dict())
+    assert log == ["state_dict_pre", "state_dict_post", True, "load_post"]  # the pre-hook gets the replacement
 
 
 def test_parameters_buffers_and_submodules_of_replaced_activations_carry_over():
