@@ -594,6 +594,14 @@ def fit_cmd(name, bits, domain, weight, grid, symmetric, params, output, force, 
     _check_writable(path, force)
     tables = _run_fit(cname, bits, domain=domain, weight=weight, grid=grid, symmetric=symmetric,
                       params=nd_params, progress=progress)
+    try:
+        write_tables(path, tables.values(), overwrite=force)
+    except FileExistsError:
+        raise click.ClickException(f"output file {path} was created while fitting; pass --force to overwrite "
+                                   "it") from None
+    except OSError as exc:
+        raise click.ClickException(f"cannot write {path}: {exc.strerror or exc}") from None
+    # written before the summary: a closed stdout (`| head -1`) must not lose the fit
     first = tables[min(tables)]
     dom = f"[{domain[0]:g}, {domain[1]:g}]"
     click.echo(f"{_what(cname, nd_params)} on {dom}, weight {first.weight}")
@@ -610,13 +618,6 @@ def fit_cmd(name, bits, domain, weight, grid, symmetric, params, output, force, 
         click.echo(_render_table(["bits", weighted, "error (w = 1)", "intervals"], rows))
         click.echo(f"{weighted} = integral of (f' - q)^2 w dx over {dom}, the objective the fit minimised")
         click.echo(f"error (w = 1) = integral of (f' - q)^2 dx over {dom}, as `fewbit error` reports it")
-    try:
-        write_tables(path, tables.values(), overwrite=force)
-    except FileExistsError:
-        raise click.ClickException(f"output file {path} was created while fitting; pass --force to overwrite "
-                                   "it") from None
-    except OSError as exc:
-        raise click.ClickException(f"cannot write {path}: {exc.strerror or exc}") from None
     click.echo(f"wrote {path}")
 
 

@@ -166,17 +166,25 @@ def _dp_kernel(W, FW, F2, K, block, D, A, i_begin, i_end):  # pragma: no cover -
                         A[k, i] = j
 
 
-#: Kernel calls per DP at most (see :func:`dp_chunks`).
-_MAX_CHUNKS = 16
+#: Kernel calls per DP at least, where the grid has that many blocks (see :func:`dp_chunks`).
+_MIN_CHUNKS = 16
+#: DP steps (``j`` x ``k`` pairs) per kernel call at most, where the blocks allow: about a
+#: second on one core of this project's CI machine (a fit at grid 40000 and 8 bits, 2e11
+#: steps, took 200 s in 16 calls).
+_STEPS_PER_CHUNK = 1e9
 
 
-def dp_chunks(n: int) -> list[tuple[int, int]]:
+def dp_chunks(n: int, K: int = 1) -> list[tuple[int, int]]:
     """The ranges ``[i_begin, i_end)`` of grid rows that :func:`dp_numba_tables` computes
-    per kernel call, for a grid of ``n`` cells: whole blocks, about equal work each (the
-    work of row ``i`` grows like ``i``), at most 16 of them.
+    per kernel call, for a grid of ``n`` cells and ``K`` pieces: whole blocks, about equal
+    work each (the work of row ``i`` grows like ``i``), 16 of them, or more where the DP's
+    ``n² K / 2`` steps would make one call longer than about a second (Ctrl-C is seen
+    between calls: with 16 calls, a fit at grid 200000 and 8 bits ignored it for minutes),
+    at most one call per block.
 
     Args:
         n: number of grid cells (an int).
+        K: pieces of the DP (an int >= 1).
 
     Returns:
         list of ``(i_begin, i_end)`` int pairs, in order, that together cover the rows
@@ -185,7 +193,7 @@ def dp_chunks(n: int) -> list[tuple[int, int]]:
     block = _block(n)
     starts = list(range(1, n + 1, block))
     nb = len(starts)
-    c = min(_MAX_CHUNKS, nb)
+    c = min(max(_MIN_CHUNKS, math.ceil(float(n) * n * max(K, 1) / 2 / _STEPS_PER_CHUNK)), nb)
     ends = sorted({max(1, math.ceil(nb * math.sqrt(m / c))) for m in range(1, c + 1)})
     out, prev = [], 0
     for e in ends:
@@ -211,7 +219,7 @@ def dp_numba_tables(W, FW, F2, K, *, progress=None):
         W, FW, F2: ``(n + 1,)`` float64 prefix integrals.
         K: pieces, ``1 <= K <= n``.
         progress: optional ``progress(done, total)`` called after each piece
-            (``total = len(dp_chunks(n))``); an exception it raises stops the DP.
+            (``total = len(dp_chunks(n, K))``); an exception it raises stops the DP.
 
     Returns:
         ``(D, A)``, both of shape ``(n + 1, K + 1)`` (transposed views, not C-contiguous):
@@ -227,7 +235,7 @@ def dp_numba_tables(W, FW, F2, K, *, progress=None):
     D = np.full((K + 1, n + 1 + _LANES), np.inf)
     D[0, 0] = 0.0
     A = np.zeros((K + 1, n + 1), np.int32)
-    chunks = dp_chunks(n)
+    chunks = dp_chunks(n, K)
     block = _block(n)
     with _KERNEL_LOCK:
         for done, (i_begin, i_end) in enumerate(chunks, 1):

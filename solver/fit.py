@@ -215,7 +215,7 @@ def _fit(fn, bits_list, domain, weight, grid, symmetric, params, refine, progres
     _check_resolves(obj, grid, max(bits_list))
     t = obj.grid(grid)
     # Steps: the prefix integrals, each kernel call of the DP, one refinement per bit width.
-    n_chunks = len(dp_chunks(t.size - 1))
+    n_chunks = len(dp_chunks(t.size - 1, 1 << max(bits_list)))
     total = 1 + n_chunks + len(bits_list)
 
     def report(done: int) -> None:

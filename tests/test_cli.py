@@ -785,3 +785,20 @@ def test_sizes_past_their_range_are_one_line_errors(command):
         assert_one_line_error(run("memory", "--model", "gpt2", "--layers", "1", "--hidden", "64", "--seq-len", "8",
                                   "--saved-bits", "4", "--group-size", "99999999999999999999", "--no-progress"),
                               "group_size must be an integer in 1..2147483647")
+
+
+def test_a_closed_stdout_does_not_lose_the_fit(tmp_path):
+    """``fewbit fit ... | head -1``: the summary was printed before the file was written, so
+    a pipe closed by then ended the command (exit 1, no message) and the fit was lost
+    (review h70). The file is written first."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "t.json"
+    proc = subprocess.Popen([sys.executable, "-m", "fewbit.cli", "fit", "gelu", "--bits", "2", "--grid", "100",
+                             "--no-progress", "-o", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            cwd=tmp_path)
+    proc.stdout.close()  # the reader is gone before anything is printed
+    proc.wait(timeout=300)
+    proc.stderr.close()
+    assert 2 in read_tables(out)

@@ -1,5 +1,6 @@
 """DP (docs/method.md §4): segment cost, numba == numpy == brute force, lean import."""
 
+import math
 import subprocess
 import sys
 
@@ -175,3 +176,20 @@ def test_backtrack_refuses_pieces_the_tables_do_not_hold(n, k, needle):
     _, A = dp_numba_tables(W, FW, F2, 2)
     with pytest.raises(ValueError, match=needle):
         backtrack(A, n, k)
+
+
+def test_dp_pieces_grow_with_the_work():
+    """Ctrl-C is seen between kernel calls: 16 calls at grid 200000 and 8 bits (5e12 DP
+    steps) had made each one minutes long, and a fit ignored Ctrl-C (review h70). Calls
+    hold about 1e9 steps where the grid's blocks allow (at most one call per block: the
+    last block of a 200000 grid alone is 2.6e10 steps), and as many as before where the
+    work is small."""
+    from fewbit.solver.dp import _block, dp_chunks
+
+    assert dp_chunks(8000, 4) == dp_chunks(8000)  # a default fit at 2 bits: as before
+    for n, k in ((40000, 256), (200000, 256)):
+        chunks = dp_chunks(n, k)
+        work = [(b * b - a * a) / 2 * k for a, b in chunks]
+        last_block = (n * n - (n - _block(n)) ** 2) / 2 * k
+        assert max(work) <= max(2e9, 2.1 * last_block), (n, max(work), last_block)
+        assert chunks[0][0] == 1 and chunks[-1][1] == n + 1 and all(a[1] == b[0] for a, b in zip(chunks, chunks[1:]))
