@@ -536,6 +536,10 @@ class _Patch:
     def __setstate__(self, d: dict) -> None:
         self.__dict__.update(d)
         self._local = threading.local()
+        _eager_checks()
+
+    def __post_init__(self) -> None:
+        _eager_checks()
 
     @property
     def running(self) -> "_Running":
@@ -624,21 +628,21 @@ class _HeadForward:
                 # uses of its hidden states (_check_returned_loss)
                 hidden_states = hidden_states.view_as(hidden_states)
             running.hidden = hidden_states
-            _note_version(running, hidden_states)
+            _EAGER[0](running, hidden_states)
             return hidden_states
         head = running.head(patch)
         return type(head).forward(head, hidden_states)
 
 
-@torch._dynamo.disable  # run eagerly, on the real tensor: traced, _version is the trace's own
 def _note_version(running: "_Running", hidden_states: torch.Tensor) -> None:
+    """Record the hidden states' version counter (an inference tensor's copy: it has none).
+    Run eagerly under torch.compile (:data:`_EAGER`)."""
     if hidden_states.is_inference():
         running.hidden_version, running.hidden_copy = None, hidden_states.clone()
     else:
         running.hidden_version, running.hidden_copy = hidden_states._version, None
 
 
-@torch._dynamo.disable  # as _note_version: an in-place change in a compiled forward went unseen
 def _changed(hidden: torch.Tensor, running: _Running) -> bool:
     """Whether ``hidden`` (what the head returned) was changed in place since: its version
     counter, or for an inference tensor (``torch.inference_mode``, which keeps none) its bits
@@ -646,6 +650,18 @@ def _changed(hidden: torch.Tensor, running: _Running) -> bool:
     if running.hidden_version is not None:
         return hidden._version != running.hidden_version
     return not _same(hidden, running.hidden_copy)
+
+
+#: ``[_note_version, _changed]`` run eagerly under torch.compile (``torch.compiler.disable``):
+#: traced, a tensor's ``_version`` is the trace's own, and a compiled model that masked its
+#: logits in place got a silently wrong loss (h71). Made by the first :class:`_Patch`, not
+#: at import: ``torch.compiler.disable`` imports ``torch._dynamo`` (and triton: seconds).
+_EAGER: list = []
+
+
+def _eager_checks() -> None:
+    if not _EAGER:
+        _EAGER[:] = [torch.compiler.disable(_note_version), torch.compiler.disable(_changed)]
 
 
 class _TransformedLogits(RuntimeError):
@@ -665,7 +681,7 @@ class _LossFunction:
         patch = self.patch
         running = patch.running
         if running.labelled():
-            if logits is None or logits is not running.hidden or _changed(logits, running):
+            if logits is None or logits is not running.hidden or _EAGER[1](logits, running):
                 # a transform between the head and the loss, also one in place (Chameleon's
                 # masked image tokens, xLSTM's soft cap in eval mode): it acted on the hidden
                 # states, so the fused loss would be silently wrong
