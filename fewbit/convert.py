@@ -394,16 +394,14 @@ class ConversionSummary:
         if self.changed:
             lines.append(f"  changed {len(self.changed)} fewbit module(s) already there:")
             lines += [f"    {fqn or '<root>'}: {old} -> {new}" for fqn, (old, new) in self.changed.items()]
-        if self.unsupported and self.functional_bits is not None:
-            # their own forwards' calls to torch's activation functions are the model's calls
-            # too: the summary had called them "left as they were" while their gradients
-            # were few-bit (a root nn.GELU, HF's ClippedGELUActivation, h72)
-            lines.append(f"  did not replace {len(self.unsupported)} activation module(s) (the torch activation "
-                         "functions their forward calls run fewbit's, below):")
+        if self.unsupported:
+            lines.append(f"  left {len(self.unsupported)} unsupported activation(s) unreplaced:")
             lines += [f"    {fqn or '<root>'}: {name}" for fqn, name in self.unsupported.items()]
-        elif self.unsupported:
-            lines.append(f"  left {len(self.unsupported)} unsupported activation(s) as they were:")
-            lines += [f"    {fqn or '<root>'}: {name}" for fqn, name in self.unsupported.items()]
+            if self.functional_bits is not None:
+                # "as they were" had hidden that their forwards' calls are the model's calls
+                # too: a root nn.GELU's gradient was few-bit (h72)
+                lines.append("    (a listed module's Python forward still runs: the torch activation functions it "
+                             "calls, F.gelu in nn.GELU, are fewbit's, below)")
         if self.functional_bits is not None:
             lines.append(f"  activations called as functions in forward (F.gelu, F.relu, ...): fewbit's at "
                          f"{self.functional_bits} bits (stepwise: exact from 1 bit)")
@@ -687,7 +685,7 @@ def _replace_activations(model: nn.Module, bits: int, selected: _Selected, summa
     """Phase 1 of :func:`convert_`: replace the activation modules of ``model`` in place.
 
     Fills ``summary.replaced``, ``.changed`` (fewbit modules already there, given ``bits``)
-    and ``.unsupported`` (activations left as they were, with the reason). A module shared
+    and ``.unsupported`` (activation modules not replaced, with the reason). A module shared
     by several parents is replaced in every parent slot, so it stays shared. Hooks and
     attributes set on a replaced module carry over (:func:`_carry_over`).
     """
@@ -742,6 +740,9 @@ def _replace_activations(model: nn.Module, bits: int, selected: _Selected, summa
         summary.replaced[fqn] = (type(m).__name__, repr(new))
     if not new_for:
         return
+    for fqn, m in model.named_modules(remove_duplicate=False):  # a shared module's other paths
+        if id(m) in new_for and fqn not in summary.replaced:
+            summary.replaced[fqn] = (type(m).__name__, repr(new_for[id(m)]))
     for parent in model.modules():
         for name, child in list(parent._modules.items()):
             if child is not None and id(child) in new_for:
@@ -1407,7 +1408,10 @@ def convert_(
         bits: shortcut for ``Config(activation_bits=bits)``; not together with ``config``.
         filter_fn: ``filter_fn(module, fqn) -> bool``; only modules for which it returns
             True are replaced or hooked (default: all). ``fqn`` is the dotted name from
-            ``model.named_modules()`` (``""`` for the root). Activations called as
+            ``model.named_modules()`` (``""`` for the root). It is asked about every
+            module, at every path of a module shared between parents, before anything
+            changes (an exception leaves the model as it was); a shared module is
+            converted if it is selected at any of its paths. Activations called as
             functions follow the root's answer for the whole forward, submodules left out
             included (item 3 above); to keep a submodule's ``F.gelu`` exact, leave the root
             out, or make that activation a module.
@@ -1457,8 +1461,20 @@ def convert_(
             raise ValueError(f"layers=('block',) compresses what the code of the model's repeated blocks saves, "
                              f"and {type(model).__name__} has none ({exc}); choose other layers") from None
 
+    # every module's answer, at every path, before anything changes: a filter_fn that
+    # raised on one module had left the model half converted (activations replaced, hooks
+    # on some layers, no activation mode), and a shared module was asked about its first
+    # path only (h72)
+    answers: dict[int, bool] = {}
+    if filter_fn is not None:
+        for fqn, m in model.named_modules(remove_duplicate=False):
+            answers[id(m)] = answers.get(id(m), False) or bool(filter_fn(m, fqn))
+
     def selected(m: nn.Module, fqn: str) -> bool:
-        return filter_fn is None or bool(filter_fn(m, fqn))
+        if filter_fn is None:
+            return True
+        answer = answers.get(id(m))
+        return bool(filter_fn(m, fqn)) if answer is None else answer
 
     summary = ConversionSummary(model=model, config=config)
     if config.activation_bits is not None:
