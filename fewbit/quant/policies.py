@@ -278,14 +278,23 @@ class AdaccPolicy(Policy):
       except the input of torch's per-sample norm functions (LayerNorm, RMSNorm, GroupNorm,
       InstanceNorm), which the compressor takes at 8 bits inside its rows whatever this
       policy chooses (its backward is quadratic in it; role ``"norm_input"``);
-    - inside ``attention`` modules: attention probabilities (every value in [0, 1], checked
-      with one min/max reduction) ``"softmax"`` at ``bits``; q, k, v and the rest
-      ``"channelwise"`` (q and k at 8 bits, as :mod:`fewbit.quant.attention` measured);
+    - inside ``attention`` modules: the q and k that the attention's backward recomputes the
+      softmax from (role ``"qk"``) the group quantizer at 8 bits, in groups inside one head
+      channel's run of tokens (:mod:`fewbit.quant.attention`). Adacc's channel-wise scale
+      is shared by every head, batch item and token: a common offset of +30 in one q/k
+      channel of a GPT-2 biased the ``c_attn`` and ``wte`` gradients by 4-7 standard
+      errors over 150 draws (16 % of dq's norm on one attention; h68). The softmax's own
+      result is the compressor's 8-bit group quantizer inside its rows whatever this policy
+      chooses (role ``"result"``: its backward is not linear in it); other tensors with
+      every value in [0, 1] (checked with one min/max reduction: dropped-out
+      probabilities) ``"softmax"`` at ``bits``; v and the rest ``"channelwise"`` at ``bits``
+      (in eager attention also the q and kᵀ its matmul saves, whose backward is linear in
+      them);
     - inside ``conv`` modules: the group quantizer at ``bits`` (Adacc covers transformers).
 
     Args:
         bits: bits per element of the outlier, softmax and channel-wise compressors.
-        group_size: the group quantizer's group for conv tensors.
+        group_size: the group quantizer's group for conv tensors and q, k.
 
     Raises:
         ValueError: a compressor that is not registered (:data:`COMPRESSORS`), or ``bits``
@@ -299,7 +308,7 @@ class AdaccPolicy(Policy):
         self.outlier = get_compressor("outlier", bits=bits)
         self.softmax = get_compressor("softmax", bits=bits)
         self.channelwise = get_compressor("channelwise", bits=bits)
-        self.channelwise_qk = get_compressor("channelwise", bits=8)
+        self.qk = get_compressor("group", bits=8, group_size=group_size)
         self.group = get_compressor("group", bits=bits, group_size=group_size)
 
     @property
@@ -308,7 +317,7 @@ class AdaccPolicy(Policy):
 
     def choose(self, x, info):
         if info.role == "qk":
-            chosen = self.channelwise_qk
+            chosen = self.qk
         elif info.kind == "attention":
             with torch.no_grad():
                 if x.numel() and bool((x.amin() >= 0) & (x.amax() <= 1)):
