@@ -36,7 +36,7 @@ from typing import Callable, ClassVar, NamedTuple, Protocol, runtime_checkable
 
 import torch
 
-from fewbit._checks import check_bits, check_float64_range, check_float_tensor, check_positive_int
+from fewbit._checks import MAX_GROUP_SIZE, check_bits, check_float64_range, check_float_tensor, check_positive_int
 from fewbit.quant import _reference as _ref
 
 __all__ = [
@@ -387,9 +387,13 @@ def division_view(shape: torch.Size, block: int):
     (token sequences ``(B, T, C)``, ``(T, C)``): 1-D pooling of ``block`` tokens over dim
     -2, ``W = 1``, ``I`` = the channels (dim -1).
     """
+    # a block past a dim is that dim (its one partial block is averaged over the elements
+    # present either way): the reference pads to whole blocks, and a block of 65536 on a
+    # 720-element tensor had asked for 103 GB there (h68)
     if len(shape) >= 4:
-        return (math.prod(shape[:-2]), shape[-2], shape[-1], 1), (block, block)
-    return (math.prod(shape[:-2]), shape[-2], 1, shape[-1]), (block, 1)
+        return (math.prod(shape[:-2]), shape[-2], shape[-1], 1), (min(block, max(shape[-2], 1)),
+                                                                   min(block, max(shape[-1], 1)))
+    return (math.prod(shape[:-2]), shape[-2], 1, shape[-1]), (min(block, max(shape[-2], 1)), 1)
 
 
 class _DivisionCompressed:
@@ -443,13 +447,17 @@ class Division(_KernelCompressor):
     Non-finite input: a NaN or infinity makes its stats NaN: the whole tensor (conv maps),
     or every token whose residual it reaches (sequences: its own, and through the block
     mean the other tokens of its block), decompresses to NaN (never a finite wrong value).
+    So does a finite input whose block sums (float32, in the order of the block) overflow:
+    magnitudes above about ``3.4e38 / block²`` (conv maps: 5e36 at ``block = 8``) or ``/
+    block`` (sequences), where the other compressors stay finite.
 
     Args:
-        block: pooling block ``B`` (>= 1; 8 in DIVISION).
+        block: pooling block ``B``, 1 <= B <= 2**31 - 1 (8 in DIVISION); past a dim, that
+            dim (:func:`division_view`).
         bits: ``Q``, bits per element of the residual: 1, 2, 4 or 8 (2 in DIVISION).
 
     Raises:
-        ValueError: ``block < 1`` or ``bits`` not allowed (construction); :meth:`compress`
+        ValueError: ``block`` out of range or ``bits`` not allowed (construction); :meth:`compress`
             of a tensor with fewer than 2 dims.
     """
 
@@ -458,7 +466,7 @@ class Division(_KernelCompressor):
     min_dim = 2
 
     def __init__(self, block: int = 8, bits: int = 2) -> None:
-        self.block = check_positive_int(block, "block")
+        self.block = check_positive_int(block, "block", maximum=MAX_GROUP_SIZE)
         self.bits = check_bits(bits, allowed=_ref.SUPPORTED_BITS)
 
     def _compress(self, x, generator, k: _Kernels) -> _DivisionCompressed:
@@ -543,7 +551,7 @@ class OutlierSeparated(_KernelCompressor):
         bits: bits per element of the rest: 1, 2, 4 or 8 (INT4 in Adacc).
 
     Raises:
-        ValueError: ``z`` not finite, ``bits`` not allowed; :meth:`compress` of a tensor
+        ValueError: ``z`` not finite and > 0, ``bits`` not allowed; :meth:`compress` of a tensor
             with fewer than 2 dims.
     """
 
@@ -551,8 +559,10 @@ class OutlierSeparated(_KernelCompressor):
     min_dim = 2
 
     def __init__(self, z: float = 3.0, bits: int = 4) -> None:
-        if isinstance(z, bool) or not isinstance(z, numbers.Real) or not math.isfinite(z):
-            raise ValueError(f"z must be a finite number, got {z!r}")
+        if isinstance(z, bool) or not isinstance(z, numbers.Real) or not math.isfinite(z) or z <= 0:
+            # z <= 0 marks channels at or under the mean as outliers (every channel at -5),
+            # kept exact: more bytes than the tensor (h68)
+            raise ValueError(f"z must be a finite number > 0 (a z-score threshold; 3 in Adacc), got {z!r}")
         self.z = float(z)
         self.bits = check_bits(bits, allowed=_ref.SUPPORTED_BITS)
 

@@ -287,6 +287,14 @@ def test_division_views_and_partial_blocks():
     assert c.lfc.shape == (2, 2, 2, 1)
     assert torch.allclose(c.lfc[0, 1, 1, 0], x[0, 0, 8:, 8:].mean())
     assert torch.allclose(c.lfc[1, 0, 1, 0], x[0, 1, :8, 8:].mean())
+    # a block past a dim is that dim: the reference padded to whole blocks (a block of 65536 on
+    # 720 elements asked for 103 GB) and the kernels gave the same codes (review h68)
+    assert division_view((2, 3, 4, 30), 65536) == ((6, 4, 30, 1), (4, 30))
+    assert division_view((2, 7, 5), 1000) == ((2, 7, 1, 5), (7, 1))
+    x = torch.randn(2, 3, 4, 30, generator=gen(1))
+    for kernels in (Division(65536).compress, Division(65536).compress_reference):
+        big, same = kernels(x, generator=gen(2)), Division(30).compress(x, generator=gen(2))
+        assert torch.equal(big.decompress(), same.decompress())
 
 
 def test_division_reaches_its_rate_on_a_cnn():
@@ -412,7 +420,7 @@ def test_division_sequence_stats_are_per_token():
 
 
 def test_bad_options_and_unsupported_tensors_are_clear_errors():
-    with pytest.raises(ValueError, match="block must be an integer >= 1, got 0"):
+    with pytest.raises(ValueError, match="block must be an integer in 1..2147483647, got 0"):
         Division(block=0)
     with pytest.raises(ValueError, match="bits must be one of"):
         Division(bits=3)
@@ -420,6 +428,11 @@ def test_bad_options_and_unsupported_tensors_are_clear_errors():
         ChannelWise(bits=1)
     with pytest.raises(ValueError, match="z must be a finite number"):
         OutlierSeparated(z=float("nan"))
+    for z in (0, -5.0):  # every channel at or under the mean an "outlier": more bytes than the tensor (h68)
+        with pytest.raises(ValueError, match=f"z must be a finite number > 0 .*got {z}"):
+            OutlierSeparated(z=z)
+    with pytest.raises(ValueError, match="block must be an integer in 1..2147483647, got 9223372036854775808"):
+        Division(block=2**63)  # had failed in compress, "Expected a value of type 'int'" (h68)
     with pytest.raises(TypeError, match="unexpected keyword"):
         get_compressor("division", group_size=4)
     for comp in (Division(), OutlierSeparated(), ChannelWise()):
