@@ -180,10 +180,19 @@ def main(argv: Iterable[str] | None = None) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    help="torch device: cuda when one is present, else cpu")
     p.add_argument("--quick", action="store_true", help="tiny sizes (seconds), for tests")
+    p.add_argument("--force", action="store_true", help="overwrite the files of an earlier run in --out")
     args = p.parse_args(argv)
     if args.steps < 1:
         p.error(f"--steps must be >= 1, got {args.steps}")
     _training.check_device(p, args.device)
+    # the files this run writes: an earlier run's (or the user's own notes under those
+    # names) were replaced without a word (review h70)
+    names = ["approximations.png", f"lm_vanilla_seed{args.seed}.csv", f"lm_fewbit3_seed{args.seed}.csv",
+             "memory.json", "lm_val_loss.png", "lm_train_loss.png", "main_job.md"]
+    there = [n for n in names if (args.out / n).exists()]
+    if there and not args.force:
+        p.error(f"--out {args.out} already holds {', '.join(there)}; pass --force to overwrite, or choose "
+                "another --out")
     try:
         args.out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:

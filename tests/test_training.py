@@ -306,6 +306,17 @@ def test_main_job_quick(tmp_path):
         assert (tmp_path / name).exists(), name
 
 
+def test_main_job_keeps_an_earlier_runs_files(tmp_path):
+    """A second run into the same --out replaced the first run's report (or a user's notes
+    under its names) without a word (review h70): one line, nothing written, unless
+    --force."""
+    (tmp_path / "main_job.md").write_text("MY NOTES")
+    r = _run("main_job.py", "--quick", "--out", tmp_path, timeout=300)
+    assert r.returncode == 2 and "already holds main_job.md; pass --force" in r.stderr.strip().splitlines()[-1]
+    assert (tmp_path / "main_job.md").read_text() == "MY NOTES"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["main_job.md"]
+
+
 def test_warm4_variant_is_the_config_warm_up():
     """``fewbit3+quant2+warm4`` (the README's remedy for a 2-bit run stuck on the early
     plateau): ``Config(saved_bits=2, warmup_steps=WARM_STEPS, warmup_bits=4)``."""
