@@ -15,8 +15,10 @@ way when ``labels`` are passed.
 
 from __future__ import annotations
 
+import ast
 import functools
 import inspect
+import textwrap
 import numbers
 import sys
 import threading
@@ -895,6 +897,39 @@ def _computes_loss_with_loss_function(cls: type) -> bool:
 _NO_CODE = (lambda: None).__code__  # co_names ()
 
 
+@functools.lru_cache(maxsize=None)
+def _writes_into_logits(cls: type) -> str | None:
+    """The statement of ``cls.forward`` (the first class of its MRO that defines one) that
+    changes the head's output in place, or None: ``logits[...] = v``, ``logits += v``,
+    ``logits.masked_fill_(...)``, where ``logits`` is a name assigned ``self.lm_head(...)``.
+    The fused loss hands the head's input on in its place, so such a write changes the
+    hidden states (Chameleon masks its image tokens: an IndexError when an image token's id
+    was past the hidden size, else the check at the loss; h71). None where the source is
+    not readable (the check at the loss remains)."""
+    forward = next((vars(k)["forward"] for k in cls.__mro__ if callable(vars(k).get("forward"))), None)
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(forward))))
+    except (OSError, TypeError, SyntaxError):
+        return None
+    heads = {t.id for node in ast.walk(tree) if isinstance(node, ast.Assign)
+             and isinstance(node.value, ast.Call) and isinstance(node.value.func, ast.Attribute)
+             and node.value.func.attr == "lm_head" for t in node.targets if isinstance(t, ast.Name)}
+
+    def named(node) -> bool:
+        return isinstance(node, ast.Name) and node.id in heads
+
+    for node in ast.walk(tree):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+            node, ast.AugAssign) else []
+        hit = any(isinstance(t, ast.Subscript) and named(t.value) for t in targets) or (
+            isinstance(node, ast.AugAssign) and named(node.target))
+        hit = hit or (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and named(node.func.value)
+                      and node.func.attr.endswith("_") and not node.func.attr.startswith("_"))
+        if hit:
+            return ast.unparse(node).split("\n")[0]
+    return None
+
+
 def fused_loss_refusal(model: nn.Module) -> str | None:
     """Why :func:`patch_causal_lm_` cannot compute ``model``'s loss exactly, or None if it can.
 
@@ -923,6 +958,10 @@ def fused_loss_refusal(model: nn.Module) -> str | None:
         return (f"model ({name}).forward does not compute its loss with self.loss_function (it computes the "
                 "cross-entropy itself, or reaches the base class's forward otherwise than by super().forward), "
                 "so the fused loss cannot take its place")
+    written = _writes_into_logits(type(model))
+    if written is not None:
+        return (f"model ({name}).forward changes its logits in place before the loss ({written}); the fused "
+                "loss, which never makes the logits, would not match it")
     patch = getattr(model, _PATCH_ATTR, None)
     loss_function = patch.fallback if patch is not None else model.loss_function
     try:
@@ -957,7 +996,8 @@ def patch_causal_lm_(model: nn.Module, *, chunk_size: int | None = None, grad_in
     ``forward`` is replaced on the instance (the module, its weight and the weight tying are
     unchanged); :func:`unpatch_causal_lm_` restores it. Models that transform the logits
     between the head and the loss (Gemma 2's ``final_logit_softcapping``, Cohere's
-    ``logit_scale``) are refused: the fused loss would be wrong for them.
+    ``logit_scale``, Chameleon's write into its logits in its forward's source) are
+    refused: the fused loss would be wrong for them.
 
     Args:
         model: a transformers ``PreTrainedModel`` whose forward computes
@@ -973,7 +1013,8 @@ def patch_causal_lm_(model: nn.Module, *, chunk_size: int | None = None, grad_in
         ValueError: ``model`` is not such a model (:func:`fused_loss_refusal` says why: a
             head whose class has its own forward, a loss function other than
             ``ForCausalLMLoss``, a loss computed without ``self.loss_function``, logits
-            transformed before the loss), or is already patched; ``chunk_size`` or
+            transformed before the loss, by the config or by a write in the forward's
+            source), or is already patched; ``chunk_size`` or
             ``grad_in_forward`` is invalid.
         RuntimeError: at a forward with labels, if the model's loss function was given
             something other than the head's output, was replaced after patching, or was

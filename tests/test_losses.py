@@ -882,6 +882,11 @@ def test_inference_mode_copy_is_dropped_also_when_the_loss_raises():
     assert getattr(scaled, _PATCH_ATTR).running.hidden_copy is None
 
 
+def _mask_(logits):
+    """Chameleon's in-place write into its logits (its image tokens), in a function of its own."""
+    logits[..., :3] = -30.0
+
+
 @pytest.mark.parametrize("mode", ["grad", "no_grad", "inference_mode"])
 def test_patch_causal_lm_refuses_logits_changed_in_place(mode):
     """A model that changes its logits in place between the head and the loss (Chameleon
@@ -891,7 +896,7 @@ def test_patch_causal_lm_refuses_logits_changed_in_place(mode):
     class Masked(transformers.GPT2LMHeadModel):
         def forward(self, input_ids=None, labels=None, **kwargs):
             logits = self.lm_head(self.transformer(input_ids).last_hidden_state)
-            logits[..., :3] = -30.0  # in place, as Chameleon's image tokens
+            _mask_(logits)  # in place, as Chameleon's image tokens, out of sight of the source scan
             loss = None if labels is None else self.loss_function(logits, labels, self.config.vocab_size)
             return transformers.modeling_outputs.CausalLMOutput(loss=loss, logits=logits)
 
@@ -1291,7 +1296,7 @@ def test_a_compiled_model_that_changes_its_logits_in_place_is_refused():
     class Masked(transformers.GPT2LMHeadModel):
         def forward(self, input_ids=None, labels=None, **kwargs):
             logits = self.lm_head(self.transformer(input_ids).last_hidden_state)
-            logits[..., :3] = -30.0  # in place, as Chameleon's image tokens
+            _mask_(logits)  # in place, as Chameleon's image tokens, out of sight of the source scan
             loss = None if labels is None else self.loss_function(logits, labels, self.config.vocab_size)
             return transformers.modeling_outputs.CausalLMOutput(loss=loss, logits=logits)
 
@@ -1334,3 +1339,28 @@ def test_grad_in_forward_takes_inference_mode_inputs():
     wr = w.detach().clone().requires_grad_()
     F.cross_entropy(F.linear(x.clone(), wr), t).backward()
     torch.testing.assert_close(w.grad, wr.grad)
+
+
+def test_a_forward_that_writes_into_its_logits_is_refused_up_front():
+    """Chameleon masks its image tokens by writing into its logits; patched, that write hit
+    the hidden states, indexed by vocabulary ids: an IndexError when an id was past the
+    hidden size, before the loss could refuse (review h71). Its source names the write:
+    refused at patch time, naming it. Of transformers' causal and conditional-generation
+    models only Chameleon's forward does so."""
+    from fewbit.losses import _writes_into_logits, fused_loss_refusal
+
+    class Written(transformers.GPT2LMHeadModel):
+        def forward(self, input_ids=None, labels=None, **kwargs):
+            logits = self.lm_head(self.transformer(input_ids).last_hidden_state)
+            logits[:, :, 100:] = -30.0
+            loss = None if labels is None else self.loss_function(logits, labels, self.config.vocab_size)
+            return transformers.modeling_outputs.CausalLMOutput(loss=loss, logits=logits)
+
+    model = Written(_gpt2().config)
+    assert "logits[:, :, 100:] = -30.0" in fused_loss_refusal(model)
+    with pytest.raises(ValueError, match="changes its logits in place"):
+        patch_causal_lm_(model)
+    assert _writes_into_logits(transformers.ChameleonForConditionalGeneration).startswith("logits[:, :, image_tokens]")
+    writers = [n for n in dir(transformers) if n.endswith(("ForCausalLM", "ForConditionalGeneration"))
+               and isinstance(getattr(transformers, n), type) and _writes_into_logits(getattr(transformers, n))]
+    assert writers == ["ChameleonForConditionalGeneration"]

@@ -1281,13 +1281,18 @@ def test_profile_and_plan_leave_torch_and_fewbit_random_streams(batch, monkeypat
         fewbit.plan(model, batch, "60%", options=[])
 
 
+def _mask_(logits):
+    """Chameleon's in-place write into its logits (its image tokens), in a function of its own."""
+    logits[..., :3] = -30.0
+
+
 class MaskedLMHeadModel(transformers.GPT2LMHeadModel):
     """Changes its logits in place after the head (Chameleon's image tokens), naming no
     transform in its config (in a module of transformers, as Chameleon is)."""
 
     def forward(self, input_ids=None, labels=None, **kwargs):
         logits = self.lm_head(self.transformer(input_ids).last_hidden_state)
-        logits[..., :3] = -30.0
+        _mask_(logits)  # out of sight of fused_loss_refusal's source scan: the profiled step finds it
         loss = None if labels is None else self.loss_function(logits, labels, self.config.vocab_size)
         return transformers.modeling_outputs.CausalLMOutput(loss=loss, logits=logits)
 
