@@ -1320,9 +1320,12 @@ _FUSED_CE_ATTR = "_fewbit_convert_fused_ce"
 
 
 def _is_causal_lm(model: nn.Module) -> bool:
-    """A Hugging Face ``*ForCausalLM`` (or GPT-2-style ``*LMHeadModel``) model."""
-    cls = type(model)
-    return (cls.__module__ or "").startswith("transformers") and cls.__name__.endswith(("ForCausalLM", "LMHeadModel"))
+    """A Hugging Face ``*ForCausalLM`` (or GPT-2-style ``*LMHeadModel``) model, or a class of
+    the user's derived from one (``class MyLlama(LlamaForCausalLM)`` had been refused, "needs
+    a Hugging Face *ForCausalLM model", which ``patch_causal_lm_`` takes; review h71; what its
+    forward does is :func:`fewbit.losses.fused_loss_refusal`'s to judge)."""
+    return any((cls.__module__ or "").startswith("transformers") and cls.__name__.endswith(("ForCausalLM", "LMHeadModel"))
+               for cls in type(model).__mro__)
 
 
 def _set_fused_cross_entropy(model: nn.Module, config: Config, summary: ConversionSummary) -> None:

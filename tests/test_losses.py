@@ -1364,3 +1364,23 @@ def test_a_forward_that_writes_into_its_logits_is_refused_up_front():
     writers = [n for n in dir(transformers) if n.endswith(("ForCausalLM", "ForConditionalGeneration"))
                and isinstance(getattr(transformers, n), type) and _writes_into_logits(getattr(transformers, n))]
     assert writers == ["ChameleonForConditionalGeneration"]
+
+
+def test_a_users_subclass_of_a_causal_lm_takes_the_fused_loss_through_convert():
+    """``class MyLlama(LlamaForCausalLM)`` was refused by ``convert_(fused_cross_entropy=True)``
+    ("needs a Hugging Face *ForCausalLM model") while ``patch_causal_lm_`` took it, and
+    ``fewbit.plan`` never fused it (review h71): the class's MRO is asked now."""
+    base = _llama()
+
+    class MyLlama(type(base)):
+        pass
+
+    torch.manual_seed(0)
+    model = MyLlama(base.config)
+    plain = copy.deepcopy(model)
+    ids = torch.randint(0, base.config.vocab_size, (2, 8))
+    summary = fewbit.convert_(model, fewbit.Config(activation_bits=None, fused_cross_entropy=True))
+    assert summary.fused_cross_entropy
+    out = model(input_ids=ids, labels=ids)
+    assert out.logits is None
+    torch.testing.assert_close(out.loss, plain(input_ids=ids, labels=ids).loss)
