@@ -605,12 +605,20 @@ def _causal_lm_fused_loss(patch: _Patch, head: nn.Module, hidden: torch.Tensor, 
     return loss
 
 
-@functools.lru_cache(maxsize=None)
+#: ``{class: signature of its forward or None}`` (:func:`_forward_signature`).
+_SIGNATURES: dict = {}
+
+
 def _forward_signature(cls: type) -> inspect.Signature | None:
-    try:
-        return inspect.signature(cls.forward)
-    except (TypeError, ValueError):
-        return None
+    # a dict, not functools.lru_cache: torch.compile traces the pre-hook that reads it,
+    # and warned of "silent incorrectness" at an lru_cache-wrapped function (h71); the
+    # patch fills it, so a traced forward only reads it
+    if cls not in _SIGNATURES:
+        try:
+            _SIGNATURES[cls] = inspect.signature(cls.forward)
+        except (TypeError, ValueError):
+            _SIGNATURES[cls] = None
+    return _SIGNATURES[cls]
 
 
 class _HeadForward:

@@ -1384,3 +1384,19 @@ def test_a_users_subclass_of_a_causal_lm_takes_the_fused_loss_through_convert():
     out = model(input_ids=ids, labels=ids)
     assert out.logits is None
     torch.testing.assert_close(out.loss, plain(input_ids=ids, labels=ids).loss)
+
+
+def test_a_compiled_patched_model_raises_no_dynamo_warning():
+    """The pre-hook read the forward's signature through a functools.lru_cache, and Dynamo
+    warned of "silent incorrectness" at every compile of a patched model (review h71)."""
+    import warnings
+
+    torch.manual_seed(0)
+    model = patch_causal_lm_(_gpt2())
+    ids = torch.randint(0, 97, (2, 8))
+    torch._dynamo.reset()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.compile(model, backend="aot_eager")(input_ids=ids, labels=ids).loss.backward()
+    torch._dynamo.reset()
+    assert not [w for w in caught if "lru_cache" in str(w.message)]
