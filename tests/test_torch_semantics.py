@@ -421,3 +421,21 @@ def test_parametrised_modules_compile_with_dynamic_shapes(module):
     m(ref).sum().backward()
     assert bits_equal(y.detach(), m(x)) and bits_equal(leaf.grad, ref.grad)
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("fullgraph", [True, False])
+def test_compiled_vmap_of_a_converted_activation_runs(fullgraph):
+    """Asking the tensor under vmap's batching whether it requires grad cannot be traced:
+    torch.compile of ``vmap(module)`` crashed (fullgraph: Unsupported; otherwise an
+    AssertionError resuming inside vmap; review h73). Traced, the call runs torch's
+    function, as before."""
+    m = torch.nn.Sequential(torch.nn.GELU())
+    fewbit.convert_(m, bits=3)
+    x = torch.randn(4, 8, dtype=torch.float64)
+    torch._dynamo.reset()
+    leaf = x.clone().requires_grad_()
+    torch.compile(lambda t: torch.func.vmap(m)(t).sum(), backend="aot_eager", fullgraph=fullgraph)(leaf).backward()
+    ref = x.clone().requires_grad_()
+    F.gelu(ref).sum().backward()
+    torch.testing.assert_close(leaf.grad, ref.grad)
+    torch._dynamo.reset()

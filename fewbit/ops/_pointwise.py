@@ -455,7 +455,10 @@ def _requires_grad(t: torch.Tensor) -> bool:
     torch's function, saving the whole input, with torch's gradient (h69)."""
     if t.requires_grad:
         return True
-    if not _transforms_active():
+    if not _transforms_active() or torch.compiler.is_compiling():
+        # traced: Dynamo cannot trace the unwrapping, and a graph break inside vmap cannot
+        # be resumed (torch.compile of vmap(module) had worked, then crashed; h73): torch's
+        # function there, as before
         return False
     f = torch._C._functorch
     while f.is_batchedtensor(t):
