@@ -1969,3 +1969,48 @@ def test_filter_fn_is_asked_everything_before_anything_changes():
     summary = fewbit.convert_(shared, bits=3, filter_fn=lambda mod, fqn: fqn.startswith("b."))
     assert isinstance(shared.b[1], fewbit.GELU) and shared.a[1] is shared.b[1]
     assert set(summary.replaced) == {"a.1", "b.1"}
+
+
+def test_a_storage_kept_exact_stays_held_under_a_users_hooks():
+    """A storage kept exact by one save (a custom Function's, "unseen") keeps later saves of
+    it exact. Under a user's save_on_cpu the Kept that registered it was dropped at once,
+    so the Linear's save of the same tensor was quantized: a weight gradient 0.77 off the
+    same step without the user's hooks (review h73)."""
+
+    class Square(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_backward(x)
+            return x * x
+
+        @staticmethod
+        def backward(ctx, g):
+            (x,) = ctx.saved_tensors
+            return 2 * g * x
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc0, self.fc = nn.Linear(64, 64), nn.Linear(64, 64)
+
+        def forward(self, x):
+            h = self.fc0(x)
+            return Square.apply(h) + self.fc(h)  # h saved by Square (kept exact), then by fc
+
+    def run(users):
+        torch.manual_seed(0)
+        model = nn.Sequential(Block(), Block(), nn.Linear(64, 1))
+        comp = fewbit.convert_(model, fewbit.Config(activation_bits=None, saved_bits=2, min_numel=0)).compressor
+        x = torch.randn(256, 64)
+        fewbit.quant.manual_seed(1)
+        if users:
+            with torch.autograd.graph.save_on_cpu(pin_memory=False):
+                y = model(x)
+        else:
+            y = model(x)
+        y.square().sum().backward()
+        return model[0].fc.weight.grad, comp.stats
+
+    (plain, stats), (hooked, hooked_stats) = run(False), run(True)
+    assert stats.deduplicated > 0 and hooked_stats.deduplicated == stats.deduplicated
+    assert torch.equal(plain, hooked)

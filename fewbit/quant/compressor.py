@@ -760,6 +760,7 @@ class ActivationCompressor:
         #: the module call whose pre-hook entered first (:meth:`enter_from`), while inside
         self._frame = None
         self._outer = None  # the user's saved-tensor hooks under the outermost entry (_users_hooks)
+        self._marked = None  # (hold, storage) of the last _mark_kept
         self._where: list = []  # (fqn, kind, norm_size) of the converted modules running, innermost last
         self._index = 0
         self._ordinals: dict = {}  # fqn -> saves of that module in this pass
@@ -1070,13 +1071,20 @@ class ActivationCompressor:
         return keep(t)  # checked for in-place changes on unpack, as torch does (fewbit._saved)
 
     def _pack(self, t: torch.Tensor):
+        self._marked = None
         packed = self._pack_one(t)
         outer = self._outer
         if outer is not None and type(packed) is Kept:
             # what is kept exact goes through the user's hooks (save_on_cpu around a
             # converted model): torch applies the innermost pair only, and they had seen no
             # tensor saved inside a compressed layer (h72)
-            return _UsersPacked(outer[0](t), outer[1])
+            users = _UsersPacked(outer[0](t), outer[1])
+            if self._marked is not None and self._marked[0] is packed:
+                # the storage stays registered as held exact while the graph holds the
+                # user's packing: dropped with the Kept, later saves of it were quantized
+                # (a gradient 0.77 off under save_on_cpu, h73)
+                self._mark_kept(users, self._marked[1])
+            return users
         return packed
 
     def _pack_one(self, t: torch.Tensor):
@@ -1284,6 +1292,7 @@ class ActivationCompressor:
         graph kept ``fake`` exact instead of compressing it."""
         refs = self._kept.setdefault(storage, [])
         refs.append(weakref.ref(held, functools.partial(_drop_kept, self._kept, storage)))
+        self._marked = (held, storage)  # the last registration (_pack hands it to the user's hooks' result)
         return held
 
     def _held_exact(self, storage: tuple) -> bool:
@@ -1378,7 +1387,7 @@ class ActivationCompressor:
 class _UsersPacked:
     """A tensor kept exact, packed by the user's saved-tensor hooks (:func:`_users_hooks`)."""
 
-    __slots__ = ("packed", "unpack_hook")
+    __slots__ = ("packed", "unpack_hook", "__weakref__")  # weakly referenced: ActivationCompressor._kept
 
     def __init__(self, packed, unpack_hook) -> None:
         self.packed, self.unpack_hook = packed, unpack_hook
