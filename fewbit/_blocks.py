@@ -18,8 +18,9 @@ def find_blocks(model: nn.Module) -> list[tuple[str, list[str]]]:
     """The repeated blocks of ``model``: ``[(block type, [fqn, ...]), ...]``.
 
     Blocks are the children that have submodules and a forward of their own, of an
-    ``nn.ModuleList`` (GPT-2's ``transformer.h``) or ``nn.ModuleDict`` (torchtitan's
-    ``layers``), or of an ``nn.Sequential`` with at least two such children (a ResNet
+    ``nn.ModuleList`` (GPT-2's ``transformer.h``) or a plain ``nn.ModuleDict`` (torchtitan's
+    ``layers``; one with a forward of its own runs its entries as a model does), or of an
+    ``nn.Sequential`` with at least two such children (a ResNet
     stage, ViT's ``encoder.layers``), not nested in another block; the outermost container
     wins. A child without a forward of its own (an ``nn.ModuleList`` of a layer's parts:
     ``ModuleList([ModuleList([norm, ff]), ...])``) is never called, so it is not a block:
@@ -34,7 +35,11 @@ def find_blocks(model: nn.Module) -> list[tuple[str, list[str]]]:
     names: dict[tuple, str] = {}
     taken: list[str] = []
     for fqn, m in model.named_modules():
-        if not isinstance(m, (nn.ModuleList, nn.ModuleDict, nn.Sequential)) or any(
+        # a ModuleDict with a forward of its own runs its entries as a model's body does
+        # (torchvision's IntermediateLayerGetter: stem, then stages): not a container of
+        # blocks; the stages' blocks are (h73)
+        plain_dict = isinstance(m, nn.ModuleDict) and type(m).forward is nn.Module.forward
+        if not (isinstance(m, (nn.ModuleList, nn.Sequential)) or plain_dict) or any(
                 (fqn + ".").startswith(p) for p in taken):
             continue
         # a child that is never called (no forward: a ModuleList of a layer's parts) had

@@ -159,6 +159,18 @@ def test_blocks_are_modules_that_run(container):
     assert planner.find_blocks(torch.nn.Sequential(collections.OrderedDict(layers=layers))) == [
         ("_Res", ["layers.a", "layers.b"])]
 
+    class Getter(torch.nn.ModuleDict):  # torchvision's IntermediateLayerGetter: runs its entries
+        def forward(self, x):
+            for m in self.values():
+                x = m(x)
+            return x
+
+    getter = Getter({"stem": torch.nn.Linear(4, 4), "layer1": torch.nn.Sequential(_Res(4), _Res(4)),
+                     "layer2": torch.nn.Sequential(_Res(4), _Res(4), _Res(4))})
+    assert planner.find_blocks(torch.nn.Sequential(collections.OrderedDict(backbone=getter))) == [
+        ("_Res", ["backbone.layer1.0", "backbone.layer1.1", "backbone.layer2.0", "backbone.layer2.1",
+                  "backbone.layer2.2"])]  # its stages' blocks, not the stages (review h73)
+
 
 def test_plan_a_sequential_model_trains_like_vanilla_in_budget():
     g = torch.Generator().manual_seed(0)
