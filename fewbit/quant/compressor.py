@@ -1319,7 +1319,8 @@ class ActivationCompressor:
             role = "norm_input"
         elif channels and not forced and norm_size < _norm_rows.MIN_CHANNEL:
             role = "norm_input"  # a BatchNorm channel of few elements (_norm_rows.MIN_CHANNEL)
-        info = SavedTensorInfo(self._index, tuple(t.shape), t.dtype, fqn, kind, role, norm_size, (fqn, ordinal))
+        info = SavedTensorInfo(self._index, tuple(t.shape), t.dtype, fqn, kind, role, norm_size, (fqn, ordinal),
+                               channels)
         self._index += 1
         self.policy.observe(info)
         compressor = self.compressor if forced and not self.policy.decides_qk else self.policy.choose(t, info)

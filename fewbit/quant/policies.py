@@ -79,6 +79,9 @@ class SavedTensorInfo:
             a tensor is skipped (under ``min_numel`` on a smaller last batch) or a branch
             in another module did not run. :class:`~fewbit.quant.gact.GACTPolicy` finds a tensor's
             planned bits by it. None when made by hand.
+        channel_major: the compressor takes the tensor as its ``(C, N, ...)`` copy (a
+            BatchNorm's channels, :class:`fewbit._norm_rows.Channels`): its groups run over
+            that copy's C order, not the tensor's.
     """
 
     index: int
@@ -89,6 +92,7 @@ class SavedTensorInfo:
     role: str | None = None
     norm_size: int | None = None
     key: tuple | None = None
+    channel_major: bool = False
 
     @property
     def numel(self) -> int:

@@ -1564,3 +1564,31 @@ def test_one_bit_variance_is_priced_by_the_tensors_own_rounding():
                 predicted = float(c.mean()) * factor
                 se = float(c.std()) / math.sqrt(runs) * factor + measured * math.sqrt(2 / 400) / 8
                 assert abs(predicted - measured) <= 3 * se + 0.05 * measured, (i, bits, predicted, measured, se)
+
+
+def test_a_batchnorm_channel_is_priced_in_the_layout_it_is_quantized_in():
+    """A BatchNorm1d's (N, C) input is quantized as its (C, N) copy (groups inside one
+    channel); its rounding variances had been measured in the tensor's own C order, groups
+    across channels with offsets of ±100: a 1-bit factor 0.86x the true one (review h73)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, 10))
+    with torch.no_grad():
+        model[0].bias.uniform_(-100, 100)  # per-channel offsets of the BatchNorm's input
+    summary = fewbit.convert_(model, fewbit.Config(activation_bits=None, saved_bits="auto", average_bits=2,
+                                                    min_numel=0, adapt_interval=1, noise_norm="absolute"))
+    seen = {}
+    real = gact._rounding_variances
+
+    def spy(x, group_size):
+        seen[len(seen)] = (x.detach().clone(), group_size)
+        return real(x, group_size)
+
+    xb, y = torch.randn(512, 32), torch.randint(0, 10, (512,))
+    with mock.patch.object(gact, "_rounding_variances", spy), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        summary.compressor.adapt(model, lambda: F.cross_entropy(model(xb), y))
+    policy = summary.compressor.policy
+    hidden = model[0](xb).detach()
+    (index,) = [i for i, (x, _) in seen.items() if x.shape == (64, 512)]  # the channel-major view
+    expected = gact._variance_factors(real(hidden.t().contiguous(), seen[index][1]), policy.probe_bits)
+    assert policy.variance_factors[index] == pytest.approx(expected, rel=1e-6)
