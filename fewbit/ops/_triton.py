@@ -20,6 +20,7 @@ with the host.
 
 # No ``from __future__ import annotations``: the interpreter of triton 3.0/3.1 recognises
 # ``tl.constexpr`` parameters only from evaluated annotations, not from strings.
+import contextlib
 from typing import Optional
 
 import torch
@@ -56,6 +57,17 @@ def wrap_triton(kernel):
     if _InterpretedFunction is not None and isinstance(kernel, _InterpretedFunction):
         return kernel
     return _torch_wrap_triton(kernel)
+
+
+def on_device(t: torch.Tensor):
+    """A context that makes ``t``'s CUDA device the current one for a launch, or a null
+    context when it already is (or ``t`` is not on a CUDA device). Triton launches on the
+    current device and its current stream: a tensor on ``cuda:1`` with ``cuda:0`` current
+    (a model spread over GPUs in one process) had its kernel run on device 0 against device
+    1's memory (h74; read from Triton's launcher, not run: no two-GPU machine here)."""
+    if t.device.type != "cuda" or t.device.index is None or t.device.index == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(t.device)
 
 
 def _launcher(kernel, traceable: bool):
@@ -108,7 +120,7 @@ def _pack_store(code, grp, out_ptr, n, BITS: tl.constexpr):
     word = tl.sum(code.to(tl.uint64) << (k * BITS).to(tl.uint64)[None, :], axis=1)
     byte = ((word[:, None] >> (k * 8).to(tl.uint64)[None, :]) & 0xFF).to(tl.uint8)
     bidx = grp[:, None] * BITS + k[None, :].to(tl.int64)
-    nbytes = (n * BITS + 7) // 8  # fewbit.packing.packed_nbytes, inside the kernel
+    nbytes = (tl.cast(n, tl.int64) * BITS + 7) // 8  # int64: n * BITS passes 2**31 from n = 2**28 (8 bits)
     tl.store(out_ptr + bidx, byte, mask=(k[None, :] < BITS) & (bidx < nbytes))
 
 
@@ -118,7 +130,7 @@ def _load_unpack(packed_ptr, grp, n, BITS: tl.constexpr):
     (:func:`fewbit.packing.unpack_reference`); bytes past the stream read as 0."""
     k = tl.arange(0, 8)
     bidx = grp[:, None] * BITS + k[None, :].to(tl.int64)
-    nbytes = (n * BITS + 7) // 8  # fewbit.packing.packed_nbytes, inside the kernel
+    nbytes = (tl.cast(n, tl.int64) * BITS + 7) // 8  # int64: n * BITS passes 2**31 from n = 2**28 (8 bits)
     byte = tl.load(packed_ptr + bidx, mask=(k[None, :] < BITS) & (bidx < nbytes), other=0)
     word = tl.sum(byte.to(tl.uint64) << (k * 8).to(tl.uint64)[None, :], axis=1)
     return ((word[:, None] >> (k * BITS).to(tl.uint64)[None, :]) & ((1 << BITS) - 1)).to(tl.int32)
@@ -484,11 +496,12 @@ def _encode(x, borders, codes, bits, classes, capacity, block, fn_id=-1, y=None,
         b = torch.full((1,), float("inf"), dtype=b.dtype, device=x.device)
     c = codes.detach().to(device=x.device, dtype=torch.int32).contiguous()
     grid = (cdiv(cdiv(n, 8), block),)
-    _launcher(_forward_encode_kernel, traceable)[grid](
-        x, x if y is None else y.detach().view(-1), b, c, out, record if record is not None else c, n, capacity,
-        FN=fn_id, NB=nb, BITS=bits, BLOCK=block, IS_F64=x.dtype == torch.float64,
-        OUT_BF16=x.dtype == torch.bfloat16, CLASSES=classes, INTERPRET=_INTERPRET, **_NVCC_LIKE,
-    )  # x as y_ptr when FN < 0: never written; c as rec_ptr when CLASSES == 0: never written
+    with on_device(x):
+        _launcher(_forward_encode_kernel, traceable)[grid](
+            x, x if y is None else y.detach().view(-1), b, c, out, record if record is not None else c, n,
+            capacity, FN=fn_id, NB=nb, BITS=bits, BLOCK=block, IS_F64=x.dtype == torch.float64,
+            OUT_BF16=x.dtype == torch.bfloat16, CLASSES=classes, INTERPRET=_INTERPRET, **_NVCC_LIKE,
+        )  # x as y_ptr when FN < 0: never written; c as rec_ptr when CLASSES == 0: never written
     return out, record
 
 
@@ -516,11 +529,12 @@ def decode_mul_triton(
     pt = patch.detach().to(device=grad.device, dtype=v.dtype).contiguous() if has_rec else v
     cap = rec.numel() - 1 if has_rec else 0
     grid = (cdiv(cdiv(n, 8), block),)
-    _launcher(_decode_mul_kernel, traceable)[grid](
-        g, p, v, out, rec, pt, n, cap, BITS=bits, BLOCK=block,
-        IS_F64=grad.dtype == torch.float64, OUT_BF16=grad.dtype == torch.bfloat16,
-        HAS_REC=has_rec, SELECT_ZERO=bool(select_zero), PB=256, N_PB=cdiv(cap, 256),
-    )
+    with on_device(g):
+        _launcher(_decode_mul_kernel, traceable)[grid](
+            g, p, v, out, rec, pt, n, cap, BITS=bits, BLOCK=block,
+            IS_F64=grad.dtype == torch.float64, OUT_BF16=grad.dtype == torch.bfloat16,
+            HAS_REC=has_rec, SELECT_ZERO=bool(select_zero), PB=256, N_PB=cdiv(cap, 256),
+        )
     return out
 
 

@@ -34,8 +34,12 @@ from fewbit.quant import _reference as ref
 __all__ = ["group_quantize", "group_dequantize", "affine_codes", "affine_decode", "pair_stats", "block_mean",
            "division_encode", "division_compress", "division_decode"]
 
-def _check_args(bits: int, group_size: int, dtype: torch.dtype) -> None:
+def _check_args(bits: int, group_size: int, dtype: torch.dtype, stats_dtype: torch.dtype | None = None) -> None:
     # as fewbit.ops._ops: a failed check raises through torch._check_value / torch._check_type
+    if stats_dtype is not None and stats_dtype not in (torch.float32, torch.bfloat16):
+        # float16 stats had been taken as float32 by the Triton kernel (m rounded to nearest,
+        # not down: codes clamped) and were a bare KeyError on the CPU (h74)
+        torch._check_type(False, lambda: f"stats_dtype must be float32 or bfloat16, got {stats_dtype}")
     if bits not in ref.SUPPORTED_BITS:
         torch._check_value(False, lambda: f"bits must be one of {ref.SUPPORTED_BITS}, got {bits}")
     if group_size < 1:
@@ -68,13 +72,13 @@ def group_quantize(
     stats_dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Default kernel (devices without their own backend): the pure-torch reference."""
-    _check_args(bits, group_size, x.dtype)
+    _check_args(bits, group_size, x.dtype, stats_dtype)
     return ref.group_quantize_reference(x, bits, group_size, seed, stochastic, stats_dtype)
 
 
 @group_quantize.register_fake
 def _(x, bits, group_size, seed, stochastic, stats_dtype):
-    _check_args(bits, group_size, x.dtype)
+    _check_args(bits, group_size, x.dtype, stats_dtype)
     n = x.numel()
     g = (n + group_size - 1) // group_size
     return (
@@ -86,7 +90,7 @@ def _(x, bits, group_size, seed, stochastic, stats_dtype):
 
 @cpu_kernel("group_quantize")
 def _(x, bits, group_size, seed, stochastic, stats_dtype):
-    _check_args(bits, group_size, x.dtype)
+    _check_args(bits, group_size, x.dtype, stats_dtype)
     from fewbit.quant import _cpu
 
     return _cpu.quantize_cpu(x, bits, group_size, seed, stochastic, stats_dtype)
@@ -94,7 +98,7 @@ def _(x, bits, group_size, seed, stochastic, stats_dtype):
 
 @group_quantize.register_kernel("cuda")
 def _group_quantize_cuda(x, bits, group_size, seed, stochastic, stats_dtype):
-    _check_args(bits, group_size, x.dtype)
+    _check_args(bits, group_size, x.dtype, stats_dtype)
     if x.dtype == torch.float64 or x.numel() == 0:
         return ref.group_quantize_reference(x, bits, group_size, seed, stochastic, stats_dtype)
     from fewbit.quant import _triton  # noqa: F401  (registers fewbit::group_*_triton)

@@ -27,7 +27,7 @@ from torch.library import triton_op
 
 from fewbit._checks import packed_nbytes
 from fewbit.ops._triton import _groups, _load_unpack, _pack_store  # the one Triton packer; imports triton
-from fewbit.ops._triton import cdiv, wrap_triton
+from fewbit.ops._triton import cdiv, on_device, wrap_triton
 from fewbit.quant._reference import affine_levels
 
 import triton  # noqa: E402  (fewbit.ops._triton above raises NotImplementedError without it)
@@ -240,11 +240,12 @@ def stats(x, bits, group_size, stats_dtype, *, block_elems=4096):
         return m, s
     block_g = min(triton.next_power_of_2(G), block_elems)
     block_groups = max(1, block_elems // block_g)
-    wrap_triton(_stats_kernel)[(cdiv(n_groups, block_groups),)](
-        x, m, s, n, G, n_groups, float((1 << bits) - 1), _fmax(stats_dtype),
-        IS_BF16=stats_dtype == torch.bfloat16, BLOCK_GROUPS=block_groups, BLOCK_G=block_g,
-        N_ITER=cdiv(G, block_g), enable_fp_fusion=False,
-    )
+    with on_device(x):
+        wrap_triton(_stats_kernel)[(cdiv(n_groups, block_groups),)](
+            x, m, s, n, G, n_groups, float((1 << bits) - 1), _fmax(stats_dtype),
+            IS_BF16=stats_dtype == torch.bfloat16, BLOCK_GROUPS=block_groups, BLOCK_G=block_g,
+            N_ITER=cdiv(G, block_g), enable_fp_fusion=False,
+        )
     return m, s
 
 
@@ -264,10 +265,11 @@ def quantize(x, bits, group_size, seed, stochastic, stats_dtype, *, block_w=256,
         return packed, m.to(stats_dtype), s.to(stats_dtype)
     levels = float((1 << bits) - 1)
     n_words = -(-n // 8)
-    wrap_triton(_codes_kernel)[(cdiv(n_words, block_w),)](
-        x, m, s, packed, n, G, _as_int32(seed), _as_int32(seed >> 32), levels,
-        STOCHASTIC=bool(stochastic), BITS=bits, BLOCK_W=block_w, enable_fp_fusion=False,
-    )
+    with on_device(x):
+        wrap_triton(_codes_kernel)[(cdiv(n_words, block_w),)](
+            x, m, s, packed, n, G, _as_int32(seed), _as_int32(seed >> 32), levels,
+            STOCHASTIC=bool(stochastic), BITS=bits, BLOCK_W=block_w, enable_fp_fusion=False,
+        )
     return packed, m.to(stats_dtype), s.to(stats_dtype)
 
 
@@ -279,12 +281,14 @@ def _round_flag(dtype: torch.dtype, stochastic: bool) -> bool:
 def stochastic_round(y, dtype, seed, *, block=1024):
     """Launch :func:`_round_kernel` on a flat contiguous float32 ``y``: ``(numel,)`` of
     ``dtype`` (float16/bfloat16), :func:`fewbit.quant._reference.stochastic_round_reference`."""
+    y = y.contiguous()  # the kernel reads a pointer (a strided y had been read as contiguous; h74)
     out = torch.empty_like(y)
     if y.numel():
-        wrap_triton(_round_kernel)[(cdiv(y.numel(), block),)](
-            y, out, y.numel(), _as_int32(seed), _as_int32(seed >> 32), OUT_BF16=dtype == torch.bfloat16,
-            BLOCK=block, enable_fp_fusion=False,
-        )
+        with on_device(y):
+            wrap_triton(_round_kernel)[(cdiv(y.numel(), block),)](
+                y, out, y.numel(), _as_int32(seed), _as_int32(seed >> 32), OUT_BF16=dtype == torch.bfloat16,
+                BLOCK=block, enable_fp_fusion=False,
+            )
     return out.to(dtype)
 
 
@@ -296,11 +300,14 @@ def dequantize(packed, mins, scales, bits, group_size, numel, dtype, seed=0, sto
         return out
     n_words = -(-numel // 8)
     bf16 = dtype == torch.bfloat16
-    wrap_triton(_dequant_kernel)[(cdiv(n_words, block_w),)](
-        packed, mins.to(torch.float32).contiguous(), scales.to(torch.float32).contiguous(),
-        out.view(torch.int16) if bf16 else out, numel, group_size, _as_int32(seed), _as_int32(seed >> 32),
-        BITS=bits, BLOCK_W=block_w, OUT_BF16=bf16, ROUND=_round_flag(dtype, stochastic), enable_fp_fusion=False,
-    )
+    with on_device(packed):
+        wrap_triton(_dequant_kernel)[(cdiv(n_words, block_w),)](
+            packed, mins.to(packed.device, torch.float32).contiguous(),
+            scales.to(packed.device, torch.float32).contiguous(),
+            out.view(torch.int16) if bf16 else out, numel, group_size, _as_int32(seed), _as_int32(seed >> 32),
+            BITS=bits, BLOCK_W=block_w, OUT_BF16=bf16, ROUND=_round_flag(dtype, stochastic),
+            enable_fp_fusion=False,
+        )
     return out
 
 
@@ -398,12 +405,13 @@ def affine_codes(x, mins, scales, bits, rowlen, per_col, offset, seed, stochasti
     n = x.numel()
     packed = torch.empty(packed_nbytes(n, bits), dtype=torch.uint8, device=x.device)
     if n:
-        wrap_triton(_affine_codes_kernel)[(cdiv(-(-n // 8), block_w),)](
-            x, mins.to(torch.float32).contiguous(), scales.to(torch.float32).contiguous(), packed, n, rowlen,
-            _as_int32(seed), _as_int32(seed >> 32), float(affine_levels(bits, offset)), float(offset),
-            PER_COL=bool(per_col), STOCHASTIC=bool(stochastic), BITS=bits, BLOCK_W=block_w,
-            enable_fp_fusion=False,
-        )
+        with on_device(x):
+            wrap_triton(_affine_codes_kernel)[(cdiv(-(-n // 8), block_w),)](
+                x, mins.to(x.device, torch.float32).contiguous(), scales.to(x.device, torch.float32).contiguous(),
+                packed, n, rowlen, _as_int32(seed), _as_int32(seed >> 32), float(affine_levels(bits, offset)),
+                float(offset), PER_COL=bool(per_col), STOCHASTIC=bool(stochastic), BITS=bits, BLOCK_W=block_w,
+                enable_fp_fusion=False,
+            )
     return packed
 
 
@@ -413,12 +421,14 @@ def affine_decode(packed, mins, scales, bits, rowlen, per_col, offset, numel, dt
     rounded stochastically with the decode seed ``seed`` if ``stochastic`` (float16/bfloat16)."""
     out = torch.empty(numel, dtype=torch.float32, device=packed.device)
     if numel:
-        wrap_triton(_affine_decode_kernel)[(cdiv(-(-numel // 8), block_w),)](
-            packed, mins.to(torch.float32).contiguous(), scales.to(torch.float32).contiguous(), out, numel,
-            rowlen, float(offset), _as_int32(seed), _as_int32(seed >> 32), PER_COL=bool(per_col), BITS=bits,
-            BLOCK_W=block_w, ROUND=_round_flag(dtype, stochastic), OUT_BF16=dtype == torch.bfloat16,
-            enable_fp_fusion=False,
-        )
+        with on_device(packed):
+            wrap_triton(_affine_decode_kernel)[(cdiv(-(-numel // 8), block_w),)](
+                packed, mins.to(packed.device, torch.float32).contiguous(),
+                scales.to(packed.device, torch.float32).contiguous(), out, numel,
+                rowlen, float(offset), _as_int32(seed), _as_int32(seed >> 32), PER_COL=bool(per_col), BITS=bits,
+                BLOCK_W=block_w, ROUND=_round_flag(dtype, stochastic), OUT_BF16=dtype == torch.bfloat16,
+                enable_fp_fusion=False,
+            )
     return out.to(dtype)
 
 
@@ -427,10 +437,11 @@ def block_mean(x, bh, bw, *, block=1024):
     a, h, w, i = x.shape
     out = torch.empty((a, -(-h // bh), -(-w // bw), i), dtype=torch.float32, device=x.device)
     if out.numel() and x.numel():
-        wrap_triton(_block_mean_kernel)[(cdiv(out.numel(), block),)](
-            x.contiguous(), out, out.numel(), h, w, i, out.shape[1], out.shape[2],
-            BH=bh, BW=bw, BLOCK=block, enable_fp_fusion=False,
-        )
+        with on_device(x):
+            wrap_triton(_block_mean_kernel)[(cdiv(out.numel(), block),)](
+                x.contiguous(), out, out.numel(), h, w, i, out.shape[1], out.shape[2],
+                BH=bh, BW=bw, BLOCK=block, enable_fp_fusion=False,
+            )
     return out
 
 

@@ -3,6 +3,7 @@ setting does not leak into the rest of the suite."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import subprocess
@@ -140,3 +141,28 @@ def test_compile_traces_into_the_triton_kernels(case, monkeypatch):
     monkeypatch.setattr(_ops, "TRITON_DEVICE_TYPES", {"cuda"})
     code = _forward_graph(fn, *args)
     assert "triton_kernel_wrapper" not in code and all(name in code for name in names), code
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_launches_make_the_tensors_device_current(monkeypatch):
+    """Triton launches on the current CUDA device and its stream: a tensor on cuda:1 with
+    cuda:0 current had its kernel run on device 0 (review h74, read from Triton's launcher).
+    ``on_device`` makes the tensor's device current where it is not; it stands aside on the
+    CPU and where the device is current already. (No two-GPU machine here: the helper's
+    logic, with torch.cuda's calls stood in for.)"""
+    import torch
+
+    from fewbit.ops import _triton
+
+    entered = []
+
+    class FakeTensor:
+        def __init__(self, device):
+            self.device = torch.device(device)
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "device", lambda d: entered.append(d) or contextlib.nullcontext())
+    for device in ("cpu", "cuda:0", "cuda:1"):
+        with _triton.on_device(FakeTensor(device)):
+            pass
+    assert entered == [torch.device("cuda:1")]

@@ -203,3 +203,29 @@ def test_subnormal_inputs_and_grads(dtype):
     assert torch.equal(_triton.encode_triton(x, b, c, 1), ref)
     g = x.flip(0).contiguous()
     assert bits_equal(_triton.decode_mul_triton(g, ref, v, 1), ops.decode_mul_reference(g, ref, table.values, 1))
+
+
+@pytest.mark.parametrize("bits", [3, 8])
+def test_the_byte_count_of_a_large_tensor_does_not_wrap(bits):
+    """The packers' in-kernel byte count ``n * BITS`` was int32 for n < 2**31: from n =
+    2**31 / BITS (2**28 elements at 8 bits) it wrapped negative, every store and load was
+    masked off, and the codes were never written (the decoder read 0s: a gradient of
+    ``grad * values[0]`` everywhere; review h74). One program of a small buffer, told that
+    n is that large: all its elements are valid, so it must write and read them."""
+    block = 4  # 4 groups of 8: 32 elements in program 0
+    x = torch.linspace(-3, 3, block * 8)
+    borders = torch.linspace(-2.5, 2.5, (1 << bits) - 1)
+    codes = torch.arange(1 << bits, dtype=torch.int32)
+    ref = _triton.encode_triton(x, borders, codes, bits, block=block)  # the true n = 32
+    n = -(-(2**31) // bits)
+    out = torch.full_like(ref, 0xAA)
+    _triton._forward_encode_kernel[(1,)](x, x, borders, codes, out, codes, n, 0, FN=-1, NB=borders.numel(),
+                                         BITS=bits, BLOCK=block, IS_F64=False, OUT_BF16=False, CLASSES=0,
+                                         INTERPRET=True)
+    assert torch.equal(out, ref)
+    values = torch.arange(1 << bits, dtype=torch.float32)
+    got = torch.empty(block * 8)
+    _triton._decode_mul_kernel[(1,)](torch.ones(block * 8), ref, values, got, ref, values, n, 0, BITS=bits,
+                                     BLOCK=block, IS_F64=False, OUT_BF16=False, HAS_REC=False, SELECT_ZERO=False,
+                                     PB=1 << bits, N_PB=0)
+    assert torch.equal(got, ops.decode_mul_reference(torch.ones(block * 8), ref, values, bits))

@@ -128,3 +128,20 @@ def test_same_codes_as_cpu_kernel_from_one_generator_state():
         seed = fq._draw_seed(torch.Generator().manual_seed(5))
         b = T.quantize(x, bits, 256, seed, True, torch.bfloat16, block_w=1024, block_elems=1 << 14)
         assert torch.equal(a.packed, b[0]) and torch.equal(a.mins, b[1]) and torch.equal(a.scales, b[2])
+
+
+def test_stochastic_round_of_a_strided_input():
+    """The launcher passed ``y`` as it came: a strided view was read as contiguous (every
+    other element of the wrong ones; review h74)."""
+    base = torch.randn(2 * 1000, dtype=torch.float32) * 3
+    y = base[::2]
+    for dtype in (torch.float16, torch.bfloat16):
+        assert torch.equal(T.stochastic_round(y, dtype, 7), ref.stochastic_round_reference(y.contiguous(), dtype, 7))
+
+
+def test_float16_stats_are_refused_by_the_op():
+    """``fewbit::group_quantize`` with float16 stats: the Triton kernel took them as float32
+    (the minimum rounded to nearest, not down: codes clamped), the CPU kernel raised a bare
+    KeyError (review h74). A TypeError naming stats_dtype, on every backend."""
+    with pytest.raises(TypeError, match="stats_dtype must be float32 or bfloat16, got torch.float16"):
+        torch.ops.fewbit.group_quantize(torch.randn(64), 4, 16, 0, True, torch.float16)
