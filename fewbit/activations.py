@@ -423,8 +423,13 @@ def get_activation(name: str) -> Activation:
     if key in _FORMULA_ACTIVATIONS:
         return _FORMULA_ACTIVATIONS[key]
     known = sorted(ACTIVATIONS) + sorted(ALIASES) + sorted(FORMULAS)
-    close = difflib.get_close_matches(name, known, n=3)
+    # case apart ("GELU", "Gelu": the class names), which difflib had missed or ranked last
+    lowered = {k.lower(): k for k in reversed(known)}
+    text = str(name)
+    close = [lowered[c] for c in difflib.get_close_matches(text.lower(), list(lowered), n=3)]
     hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+    if "." in text and ":" not in text:  # a user's function named with a dot for the colon
+        hint += "; a function of your own is named 'package.module:function'"
     raise ValueError(
         f"unknown activation {name!r}{hint} (known: {', '.join(sorted(ACTIVATIONS))}; "
         f"Hugging Face formulas: {', '.join(sorted(FORMULAS))})"

@@ -57,6 +57,17 @@ def test_lookup_and_params():
         exact_table("hardtanh", {"min_val": 1.0, "max_val": 1.0})
 
 
+def test_unknown_names_get_case_blind_suggestions():
+    """``fewbit error GELU`` had no suggestion and ``Gelu`` not ``gelu`` (difflib matches
+    case); a user's function named with a dot for the colon was only "unknown" (review
+    h70)."""
+    for name, best in (("GELU", "gelu"), ("Gelu", "gelu"), ("SiLU", "silu")):
+        with pytest.raises(ValueError, match=f"did you mean '{best}'"):
+            get_activation(name)
+    with pytest.raises(ValueError, match="a function of your own is named 'package.module:function'"):
+        get_activation("mypkg.acts.my_act")
+
+
 # ----------------------------------------------------------------------------- gradients bit for bit
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
