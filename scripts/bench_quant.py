@@ -261,6 +261,12 @@ def main(argv=None) -> int:
                 raise ValueError(f"bits must be in {fq.SUPPORTED_BITS}, got {b}")
         if args.group_size < 1 or any(n < 0 for n in args.sizes):
             raise ValueError("--group-size must be >= 1 and --sizes >= 0")
+        from fewbit.quant.compressors import COMPRESSORS
+
+        unknown = [c for c in args.compressors if c not in COMPRESSORS]
+        if unknown:  # found after the throughput table, a traceback had ended the run (h70)
+            raise ValueError(f"--compressors must be among {', '.join(sorted(COMPRESSORS))}; got "
+                             f"{', '.join(map(repr, unknown))}")
     except (ValueError, RuntimeError) as e:
         print(f"bench_quant.py: error: {e}", file=sys.stderr)
         return 2

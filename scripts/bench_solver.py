@@ -83,6 +83,13 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.k > min(args.n, args.numpy_n):
         p.error(f"--k must be at most --n and --numpy-n ({min(args.n, args.numpy_n)}), got {args.k}")
+    # checked before any timing: found after seconds of it, a traceback had ended the run (h70)
+    if bad := [b for b in args.bits if not 1 <= b <= 8]:
+        p.error(f"--bits must be in 1..8, got {', '.join(map(str, bad))}")
+    from fewbit.solver import registry
+
+    if bad := [f for f in args.functions if f not in registry.names()]:
+        p.error(f"--functions must be among {', '.join(registry.names())}; got {', '.join(map(repr, bad))}")
 
     from fewbit.solver import fit_many
     from fewbit.solver.dp import dp_numba, dp_numpy

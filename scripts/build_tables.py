@@ -84,6 +84,14 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=TABLES_DIR, help=f"output directory (default {TABLES_DIR})")
     parser.add_argument("--grid", type=int, default=None, help="DP grid cells (default: the solver's)")
     args = parser.parse_args(argv)
+    # checked before the fits: a missing or file --out had been a traceback after them (h70)
+    if not args.check:
+        if args.out.exists() and not args.out.is_dir():
+            parser.error(f"--out {args.out} is a file, not a directory")
+        try:
+            args.out.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            parser.error(f"--out {args.out}: {exc.strerror or exc}")
 
     from fewbit.solver import registry
     from fewbit.table import TableFormatError, read_tables, table_filename, write_tables

@@ -85,6 +85,11 @@ def test_scripts_refuse_bad_arguments_in_one_line():
         (["scripts/bench_model.py", "--json", "/nonexistent/dir/out.json"], "--json"),  # after the whole run
         (["scripts/profile_host.py", "--calls", "0"], "--calls"),
         (["scripts/profile_host.py", "--device", "CPU"], "--device"),
+        # review h70: tracebacks after seconds of timing, or after the fits
+        (["scripts/bench_quant.py", "--compressors", "foo", "--skip-throughput"], "--compressors"),
+        (["scripts/bench_solver.py", "--functions", "gleu"], "--functions"),
+        (["scripts/bench_solver.py", "--bits", "9"], "--bits"),
+        (["scripts/build_tables.py", "--only", "gelu", "--out", "README.md"], "--out"),
     ]
     for args, needle in cases:
         proc = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
