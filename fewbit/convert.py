@@ -1310,11 +1310,30 @@ def _install_activation_mode(model: nn.Module, config: Config, selected: _Select
 
 def compressor_of(model: nn.Module):
     """The :class:`fewbit.quant.ActivationCompressor` that :func:`convert_` attached to
-    ``model`` (``summary.compressor``), or None if its saved tensors are not compressed."""
-    for hook in model._forward_pre_hooks.values():
-        if isinstance(hook, _StepHook):
-            return hook.shared.compressor
+    ``model`` (``summary.compressor``), or None if its saved tensors are not compressed.
+    ``model`` may be the converted model in a wrapper: ``nn.DataParallel``,
+    ``DistributedDataParallel`` (``.module``) or ``torch.compile``'s ``OptimizedModule``
+    (``._orig_mod``); the wrapper a training loop holds had given None (h76)."""
+    seen = set()
+    while isinstance(model, nn.Module) and id(model) not in seen:
+        seen.add(id(model))
+        for hook in model._forward_pre_hooks.values():
+            if isinstance(hook, _StepHook):
+                return hook.shared.compressor
+        inner = vars(model).get("_modules", {})
+        model = inner.get("module") if isinstance(model, _WRAPPERS) else inner.get("_orig_mod")
     return None
+
+
+def _wrappers() -> tuple:
+    from torch.nn.parallel import DataParallel, DistributedDataParallel
+
+    return (DataParallel, DistributedDataParallel)
+
+
+_WRAPPERS = _wrappers()
+
+
 #: Set on a model whose fused loss :func:`convert_` installed (a re-conversion may undo only that one).
 _FUSED_CE_ATTR = "_fewbit_convert_fused_ce"
 

@@ -2014,3 +2014,17 @@ def test_a_storage_kept_exact_stays_held_under_a_users_hooks():
     (plain, stats), (hooked, hooked_stats) = run(False), run(True)
     assert stats.deduplicated > 0 and hooked_stats.deduplicated == stats.deduplicated
     assert torch.equal(plain, hooked)
+
+
+def test_compressor_of_a_wrapped_model():
+    """The loop holds the DDP (or compiled) wrapper; ``compressor_of(wrapper)`` had been
+    None, and the README's ``compressor_of(model).adapt(...)`` an AttributeError (review
+    h76)."""
+    from fewbit.convert import compressor_of
+
+    model = nn.Sequential(nn.Linear(4, 4))
+    comp = fewbit.convert_(model, fewbit.Config(saved_bits=4)).compressor
+    assert compressor_of(model) is comp
+    assert compressor_of(nn.DataParallel(model)) is comp
+    assert compressor_of(torch.compile(model)) is comp
+    assert compressor_of(nn.Linear(2, 2)) is None
