@@ -312,3 +312,42 @@ def run_rank(rank: int, world: int, workdir: str, jobs: list, backend: str = "gl
     finally:
         torch.save(results, os.path.join(workdir, f"rank{rank}.pt"))
         dist.destroy_process_group()
+
+
+def gact_uneven_batches(rank: int, world: int, workdir: str) -> None:
+    """GACT under DDP with a batch size per rank (96 and 48 of 64 features: one rank's
+    hidden tensors under ``min_numel``, the other's over it): writes the parameters'
+    checksum after each of 3 steps to ``workdir/gact<rank>.txt``, or the traceback."""
+    import warnings
+
+    import fewbit
+    from fewbit.convert import compressor_of
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.set_num_threads(1)
+    warnings.simplefilter("ignore")
+    torch.distributed.init_process_group("gloo", init_method=f"file://{os.path.join(workdir, 'store')}", rank=rank,
+                                         world_size=world, timeout=datetime.timedelta(seconds=60))
+    out = []
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 10))
+        fewbit.convert_(model, fewbit.Config(activation_bits=3, saved_bits="auto", average_bits=2))
+        ddp = DDP(model)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        rows = 96 if rank == 0 else 48
+        gen = torch.Generator().manual_seed(rank)
+        for _ in range(3):
+            x, y = torch.randn(rows, 32, generator=gen), torch.randint(0, 10, (rows,), generator=gen)
+            compressor_of(model).adapt(ddp, lambda: nn.functional.cross_entropy(ddp(x), y), opt)
+            nn.functional.cross_entropy(ddp(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            out.append(repr(float(torch.cat([p.detach().reshape(-1) for p in model.parameters()]).double().sum())))
+        torch.distributed.barrier()
+    except Exception:  # noqa: BLE001 - the test reads it
+        out = [traceback.format_exc()]
+    finally:
+        torch.distributed.destroy_process_group()
+    with open(os.path.join(workdir, f"gact{rank}.txt"), "w") as f:
+        f.write("\n".join(out))

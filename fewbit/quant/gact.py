@@ -124,7 +124,10 @@ def _restore_buffers(buffers: list) -> None:
     moving their version counter (BatchNorm's running mean and variance)."""
     with torch.no_grad():
         for b, saved in buffers:
-            b.copy_(saved)
+            # .data: b.copy_ moved the version counter, and a graph alive across the call
+            # that saved b (a BatchNorm's statistics in eval mode, micro-batches) refused its
+            # backward (h76)
+            b.data.copy_(saved)
 
 
 def allocate_bits(
@@ -859,6 +862,13 @@ class GACTPolicy(Policy):
         ``model`` that the closure runs (a loss-side BatchNorm) are updated by every run,
         so keep such modules inside ``model``.
 
+        Under ``torch.distributed`` (world size > 1) a re-plan is a collective: every rank
+        runs one probe per tensor any rank saw (a rank whose batch saved fewer tensors,
+        under ``min_numel``, had run fewer backwards, each a DDP all-reduce: its training
+        step's gradient was averaged with another rank's probe, the ranks' weights drifted
+        apart, and the job hung; h76), so every rank calls ``adapt`` at the same steps,
+        as DDP's training steps are.
+
         Args:
             model: the converted model (its parameters that require grad are differentiated).
             closure: ``() -> loss``, the forward of this step's batch (scalar tensor).
@@ -963,6 +973,7 @@ class GACTPolicy(Policy):
                 finite = bool(torch.isfinite(g0).all())
                 relative = self.noise_norm == "relative"
                 scales = None
+                runs = sorted(seen)
                 if replan and finite:
                     # the alert's weights: one per parameter tensor (kept with g0 for the pair);
                     # the plan's: the optimizer's second moments where it has them, else rank-1
@@ -973,8 +984,18 @@ class GACTPolicy(Policy):
                         for opt in optimizers:  # each weighs the parameters it holds
                             weights = _optimizer_weights(opt, params, weights, g0)
                     alert_weights = None if scales is None else scales.square().to(g0.device)
-                    for index in seen:
+                    if (torch.distributed.is_available() and torch.distributed.is_initialized()
+                            and torch.distributed.get_world_size() > 1):
+                        # every rank runs the same passes: under DDP each backward is a collective,
+                        # and a rank that saw fewer tensors (a smaller batch under min_numel) had
+                        # paired its training step's all-reduce with another rank's probe run
+                        gathered = [None] * torch.distributed.get_world_size()
+                        torch.distributed.all_gather_object(gathered, runs)
+                        runs = sorted(set().union(*gathered))
+                    for index in runs:
                         run(index)
+                        if index not in seen:
+                            continue
                         weighted, plain = _noise_norms(params, None, g0, weights)
                         alert_sum = plain.sum() if alert_weights is None else (plain * alert_weights).sum()
                         c, a = torch.stack([weighted.sum(), alert_sum]).tolist()
@@ -986,7 +1007,7 @@ class GACTPolicy(Policy):
             _restore_hooks(aside)
             for p, g in zip(params, grads):
                 p.grad = g
-        if finite and replan and not seen:
+        if finite and replan and not runs:  # no rank saw a tensor to measure (DDP: all ranks decide alike)
             # every save of the forward was kept exact or held at fixed bits (inputs that
             # do not require grad, tensors under min_numel): nothing was measured. It had
             # counted as a re-plan and set an empty plan (h62). The plan stays; the schedule

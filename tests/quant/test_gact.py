@@ -1592,3 +1592,48 @@ def test_a_batchnorm_channel_is_priced_in_the_layout_it_is_quantized_in():
     (index,) = [i for i, (x, _) in seen.items() if x.shape == (64, 512)]  # the channel-major view
     expected = gact._variance_factors(real(hidden.t().contiguous(), seen[index][1]), policy.probe_bits)
     assert policy.variance_factors[index] == pytest.approx(expected, rel=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
+                    reason="torch.distributed with the gloo backend is not available")
+def test_ddp_ranks_with_different_batches_stay_identical(tmp_path):
+    """Under DDP every backward is an all-reduce. A rank whose batch saved fewer tensors to
+    measure (under min_numel) ran fewer probe backwards: its training step's gradient was
+    averaged with the other rank's probe, the ranks' weights drifted apart, and the job hung
+    at the next collective (review h76). Every rank runs a probe per tensor any rank saw."""
+    import os
+    import sys
+
+    import torch.multiprocessing as mp
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
+    import _dist_worker
+
+    mp.start_processes(_dist_worker.gact_uneven_batches, args=(2, str(tmp_path)), nprocs=2, start_method="spawn")
+    sums = [(tmp_path / f"gact{r}.txt").read_text().splitlines() for r in range(2)]
+    assert len(sums[0]) == 3 and sums[0] == sums[1], sums
+
+
+def test_adapt_between_a_forward_and_its_backward_leaves_that_graph_usable():
+    """adapt put the BatchNorm's running statistics back with ``copy_``, which moved their
+    version counters: a graph alive across the call (micro-batches, adapt per micro-batch)
+    that saved them refused its backward (review h76). The values go back without a
+    version change, and the gradient is the one without the call in between."""
+    def run(with_adapt):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.GELU(), nn.Flatten(),
+                              nn.Linear(512, 10))
+        comp = fewbit.convert_(model, fewbit.Config(activation_bits=3, saved_bits="auto", average_bits=2,
+                                                     min_numel=0)).compressor
+        x1, x2, y = torch.randn(4, 3, 8, 8), torch.randn(4, 3, 8, 8), torch.randint(0, 10, (4,))
+        fewbit.quant.manual_seed(0)
+        loss = F.cross_entropy(model(x1), y)  # micro-batch 1: its graph alive across the call
+        if with_adapt:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)
+                comp.adapt(model, lambda: F.cross_entropy(model(x2), y))
+        loss.backward()
+        return model[0].weight.grad
+
+    assert torch.equal(run(True), run(False))
