@@ -114,6 +114,29 @@ def _packed_nbytes(obj: Any) -> int:
     return 0
 
 
+def _tensors_in(obj: Any, depth: int = 0):
+    """The tensors inside a packed object of a user's saved-tensor hooks (``save_on_cpu``'s
+    ``(device, tensor)``, fewbit's hand-over of a kept tensor to them): tuples, lists,
+    dicts, attributes and slots, a few levels deep."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif depth > 4:
+        return
+    elif isinstance(obj, (tuple, list)):
+        for o in obj:
+            yield from _tensors_in(o, depth + 1)
+    elif isinstance(obj, dict):
+        for o in obj.values():
+            yield from _tensors_in(o, depth + 1)
+    else:
+        fields = list(vars(obj).values()) if hasattr(obj, "__dict__") else []
+        for cls in type(obj).__mro__:
+            fields += [getattr(obj, n, None) for n in getattr(cls, "__slots__", ()) if n != "__weakref__"]
+        for o in fields:
+            if isinstance(o, (torch.Tensor, tuple, list, dict)) or hasattr(o, "__slots__"):
+                yield from _tensors_in(o, depth + 1)
+
+
 def _storage_key(t: torch.Tensor) -> tuple[str, int] | None:
     try:
         st = t.untyped_storage()
@@ -184,6 +207,7 @@ class SavedTensorRecorder:
         self._seen: dict[Any, None] = {}
         self.savers: dict[Any, tuple[int, list[str]]] = {}
         self._keep: list[Any] = []  # keeps packed objects alive so that id() stays unique
+        self._packed: dict[Any, tuple[Any, str]] = {}  # key -> (packed object, category): re-read at exit
 
     @property
     def saved_bytes(self) -> int:
@@ -212,19 +236,28 @@ class SavedTensorRecorder:
             in_activation = any(self._act_stack)
             packed = inner[0](t) if inner is not None else keep(t)
             held = packed.tensor if isinstance(packed, Kept) else packed
-            if isinstance(held, torch.Tensor):
-                key = _storage_key(held)
-                if key is None:
-                    pass
-                elif key in self._param_keys:
-                    self._add(key, held.untyped_storage().nbytes(), "parameters")
-                else:
-                    category = "activation" if in_activation else "other"
-                    self._add(key, held.untyped_storage().nbytes(), category)
+            # a packed object without nbytes is a user's hooks' container (save_on_cpu's
+            # (device, tensor), fewbit's hand-over of a kept tensor to them): its tensors by
+            # storage, parameters apart; counted whole, a parameter had been "compressed"
+            # bytes and a storage saved twice counted twice (h75)
+            tensors = [held] if isinstance(held, torch.Tensor) else (
+                list(_tensors_in(packed)) if getattr(packed, "nbytes", None) is None else None)
+            if tensors is not None:
+                for held in tensors:
+                    key = _storage_key(held)
+                    if key is None:
+                        pass
+                    elif key in self._param_keys:
+                        self._add(key, held.untyped_storage().nbytes(), "parameters")
+                    else:
+                        category = "activation" if in_activation else "other"
+                        self._add(key, held.untyped_storage().nbytes(), category)
             else:
                 self._keep.append(packed)
                 category = "activation" if in_activation else "compressed"
-                self._add(("packed", id(packed)), _packed_nbytes(packed), category)
+                key = ("packed", id(packed))
+                self._packed[key] = (packed, category)
+                self._add(key, _packed_nbytes(packed), category)
             return packed
 
         def unpack_(packed: Any) -> torch.Tensor:
@@ -304,6 +337,19 @@ class SavedTensorRecorder:
         self._handles = []
         self._pushed = []
         self._mine = {}
+        # a packed object can shrink after its save in the same forward (the compressor
+        # shares one copy of a tensor two modules saved, and frees the first: counted at
+        # its pack-time size, a report had been 15 % over what the graph held; h75)
+        for key, (packed, category) in self._packed.items():
+            before, names = self.savers.get(key, (None, None))
+            if before is None:
+                continue
+            delta = _packed_nbytes(packed) - before
+            if delta:
+                self.by_category[category] += delta
+                self.by_module[names[0]] = self.by_module.get(names[0], 0) + delta
+                self.savers[key] = (before + delta, names)
+        self._packed = {}
         self._keep = []  # packed objects stay alive through the graph, not through us
 
 
@@ -441,12 +487,16 @@ def peak_allocated_bytes(fn: Callable[[], Any], device: torch.device | str) -> i
     on the CPU, once on CUDA; under the profiler it is slower.
 
     Raises:
+        ValueError: ``device`` is neither a CPU nor a CUDA device (a meta, MPS or XPU
+            device had been measured as the CPU; h75).
         RuntimeError: the profiler's memory timeline lacks the marker between the runs
             (a torch whose private ``_memory_profile`` changed); on the CPU, a
             ``torch.profiler`` session is already running (``fn`` is not run): a second one
             ends it, and the caller's trace came back empty.
     """
     device = torch.device(device)
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be a CPU or CUDA device, got {device}")
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         start = torch.cuda.memory_allocated(device)
@@ -482,14 +532,30 @@ def peak_allocated_bytes(fn: Callable[[], Any], device: torch.device | str) -> i
 
 def held_bytes(*objects: Any) -> int:
     """Bytes of the distinct storages of the tensors in ``objects`` (modules: their
-    parameters, gradients and buffers; optimizers: their state; tensors, mappings and
-    sequences of them), each storage counted once."""
+    parameters, gradients and buffers; optimizers: their state; tensors, mappings, sequences
+    and sets of them; None), each storage counted once; a sparse tensor by its indices and
+    values.
+
+    Raises:
+        TypeError: an object of another type (a string, a number: it had counted 0; h75).
+    """
     seen: set = set()
     total = 0
 
     def add(t: Any) -> None:
         nonlocal total
-        if isinstance(t, torch.Tensor) and t.layout == torch.strided and t.device.type != "meta":
+        if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+            return
+        if t.layout == torch.sparse_coo:  # an Embedding(sparse=True)'s gradient had counted 0
+            add(t._indices())
+            add(t._values())
+        elif t.layout in (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc):
+            compressed, plain = ((t.crow_indices(), t.col_indices()) if t.layout in (torch.sparse_csr, torch.sparse_bsr)
+                                 else (t.ccol_indices(), t.row_indices()))
+            add(compressed)
+            add(plain)
+            add(t.values())
+        elif t.layout == torch.strided:
             key = _storage_key(t)
             if key is not None and key not in seen:
                 seen.add(key)
@@ -510,11 +576,15 @@ def held_bytes(*objects: Any) -> int:
         elif isinstance(o, Mapping):
             for v in o.values():
                 walk(v)
-        elif isinstance(o, (list, tuple)):
+        elif isinstance(o, (list, tuple, set, frozenset)):
             for v in o:
                 walk(v)
 
-    for o in objects:
+    for o in objects:  # inside them anything else (an optimizer's step count) holds no storage
+        if o is not None and not isinstance(o, (nn.Module, torch.optim.Optimizer, torch.Tensor, Mapping, list, tuple,
+                                                set, frozenset)):
+            raise TypeError(f"held_bytes takes modules, optimizers, tensors and mappings, sequences or sets of "
+                            f"them; got {type(o).__name__} {o!r}"[:300])
         walk(o)
     return total
 
