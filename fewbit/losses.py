@@ -752,7 +752,9 @@ class _PreHook:
             if not running.active:  # their hidden states (and graph) go before this forward's
                 running.hidden, running.hidden_copy = None, None
         frame = None if _compiling_or_recording() else caller_frame()  # traced: no frames
-        running.active.append([labels is not None, None, frame, head])
+        # the exception being handled where the forward starts (a forward run inside an
+        # except block): the post-hook tells a forward that raised by a different one
+        running.active.append([labels is not None, None, frame, head, sys.exc_info()[1]])
 
 
 def _computed_from(returned: torch.Tensor, loss: torch.Tensor, depth: int = 16) -> bool:
@@ -832,11 +834,13 @@ class _PostHook:
         running = self.patch.running
         if not running.active:
             return None
-        (active, computed, _, _), hidden = running.active.pop(), running.hidden
+        (active, computed, _, _, handled), hidden = running.active.pop(), running.hidden
         running.hidden, running.hidden_copy = None, None  # the copy also when the loss raised
         if not active or hidden is None:
             return None
-        if sys.exc_info()[0] is None:  # a forward that raised: its error stands
+        if sys.exc_info()[1] is handled:  # else the forward raised: its error stands
+            # (not "no exception": a forward run in an except block had skipped the check,
+            # and the planner's retry of a refused step returned a wrong loss silently)
             _check_returned_loss(module, output, computed, hidden)
         if isinstance(output, tuple):
             return tuple(o for o in output if o is not hidden)

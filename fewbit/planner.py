@@ -1060,17 +1060,26 @@ def _measured_step(model: nn.Module, batch: Any, loss_fn: Callable, device: torc
     from fewbit.memory import peak_allocated_bytes
 
     runs: list = []
+    failed: list = []
 
     def run():
         for p in model.parameters():
             if p.requires_grad and p.grad is None:
                 p.grad = torch.zeros_like(p)
-        runs.append(_recorded_step(model, batch, loss_fn))
+        try:
+            runs.append(_recorded_step(model, batch, loss_fn))
+        except BaseException as exc:
+            failed.append(exc)
+            raise
 
     try:
         peak = peak_allocated_bytes(run, device)
     except RuntimeError as exc:
-        if device.type == "cuda":
+        if device.type == "cuda" or failed:
+            # the step's own error (the fused loss's refusal of a model that changes its
+            # logits) stands: taken for the profiler's, it had been warned about and the
+            # step run again, unmeasured, inside this except block, where the fused loss's
+            # check did not run (a z-loss model profiled fused, its loss silently wrong)
             raise
         # inside the user's torch.profiler session (which a profiler of ours would end), or a
         # torch without the memory timeline: the step runs unmeasured, and says so (the
@@ -1089,9 +1098,9 @@ def _transient_bytes(peak: int, saved_bytes: int, gradient_bytes: int, batch: An
     gradients, plus what is held through it besides: the batch and the model's buffers
     (BatchNorm's statistics, rotary tables; a CNN's 816 bytes of BatchNorm buffers had been
     over a 100 % budget)."""
-    from fewbit.memory import held_bytes
+    from fewbit.memory import _tensors_in, held_bytes
 
-    return max(0, peak - saved_bytes - gradient_bytes) + held_bytes(batch, list(model.buffers()))
+    return max(0, peak - saved_bytes - gradient_bytes) + held_bytes(list(_tensors_in(batch)), list(model.buffers()))
 
 
 def _recorded_step(model: nn.Module, batch: Any, loss_fn: Callable):
