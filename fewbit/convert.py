@@ -1435,8 +1435,9 @@ def convert_(
             changes (an exception leaves the model as it was); a shared module is
             converted if it is selected at any of its paths. Activations called as
             functions follow the root's answer for the whole forward, submodules left out
-            included (item 3 above); to keep a submodule's ``F.gelu`` exact, leave the root
-            out, or make that activation a module.
+            included (item 3 above), and so do activation modules left out, whose forward
+            calls them (an ``nn.GELU`` left out runs ``F.gelu``: fewbit's while the root is
+            converted); to keep an activation exact, leave the root out.
 
     Returns:
         A :class:`ConversionSummary` (``.model`` is ``model`` itself, converted in place;

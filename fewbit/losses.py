@@ -911,14 +911,29 @@ _NO_CODE = (lambda: None).__code__  # co_names ()
 
 @functools.lru_cache(maxsize=None)
 def _writes_into_logits(cls: type) -> str | None:
-    """The statement of ``cls.forward`` (the first class of its MRO that defines one) that
-    changes the head's output in place, or None: ``logits[...] = v``, ``logits += v``,
-    ``logits.masked_fill_(...)``, where ``logits`` is a name assigned ``self.lm_head(...)``.
+    """The statement of ``cls.forward`` (and of the base classes' forwards it reaches by
+    ``super().forward``) that changes the head's output in place, or None: ``logits[...] =
+    v``, ``logits += v``, ``logits.masked_fill_(...)``, where ``logits`` is a name assigned
+    ``self.lm_head(...)``.
     The fused loss hands the head's input on in its place, so such a write changes the
     hidden states (Chameleon masks its image tokens: an IndexError when an image token's id
     was past the hidden size, else the check at the loss; h71). None where the source is
     not readable (the check at the loss remains)."""
-    forward = next((vars(k)["forward"] for k in cls.__mro__ if callable(vars(k).get("forward"))), None)
+    for klass in cls.__mro__:  # a super().forward chain's forwards (_computes_loss_with_loss_function)
+        forward = vars(klass).get("forward")
+        if not callable(forward):
+            continue
+        written = _written_in(forward)
+        if written is not None:
+            return written
+        names = getattr(inspect.unwrap(forward), "__code__", _NO_CODE).co_names
+        if not ("super" in names and "forward" in names):  # a subclass's forward that does not
+            return None  # delegate (a subclass of Chameleon's calling super() had been passed, h77)
+    return None
+
+
+def _written_in(forward) -> str | None:
+    """:func:`_writes_into_logits` of one forward's source."""
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(forward))))
     except (OSError, TypeError, SyntaxError):

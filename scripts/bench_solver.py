@@ -86,10 +86,13 @@ def main(argv=None) -> int:
     # checked before any timing: found after seconds of it, a traceback had ended the run (h70)
     if bad := [b for b in args.bits if not 1 <= b <= 8]:
         p.error(f"--bits must be in 1..8, got {', '.join(map(str, bad))}")
-    from fewbit.solver import registry
+    from fewbit.activations import get_activation
 
-    if bad := [f for f in args.functions if f not in registry.names()]:
-        p.error(f"--functions must be among {', '.join(registry.names())}; got {', '.join(map(repr, bad))}")
+    for name in args.functions:  # a name fit_many takes: registry names, aliases, Hugging Face formulas
+        try:
+            get_activation(name)
+        except ValueError as exc:
+            p.error(f"--functions: {exc}")
 
     from fewbit.solver import fit_many
     from fewbit.solver.dp import dp_numba, dp_numpy

@@ -9,7 +9,7 @@
 4. Count what one training step saves for backward (vanilla, fewbit, fewbit+quant), time
    one training step of each trained variant (interleaved, after a warm-up:
    :func:`time_steps`) and print both beside the final losses.
-5. Write CSVs, ``summary.md`` and PNG plots into ``--out`` (default ``./results``).
+5. Write CSVs, ``main_job.md`` and PNG plots into ``--out`` (default ``./results``).
 
 Example::
 

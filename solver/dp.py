@@ -177,7 +177,7 @@ _STEPS_PER_CHUNK = 1e9
 def dp_chunks(n: int, K: int = 1) -> list[tuple[int, int]]:
     """The ranges ``[i_begin, i_end)`` of grid rows that :func:`dp_numba_tables` computes
     per kernel call, for a grid of ``n`` cells and ``K`` pieces: whole blocks, about equal
-    work each (the work of row ``i`` grows like ``i``), 16 of them, or more where the DP's
+    work each (the work of row ``i`` grows like ``i``), up to 16 of them, more where the DP's
     ``n² K / 2`` steps would make one call longer than about a second (Ctrl-C is seen
     between calls: with 16 calls, a fit at grid 200000 and 8 bits ignored it for minutes),
     at most one call per block.

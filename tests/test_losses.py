@@ -1369,6 +1369,12 @@ def test_a_forward_that_writes_into_its_logits_is_refused_up_front():
     with pytest.raises(ValueError, match="changes its logits in place"):
         patch_causal_lm_(model)
     assert _writes_into_logits(transformers.ChameleonForConditionalGeneration).startswith("logits[:, :, image_tokens]")
+
+    class Delegating(Written):  # a subclass's forward that calls super().forward: had passed (review h77)
+        def forward(self, input_ids=None, labels=None, **kwargs):
+            return super().forward(input_ids=input_ids, labels=labels, **kwargs)
+
+    assert "logits[:, :, 100:] = -30.0" in fused_loss_refusal(Delegating(_gpt2().config))
     writers = [n for n in dir(transformers) if n.endswith(("ForCausalLM", "ForConditionalGeneration"))
                and isinstance(getattr(transformers, n), type) and _writes_into_logits(getattr(transformers, n))]
     assert writers == ["ChameleonForConditionalGeneration"]

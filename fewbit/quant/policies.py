@@ -290,8 +290,9 @@ class AdaccPolicy(Policy):
       errors over 150 draws (16 % of dq's norm on one attention; h68). The softmax's own
       result is the compressor's 8-bit group quantizer inside its rows whatever this policy
       chooses (role ``"result"``: its backward is not linear in it); other tensors with
-      every value in [0, 1] (checked with one min/max reduction: dropped-out
-      probabilities) ``"softmax"`` at ``bits``; v and the rest ``"channelwise"`` at ``bits``
+      every value in [0, 1] (checked with one min/max reduction: probabilities another op
+      saves; dropout's output, scaled by ``1 / (1 - p)``, is over 1 and takes the
+      channel-wise one) ``"softmax"`` at ``bits``; v and the rest ``"channelwise"`` at ``bits``
       (in eager attention also the q and kᵀ its matmul saves, whose backward is linear in
       them);
     - inside ``conv`` modules: the group quantizer at ``bits`` (Adacc covers transformers).
