@@ -887,20 +887,24 @@ def _mask_(logits):
     logits[..., :3] = -30.0
 
 
+class _Masked(transformers.GPT2LMHeadModel):
+    """Writes into its logits in place after the head, as Chameleon does, out of sight of
+    ``fused_loss_refusal``'s source scan (the check at the loss finds it)."""
+
+    def forward(self, input_ids=None, labels=None, **kwargs):
+        logits = self.lm_head(self.transformer(input_ids).last_hidden_state)
+        _mask_(logits)
+        loss = None if labels is None else self.loss_function(logits, labels, self.config.vocab_size)
+        return transformers.modeling_outputs.CausalLMOutput(loss=loss, logits=logits)
+
+
 @pytest.mark.parametrize("mode", ["grad", "no_grad", "inference_mode"])
 def test_patch_causal_lm_refuses_logits_changed_in_place(mode):
     """A model that changes its logits in place between the head and the loss (Chameleon
     masks its image tokens, xLSTM soft-caps under ``no_grad`` in eval mode) changed the
     hidden states the patched head returned: the loss was silently wrong (4.57 against inf,
     24.98 against 32.13). The version counter is checked, in training and evaluation."""
-    class Masked(transformers.GPT2LMHeadModel):
-        def forward(self, input_ids=None, labels=None, **kwargs):
-            logits = self.lm_head(self.transformer(input_ids).last_hidden_state)
-            _mask_(logits)  # in place, as Chameleon's image tokens, out of sight of the source scan
-            loss = None if labels is None else self.loss_function(logits, labels, self.config.vocab_size)
-            return transformers.modeling_outputs.CausalLMOutput(loss=loss, logits=logits)
-
-    model = Masked(_gpt2().config)
+    model = _Masked(_gpt2().config)
     ids = torch.randint(0, 97, (2, 8))
     patch_causal_lm_(model)
     context = {"grad": torch.enable_grad, "no_grad": torch.no_grad, "inference_mode": torch.inference_mode}[mode]
@@ -1301,14 +1305,7 @@ def test_a_compiled_model_that_changes_its_logits_in_place_is_refused():
     model masking its logits in place (Chameleon's image tokens) gave a loss of 4.76
     against 4.58 unfused, silently. The version is read eagerly now, as without compile
     (review h71)."""
-    class Masked(transformers.GPT2LMHeadModel):
-        def forward(self, input_ids=None, labels=None, **kwargs):
-            logits = self.lm_head(self.transformer(input_ids).last_hidden_state)
-            _mask_(logits)  # in place, as Chameleon's image tokens, out of sight of the source scan
-            loss = None if labels is None else self.loss_function(logits, labels, self.config.vocab_size)
-            return transformers.modeling_outputs.CausalLMOutput(loss=loss, logits=logits)
-
-    model = Masked(_gpt2().config)
+    model = _Masked(_gpt2().config)
     ids = torch.randint(0, 97, (2, 8))
     patch_causal_lm_(model)
     compiled = torch.compile(model, backend="aot_eager")

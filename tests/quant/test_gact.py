@@ -117,6 +117,18 @@ def test_native_norm_input_gets_8_bits_outside_the_plan():
     assert len(norm) == 1 and norm[0].bits == 8 and norm[0].index not in comp.policy.bits
 
 
+def _sensitivities(compressor, model, closure, runs, optimizer=None) -> dict[int, list[float]]:
+    """``{0: [c_0 of each re-plan], 1: [...]}`` over ``runs`` re-plans (adapt_interval=1)."""
+    est = {0: [], 1: []}
+    for _ in range(runs):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # the alert, not tested here
+            assert compressor.adapt(model, closure, optimizer)
+        for i in est:
+            est[i].append(compressor.policy.sensitivity[i])
+    return est
+
+
 class _Two(nn.Module):
     """z = W2 (W1 h0): the gradient is linear in each saved tensor's noise and each
     tensor's noise reaches one weight's gradient only, so c_l is the variance of that
@@ -159,13 +171,7 @@ def test_sensitivity_matches_monte_carlo(noise_norm):
         state = copy.deepcopy(optimizer.state_dict())
     closure = lambda: (model(xb * 1.0) * a).sum()  # noqa: E731  (xb * 1.0: not a leaf, so compressed)
     runs = 60
-    est = {0: [], 1: []}
-    for _ in range(runs):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)  # the alert, not tested here
-            assert summary.compressor.adapt(model, closure, optimizer)
-        for i in est:
-            est[i].append(policy.sensitivity[i])
+    est = _sensitivities(summary.compressor, model, closure, runs, optimizer)
     if optimizer is not None:
         after = optimizer.state_dict()
         assert all(torch.equal(after["state"][k][n], v) for k, st in state["state"].items() for n, v in st.items())
@@ -1541,13 +1547,7 @@ def test_one_bit_variance_is_priced_by_the_tensors_own_rounding():
     policy = summary.compressor.policy
     closure = lambda: (model(xb * 1.0) * a).sum()  # noqa: E731  (xb * 1.0: not a leaf, so compressed)
     runs = 30
-    est = {0: [], 1: []}
-    for _ in range(runs):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)  # the alert, not tested here
-            assert summary.compressor.adapt(model, closure)
-        for i in est:
-            est[i].append(policy.sensitivity[i])
+    est = _sensitivities(summary.compressor, model, closure, runs)
     with torch.no_grad():
         h0 = xb.detach().clone()
         h1 = model.l1(h0)
