@@ -24,9 +24,9 @@ def find_blocks(model: nn.Module) -> list[tuple[str, list[str]]]:
     stage, ViT's ``encoder.layers``), not nested in another block; the outermost container
     wins. A child without a forward of its own (an ``nn.ModuleList`` of a layer's parts:
     ``ModuleList([ModuleList([norm, ff]), ...])``) is never called, so it is not a block:
-    the search goes on inside it (``ff`` is). Blocks of one class and one structure (names, classes, parameter shapes) form a block
-    type, which gets one policy. Everything else runs as it is and counts as saved outside
-    the blocks.
+    the search goes on inside it (``ff`` is). Blocks of one class and one structure (names,
+    classes, parameter shapes) form a block type, which gets one policy. Everything else
+    runs as it is and counts as saved outside the blocks.
 
     Raises:
         ValueError: if the model has no such blocks.

@@ -643,8 +643,9 @@ _HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward
 
 def _carry_over(old: nn.Module, new: nn.Module) -> None:
     """Give replacement ``new`` what the user set on activation ``old``: its forward,
-    forward-pre, backward, ``state_dict`` and ``load_state_dict`` hooks (the same registries, so the handles the user holds
-    still remove them; hooks then receive ``new`` as the module), the parameters, buffers
+    forward-pre, backward, ``state_dict`` and ``load_state_dict`` hooks (the same
+    registries, so the handles the user holds still remove them; hooks then receive ``new``
+    as the module), the parameters, buffers
     (persistent or not) and submodules registered on it (so ``state_dict()`` keys and
     ``parameters()`` are unchanged; the same tensors, not copies) and its own attributes
     (those that are neither its constructor's arguments, nor something ``new`` has, nor
@@ -1343,8 +1344,8 @@ def _is_causal_lm(model: nn.Module) -> bool:
     the user's derived from one (``class MyLlama(LlamaForCausalLM)`` had been refused, "needs
     a Hugging Face *ForCausalLM model", which ``patch_causal_lm_`` takes; review h71; what its
     forward does is :func:`fewbit.losses.fused_loss_refusal`'s to judge)."""
-    return any((cls.__module__ or "").startswith("transformers") and cls.__name__.endswith(("ForCausalLM", "LMHeadModel"))
-               for cls in type(model).__mro__)
+    return any((cls.__module__ or "").startswith("transformers")
+               and cls.__name__.endswith(("ForCausalLM", "LMHeadModel")) for cls in type(model).__mro__)
 
 
 def _set_fused_cross_entropy(model: nn.Module, config: Config, summary: ConversionSummary) -> None:

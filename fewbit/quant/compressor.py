@@ -797,7 +797,7 @@ class ActivationCompressor:
                                "(a forward is running): copy or save it between training steps")
         state = self.__dict__.copy()
         del state["_local"]  # per thread, and only set while a call runs
-        state["_frame"] = None
+        state["_frame"] = state["_outer"] = state["_marked"] = None
         # what live graphs hold (weak references, which cannot be pickled): not state
         state["_kept"], state["_cache"] = {}, {}
         return state
@@ -807,6 +807,8 @@ class ActivationCompressor:
         self.__dict__.setdefault("_norm_inputs", [])  # pickled by an earlier build
         self.__dict__.setdefault("_frame", None)
         self.__dict__.setdefault("masks", [])
+        self.__dict__.setdefault("_outer", None)
+        self.__dict__.setdefault("_marked", None)
         self._local = threading.local()
 
     # passes and policies -------------------------------------------------------------
