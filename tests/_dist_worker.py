@@ -314,10 +314,15 @@ def run_rank(rank: int, world: int, workdir: str, jobs: list, backend: str = "gl
         dist.destroy_process_group()
 
 
-def gact_uneven_batches(rank: int, world: int, workdir: str) -> None:
-    """GACT under DDP with a batch size per rank (96 and 48 of 64 features: one rank's
-    hidden tensors under ``min_numel``, the other's over it): writes the parameters'
-    checksum after each of 3 steps to ``workdir/gact<rank>.txt``, or the traceback."""
+def gact_uneven_batches(rank: int, world: int, workdir: str, scenario: str = "uneven") -> None:
+    """GACT under DDP where the ranks' re-plans could take different branches; writes, per
+    step, the re-plan schedule and the parameters' checksum to ``workdir/gact<rank>.txt``
+    (or the traceback). ``scenario``: ``"uneven"``, a batch size per rank (96 and 48 of 64
+    features: one rank's hidden tensors under ``min_numel``); ``"masked"``, rank 1's tensors
+    all under ``min_numel`` and rank 0's first batch with every label ignored (a zero
+    loss); ``"nosync"``, ``adapt`` inside ``ddp.no_sync()`` (its probe backwards not
+    all-reduced) with rank 1's first micro-batch overflowing (checksums then differ by
+    design: only the schedules are compared)."""
     import warnings
 
     import fewbit
@@ -332,18 +337,38 @@ def gact_uneven_batches(rank: int, world: int, workdir: str) -> None:
     try:
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 10))
-        fewbit.convert_(model, fewbit.Config(activation_bits=3, saved_bits="auto", average_bits=2))
+        min_numel = {"uneven": 4096, "masked": 4000, "nosync": 0}[scenario]
+        fewbit.convert_(model, fewbit.Config(activation_bits=3, saved_bits="auto", average_bits=2,
+                                             min_numel=min_numel))
         ddp = DDP(model)
         opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-        rows = 96 if rank == 0 else 48
+        rows = (96 if rank == 0 else 48) if scenario == "uneven" else (96 if rank == 0 else 16)
         gen = torch.Generator().manual_seed(rank)
-        for _ in range(3):
+        for step in range(4):
             x, y = torch.randn(rows, 32, generator=gen), torch.randint(0, 10, (rows,), generator=gen)
-            compressor_of(model).adapt(ddp, lambda: nn.functional.cross_entropy(ddp(x), y), opt)
-            nn.functional.cross_entropy(ddp(x), y).backward()
+            if scenario == "masked" and rank == 0 and step == 0:
+                y = torch.full_like(y, -100)
+
+            def loss():
+                return nn.functional.cross_entropy(ddp(x), y, reduction="sum" if scenario == "masked" else "mean")
+
+            if scenario == "nosync":
+                if rank == 1 and step == 0:
+                    x[0, 0] = float("inf")  # this rank's first micro-batch overflows
+                with ddp.no_sync():
+                    compressor_of(model).adapt(ddp, loss, opt)
+                    loss().backward()
+                x = torch.randn(rows, 32, generator=gen)
+                loss().backward()
+                for p in model.parameters():
+                    p.grad.nan_to_num_(0.0, 0.0, 0.0)
+            else:
+                compressor_of(model).adapt(ddp, loss, opt)
+                loss().backward()
             opt.step()
             opt.zero_grad()
-            out.append(repr(float(torch.cat([p.detach().reshape(-1) for p in model.parameters()]).double().sum())))
+            total = float(torch.cat([p.detach().reshape(-1) for p in model.parameters()]).double().sum())
+            out.append(f"{compressor_of(model).policy.schedule()[:3]}" + ("" if scenario == "nosync" else f" {total!r}"))
         torch.distributed.barrier()
     except Exception:  # noqa: BLE001 - the test reads it
         out = [traceback.format_exc()]

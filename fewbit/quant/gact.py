@@ -119,6 +119,26 @@ def _factor(factors: Sequence[float], bits: int) -> float:
     return factors[CANDIDATE_BITS.index(bits)] if bits in CANDIDATE_BITS else 0.0
 
 
+def _world() -> int:
+    """``torch.distributed``'s world size, 1 outside a process group."""
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _agree(flags: list[bool], device: torch.device, how: str) -> list[bool]:
+    """``flags`` made the same on every rank of the default process group: each one's AND
+    (``how="all"``) or OR (``"any"``) over the ranks, in one all-reduce; as given in one
+    process. A re-plan's branches (measure, skip a non-finite or all-zero step, plan) decide
+    how many forwards and backwards :meth:`GACTPolicy.adapt` runs, each a collective under
+    DDP: decided per rank, they had hung the job (h78)."""
+    if _world() == 1:
+        return flags
+    t = torch.tensor([int(bool(f)) for f in flags], dtype=torch.int32, device=device)
+    op = torch.distributed.ReduceOp.MIN if how == "all" else torch.distributed.ReduceOp.MAX
+    torch.distributed.all_reduce(t, op=op)
+    return [bool(v) for v in t.tolist()]
+
+
 def _restore_buffers(buffers: list) -> None:
     """Copy back each ``(buffer, copy)``. Every one: kernels update some in place without
     moving their version counter (BatchNorm's running mean and variance)."""
@@ -971,6 +991,8 @@ class GACTPolicy(Policy):
                 s = variance_factor(self.probe_bits)
                 sens, alert = {}, {}
                 finite = bool(torch.isfinite(g0).all())
+                if replan:  # every rank takes the same branches (_agree: a rank that skipped had hung the rest)
+                    (finite,) = _agree([finite], g0.device, "all")
                 relative = self.noise_norm == "relative"
                 scales = None
                 runs = sorted(seen)
@@ -984,12 +1006,11 @@ class GACTPolicy(Policy):
                         for opt in optimizers:  # each weighs the parameters it holds
                             weights = _optimizer_weights(opt, params, weights, g0)
                     alert_weights = None if scales is None else scales.square().to(g0.device)
-                    if (torch.distributed.is_available() and torch.distributed.is_initialized()
-                            and torch.distributed.get_world_size() > 1):
+                    if _world() > 1:
                         # every rank runs the same passes: under DDP each backward is a collective,
                         # and a rank that saw fewer tensors (a smaller batch under min_numel) had
                         # paired its training step's all-reduce with another rank's probe run
-                        gathered = [None] * torch.distributed.get_world_size()
+                        gathered = [None] * _world()
                         torch.distributed.all_gather_object(gathered, runs)
                         runs = sorted(set().union(*gathered))
                     for index in runs:
@@ -1000,7 +1021,7 @@ class GACTPolicy(Policy):
                         alert_sum = plain.sum() if alert_weights is None else (plain * alert_weights).sum()
                         c, a = torch.stack([weighted.sum(), alert_sum]).tolist()
                         sens[index], alert[index] = 0.5 * c / s, 0.5 * a / s
-                    finite = all(math.isfinite(v) for v in sens.values())
+                    (finite,) = _agree([all(math.isfinite(v) for v in sens.values())], g0.device, "all")
         finally:
             _restore_buffers(buffers)
             _noise_stream.restore(streams)
@@ -1022,7 +1043,10 @@ class GACTPolicy(Policy):
                     "nothing was measured; the plan stays until a re-plan measures something", RuntimeWarning,
                     stacklevel=_outside_stacklevel())
             return False
-        if finite and replan and sens and not any(v > 0 for v in sens.values()):
+        positive = any(v > 0 for v in sens.values())
+        if finite and replan:  # measured on some rank: on every rank, or none
+            (positive,) = _agree([positive], g0.device, "any")
+        if finite and replan and not positive:
             # a zero gradient (a zero loss, a batch masked out) measures nothing either: a
             # plan from all-zero sensitivities would be ties broken by position
             self._next_plan, self._gap = self._calls + 1, schedule[1]
@@ -1039,7 +1063,8 @@ class GACTPolicy(Policy):
         if pair:
             self._pair_variance(g0, params)
         if replan:
-            self._plan(seen, sens, alert, {i: _variance_factors(variances.get(i), self.probe_bits) for i in seen})
+            if seen:  # a rank that measured nothing itself (another rank did) keeps its plan
+                self._plan(seen, sens, alert, {i: _variance_factors(variances.get(i), self.probe_bits) for i in seen})
             self._last_g0 = (self._calls, g0, scales, s * sum(alert.values()))
         self._check_variance()
         return replan

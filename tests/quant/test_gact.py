@@ -1597,11 +1597,15 @@ def test_a_batchnorm_channel_is_priced_in_the_layout_it_is_quantized_in():
 @pytest.mark.slow
 @pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
                     reason="torch.distributed with the gloo backend is not available")
-def test_ddp_ranks_with_different_batches_stay_identical(tmp_path):
+@pytest.mark.parametrize("scenario", ["uneven", "masked", "nosync"])
+def test_ddp_ranks_take_the_same_replan_branches(tmp_path, scenario):
     """Under DDP every backward is an all-reduce. A rank whose batch saved fewer tensors to
     measure (under min_numel) ran fewer probe backwards: its training step's gradient was
     averaged with the other rank's probe, the ranks' weights drifted apart, and the job hung
-    at the next collective (review h76). Every rank runs a probe per tensor any rank saw."""
+    at the next collective (review h76). Then a rank that measured nothing, one whose
+    sensitivities were all 0, and one whose probe overflowed (adapt inside no_sync) took
+    their own branches and schedules, and hung the job (review h78). Every rank runs a probe
+    per tensor any rank saw, and the branches are agreed (``_agree``)."""
     import os
     import sys
 
@@ -1610,9 +1614,10 @@ def test_ddp_ranks_with_different_batches_stay_identical(tmp_path):
     sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
     import _dist_worker
 
-    mp.start_processes(_dist_worker.gact_uneven_batches, args=(2, str(tmp_path)), nprocs=2, start_method="spawn")
-    sums = [(tmp_path / f"gact{r}.txt").read_text().splitlines() for r in range(2)]
-    assert len(sums[0]) == 3 and sums[0] == sums[1], sums
+    mp.start_processes(_dist_worker.gact_uneven_batches, args=(2, str(tmp_path), scenario), nprocs=2,
+                       start_method="spawn")
+    rows = [(tmp_path / f"gact{r}.txt").read_text().splitlines() for r in range(2)]
+    assert len(rows[0]) == 4 and rows[0] == rows[1], rows
 
 
 def test_adapt_between_a_forward_and_its_backward_leaves_that_graph_usable():
