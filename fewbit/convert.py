@@ -1313,8 +1313,9 @@ def compressor_of(model: nn.Module):
     """The :class:`fewbit.quant.ActivationCompressor` that :func:`convert_` attached to
     ``model`` (``summary.compressor``), or None if its saved tensors are not compressed.
     ``model`` may be the converted model in a wrapper: ``nn.DataParallel``,
-    ``DistributedDataParallel`` (``.module``) or ``torch.compile``'s ``OptimizedModule``
-    (``._orig_mod``); the wrapper a training loop holds had given None (h76)."""
+    ``DistributedDataParallel`` (``.module``), ``torch.compile``'s ``OptimizedModule``
+    (``._orig_mod``) or another module whose one child it is (FSDP1's wrapper); the
+    wrapper a training loop holds had given None (h76, h78)."""
     seen = set()
     while isinstance(model, nn.Module) and id(model) not in seen:
         seen.add(id(model))
@@ -1322,7 +1323,11 @@ def compressor_of(model: nn.Module):
             if isinstance(hook, _StepHook):
                 return hook.shared.compressor
         inner = vars(model).get("_modules", {})
-        model = inner.get("module") if isinstance(model, _WRAPPERS) else inner.get("_orig_mod")
+        nxt = inner.get("module") if isinstance(model, _WRAPPERS) else inner.get("_orig_mod")
+        if nxt is None:  # another wrapper, of one module (FSDP1's _fsdp_wrapped_module): that module
+            children = list(model.children())
+            nxt = children[0] if len(children) == 1 else None
+        model = nxt
     return None
 
 

@@ -116,8 +116,8 @@ def _packed_nbytes(obj: Any) -> int:
 
 def _tensors_in(obj: Any, depth: int = 0):
     """The tensors inside a packed object of a user's saved-tensor hooks (``save_on_cpu``'s
-    ``(device, tensor)``, fewbit's hand-over of a kept tensor to them): tuples, lists,
-    dicts, attributes and slots, a few levels deep."""
+    ``(device, tensor)``, fewbit's hand-over of a kept tensor to them) or a batch object:
+    tuples, lists, sets, dicts, attributes and slots, a few levels deep."""
     if isinstance(obj, torch.Tensor):
         yield obj
     elif depth > 4:
@@ -125,16 +125,20 @@ def _tensors_in(obj: Any, depth: int = 0):
     elif isinstance(obj, (tuple, list)):
         for o in obj:
             yield from _tensors_in(o, depth + 1)
+    elif isinstance(obj, (set, frozenset)):
+        for o in obj:
+            yield from _tensors_in(o, depth + 1)
     elif isinstance(obj, dict):
         for o in obj.values():
             yield from _tensors_in(o, depth + 1)
-    else:
+    elif not isinstance(obj, (str, bytes, int, float, type, nn.Module)) and obj is not None:
+        # an object's fields, dataclasses inside dataclasses too (a nested batch had been
+        # missed: the planner's prediction short by the batch; h78)
         fields = list(vars(obj).values()) if hasattr(obj, "__dict__") else []
         for cls in type(obj).__mro__:
             fields += [getattr(obj, n, None) for n in getattr(cls, "__slots__", ()) if n != "__weakref__"]
         for o in fields:
-            if isinstance(o, (torch.Tensor, tuple, list, dict)) or hasattr(o, "__slots__"):
-                yield from _tensors_in(o, depth + 1)
+            yield from _tensors_in(o, depth + 1)
 
 
 def _storage_key(t: torch.Tensor) -> tuple[str, int] | None:

@@ -2028,3 +2028,11 @@ def test_compressor_of_a_wrapped_model():
     assert compressor_of(nn.DataParallel(model)) is comp
     assert compressor_of(torch.compile(model)) is comp
     assert compressor_of(nn.Linear(2, 2)) is None
+
+    class OneChild(nn.Module):  # FSDP1 keeps the model as its one child, _fsdp_wrapped_module (review h78)
+        def __init__(self, inner):
+            super().__init__()
+            self._fsdp_wrapped_module = inner
+
+    assert compressor_of(OneChild(model)) is comp
+    assert compressor_of(nn.Sequential(model, nn.Linear(4, 4))) is None  # not a wrapper: which one is not ours to pick
