@@ -1314,8 +1314,8 @@ def compressor_of(model: nn.Module):
     ``model`` (``summary.compressor``), or None if its saved tensors are not compressed.
     ``model`` may be the converted model in a wrapper: ``nn.DataParallel``,
     ``DistributedDataParallel`` (``.module``), ``torch.compile``'s ``OptimizedModule``
-    (``._orig_mod``) or another module whose one child it is (FSDP1's wrapper); the
-    wrapper a training loop holds had given None (h76, h78)."""
+    (``._orig_mod``), FSDP1's or activation checkpointing's wrapper; the wrapper a training
+    loop holds had given None (h76, h78)."""
     seen = set()
     while isinstance(model, nn.Module) and id(model) not in seen:
         seen.add(id(model))
@@ -1324,9 +1324,9 @@ def compressor_of(model: nn.Module):
                 return hook.shared.compressor
         inner = vars(model).get("_modules", {})
         nxt = inner.get("module") if isinstance(model, _WRAPPERS) else inner.get("_orig_mod")
-        if nxt is None:  # another wrapper, of one module (FSDP1's _fsdp_wrapped_module): that module
-            children = list(model.children())
-            nxt = children[0] if len(children) == 1 else None
+        if nxt is None:  # FSDP1's and activation checkpointing's wrappers (not any module of one child:
+            # the compressor of a backbone is not the outer model's, whose own saves it does not take; h79)
+            nxt = inner.get("_fsdp_wrapped_module") or inner.get("_checkpoint_wrapped_module")
         model = nxt
     return None
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import math
+import types
 import warnings
 import weakref
 from dataclasses import dataclass, field
@@ -114,6 +115,12 @@ def _packed_nbytes(obj: Any) -> int:
     return 0
 
 
+#: What :func:`_tensors_in` does not walk into: values, modules and what holds a model's
+#: tensors (optimizers, schedulers), modules of code, functions.
+_NOT_WALKED = (str, bytes, int, float, type, nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler,
+               types.ModuleType, types.FunctionType, types.MethodType, types.BuiltinFunctionType)
+
+
 def _tensors_in(obj: Any, depth: int = 0):
     """The tensors inside a packed object of a user's saved-tensor hooks (``save_on_cpu``'s
     ``(device, tensor)``, fewbit's hand-over of a kept tensor to them) or a batch object:
@@ -131,14 +138,22 @@ def _tensors_in(obj: Any, depth: int = 0):
     elif isinstance(obj, dict):
         for o in obj.values():
             yield from _tensors_in(o, depth + 1)
-    elif not isinstance(obj, (str, bytes, int, float, type, nn.Module)) and obj is not None:
+    elif not isinstance(obj, _NOT_WALKED) and obj is not None:
         # an object's fields, dataclasses inside dataclasses too (a nested batch had been
-        # missed: the planner's prediction short by the batch; h78)
-        fields = list(vars(obj).values()) if hasattr(obj, "__dict__") else []
-        for cls in type(obj).__mro__:
-            fields += [getattr(obj, n, None) for n in getattr(cls, "__slots__", ()) if n != "__weakref__"]
+        # missed: the planner's prediction short by the batch; h78); not what holds a
+        # model's tensors (an optimizer or scheduler a batch refers to had added Adam's
+        # moments to it, 0.09 -> 33.7 MB; h79), and not an object whose fields raise
+        try:
+            fields = list(vars(obj).values()) if hasattr(obj, "__dict__") else []
+            for cls in type(obj).__mro__:
+                slots = getattr(cls, "__slots__", ())
+                slots = (slots,) if isinstance(slots, str) else slots
+                fields += [getattr(obj, n, None) for n in slots if n != "__weakref__"]
+        except Exception:  # noqa: BLE001 - a dead weakref.proxy, a __getattr__ that raises
+            return
         for o in fields:
-            yield from _tensors_in(o, depth + 1)
+            if not isinstance(o, nn.Parameter):
+                yield from _tensors_in(o, depth + 1)
 
 
 def _storage_key(t: torch.Tensor) -> tuple[str, int] | None:

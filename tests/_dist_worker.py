@@ -322,7 +322,9 @@ def gact_uneven_batches(rank: int, world: int, workdir: str, scenario: str = "un
     all under ``min_numel`` and rank 0's first batch with every label ignored (a zero
     loss); ``"nosync"``, ``adapt`` inside ``ddp.no_sync()`` (its probe backwards not
     all-reduced) with rank 1's first micro-batch overflowing (checksums then differ by
-    design: only the schedules are compared)."""
+    design: only the schedules are compared); ``"manual"``, no DDP (gradients averaged by
+    hand) and rank 0's second batch with every label ignored: its zero sensitivities must
+    not become its plan (written: whether every planned sensitivity is positive)."""
     import warnings
 
     import fewbit
@@ -337,16 +339,16 @@ def gact_uneven_batches(rank: int, world: int, workdir: str, scenario: str = "un
     try:
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 10))
-        min_numel = {"uneven": 4096, "masked": 4000, "nosync": 0}[scenario]
+        min_numel = {"uneven": 4096, "masked": 4000, "nosync": 0, "manual": 0}[scenario]
         fewbit.convert_(model, fewbit.Config(activation_bits=3, saved_bits="auto", average_bits=2,
                                              min_numel=min_numel))
-        ddp = DDP(model)
+        ddp = model if scenario == "manual" else DDP(model)
         opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
         rows = (96 if rank == 0 else 48) if scenario == "uneven" else (96 if rank == 0 else 16)
         gen = torch.Generator().manual_seed(rank)
         for step in range(4):
             x, y = torch.randn(rows, 32, generator=gen), torch.randint(0, 10, (rows,), generator=gen)
-            if scenario == "masked" and rank == 0 and step == 0:
+            if (scenario, rank, step) in (("masked", 0, 0), ("manual", 0, 1)):
                 y = torch.full_like(y, -100)
 
             def loss():
@@ -365,10 +367,18 @@ def gact_uneven_batches(rank: int, world: int, workdir: str, scenario: str = "un
             else:
                 compressor_of(model).adapt(ddp, loss, opt)
                 loss().backward()
+            if scenario == "manual":  # averaged by hand, as without DDP
+                for p in model.parameters():
+                    torch.distributed.all_reduce(p.grad)
+                    p.grad /= world
             opt.step()
             opt.zero_grad()
             total = float(torch.cat([p.detach().reshape(-1) for p in model.parameters()]).double().sum())
-            out.append(f"{compressor_of(model).policy.schedule()[:3]}" + ("" if scenario == "nosync" else f" {total!r}"))
+            policy = compressor_of(model).policy
+            if scenario == "manual":
+                out.append(f"{policy.schedule()[:3]} {all(v > 0 for v in policy.sensitivity.values())}")
+            else:
+                out.append(f"{policy.schedule()[:3]}" + ("" if scenario == "nosync" else f" {total!r}"))
         torch.distributed.barrier()
     except Exception:  # noqa: BLE001 - the test reads it
         out = [traceback.format_exc()]

@@ -1940,9 +1940,18 @@ def test_a_batch_object_is_profiled():
         def x(self):
             return self.inner.x
 
+    @dataclasses.dataclass
+    class WithScheduler:  # a batch referring to another model's optimizer: not the batch's bytes (review h79)
+        x: torch.Tensor
+        scheduler: object
+
+    other = torch.nn.Linear(256, 256)
+    adam = torch.optim.Adam(other.parameters())
+    other(torch.randn(2, 256)).sum().backward()
+    adam.step()  # its moments exist
     x = torch.randn(64, 16)
     transient = []
-    for batch in (Batch(x), Nested(Batch(x))):
+    for batch in (Batch(x), Nested(Batch(x)), WithScheduler(x, torch.optim.lr_scheduler.StepLR(adam, 1))):
         torch.manual_seed(0)
         transient.append(planner.profile(Net(), batch, optimizer="sgd", repeats=1).transient_bytes)
-    assert transient[0] == transient[1] >= x.untyped_storage().nbytes()
+    assert transient[0] == transient[1] == transient[2] >= x.untyped_storage().nbytes()

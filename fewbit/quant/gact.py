@@ -1063,7 +1063,10 @@ class GACTPolicy(Policy):
         if pair:
             self._pair_variance(g0, params)
         if replan:
-            if seen:  # a rank that measured nothing itself (another rank did) keeps its plan
+            if seen and any(v > 0 for v in sens.values()):
+                # a rank that measured nothing itself (another rank did), or only zeros (its
+                # zero loss beside another rank's, without DDP's averaging: a plan from
+                # zeros, and an alert silenced; h79) keeps its plan
                 self._plan(seen, sens, alert, {i: _variance_factors(variances.get(i), self.probe_bits) for i in seen})
             self._last_g0 = (self._calls, g0, scales, s * sum(alert.values()))
         self._check_variance()
@@ -1097,7 +1100,9 @@ class GACTPolicy(Policy):
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict`.
+        """Restore :meth:`state_dict`. Under ``torch.distributed`` every rank restores the
+        same state: ranks on different re-plan schedules run different collectives in
+        :meth:`adapt`, and the job hangs.
 
         Raises:
             ValueError: ``state`` is not a GACT policy state (an entry missing, a generator

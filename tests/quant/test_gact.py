@@ -1597,7 +1597,7 @@ def test_a_batchnorm_channel_is_priced_in_the_layout_it_is_quantized_in():
 @pytest.mark.slow
 @pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
                     reason="torch.distributed with the gloo backend is not available")
-@pytest.mark.parametrize("scenario", ["uneven", "masked", "nosync"])
+@pytest.mark.parametrize("scenario", ["uneven", "masked", "nosync", "manual"])
 def test_ddp_ranks_take_the_same_replan_branches(tmp_path, scenario):
     """Under DDP every backward is an all-reduce. A rank whose batch saved fewer tensors to
     measure (under min_numel) ran fewer probe backwards: its training step's gradient was
@@ -1605,7 +1605,9 @@ def test_ddp_ranks_take_the_same_replan_branches(tmp_path, scenario):
     at the next collective (review h76). Then a rank that measured nothing, one whose
     sensitivities were all 0, and one whose probe overflowed (adapt inside no_sync) took
     their own branches and schedules, and hung the job (review h78). Every rank runs a probe
-    per tensor any rank saw, and the branches are agreed (``_agree``)."""
+    per tensor any rank saw, and the branches are agreed (``_agree``); a rank whose own
+    sensitivities were all 0 beside another's keeps its plan ("manual": it had planned
+    from the zeros, review h79)."""
     import os
     import sys
 
@@ -1618,6 +1620,8 @@ def test_ddp_ranks_take_the_same_replan_branches(tmp_path, scenario):
                        start_method="spawn")
     rows = [(tmp_path / f"gact{r}.txt").read_text().splitlines() for r in range(2)]
     assert len(rows[0]) == 4 and rows[0] == rows[1], rows
+    if scenario == "manual":
+        assert all(row.endswith("True") for row in rows[0]), rows
 
 
 def test_adapt_between_a_forward_and_its_backward_leaves_that_graph_usable():
