@@ -169,11 +169,21 @@ def _validate_generator(generator) -> None:
 _RANK_STEP = 0x9E3779B97F4A7C15
 
 
-def _rank() -> int:
+def _distributed():
+    """``torch.distributed`` while a process group is initialised, else None."""
     dist = getattr(torch, "distributed", None)
-    if dist is None or not dist.is_available() or not dist.is_initialized():
-        return 0
-    return dist.get_rank()
+    return dist if dist is not None and dist.is_available() and dist.is_initialized() else None
+
+
+def _rank() -> int:
+    dist = _distributed()
+    return 0 if dist is None else dist.get_rank()
+
+
+def _world() -> int:
+    """The default process group's size, 1 outside one (GACT's re-plans agree across it)."""
+    dist = _distributed()
+    return 1 if dist is None else dist.get_world_size()
 
 
 #: Keys the hash that seeds fewbit's noise streams, so that no stream is torch's own (a

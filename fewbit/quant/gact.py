@@ -119,18 +119,14 @@ def _factor(factors: Sequence[float], bits: int) -> float:
     return factors[CANDIDATE_BITS.index(bits)] if bits in CANDIDATE_BITS else 0.0
 
 
-def _world() -> int:
-    """``torch.distributed``'s world size, 1 outside a process group."""
-    dist = torch.distributed
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
 def _agree(flags: list[bool], device: torch.device, how: str) -> list[bool]:
     """``flags`` made the same on every rank of the default process group: each one's AND
     (``how="all"``) or OR (``"any"``) over the ranks, in one all-reduce; as given in one
     process. A re-plan's branches (measure, skip a non-finite or all-zero step, plan) decide
     how many forwards and backwards :meth:`GACTPolicy.adapt` runs, each a collective under
     DDP: decided per rank, they had hung the job (h78)."""
+    from fewbit.quant import _world
+
     if _world() == 1:
         return flags
     t = torch.tensor([int(bool(f)) for f in flags], dtype=torch.int32, device=device)
@@ -167,7 +163,8 @@ def allocate_bits(
     per bit shrinks from one width to the next, so for tensors of equal size the greedy
     choice is optimal (with measured ``factors`` only where they keep that order: a
     tensor whose elements sit mostly at its groups' ends, as a ReLU output's zeros, has a
-    1-bit factor far under ``S(1)``) (tests/quant/test_gact.py compares it with brute force); for unequal sizes it
+    1-bit factor far under ``S(1)``) (tests/quant/test_gact.py compares it with brute
+    force); for unequal sizes it
     is the knapsack greedy, which can miss the optimum when an upgrade does not fit (5 of
     200 random 1-4 tensor cases in that test's setting, each within 1.6x of it).
 
@@ -943,7 +940,7 @@ class GACTPolicy(Policy):
         if replan:
             self._next_plan = self._calls + self._gap
             self._gap = min(2 * self._gap, self.adapt_interval)
-        from fewbit.quant import _noise_stream
+        from fewbit.quant import _noise_stream, _world
 
         grads = [p.grad for p in params]
         # a training step's post-accumulate-grad hooks (torch's optimizer step in backward)
